@@ -1,0 +1,192 @@
+"""The job configuration: one validated schema shared by the CLI, the coordinator and workers.
+
+Unknown keys are errors (a typo must not silently fall back to a default), and every error
+names the dotted key so the user knows what to fix.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+DEFAULT_PROMPT = (
+    "Summarise the following document in a few sentences. "
+    "Say what it is, who it concerns and what it requires or allows."
+)
+
+
+class ConfigError(ValueError):
+    """A config file, key or value the user must fix; the message says which and how."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    name: str = "builtin:smollm2-135m"
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    device: str = "auto"
+    attn_implementation: str = "sdpa"
+
+
+class SummarizeConfig(_Section):
+    prompt: str = DEFAULT_PROMPT
+    max_new_tokens: int = Field(200, gt=0)
+    context_tokens: int = Field(8192, gt=0)
+    min_context_tokens: int = Field(1024, gt=0)
+    chunk_overlap_tokens: int = Field(64, ge=0)
+    prefill_chunk_size: int = Field(512, ge=0)
+    do_sample: bool = False
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _sizes_consistent(self) -> "SummarizeConfig":
+        if self.min_context_tokens > self.context_tokens:
+            raise ValueError(
+                f"min_context_tokens ({self.min_context_tokens}) must not exceed "
+                f"context_tokens ({self.context_tokens})"
+            )
+        return self
+
+
+ByteBudget = int | Literal["auto"]
+
+
+class CacheConfig(_Section):
+    strategy: str = "auto"
+    ladder: list[str] = Field(default_factory=lambda: ["dynamic", "tiered-host", "tiered-disk"])
+    device_kv_budget_bytes: ByteBudget = "auto"
+    host_kv_budget_bytes: ByteBudget = "auto"
+    offload_root: str | None = None
+    block_tokens: int = Field(512, gt=0)
+    compression: Literal["zstd", "none"] = "zstd"
+    zstd_level: int = Field(1, ge=-7, le=22)
+    shuffle: bool = True
+
+    @field_validator("device_kv_budget_bytes", "host_kv_budget_bytes")
+    @classmethod
+    def _positive_budget(cls, v: ByteBudget) -> ByteBudget:
+        if v != "auto" and v <= 0:
+            raise ValueError("must be a positive number of bytes or 'auto'")
+        return v
+
+    @field_validator("ladder")
+    @classmethod
+    def _non_empty_ladder(cls, v: list[str]) -> list[str]:
+        if not v:
+            raise ValueError("needs at least one cache strategy")
+        return v
+
+
+class RetryConfig(_Section):
+    max_attempts: int = Field(3, gt=0)
+    backoff_initial_s: float = Field(1.0, ge=0)
+    backoff_max_s: float = Field(60.0, ge=0)
+    context_shrink: float = Field(0.5, gt=0, lt=1)
+    task_timeout_s: float = Field(3600.0, gt=0)
+
+
+class WorkersConfig(_Section):
+    count: int | Literal["auto"] = "auto"
+    gpus_per_worker: float = Field(1.0, ge=0)
+    cpus_per_worker: float = Field(1.0, gt=0)
+
+    @field_validator("count")
+    @classmethod
+    def _positive_count(cls, v: int | str) -> int | str:
+        if v != "auto" and v <= 0:
+            raise ValueError("must be a positive number of workers or 'auto'")
+        return v
+
+
+class CheckpointConfig(_Section):
+    flush_every: int = Field(32, gt=0)
+    flush_interval_s: float = Field(5.0, gt=0)
+
+
+class InputConfig(_Section):
+    documents_root: str | None = None
+    max_document_bytes: int = Field(50_000_000, gt=0)
+
+
+class JobConfig(_Section):
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    summarize: SummarizeConfig = Field(default_factory=SummarizeConfig)
+    cache: CacheConfig = Field(default_factory=CacheConfig)
+    retry: RetryConfig = Field(default_factory=RetryConfig)
+    workers: WorkersConfig = Field(default_factory=WorkersConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    input: InputConfig = Field(default_factory=InputConfig)
+
+
+def _describe(err: ValidationError, source: str) -> str:
+    lines = [f"invalid config ({source}):"]
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        if e["type"] == "extra_forbidden":
+            lines.append(f"  unknown key '{key}': remove it or check its spelling")
+        else:
+            lines.append(f"  {key}: {e['msg']} (got {e.get('input')!r})")
+    return "\n".join(lines)
+
+
+def parse_override(item: str) -> tuple[list[str], Any]:
+    """`a.b=value` -> (['a', 'b'], value), the value read as YAML so numbers and lists work."""
+    key, sep, raw = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--set '{item}': expected key=value, e.g. --set cache.strategy=tiered-disk")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip().split("."), value
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply dotted `--set` overrides to a raw config mapping (validation happens afterwards)."""
+    for item in overrides:
+        path, value = parse_override(item)
+        node = data
+        for part in path[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"--set '{item}': '{part}' is not a config section")
+            node = child
+        node[path[-1]] = value
+    return data
+
+
+def config_from_dict(data: dict[str, Any], source: str = "config") -> JobConfig:
+    try:
+        return JobConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_describe(err, source)) from None
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> JobConfig:
+    """Read a YAML config (defaults when `path` is None) and apply `--set` overrides."""
+    data: dict[str, Any] = {}
+    source = "defaults"
+    if path is not None:
+        source = str(path)
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except OSError as e:
+            raise ConfigError(f"cannot read config file {path}: {e.strerror or e}") from None
+        try:
+            loaded = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path} must be a mapping of sections (model:, cache:, ...)")
+        data = loaded
+    if overrides:
+        data = apply_overrides(data, overrides)
+        source += " with --set " + " ".join(overrides)
+    return config_from_dict(data, source)

@@ -1,0 +1,85 @@
+"""Arrow schemas of the job folder: the contract every reader and writer of a job shares."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+import pyarrow as pa
+
+
+class TaskState(StrEnum):
+    PENDING = "pending"
+    RUNNING = "running"
+    RETRYING = "retrying"
+    DONE = "done"
+    FAILED = "failed"
+    REJECTED = "rejected"
+
+
+#: States that end a task: a result row with one of these is the task's final record.
+FINAL_STATES = frozenset({TaskState.DONE, TaskState.FAILED, TaskState.REJECTED})
+
+MANIFEST_SCHEMA = pa.schema(
+    [
+        ("task_id", pa.string()),
+        ("doc_id", pa.string()),
+        ("source_type", pa.string()),  # "text" | "path"
+        ("source", pa.string()),  # the text itself, or the resolved absolute path
+        ("n_chars", pa.int64()),
+        ("n_bytes", pa.int64()),
+        ("sha256", pa.string()),
+        ("overrides", pa.string()),  # JSON object: max_new_tokens, prompt
+        ("meta", pa.string()),  # JSON object: every other manifest field
+    ]
+)
+
+EVENT_SCHEMA = pa.schema(
+    [
+        ("task_id", pa.string()),
+        ("attempt", pa.int32()),
+        ("state", pa.string()),
+        ("ts", pa.float64()),
+        ("worker", pa.string()),
+        ("error_type", pa.string()),
+        ("error", pa.string()),
+        ("context_tokens", pa.int64()),
+        ("cache_strategy", pa.string()),
+    ]
+)
+
+RESULT_SCHEMA = pa.schema(
+    [
+        ("doc_id", pa.string()),
+        ("task_id", pa.string()),
+        ("summary", pa.string()),
+        ("status", pa.string()),
+        ("error_type", pa.string()),
+        ("error", pa.string()),
+        ("attempts", pa.int32()),
+        ("input_tokens", pa.int64()),
+        ("output_tokens", pa.int64()),
+        ("context_tokens", pa.int64()),
+        ("chunks", pa.int32()),
+        ("cache_strategy", pa.string()),
+        ("fallbacks", pa.list_(pa.string())),
+        ("ttft_s", pa.float64()),
+        ("decode_tokens_per_s", pa.float64()),
+        ("wall_s", pa.float64()),
+        ("peak_device_bytes", pa.int64()),
+        ("peak_host_rss_bytes", pa.int64()),
+        ("kv_bytes", pa.int64()),
+        ("kv_resident_peak_bytes", pa.int64()),
+        ("offload_bytes_written", pa.int64()),
+        ("offload_bytes_read", pa.int64()),
+        ("compression_ratio", pa.float64()),
+        ("worker", pa.string()),
+        ("model", pa.string()),
+        ("finished_at", pa.float64()),
+        ("meta", pa.string()),  # JSON of the manifest's metadata; expanded into columns on export
+    ]
+)
+
+
+def empty_row(schema: pa.Schema) -> dict:
+    """A row of `schema` with every field null, to be filled in by the writer."""
+    return {name: None for name in schema.names}
