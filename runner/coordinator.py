@@ -1,0 +1,278 @@
+"""The coordinator: runs a job's open tasks on a pool of Ray worker actors and checkpoints every step.
+
+One thread per actor takes the longest open task next (long documents must not straggle at the
+end). Each task runs under a tenacity policy for transient failures (worker died, I/O error,
+timeout); when a context size keeps failing, or the worker's cache ladder is exhausted, the task
+is tried again with a shorter context. A result row in results/ is the only "done" record, so a
+coordinator killed at any instant loses at most the tasks in flight.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import queue
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError
+from rich.console import Console
+from tenacity import RetryCallState, Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
+
+from jobs.config import JobConfig
+from jobs.faults import FaultRule
+from jobs.manifest import Task
+from jobs.policy import FailureClass, context_fallback_note, shorter_context
+from jobs.schema import RESULT_SCHEMA, TaskState, empty_row
+from runner.joblog import JobLog
+from runner.progress import BatchProgress
+from runner.worker import SummaryWorker
+from storage.checkpoint import CheckpointLog
+from storage.jobdir import JobDir
+
+EXIT_OK = 0
+EXIT_FAILED_TASKS = 3
+EXIT_INTERRUPTED = 130
+
+
+class TransientFailure(Exception):
+    """A failure worth retrying with the same settings."""
+
+    def __init__(self, error_type: str, message: str) -> None:
+        super().__init__(message)
+        self.error_type = error_type
+
+
+class Interrupted(Exception):
+    """The user asked the batch to stop; the task is left for `resume`."""
+
+
+@dataclass
+class _TaskRun:
+    task: Task
+    attempt: int = 0
+    context_tokens: int = 0
+    fallbacks: list[str] = field(default_factory=list)
+
+
+class Coordinator:
+    def __init__(self, job: JobDir, job_id: str, config: JobConfig, offload_root: Path,
+                 faults: list[FaultRule], console: Console) -> None:
+        self.job = job
+        self.job_id = job_id
+        self.cfg = config
+        self.offload_root = offload_root
+        self.faults = faults
+        self.console = console
+        self.stop = threading.Event()
+        self.log = JobLog(job.log)
+        self.checkpoint = CheckpointLog(
+            job.path, flush_every=config.checkpoint.flush_every,
+            flush_interval_s=config.checkpoint.flush_interval_s,
+        )
+        self._record_lock = threading.Lock()
+        self._closed = False
+
+    # -- events and results ---------------------------------------------------------------
+    def _event(self, run: _TaskRun, state: TaskState, worker: str = "", error_type: str | None = None,
+               error: str | None = None, cache_strategy: str | None = None) -> None:
+        with self._record_lock:
+            if self._closed:
+                return
+            self.checkpoint.add_event({
+                "task_id": run.task.task_id, "attempt": run.attempt, "state": state.value,
+                "ts": time.time(), "worker": worker, "error_type": error_type, "error": error,
+                "context_tokens": run.context_tokens, "cache_strategy": cache_strategy,
+            })
+
+    def _finish(self, run: _TaskRun, outcome: dict[str, Any], progress: BatchProgress) -> None:
+        row = empty_row(RESULT_SCHEMA)
+        row.update({k: v for k, v in outcome.items() if k in row})
+        row.update(
+            doc_id=run.task.doc_id, task_id=run.task.task_id, attempts=run.attempt,
+            context_tokens=run.context_tokens, fallbacks=run.fallbacks + outcome.get("fallbacks", []),
+            meta=json.dumps(run.task.meta), finished_at=time.time(),
+        )
+        with self._record_lock:
+            if self._closed or (self.stop.is_set() and row["status"] != "done"):
+                return
+            self.checkpoint.add_result(row)
+            self._event(run, TaskState(row["status"]), row.get("worker") or "",
+                        row.get("error_type"), row.get("error"), row.get("cache_strategy"))
+        level = self.log.info if row["status"] == "done" else self.log.warning
+        level("task_" + row["status"], task_id=run.task.task_id, doc_id=run.task.doc_id,
+              attempts=run.attempt, context_tokens=run.context_tokens, fallbacks=row["fallbacks"],
+              cache_strategy=row.get("cache_strategy"), error_type=row.get("error_type"),
+              error=row.get("error"))
+        if len(row["fallbacks"]) > 1:
+            self.log.warning("repeated_fallbacks", task_id=run.task.task_id, fallbacks=row["fallbacks"])
+        progress.record(row["status"], row.get("output_tokens") or 0, len(row["fallbacks"]))
+
+    # -- one task ---------------------------------------------------------------------------
+    def _call(self, actor: Any, run: _TaskRun) -> dict[str, Any]:
+        if self.stop.is_set():
+            raise Interrupted()
+        run.attempt += 1
+        self._event(run, TaskState.RUNNING)
+        ref = actor.run.remote(dataclasses.asdict(run.task), run.attempt, run.context_tokens)
+        try:
+            outcome = ray.get(ref, timeout=self.cfg.retry.task_timeout_s)
+        except GetTimeoutError:
+            ray.kill(actor, no_restart=False)  # a hung worker is restarted, with a fresh model
+            raise TransientFailure(
+                "TimeoutError", f"no result within retry.task_timeout_s={self.cfg.retry.task_timeout_s}s"
+            ) from None
+        except RayActorError as e:
+            if self.stop.is_set():
+                raise Interrupted() from None
+            raise TransientFailure("WorkerDied", f"worker process died: {e}") from None
+        if outcome.get("failure_class") == FailureClass.TRANSIENT:
+            raise TransientFailure(outcome["error_type"], outcome["error"])
+        return outcome
+
+    def _before_retry(self, run: _TaskRun) -> Any:
+        def hook(state: RetryCallState) -> None:
+            err = state.outcome.exception() if state.outcome else None
+            error_type = getattr(err, "error_type", type(err).__name__)
+            self._event(run, TaskState.RETRYING, error_type=error_type, error=str(err))
+            self.log.warning("task_retry", task_id=run.task.task_id, doc_id=run.task.doc_id,
+                             attempt=run.attempt, error_type=error_type, error=str(err),
+                             sleep_s=round(state.upcoming_sleep, 3))
+        return hook
+
+    def _sleep(self, seconds: float) -> None:
+        if self.stop.wait(seconds):
+            raise Interrupted()
+
+    def _run_task(self, actor: Any, task: Task, progress: BatchProgress) -> None:
+        run = _TaskRun(task=task, context_tokens=self.cfg.summarize.context_tokens)
+        retry = self.cfg.retry
+        while True:
+            retrying = Retrying(
+                stop=stop_after_attempt(retry.max_attempts),
+                wait=wait_exponential(multiplier=retry.backoff_initial_s, min=retry.backoff_initial_s,
+                                      max=retry.backoff_max_s),
+                retry=retry_if_exception_type(TransientFailure),
+                before_sleep=self._before_retry(run),
+                sleep=self._sleep,
+                reraise=True,
+            )
+            try:
+                outcome = retrying(self._call, actor, run)
+            except TransientFailure as e:
+                outcome = {"status": "failed", "failure_class": FailureClass.TRANSIENT.value,
+                           "error_type": e.error_type, "error": str(e)}
+            if outcome["status"] == "done" or outcome["failure_class"] == FailureClass.INPUT:
+                self._finish(run, outcome, progress)
+                return
+            run.fallbacks.extend(outcome.get("fallbacks", []))
+            outcome["fallbacks"] = []
+            smaller = shorter_context(run.context_tokens, retry.context_shrink,
+                                      self.cfg.summarize.min_context_tokens)
+            if smaller is None:
+                self._finish(run, outcome, progress)
+                return
+            run.fallbacks.append(context_fallback_note(run.context_tokens, smaller, outcome["error_type"]))
+            self.log.warning("context_fallback", task_id=task.task_id, doc_id=task.doc_id,
+                             from_tokens=run.context_tokens, to_tokens=smaller,
+                             error_type=outcome["error_type"], error=outcome["error"])
+            self._event(run, TaskState.RETRYING, error_type=outcome["error_type"], error=outcome["error"])
+            run.context_tokens = smaller
+
+    def _drive(self, actor: Any, todo: queue.Queue[Task], progress: BatchProgress,
+               errors: list[BaseException]) -> None:
+        while not self.stop.is_set():
+            try:
+                task = todo.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                self._run_task(actor, task, progress)
+            except Interrupted:
+                return
+            except BaseException as e:  # a bug must stop the batch loudly, not hang it
+                errors.append(e)
+                self.stop.set()
+                return
+
+    # -- the batch ----------------------------------------------------------------------------
+    def _start_workers(self, count: int) -> list[Any]:
+        resources = ray.cluster_resources()
+        gpus = self.cfg.workers.gpus_per_worker if resources.get("GPU", 0) > 0 else 0
+        remote_cls = ray.remote(SummaryWorker).options(
+            num_cpus=self.cfg.workers.cpus_per_worker, num_gpus=gpus,
+            max_restarts=-1, max_task_retries=0,
+        )
+        threads = max(1, int(self.cfg.workers.cpus_per_worker))
+        config = self.cfg.model_dump(mode="json")
+        faults = [f.model_dump() for f in self.faults]
+        actors = [remote_cls.remote(config, self.job_id, str(self.offload_root), faults, threads)
+                  for _ in range(count)]
+        infos = ray.get([a.info.remote() for a in actors])
+        for info in infos:
+            self.log.info("worker_ready", **info)
+        return actors
+
+    def worker_count(self, open_tasks: int) -> int:
+        if self.cfg.workers.count != "auto":
+            wanted = self.cfg.workers.count
+        else:
+            resources = ray.cluster_resources()
+            if resources.get("GPU", 0) > 0 and self.cfg.workers.gpus_per_worker > 0:
+                wanted = int(resources["GPU"] // self.cfg.workers.gpus_per_worker)
+            else:
+                wanted = int(resources.get("CPU", 1) // self.cfg.workers.cpus_per_worker)
+        return max(1, min(wanted, open_tasks))
+
+    def run(self, open_tasks: list[Task], already_done: int, total: int) -> int:
+        """Runs the open tasks to an end; returns the exit code (0, 3 or 130)."""
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            return self._run(open_tasks, already_done, total)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            self.log.close()
+
+    def _run(self, open_tasks: list[Task], already_done: int, total: int) -> int:
+        todo: queue.Queue[Task] = queue.Queue()
+        for task in sorted(open_tasks, key=lambda t: t.n_chars, reverse=True):
+            todo.put(task)
+        count = self.worker_count(len(open_tasks))
+        self.log.info("batch_start", open_tasks=len(open_tasks), workers=count)
+        actors = self._start_workers(count) if open_tasks else []
+        errors: list[BaseException] = []
+        with BatchProgress(self.console, total, already_done, len(actors)) as progress:
+            threads = [threading.Thread(target=self._drive, args=(a, todo, progress, errors), daemon=True)
+                       for a in actors]
+            for t in threads:
+                t.start()
+            while any(t.is_alive() for t in threads) and not self.stop.is_set():
+                for t in threads:
+                    t.join(timeout=0.2)
+        with self._record_lock:
+            self._closed = True
+            self.checkpoint.close()
+        if errors:
+            raise errors[0]
+        if self.stop.is_set():
+            self.log.warning("batch_interrupted")
+            return EXIT_INTERRUPTED
+        self.log.info("batch_end")
+        return EXIT_OK
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if self.stop.is_set():
+            self.console.print("[red]second interrupt: exiting now (the job is still resumable)")
+            os._exit(EXIT_INTERRUPTED)
+        self.stop.set()
+        self.console.print(
+            f"[yellow]{signal.Signals(signum).name}: stopping; tasks in flight are abandoned and will "
+            "rerun on resume (interrupt again to exit at once)"
+        )

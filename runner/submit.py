@@ -1,0 +1,125 @@
+"""`submit` and `resume`: from a manifest (or a job folder) to a finished, checkpointed batch."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from pathlib import Path
+
+from rich.console import Console
+
+from jobs.config import JobConfig, apply_overrides, config_from_dict, load_config
+from jobs.faults import FAULTS_ENV, parse_faults
+from jobs.manifest import Rejection, read_manifest, tasks_from_table, tasks_to_table
+from jobs.schema import RESULT_SCHEMA, TaskState, empty_row
+from runner import __version__
+from runner.cluster import ray_session
+from runner.coordinator import EXIT_FAILED_TASKS, EXIT_INTERRUPTED, EXIT_OK, Coordinator
+from storage.checkpoint import CheckpointLog, JobState, compact, load_state
+from storage.jobdir import JobDir, JobInfo, create_job, new_job_id, read_job, read_manifest_table, update_job_config
+from storage.lock import JobLock
+from storage.scratch import default_offload_root
+
+EXIT_USAGE = 2
+
+
+def _sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _rejection_row(rejection: Rejection) -> dict:
+    row = empty_row(RESULT_SCHEMA)
+    row.update(
+        doc_id=rejection.doc_id if rejection.doc_id is not None else f"<manifest row {rejection.row}>",
+        task_id=f"row{rejection.row:06d}", status=TaskState.REJECTED.value, error_type="RejectedInput",
+        error=rejection.reason, attempts=0, fallbacks=[], meta="{}", finished_at=time.time(),
+    )
+    return row
+
+
+def report_rejections(console: Console, rejections: list[Rejection], limit: int = 20) -> None:
+    if not rejections:
+        return
+    console.print(f"[yellow]{len(rejections)} manifest row(s) rejected (see `kvbatch results --errors`):")
+    for r in rejections[:limit]:
+        console.print(f"  row {r.row}: {r.reason}")
+    if len(rejections) > limit:
+        console.print(f"  ... and {len(rejections) - limit} more")
+
+
+def submit(manifest: Path, config_path: Path | None, job_dir: Path | None, overrides: list[str],
+           address: str | None, strict: bool, console: Console) -> int:
+    job_id = new_job_id()
+    job = JobDir(job_dir or Path("runs") / job_id)
+    console.print(f"job {job_id} -> {job.path}")
+    config = load_config(config_path, overrides)
+    tasks, rejections = read_manifest(manifest, config.input)
+    report_rejections(console, rejections)
+    if strict and rejections:
+        console.print("[red]--strict: nothing was started; fix the rows above and submit again")
+        return EXIT_USAGE
+    info = JobInfo(
+        job_id=job_id, created=time.time(), version=__version__, config=config.model_dump(mode="json"),
+        manifest_path=str(manifest.resolve()), manifest_sha256=_sha256_of(manifest),
+    )
+    create_job(job, info, tasks_to_table(tasks))
+    with CheckpointLog(job.path) as log:
+        for rejection in rejections:
+            log.add_result(_rejection_row(rejection))
+    return _execute(job, info, config, address, retry_failed=False, console=console)
+
+
+def resume(job_dir: Path, retry_failed: bool, overrides: list[str], address: str | None,
+           console: Console) -> int:
+    job = JobDir(job_dir)
+    info = read_job(job)
+    config = config_from_dict(apply_overrides(info.config, overrides), f"{job.job_json} with --set")
+    if overrides:
+        update_job_config(job, config.model_dump(mode="json"))
+    console.print(f"job {info.job_id} <- {job.path}")
+    return _execute(job, info, config, address, retry_failed, console)
+
+
+def _execute(job: JobDir, info: JobInfo, config: JobConfig, address: str | None, retry_failed: bool,
+             console: Console) -> int:
+    faults = parse_faults(os.environ.get(FAULTS_ENV))
+    offload_root = Path(config.cache.offload_root) if config.cache.offload_root else default_offload_root(job.path)
+    with JobLock(job.lock):
+        tasks = tasks_from_table(read_manifest_table(job))
+        state = load_state(job.path)
+        for part in state.corrupt:
+            console.print(f"[yellow]skipped a damaged checkpoint part: {part}")
+        finished = state.done_doc_ids | state.rejected_doc_ids
+        if not retry_failed:
+            finished |= state.failed_doc_ids
+        open_tasks = [t for t in tasks if t.doc_id not in finished]
+        total = len(tasks) + len(state.rejected_doc_ids)
+        console.print(
+            f"{len(tasks)} task(s): {len(tasks) - len(open_tasks)} already finished, {len(open_tasks)} to run"
+        )
+        code = EXIT_OK
+        if open_tasks:
+            with ray_session(address):
+                coordinator = Coordinator(job, info.job_id, config, offload_root, faults, console)
+                code = coordinator.run(open_tasks, total - len(open_tasks), total)
+        if code == EXIT_INTERRUPTED:
+            console.print(f"[yellow]interrupted; continue with: kvbatch resume {job.path}")
+            return code
+        compact(job.path)
+        state = load_state(job.path)
+    return _final_report(job, state, console)
+
+
+def _final_report(job: JobDir, state: JobState, console: Console) -> int:
+    done, failed, rejected = len(state.done_doc_ids), len(state.failed_doc_ids), len(state.rejected_doc_ids)
+    console.print(f"done {done}, failed {failed}, rejected {rejected}; results in {job.results}")
+    console.print(f"export: kvbatch results {job.path} -o summaries.jsonl")
+    if failed:
+        console.print(f"[red]{failed} document(s) failed: kvbatch results {job.path} --errors")
+        return EXIT_FAILED_TASKS
+    return EXIT_OK

@@ -1,0 +1,261 @@
+"""The worker: holds one model and summarises one task at a time (a Ray actor in a batch).
+
+It owns the cache ladder: a task starts on the first rung the planner says fits, and a device OOM
+(real, from the budget guard, or a full offload disk) moves it to the next rung at once. What is
+left (transient errors, shorter contexts) is the coordinator's business, so the worker reports a
+failure's class instead of retrying it.
+"""
+
+from __future__ import annotations
+
+import errno
+import gc
+import os
+import socket
+import threading
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+
+from jobs.config import JobConfig
+from jobs.documents import DocumentError, load_task_text
+from jobs.faults import FaultRule, fault_for
+from jobs.kvplan import kv_bytes, plan_rungs
+from jobs.manifest import Task
+from jobs.policy import FailureClass, cache_fallback_note
+from runner.generation import Generation, generate_once
+from runner.kvcache import build_cache, kv_shape, resolve_budgets
+from runner.models import load_model
+from runner.summarize import ContextTooSmallError, Summarizer
+from storage.scratch import ScratchSpaceError, check_free_space, sweep_orphans, task_scratch
+
+DISK_RUNGS = frozenset({"tiered-disk"})
+
+#: Rough characters per token, to size a task's KV cache before it is tokenised.
+_CHARS_PER_TOKEN = 3
+
+
+class _PeakRss:
+    """Samples this process's RSS in the background: a task's peak, not the process's lifetime peak."""
+
+    def __init__(self, interval_s: float = 0.05) -> None:
+        self._proc = psutil.Process()
+        self._interval_s = interval_s
+        self._stop = threading.Event()
+        self.peak = self._proc.memory_info().rss
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval_s):
+            self.peak = max(self.peak, self._proc.memory_info().rss)
+
+    def __enter__(self) -> "_PeakRss":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._proc.memory_info().rss)
+
+
+@dataclass
+class _CacheTotals:
+    """Cache figures over all generate passes of one task."""
+
+    kv_bytes: int = 0
+    kv_resident_peak_bytes: int = 0
+    offload_bytes_written: int = 0
+    offload_bytes_read: int = 0
+    _raw: int = 0
+    _stored: int = 0
+    passes: list[Generation] = field(default_factory=list)
+
+    def add(self, stats: dict[str, Any]) -> None:
+        self.kv_bytes = max(self.kv_bytes, stats.get("kv_bytes") or 0)
+        self.kv_resident_peak_bytes = max(
+            self.kv_resident_peak_bytes, stats.get("kv_resident_peak_bytes") or 0
+        )
+        self.offload_bytes_written += stats.get("offload_bytes_written") or 0
+        self.offload_bytes_read += stats.get("offload_bytes_read") or 0
+        ratio = stats.get("compression_ratio")
+        written = stats.get("offload_bytes_written") or 0
+        if ratio and written:
+            self._stored += written
+            self._raw += int(written * ratio)
+
+    @property
+    def compression_ratio(self) -> float | None:
+        return self._raw / self._stored if self._stored else None
+
+
+def _is_memory_error(e: BaseException) -> bool:
+    return isinstance(e, (torch.OutOfMemoryError, ScratchSpaceError)) or (
+        isinstance(e, OSError) and e.errno == errno.ENOSPC
+    )
+
+
+def _fire(fault: str | None, task: Task, rung: str) -> None:
+    """Injected faults raise what the real failure raises, where it would raise it."""
+    if fault is None:
+        return
+    where = f"injected for {task.doc_id} on {rung}"
+    if fault == "oom":
+        raise torch.OutOfMemoryError(f"CUDA out of memory ({where})")
+    if fault == "crash":
+        os._exit(17)
+    if fault == "io":
+        raise OSError(errno.EIO, f"Input/output error ({where})")
+    if fault == "hang":
+        while True:
+            time.sleep(1)
+    raise RuntimeError(f"injected error ({where})")
+
+
+class SummaryWorker:
+    def __init__(
+        self,
+        config: dict[str, Any],
+        job_id: str,
+        offload_root: str,
+        faults: list[dict[str, Any]] | None = None,
+        threads: int | None = None,
+    ) -> None:
+        self.cfg = JobConfig.model_validate(config)
+        self.job_id = job_id
+        self.offload_root = Path(offload_root)
+        self.faults = [FaultRule.model_validate(f) for f in faults or []]
+        if threads:
+            torch.set_num_threads(max(1, int(threads)))
+        self.name = f"{socket.gethostname()}:{os.getpid()}"
+        self.swept = sweep_orphans(self.offload_root) if self.offload_root.exists() else []
+        self.loaded = load_model(self.cfg.model)
+        self.summarizer = Summarizer(self.loaded, self.cfg.summarize.chunk_overlap_tokens)
+        self.kv_shape = kv_shape(self.loaded.model.config)
+        self.device_budget, self.host_budget = resolve_budgets(self.cfg.cache, self.loaded.device)
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "worker": self.name,
+            "device": str(self.loaded.device),
+            "model": self.loaded.name,
+            "load_s": self.loaded.load_s,
+            "swept_dirs": len(self.swept),
+        }
+
+    def _rungs(self, task: Task, context_tokens: int, max_new_tokens: int) -> list[str]:
+        if self.cfg.cache.strategy != "auto":
+            return [self.cfg.cache.strategy]
+        tokens = min(context_tokens, task.n_chars // _CHARS_PER_TOKEN + max_new_tokens + 64)
+        return plan_rungs(
+            self.cfg.cache.ladder,
+            kv_bytes(self.kv_shape, tokens),
+            self.device_budget,
+            self.host_budget,
+            self.loaded.device.type == "cpu",
+        )
+
+    def _summarize_on(
+        self, rung: str, task: Task, attempt: int, text: str, context_tokens: int,
+        max_new_tokens: int, instruction: str, totals: _CacheTotals,
+    ) -> Any:
+        with ExitStack() as stack:
+            offload_dir: Path | None = None
+            if rung in DISK_RUNGS:
+                self.offload_root.mkdir(parents=True, exist_ok=True)
+                check_free_space(self.offload_root, kv_bytes(self.kv_shape, context_tokens))
+                offload_dir = stack.enter_context(
+                    task_scratch(self.offload_root, self.job_id, task.task_id, attempt)
+                )
+
+            def generate(prompt_ids: list[int], max_new: int) -> Generation:
+                pass_dir = offload_dir / f"pass-{len(totals.passes)}" if offload_dir else None
+                handle = build_cache(rung, self.loaded.model, self.cfg.cache, pass_dir, self.device_budget)
+                try:
+                    gen = generate_once(
+                        self.loaded, prompt_ids, max_new, self.cfg.summarize, handle.generate_kwargs
+                    )
+                    totals.add(handle.stats())
+                finally:
+                    handle.close()
+                totals.passes.append(gen)
+                return gen
+
+            return self.summarizer.summarize(text, instruction, max_new_tokens, context_tokens, generate)
+
+    def run(self, task_data: dict[str, Any], attempt: int, context_tokens: int) -> dict[str, Any]:
+        """Summarise one task; returns an outcome dict (never raises for an expected failure)."""
+        task = Task(**task_data)
+        started = time.perf_counter()
+        outcome: dict[str, Any] = {"worker": self.name, "model": self.loaded.name, "fallbacks": []}
+        try:
+            text = load_task_text(task)
+        except DocumentError as e:
+            return outcome | self._failure(FailureClass.INPUT, e, started)
+        max_new = int(task.overrides.get("max_new_tokens", self.cfg.summarize.max_new_tokens))
+        instruction = str(task.overrides.get("prompt", self.cfg.summarize.prompt))
+        rungs = self._rungs(task, context_tokens, max_new)
+        if self.loaded.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.loaded.device)
+        last_error: BaseException | None = None
+        with _PeakRss() as rss:
+            for i, rung in enumerate(rungs):
+                totals = _CacheTotals()
+                try:
+                    _fire(fault_for(self.faults, task.doc_id, attempt, rung, context_tokens), task, rung)
+                    summary = self._summarize_on(
+                        rung, task, attempt, text, context_tokens, max_new, instruction, totals
+                    )
+                except ContextTooSmallError as e:
+                    return outcome | self._failure(FailureClass.INPUT, e, started)
+                except Exception as e:  # noqa: BLE001 - classified below, reported to the coordinator
+                    if not _is_memory_error(e):
+                        return outcome | self._failure(FailureClass.TRANSIENT, e, started)
+                    last_error = e
+                    self._release_memory()
+                    next_rung = rungs[i + 1] if i + 1 < len(rungs) else None
+                    outcome["fallbacks"].append(cache_fallback_note(rung, next_rung, type(e).__name__))
+                    continue
+                outcome.update(
+                    status="done",
+                    summary=summary.text,
+                    input_tokens=summary.input_tokens,
+                    output_tokens=summary.output_tokens,
+                    chunks=summary.chunks,
+                    cache_strategy=rung,
+                    ttft_s=summary.ttft_s,
+                    decode_tokens_per_s=summary.decode_tokens_per_s,
+                    kv_bytes=totals.kv_bytes,
+                    kv_resident_peak_bytes=totals.kv_resident_peak_bytes,
+                    offload_bytes_written=totals.offload_bytes_written,
+                    offload_bytes_read=totals.offload_bytes_read,
+                    compression_ratio=totals.compression_ratio,
+                )
+                break
+        outcome["peak_host_rss_bytes"] = rss.peak
+        if self.loaded.device.type == "cuda":
+            outcome["peak_device_bytes"] = torch.cuda.max_memory_allocated(self.loaded.device)
+        outcome["wall_s"] = time.perf_counter() - started
+        if outcome.get("status") == "done":
+            return outcome
+        assert last_error is not None
+        return outcome | self._failure(FailureClass.MEMORY, last_error, started)
+
+    def _failure(self, cls: FailureClass, e: BaseException, started: float) -> dict[str, Any]:
+        return {
+            "status": "failed",
+            "failure_class": cls.value,
+            "error_type": type(e).__name__,
+            "error": str(e),
+            "wall_s": time.perf_counter() - started,
+        }
+
+    def _release_memory(self) -> None:
+        gc.collect()
+        if self.loaded.device.type == "cuda":
+            torch.cuda.empty_cache()

@@ -1,0 +1,266 @@
+"""The job's checkpoint log: task events and results as append-only Parquet parts.
+
+Rows are buffered and published in batches (every `flush_every` rows or `flush_interval_s`
+seconds, whichever comes first, and on close), because one fsynced part per row would cost
+milliseconds per task. A result row is the "done" record, so results are published before the
+events of the same batch. While a run goes on, every `merge_every` parts the log wrote are merged
+into one, which keeps the number of files a resume has to read small even after a crash;
+`compact` merges everything once the job ends.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from jobs.schema import EVENT_SCHEMA, RESULT_SCHEMA, TaskState
+from storage.parts import CorruptPart, list_temp_files, merge_parts, read_parts, write_part
+
+logger = logging.getLogger(__name__)
+
+EVENTS_DIR = "events"
+RESULTS_DIR = "results"
+DEFAULT_MERGE_EVERY = 64
+
+
+class CheckpointRowError(ValueError):
+    """A row that does not fit its schema; the message names the task and the offending value."""
+
+
+def _row_label(row: dict[str, Any]) -> str:
+    return ", ".join(f"{key} {row[key]!r}" for key in ("doc_id", "task_id") if row.get(key) is not None) or "row"
+
+
+class _Stream:
+    """One directory of parts (events or results) and the rows not yet published to it."""
+
+    def __init__(self, directory: Path, schema: pa.Schema) -> None:
+        self.directory = directory
+        self.schema = schema
+        self.pending: list[dict[str, Any]] = []
+        self.unmerged: list[Path] = []
+
+    def check_keys(self, row: dict[str, Any]) -> None:
+        unknown = set(row) - set(self.schema.names)
+        if unknown:
+            raise CheckpointRowError(
+                f"{_row_label(row)}: unknown {self.directory.name} column(s) {sorted(unknown)}; "
+                f"allowed: {', '.join(self.schema.names)}"
+            )
+
+    def _convert_pending(self) -> tuple[pa.Table, list[str]]:
+        """Arrow table of the pending rows, leaving out (and describing) rows that do not fit."""
+        try:
+            return pa.Table.from_pylist(self.pending, schema=self.schema), []
+        except (pa.ArrowException, TypeError, ValueError):
+            good, rejected = [], []
+            for row in self.pending:
+                try:
+                    pa.Table.from_pylist([row], schema=self.schema)
+                    good.append(row)
+                except (pa.ArrowException, TypeError, ValueError) as exc:
+                    rejected.append(f"{_row_label(row)}: {exc}")
+            return pa.Table.from_pylist(good, schema=self.schema), rejected
+
+    def publish(self) -> None:
+        if not self.pending:
+            return
+        table, rejected = self._convert_pending()
+        if table.num_rows:
+            self.unmerged.append(write_part(self.directory, table))
+        self.pending = []
+        if rejected:
+            raise CheckpointRowError(
+                f"{len(rejected)} {self.directory.name} row(s) do not fit the schema and were not written: "
+                + "; ".join(rejected)
+            )
+
+    def merge_if_due(self, merge_every: int) -> None:
+        if len(self.unmerged) >= merge_every:
+            merge_parts(self.directory, self.schema, self.unmerged)
+            self.unmerged = []
+
+
+class CheckpointLog:
+    """Buffered, thread-safe writer of a job's events/ and results/ parts."""
+
+    def __init__(
+        self,
+        job_dir: Path,
+        flush_every: int = 32,
+        flush_interval_s: float = 5.0,
+        merge_every: int = DEFAULT_MERGE_EVERY,
+    ) -> None:
+        if flush_every < 1 or flush_interval_s <= 0 or merge_every < 2:
+            raise ValueError(
+                f"checkpoint settings must be flush_every >= 1, flush_interval_s > 0, merge_every >= 2; "
+                f"got {flush_every}, {flush_interval_s}, {merge_every}"
+            )
+        self.flush_every = flush_every
+        self.flush_interval_s = flush_interval_s
+        self.merge_every = merge_every
+        self._results = _Stream(Path(job_dir) / RESULTS_DIR, RESULT_SCHEMA)
+        self._events = _Stream(Path(job_dir) / EVENTS_DIR, EVENT_SCHEMA)
+        self._lock = threading.Condition()
+        self._oldest_pending: float | None = None
+        self._closed = False
+        self._background_error: Exception | None = None
+        self._timer = threading.Thread(target=self._flush_when_interval_passes, name="checkpoint-flush", daemon=True)
+        self._timer.start()
+
+    def add_event(self, row: dict[str, Any]) -> None:
+        self._add(self._events, row)
+
+    def add_result(self, row: dict[str, Any]) -> None:
+        self._add(self._results, row)
+
+    def _add(self, stream: _Stream, row: dict[str, Any]) -> None:
+        stream.check_keys(row)
+        with self._lock:
+            if self._closed:
+                raise RuntimeError(f"checkpoint log of {stream.directory.parent} is closed")
+            stream.pending.append(dict(row))
+            if self._oldest_pending is None:
+                self._oldest_pending = time.monotonic()
+                self._lock.notify()
+            if len(self._results.pending) + len(self._events.pending) >= self.flush_every:
+                self._flush_locked()
+            self._raise_background_error()
+
+    def flush(self) -> None:
+        """Publish every buffered row now."""
+        with self._lock:
+            self._flush_locked()
+            self._raise_background_error()
+
+    def _raise_background_error(self) -> None:
+        """Hand an error of the interval flusher to the next caller, who can act on it."""
+        error, self._background_error = self._background_error, None
+        if error is not None:
+            raise error
+
+    def _flush_locked(self) -> None:
+        self._oldest_pending = None
+        try:
+            for stream in (self._results, self._events):  # a result is the done record: it goes first
+                stream.publish()
+            for stream in (self._results, self._events):
+                stream.merge_if_due(self.merge_every)
+        finally:
+            if self._results.pending or self._events.pending:
+                self._oldest_pending = time.monotonic()  # retry after another interval
+
+    def _flush_when_interval_passes(self) -> None:
+        with self._lock:
+            while not self._closed:
+                if self._oldest_pending is None:
+                    self._lock.wait()
+                    continue
+                remaining = self._oldest_pending + self.flush_interval_s - time.monotonic()
+                if remaining > 0:
+                    self._lock.wait(remaining)
+                    continue
+                try:
+                    self._flush_locked()
+                except Exception as exc:  # unpublished rows stay buffered for the next flush
+                    logger.exception("periodic checkpoint flush of %s failed", self._results.directory.parent)
+                    self._background_error = exc
+
+    def close(self) -> None:
+        """Publish what is buffered and stop the interval flusher; later adds raise."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._lock.notify()
+        self._timer.join()
+        with self._lock:
+            self._flush_locked()
+            self._raise_background_error()
+
+    def __enter__(self) -> CheckpointLog:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+@dataclass(frozen=True)
+class JobState:
+    """What the checkpoint log says about a job, one result per document."""
+
+    results: pa.Table
+    events: pa.Table
+    done_doc_ids: frozenset[str]
+    failed_doc_ids: frozenset[str]
+    rejected_doc_ids: frozenset[str]
+    corrupt: list[CorruptPart] = field(default_factory=list)
+    duplicate_results: int = 0  # result rows dropped because their document already had a winning row
+
+
+def _winning_result_rows(results: pa.Table) -> np.ndarray:
+    """Row indices (in write order) of each document's winning result.
+
+    A done row beats any other, and the first done row wins (a later duplicate comes from a task
+    that finished twice, e.g. after a timeout). Without a done row, the latest row wins: a rerun's
+    failure supersedes the earlier one.
+    """
+    n = results.num_rows
+    index = np.arange(n, dtype=np.int64)
+    is_done = pc.equal(results["status"], TaskState.DONE.value).fill_null(False).to_numpy(zero_copy_only=False)
+    rank = np.where(is_done, index, 2 * n - index)  # done rows first by age, then others newest first
+    best = (
+        pa.table({"doc_id": results["doc_id"], "rank": rank})
+        .group_by("doc_id", use_threads=False)
+        .aggregate([("rank", "min")])["rank_min"]
+        .to_numpy()
+    )
+    return np.sort(np.where(best < n, best, 2 * n - best))
+
+
+def _doc_ids_with_status(results: pa.Table, status: TaskState) -> frozenset[str]:
+    mask = pc.equal(results["status"], status.value).fill_null(False)
+    return frozenset(results["doc_id"].filter(mask).to_pylist())
+
+
+def load_state(job_dir: Path) -> JobState:
+    """Read the whole log: deduplicated results, all events, and any part that had to be skipped."""
+    job_dir = Path(job_dir)
+    raw_results, corrupt_results = read_parts(job_dir / RESULTS_DIR, RESULT_SCHEMA)
+    events, corrupt_events = read_parts(job_dir / EVENTS_DIR, EVENT_SCHEMA)
+    results = raw_results.take(_winning_result_rows(raw_results)) if raw_results.num_rows else raw_results
+    for part in corrupt_results + corrupt_events:
+        logger.warning("skipped corrupt checkpoint part %s", part)
+    return JobState(
+        results=results,
+        events=events,
+        done_doc_ids=_doc_ids_with_status(results, TaskState.DONE),
+        failed_doc_ids=_doc_ids_with_status(results, TaskState.FAILED),
+        rejected_doc_ids=_doc_ids_with_status(results, TaskState.REJECTED),
+        corrupt=corrupt_results + corrupt_events,
+        duplicate_results=raw_results.num_rows - results.num_rows,
+    )
+
+
+def compact(job_dir: Path) -> None:
+    """Merge each of events/ and results/ into one part; call with the job lock held, log closed.
+
+    Every row is kept (deduplication is load_state's job). Temporary files left by crashed writers
+    are removed: with the lock held and the log closed, nothing else can be writing them.
+    """
+    job_dir = Path(job_dir)
+    for directory, schema in ((job_dir / RESULTS_DIR, RESULT_SCHEMA), (job_dir / EVENTS_DIR, EVENT_SCHEMA)):
+        merge_parts(directory, schema)
+        for leftover in list_temp_files(directory):
+            leftover.unlink(missing_ok=True)

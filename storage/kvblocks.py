@@ -1,0 +1,236 @@
+"""KV block files: the codec (byte-plane shuffle + zstd) and one task's append-only block store.
+
+KV values are 16/32-bit floats whose high bytes (sign, exponent) barely vary while the low
+mantissa bytes look random; zstd on the raw interleaved bytes finds little to share. Writing all
+first bytes, then all second bytes, ... (a lossless byte-plane shuffle) puts the exponents side by
+side, where they compress well. Works on numpy arrays and bytes only: no torch here.
+
+Each layer has one append-only file; a full block is encoded once and appended, and a `BlockRef`
+says where it lies. `compression: none` blocks are read back through mmap without a copy.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import zstandard
+
+Compression = Literal["zstd", "none"]
+COMPRESSIONS: tuple[str, ...] = ("zstd", "none")
+
+
+class KVBlockError(RuntimeError):
+    """A block file that cannot be written or read back; the message names the file."""
+
+
+def shuffle_planes(values: np.ndarray) -> np.ndarray:
+    """The bytes of `values` as planes, shape (itemsize, n): row i holds byte i of every value."""
+    flat = np.ascontiguousarray(values).reshape(-1)
+    columns = flat.view(np.uint8).reshape(-1, flat.dtype.itemsize)
+    planes = np.empty(columns.shape[::-1], dtype=np.uint8)
+    for i, plane in enumerate(planes):  # column copies: several times faster than a transposed copy
+        plane[:] = columns[:, i]
+    return planes
+
+
+def unshuffle_planes(planes: list[np.ndarray] | np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """Inverse of `shuffle_planes`: a flat array of `dtype` from its byte planes."""
+    dtype = np.dtype(dtype)
+    if len(planes) != dtype.itemsize or len({plane.size for plane in planes}) != 1:
+        raise KVBlockError(f"{len(planes)} byte planes of sizes {[p.size for p in planes]} "
+                           f"do not hold {dtype.itemsize}-byte values")
+    columns = np.empty((planes[0].size, dtype.itemsize), dtype=np.uint8)
+    for i, plane in enumerate(planes):
+        columns[:, i] = plane
+    return columns.reshape(-1).view(dtype)
+
+
+_PLANE_LENGTH = np.dtype("<u4")
+
+
+@dataclass(frozen=True)
+class BlockCodec:
+    """How a block's bytes are stored: zstd at `level` after an optional shuffle, or raw.
+
+    Shuffled blocks compress each byte plane as its own zstd frame: the exponent plane then gets
+    entropy tables of its own instead of sharing them with the near-random mantissa bytes
+    (SmolLM2's bf16 KV: 1.36x with one frame, 1.46x with a frame per plane).
+    Payload: the frame lengths (uint32 each, one per plane), then the frames.
+    """
+
+    compression: Compression = "zstd"
+    level: int = 1
+    shuffle: bool = True
+
+    def __post_init__(self) -> None:
+        if self.compression not in COMPRESSIONS:
+            raise ValueError(f"cache.compression must be one of {COMPRESSIONS}, got {self.compression!r}")
+
+    def encode(self, values: np.ndarray) -> bytes:
+        if self.compression == "none":
+            return np.ascontiguousarray(values).tobytes()
+        compressor = _zstd.compressor(self.level)
+        if not self.shuffle:
+            return compressor.compress(np.ascontiguousarray(values))
+        frames = [compressor.compress(plane) for plane in shuffle_planes(values)]
+        lengths = np.array([len(f) for f in frames], dtype=_PLANE_LENGTH)
+        return b"".join([lengths.tobytes(), *frames])
+
+    def decode(self, payload: bytes | memoryview, dtype: np.dtype) -> np.ndarray:
+        """A flat array of `dtype`; for `none` a zero-copy view of `payload`."""
+        dtype = np.dtype(dtype)
+        if self.compression == "none":
+            return np.frombuffer(payload, dtype=dtype)
+        decompressor = _zstd.decompressor
+        if not self.shuffle:
+            return np.frombuffer(decompressor.decompress(payload), dtype=dtype)
+        header = dtype.itemsize * _PLANE_LENGTH.itemsize
+        lengths = np.frombuffer(payload[:header], dtype=_PLANE_LENGTH)
+        ends = header + np.cumsum(lengths)
+        starts = ends - lengths
+        planes = [
+            np.frombuffer(decompressor.decompress(payload[s:e]), dtype=np.uint8) for s, e in zip(starts, ends)
+        ]
+        return unshuffle_planes(planes, dtype)
+
+
+class _ZstdContexts(threading.local):
+    """zstd (de)compressor objects are not thread-safe: one set per thread, reused."""
+
+    def __init__(self) -> None:
+        self.decompressor = zstandard.ZstdDecompressor()
+        self._compressors: dict[int, zstandard.ZstdCompressor] = {}
+
+    def compressor(self, level: int) -> zstandard.ZstdCompressor:
+        if level not in self._compressors:
+            self._compressors[level] = zstandard.ZstdCompressor(level=level)
+        return self._compressors[level]
+
+
+_zstd = _ZstdContexts()
+
+
+@dataclass(frozen=True)
+class BlockRef:
+    """Where one encoded block lies in its layer file."""
+
+    layer: int
+    offset: int
+    stored_bytes: int
+    raw_bytes: int
+
+
+class _LayerFile:
+    """One layer's append-only file; mapped for reading when blocks are stored raw."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        except OSError as e:
+            raise KVBlockError(f"cannot create KV block file {path}: {e.strerror}") from None
+        self.size = 0
+        self._map: mmap.mmap | None = None
+
+    def append(self, payload: bytes) -> int:
+        offset = self.size
+        written = os.pwrite(self.fd, payload, offset)
+        if written != len(payload):
+            raise KVBlockError(f"short write to KV block file {self.path} ({written} of {len(payload)} bytes)")
+        self.size += len(payload)
+        return offset
+
+    def read(self, offset: int, length: int) -> bytes:
+        data = os.pread(self.fd, length, offset)
+        if len(data) != length:
+            raise KVBlockError(f"KV block file {self.path} is truncated at offset {offset}: read {len(data)} of {length}")
+        return data
+
+    def view(self, offset: int, length: int) -> memoryview:
+        if self._map is None or len(self._map) < offset + length:
+            # A grown file needs a new mapping; the old one closes when its last view is dropped.
+            self._map = mmap.mmap(self.fd, self.size, access=mmap.ACCESS_READ)
+        return memoryview(self._map)[offset : offset + length]
+
+    def truncate(self, size: int) -> None:
+        self._map = None
+        os.ftruncate(self.fd, size)
+        self.size = size
+
+    def close(self) -> None:
+        self._map = None
+        os.close(self.fd)
+        self.path.unlink(missing_ok=True)
+
+
+class KVBlockStore:
+    """One task's KV blocks on disk: a file per layer in `directory`, removed by `close()`."""
+
+    def __init__(self, directory: str | Path, codec: BlockCodec) -> None:
+        self.directory = Path(directory)
+        self.codec = codec
+        self._created_dir = not self.directory.exists()
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise KVBlockError(f"cannot create KV offload dir {self.directory}: {e.strerror}") from None
+        self._files: dict[int, _LayerFile] = {}
+        self.raw_bytes_written = 0
+        self.bytes_written = 0
+        self.bytes_read = 0
+
+    def _file(self, layer: int) -> _LayerFile:
+        if layer not in self._files:
+            self._files[layer] = _LayerFile(self.directory / f"layer-{layer:03d}.kvblocks")
+        return self._files[layer]
+
+    def append(self, layer: int, values: np.ndarray) -> BlockRef:
+        """Encode `values` (any shape, contiguous) and append it to the layer's file."""
+        payload = self.codec.encode(values)
+        offset = self._file(layer).append(payload)
+        self.raw_bytes_written += values.nbytes
+        self.bytes_written += len(payload)
+        return BlockRef(layer, offset, len(payload), values.nbytes)
+
+    def read(self, ref: BlockRef, dtype: np.dtype) -> np.ndarray:
+        """The block's values as a flat array (a read-only view of the mapping for `none`)."""
+        file = self._file(ref.layer)
+        if self.codec.compression == "none":
+            payload: bytes | memoryview = file.view(ref.offset, ref.stored_bytes)
+        else:
+            payload = file.read(ref.offset, ref.stored_bytes)
+        self.bytes_read += ref.stored_bytes
+        values = self.codec.decode(payload, dtype)
+        if values.nbytes != ref.raw_bytes:
+            raise KVBlockError(
+                f"KV block at {file.path}:{ref.offset} decoded to {values.nbytes} bytes, expected {ref.raw_bytes}"
+            )
+        return values
+
+    def truncate(self, ref: BlockRef) -> None:
+        """Drop `ref` and every block appended after it in the same layer."""
+        self._file(ref.layer).truncate(ref.offset)
+
+    @property
+    def compression_ratio(self) -> float | None:
+        return self.raw_bytes_written / self.bytes_written if self.bytes_written else None
+
+    def files(self) -> list[Path]:
+        return [f.path for f in self._files.values()]
+
+    def close(self) -> None:
+        """Remove the block files (and the directory when this store created it)."""
+        for file in self._files.values():
+            file.close()
+        self._files.clear()
+        if self._created_dir:
+            try:
+                self.directory.rmdir()
+            except OSError:
+                pass  # something else lives there now; it is not ours to remove

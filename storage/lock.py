@@ -1,0 +1,124 @@
+"""JOB_DIR/.lock: one coordinator per job folder.
+
+Mutual exclusion comes from an exclusive flock on the lock file, which the kernel drops when the
+holder dies however it dies (SIGKILL included), so a lock can never be held by a dead process.
+The file's content (host, pid, process start time) is for people and messages: it names who holds
+the lock, and says whose lock was taken over when a dead coordinator left its record behind.
+As a guard for filesystems where flock is a no-op, a record whose owner is verifiably alive on
+this host is respected even when the flock was granted.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from types import TracebackType
+
+from storage.owner import OwnerLiveness, ProcessOwner
+
+logger = logging.getLogger(__name__)
+
+class JobLockedError(RuntimeError):
+    """Another live coordinator holds the job folder."""
+
+
+def _read_owner(fd: int) -> ProcessOwner | None:
+    os.lseek(fd, 0, os.SEEK_SET)
+    raw = b""
+    while chunk := os.read(fd, 65536):
+        raw += chunk
+    if not raw.strip():
+        return None
+    try:
+        return ProcessOwner.from_dict(json.loads(raw))
+    except ValueError:  # a torn or foreign record names nobody; the flock is what counts
+        return None
+
+
+class JobLock:
+    """Context manager holding a job's lock file (JOB_DIR/.lock).
+
+    `takeover_message` says whose stale lock was replaced, when one was.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        self.takeover_message: str | None = None
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        """Take the lock or raise JobLockedError naming the holder."""
+        if self._fd is not None:
+            raise RuntimeError(f"{self.path} is already held by this JobLock")
+        fd = self._open_locked()
+        try:
+            previous = _read_owner(fd)
+            me = ProcessOwner.current()
+            if previous is not None and previous != me and previous.liveness() == OwnerLiveness.ALIVE:
+                raise JobLockedError(self._refusal(previous))
+            self.takeover_message = self._takeover(previous) if previous not in (None, me) else None
+            record = json.dumps({**me.to_dict(), "locked_at": time.time()}).encode()
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, record, 0)
+            os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+        if self.takeover_message:
+            logger.warning(self.takeover_message)
+
+    def _open_locked(self) -> int:
+        """An fd with the flock held on the file currently at `path` (not one a releaser just unlinked)."""
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _read_owner(fd)
+                os.close(fd)
+                raise JobLockedError(self._refusal(holder)) from None
+            try:
+                same_file = os.path.samestat(os.fstat(fd), os.stat(self.path))
+            except FileNotFoundError:
+                same_file = False
+            if same_file:
+                return fd
+            os.close(fd)
+
+    def _refusal(self, holder: ProcessOwner | None) -> str:
+        who = holder.describe() if holder else "another process"
+        return (
+            f"job folder {self.path.parent} is in use by a running coordinator ({who}); "
+            f"wait for it to finish or stop it, then run the command again"
+        )
+
+    def _takeover(self, previous: ProcessOwner) -> str:
+        liveness = previous.liveness()
+        why = "its process is gone" if liveness != OwnerLiveness.PID_REUSED else "its pid now belongs to another process"
+        if liveness == OwnerLiveness.OTHER_HOST:
+            why = "its lock is no longer held"
+        return f"took over stale lock {self.path} left by {previous.describe()}: {why}"
+
+    def release(self) -> None:
+        """Remove the record and drop the flock; the unlink happens while still holding it."""
+        if self._fd is None:
+            return
+        fd, self._fd = self._fd, None
+        try:
+            self.path.unlink(missing_ok=True)
+        finally:
+            os.close(fd)
+
+    def __enter__(self) -> JobLock:
+        self.acquire()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.release()

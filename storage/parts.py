@@ -1,0 +1,201 @@
+"""Append-only Parquet part files that are either wholly visible or not there at all.
+
+A part is written under a hidden temporary name in its final directory, flushed, fsynced and
+renamed; the directory is fsynced after the rename. A crash at any instant therefore leaves either
+the complete part or only a temporary file, which readers never look at.
+
+Part names sort in write order (`part-<time_ns>-<seq>-<pid>-<random>.parquet`), which is the order
+readers return rows in. A merged part records the parts it replaces in its Parquet metadata, so a
+crash between publishing a merged part and deleting its inputs never yields duplicate rows.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import secrets
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+PART_GLOB = "part-*.parquet"
+TEMP_PREFIX = ".tmp-"
+_REPLACES_KEY = b"kvbatch.replaces"
+_READ_THREADS = 4  # small parts are dominated by per-file latency; a few threads overlap it
+
+_name_lock = threading.Lock()
+_last_time_ns = 0
+_sequence = itertools.count()
+
+
+@dataclass(frozen=True)
+class CorruptPart:
+    """A part that could not be used; its rows are missing from what was read."""
+
+    path: Path
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.path}: {self.reason}"
+
+
+def _next_part_name() -> str:
+    """Strictly increasing within a process; pid + random suffix keep concurrent writers apart."""
+    global _last_time_ns
+    with _name_lock:
+        _last_time_ns = max(_last_time_ns + 1, time.time_ns())
+        stamp = _last_time_ns
+        seq = next(_sequence)
+    return f"part-{stamp:020d}-{seq:08d}-{os.getpid()}-{secrets.token_hex(3)}.parquet"
+
+
+def fsync_directory(directory: Path) -> None:
+    """Make renames and unlinks in `directory` durable."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_part(directory: Path, table: pa.Table, replaces: Sequence[str] = ()) -> Path:
+    """Publish `table` as a new part in `directory` (created if missing) and return its path.
+
+    `replaces` names parts in the same directory whose rows this part contains (a merge); readers
+    skip those while both exist.
+    """
+    directory.mkdir(parents=True, exist_ok=True)
+    name = _next_part_name()
+    final = directory / name
+    temp = directory / f"{TEMP_PREFIX}{name}"
+    if replaces:
+        metadata = dict(table.schema.metadata or {})
+        metadata[_REPLACES_KEY] = json.dumps(sorted(replaces)).encode()
+        table = table.replace_schema_metadata(metadata)
+    try:
+        with open(temp, "wb") as handle:
+            pq.write_table(table, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.rename(temp, final)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+    fsync_directory(directory)
+    return final
+
+
+def list_parts(directory: Path) -> list[Path]:
+    """Visible parts in write order; temporary files are not parts."""
+    if not directory.is_dir():
+        return []
+    return sorted(directory.glob(PART_GLOB))
+
+
+def list_temp_files(directory: Path) -> list[Path]:
+    """Temporary files of writes that never completed (or are in progress right now)."""
+    if not directory.is_dir():
+        return []
+    return sorted(directory.glob(f"{TEMP_PREFIX}*"))
+
+
+@dataclass(frozen=True)
+class _ReadPart:
+    path: Path
+    table: pa.Table | None
+    replaces: frozenset[str]
+    problem: str | None
+
+
+def _schema_problem(found: pa.Schema, expected: pa.Schema) -> str | None:
+    missing = [name for name in expected.names if name not in found.names]
+    if missing:
+        return f"wrong schema: missing column(s) {', '.join(missing)}"
+    extra = [name for name in found.names if name not in expected.names]
+    if extra:
+        return f"wrong schema: unexpected column(s) {', '.join(extra)}"
+    for field in expected:
+        actual = found.field(field.name).type
+        if not actual.equals(field.type):
+            return f"wrong schema: column {field.name} is {actual}, expected {field.type}"
+    return None
+
+
+def _read_one(path: Path, schema: pa.Schema) -> _ReadPart:
+    try:
+        if path.stat().st_size == 0:
+            return _ReadPart(path, None, frozenset(), "empty file (0 bytes)")
+        table = pq.ParquetFile(path).read()
+    except (OSError, pa.ArrowException) as exc:
+        return _ReadPart(path, None, frozenset(), f"unreadable Parquet ({type(exc).__name__}: {exc})")
+    problem = _schema_problem(table.schema, schema)
+    if problem:
+        return _ReadPart(path, None, frozenset(), problem)
+    metadata = table.schema.metadata or {}
+    replaces = frozenset(json.loads(metadata[_REPLACES_KEY])) if _REPLACES_KEY in metadata else frozenset()
+    return _ReadPart(path, table.select(schema.names).cast(schema), replaces, None)
+
+
+@dataclass(frozen=True)
+class PartSet:
+    """What a directory holds: usable tables in write order, what they supersede, what is broken."""
+
+    tables: list[tuple[Path, pa.Table]]
+    superseded: list[Path]
+    corrupt: list[CorruptPart]
+
+    def concat(self, schema: pa.Schema) -> pa.Table:
+        if not self.tables:
+            return schema.empty_table()
+        return pa.concat_tables([table for _, table in self.tables])
+
+
+def scan_parts(directory: Path, schema: pa.Schema, paths: Iterable[Path] | None = None) -> PartSet:
+    """Read every part of `directory` (or just `paths`), sorting out superseded and corrupt ones."""
+    targets = list_parts(directory) if paths is None else sorted(paths)
+    with ThreadPoolExecutor(_READ_THREADS) as pool:
+        read = list(pool.map(lambda path: _read_one(path, schema), targets))
+    replaced = set().union(*(part.replaces for part in read))
+    tables, superseded, corrupt = [], [], []
+    for part in read:
+        if part.problem is not None:
+            corrupt.append(CorruptPart(part.path, part.problem))
+        elif part.path.name in replaced:
+            superseded.append(part.path)
+        else:
+            tables.append((part.path, part.table.replace_schema_metadata(None)))
+    return PartSet(tables, superseded, corrupt)
+
+
+def read_parts(directory: Path, schema: pa.Schema) -> tuple[pa.Table, list[CorruptPart]]:
+    """All rows of `directory`'s parts in write order, and the parts that had to be skipped."""
+    parts = scan_parts(directory, schema)
+    return parts.concat(schema), parts.corrupt
+
+
+def merge_parts(directory: Path, schema: pa.Schema, paths: Sequence[Path] | None = None) -> Path | None:
+    """Replace several parts (default: all of `directory`'s) by one, keeping every row and its order.
+
+    The merged part is published before any input is removed; if the process dies in between, the
+    inputs are superseded (skipped by readers) and the next merge deletes them. Corrupt parts are
+    left where they are, so they keep being reported until someone looks at them. Returns the
+    merged part, or None when there was nothing to merge.
+    """
+    parts = scan_parts(directory, schema, paths)
+    merged = None
+    obsolete = list(parts.superseded)
+    if len(parts.tables) > 1:
+        obsolete += [path for path, _ in parts.tables]
+        merged = write_part(directory, parts.concat(schema), replaces=[path.name for path in obsolete])
+    for path in obsolete:
+        path.unlink(missing_ok=True)
+    if obsolete:
+        fsync_directory(directory)
+    return merged

@@ -1,0 +1,60 @@
+"""Shared fixtures: one real local Ray instance per test session, the kvbatch CLI as a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+REPO = Path(__file__).resolve().parents[1]
+LICENSES = Path("/usr/share/common-licenses")
+TINY_CONFIG = REPO / "configs" / "tiny.yaml"
+
+
+@pytest.fixture(scope="session")
+def ray_address() -> Iterator[str]:
+    """A real local Ray instance shared by every CLI run of the session (starting one costs seconds)."""
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+    try:
+        yield ray.get_runtime_context().gcs_address
+    finally:
+        ray.shutdown()
+
+
+def kvbatch(*args: str, env: dict[str, str] | None = None, timeout: float = 600,
+            check: int | None = None) -> subprocess.CompletedProcess[str]:
+    """Runs the real CLI in a subprocess; `check` asserts its exit code."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "runner", *args],
+        capture_output=True, text=True, timeout=timeout, cwd=REPO,
+        env={**os.environ, **(env or {})},
+    )
+    if check is not None:
+        assert proc.returncode == check, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    return proc
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def export_rows(job_dir: Path, *extra: str) -> list[dict]:
+    proc = kvbatch("results", str(job_dir), *extra, check=0)
+    return [json.loads(line) for line in proc.stdout.splitlines()]
+
+
+def license_manifest(tmp_path: Path, names: list[str], **extra: dict) -> Path:
+    rows = [{"id": n.lower(), "path": str(LICENSES / n)} | extra.get(n, {}) for n in names]
+    return write_jsonl(tmp_path / "manifest.jsonl", rows)
