@@ -33,14 +33,23 @@ def text_sha256(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
-def check_text(text: str) -> None:
+def check_text(what: str, text: str) -> None:
     """Refuse text no summary can be made of; shared by inline texts and files."""
     if "\x00" in text:
         raise DocumentError(
-            "contains NUL characters, so it is binary or UTF-16, not text: give a UTF-8 text document"
+            f"{what} contains NUL characters, so it is binary or UTF-16, not text: give a UTF-8 text document"
         )
     if not text.strip():
-        raise DocumentError("is empty (or only whitespace): give a document with some text")
+        raise DocumentError(f"{what} is empty (or only whitespace): give a document with some text")
+
+
+def check_size(what: str, size: int, max_bytes: int) -> None:
+    """The one size rule, applied before reading (files) or before accepting (inline texts)."""
+    if size > max_bytes:
+        raise DocumentTooLarge(
+            f"{what} is {size} bytes, over input.max_document_bytes ({max_bytes}): "
+            "split the document or raise input.max_document_bytes"
+        )
 
 
 def _kind_problem(mode: int) -> str | None:
@@ -55,8 +64,8 @@ def _kind_problem(mode: int) -> str | None:
     return "is not a regular file (socket or other special file): give the path of a text file"
 
 
-def _resolve_inside(path: Path, documents_root: Path | None) -> Path:
-    """Resolve symlinks and `..`, then enforce the root on the real location."""
+def resolve_document_path(path: Path, documents_root: Path | None) -> Path:
+    """The real location of `path` (symlinks and `..` resolved), which must lie inside the root."""
     if "\x00" in str(path):
         raise DocumentError(f"path {str(path)!r} contains a NUL character: fix the path")
     try:
@@ -105,7 +114,7 @@ def read_document_text(path: Path, max_bytes: int, documents_root: Path | None) 
 
     `documents_root` must already be resolved (no symlinks) when given.
     """
-    resolved = _resolve_inside(path, documents_root)
+    resolved = resolve_document_path(path, documents_root)
     try:
         st = resolved.stat()
     except FileNotFoundError:
@@ -115,11 +124,8 @@ def read_document_text(path: Path, max_bytes: int, documents_root: Path | None) 
     if problem := _kind_problem(st.st_mode):
         raise DocumentError(f"{resolved} {problem}")
     compressed = resolved.name.endswith(".gz")
-    if not compressed and st.st_size > max_bytes:
-        raise DocumentTooLarge(
-            f"file {resolved} is {st.st_size} bytes, over input.max_document_bytes ({max_bytes}): "
-            "split the document or raise input.max_document_bytes"
-        )
+    if not compressed:
+        check_size(f"file {resolved}", st.st_size, max_bytes)
     try:
         # O_NONBLOCK: if the file was swapped for a FIFO since stat(), opening must not hang.
         fd = os.open(resolved, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -139,10 +145,7 @@ def read_document_text(path: Path, max_bytes: int, documents_root: Path | None) 
     except OSError as e:
         raise DocumentError(f"file {resolved} cannot be read ({e.strerror or e}): check the disk and the file") from None
     text = _decode(data, resolved)
-    try:
-        check_text(text)
-    except DocumentError as e:
-        raise DocumentError(f"file {resolved} {e}") from None
+    check_text(f"file {resolved}", text)
     return text
 
 

@@ -24,7 +24,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from jobs.config import ConfigError, InputConfig
-from jobs.documents import DocumentError, check_text, read_document_text, text_sha256
+from jobs.documents import (
+    DocumentError,
+    check_size,
+    check_text,
+    read_document_text,
+    resolve_document_path,
+    text_sha256,
+)
 from jobs.schema import MANIFEST_SCHEMA
 
 #: Manifest fields with a meaning; every other field is metadata passed through to the results.
@@ -111,8 +118,11 @@ def _doc_id(value: Any) -> str:
 def _positive_int(name: str, value: Any) -> int:
     if isinstance(value, float) and value.is_integer():
         value = int(value)
-    elif isinstance(value, str) and value.strip().lstrip("+").isdigit():
-        value = int(value.strip())
+    elif isinstance(value, str):
+        try:
+            value = int(value.strip())
+        except ValueError:
+            pass
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise _RowRejected(f"'{name}' must be a positive integer, got {value!r}: fix or remove it")
     return value
@@ -161,6 +171,7 @@ class _Validator:
     manifest_dir: Path
     max_bytes: int
     documents_root: Path | None
+    row_unit: str  # "line", "row" or "item", as messages call a row of this manifest
     seen_ids: dict[str, tuple[int, str]]  # NFC-normalised id -> (row, id as given)
 
     def task(self, record: _Record) -> Task:
@@ -174,14 +185,13 @@ class _Validator:
             source_type, source, text = self._document(fields)
         except _RowRejected as e:
             raise _RowRejected(e.problem, doc_id) from None
-        encoded = text.encode("utf-8")
         return Task(
             task_id=task_id_for_row(record.row),
             doc_id=doc_id,
             source_type=source_type,
             source=source,
             n_chars=len(text),
-            n_bytes=len(encoded),
+            n_bytes=len(text.encode("utf-8")),
             sha256=text_sha256(text),
             overrides=overrides,
             meta={k: v for k, v in fields.items() if k not in RESERVED_FIELDS},
@@ -193,7 +203,9 @@ class _Validator:
         if key in self.seen_ids:
             first_row, first_id = self.seen_ids[key]
             same = "the same id" if first_id == doc_id else f"id {first_id!r} (equal after Unicode normalisation)"
-            raise _RowRejected(f"duplicate id: row {first_row} already has {same}; ids must be unique, rename one")
+            raise _RowRejected(
+                f"duplicate id: {self.row_unit} {first_row} already has {same}; ids must be unique, rename one"
+            )
         self.seen_ids[key] = (row, doc_id)
 
     def _document(self, fields: dict[str, Any]) -> tuple[str, str, str]:
@@ -205,37 +217,31 @@ class _Validator:
         try:
             if text is not None:
                 text = _inline_text(text)
-                check_text(text)
-                if (size := len(text.encode("utf-8"))) > self.max_bytes:
-                    raise DocumentError(
-                        f"is {size} bytes, over input.max_document_bytes ({self.max_bytes}): "
-                        "split the document or raise input.max_document_bytes"
-                    )
+                check_text("'text'", text)
+                check_size("'text'", len(text.encode("utf-8")), self.max_bytes)
                 return "text", text, text
             if not isinstance(path, str) or not path.strip():
                 raise _RowRejected(f"'path' must be a non-empty string, got {path!r}")
-            resolved = (self.manifest_dir / Path(path).expanduser()).resolve()
-            text = read_document_text(self.manifest_dir / Path(path).expanduser(), self.max_bytes, self.documents_root)
-            return "path", str(resolved), text
+            # Relative paths are relative to the manifest, not to wherever kvbatch was started.
+            resolved = resolve_document_path(self.manifest_dir / Path(path).expanduser(), self.documents_root)
+            return "path", str(resolved), read_document_text(resolved, self.max_bytes, self.documents_root)
         except DocumentError as e:
-            what = "'text'" if text is not None else f"'path' {path!r}:"
-            raise _RowRejected(f"{what} {e}") from None
+            raise _RowRejected(str(e) if text is not None else f"'path' {path!r}: {e}") from None
 
 
 # ---------------------------------------------------------------- file formats
 
 
 def _open_binary(path: Path) -> BinaryIO:
-    raw = path.open("rb")
-    return gzip.GzipFile(fileobj=raw, mode="rb") if path.name.endswith(".gz") else raw
+    return gzip.open(path, "rb") if path.name.endswith(".gz") else path.open("rb")
 
 
 def _loads_object(line: str) -> dict[str, Any]:
     def no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-        keys = [k for k, _ in pairs]
-        if dup := next((k for k in keys if keys.count(k) > 1), None):
-            raise ValueError(f"key {dup!r} appears twice in one object")
-        return dict(pairs)
+        obj = dict(pairs)
+        if len(obj) != len(pairs):
+            raise ValueError(f"key {_first_duplicate([k for k, _ in pairs])!r} appears twice in one object")
+        return obj
 
     value = json.loads(line, object_pairs_hook=no_duplicate_keys)
     if not isinstance(value, dict):
@@ -292,11 +298,20 @@ def _starts_with_bracket(path: Path) -> bool:
     return head.startswith(b"[")
 
 
+def _first_duplicate(names: list[str]) -> str | None:
+    seen: set[str] = set()
+    for name in names:
+        if name in seen:
+            return name
+        seen.add(name)
+    return None
+
+
 def _check_columns(names: list[str]) -> None:
     for i, name in enumerate(names, start=1):
         if not name:
             raise ManifestError(f"column {i} of the header has no name: name it or remove it (pandas: index=False)")
-    if dup := next((n for n in names if names.count(n) > 1), None):
+    if (dup := _first_duplicate(names)) is not None:
         raise ManifestError(f"column {dup!r} appears twice in the header: rename one")
     if "id" not in names:
         raise ManifestError(f"has no 'id' column (columns: {', '.join(names)}): add one with a unique id per document")
@@ -349,15 +364,16 @@ def _parquet_records(path: Path) -> Iterator[_Record]:
         parquet = pq.ParquetFile(path)
     except (pa.ArrowException, OSError) as e:
         raise ManifestError(f"is not a readable Parquet file ({e}): rewrite it") from None
-    _check_columns(list(parquet.schema_arrow.names))
-    row = 0
-    try:
-        for batch in parquet.iter_batches(batch_size=1024):
-            for fields in batch.to_pylist():
-                row += 1
-                yield _Record(row, {k: _nan_to_none(v) if k in RESERVED_FIELDS else v for k, v in fields.items()})
-    except (pa.ArrowException, OSError) as e:
-        raise ManifestError(f"cannot be read after row {row} ({e}): rewrite the Parquet file") from None
+    with parquet:
+        _check_columns(list(parquet.schema_arrow.names))
+        row = 0
+        try:
+            for batch in parquet.iter_batches(batch_size=1024):
+                for fields in batch.to_pylist():
+                    row += 1
+                    yield _Record(row, {k: _nan_to_none(v) if k in RESERVED_FIELDS else v for k, v in fields.items()})
+        except (pa.ArrowException, OSError) as e:
+            raise ManifestError(f"cannot be read after row {row} ({e}): rewrite the Parquet file") from None
 
 
 def _nan_to_none(value: Any) -> Any:
@@ -365,22 +381,37 @@ def _nan_to_none(value: Any) -> Any:
     return None if isinstance(value, float) and math.isnan(value) else value
 
 
-def _records(path: Path, max_bytes: int) -> Iterator[_Record]:
+#: What a manifest row is called in messages, per format.
+_ROW_UNITS = {"parquet": "row", "csv": "row", "jsonl": "line", "json-array": "item"}
+
+
+def _format(path: Path) -> str:
     name = path.name.lower()
     base = name.removesuffix(".gz")
+    if name.endswith(".parquet"):
+        return "parquet"
+    if base.endswith(".csv"):
+        return "csv"
+    if base.endswith(".json") and _starts_with_bracket(path):
+        return "json-array"
+    if base.endswith(_JSONL_SUFFIXES):
+        return "jsonl"
+    raise ManifestError(f"has an unknown extension: use {_SUFFIXES_HELP}")
+
+
+def _records(path: Path, fmt: str, max_bytes: int) -> Iterator[_Record]:
     # A text row can hold a whole document; JSON escapes (\uXXXX) take up to 6 bytes per byte.
     max_line_bytes = 6 * max_bytes + (1 << 20)
-    if name.endswith(".parquet"):
+    if fmt == "parquet":
         yield from _parquet_records(path)
-    elif base.endswith(".csv"):
-        with _open_binary(path) as stream:
+        return
+    with _open_binary(path) as stream:
+        if fmt == "csv":
             yield from _csv_records(stream, max_line_bytes)
-    elif base.endswith(_JSONL_SUFFIXES):
-        array = base.endswith(".json") and _starts_with_bracket(path)
-        with _open_binary(path) as stream:
-            yield from _json_array_records(stream) if array else _jsonl_records(stream, max_line_bytes)
-    else:
-        raise ManifestError(f"has an unknown extension: use {_SUFFIXES_HELP}")
+        elif fmt == "json-array":
+            yield from _json_array_records(stream)
+        else:
+            yield from _jsonl_records(stream, max_line_bytes)
 
 
 def _documents_root(input_cfg: InputConfig) -> Path | None:
@@ -392,31 +423,28 @@ def _documents_root(input_cfg: InputConfig) -> Path | None:
     return root
 
 
-def _location(path: Path, row: int) -> str:
-    base = path.name.lower().removesuffix(".gz")
-    unit = "line" if base.endswith((".jsonl", ".ndjson", ".json")) else "row"
-    return f"{path.name} {unit} {row}"
-
-
 def read_manifest(path: Path, input_cfg: InputConfig) -> tuple[list[Task], list[Rejection]]:
     """Every runnable task of the manifest, and every row that will not run with its reason."""
     path = Path(path)
     if not path.is_file():
         raise ManifestError(f"manifest {path} does not exist or is not a file: check the path")
-    validator = _Validator(
-        manifest_dir=path.resolve().parent,
-        max_bytes=input_cfg.max_document_bytes,
-        documents_root=_documents_root(input_cfg),
-        seen_ids={},
-    )
     tasks: list[Task] = []
     rejections: list[Rejection] = []
     try:
-        for record in _records(path, input_cfg.max_document_bytes):
+        fmt = _format(path)
+        validator = _Validator(
+            manifest_dir=path.resolve().parent,
+            max_bytes=input_cfg.max_document_bytes,
+            documents_root=_documents_root(input_cfg),
+            row_unit=_ROW_UNITS[fmt],
+            seen_ids={},
+        )
+        for record in _records(path, fmt, input_cfg.max_document_bytes):
             try:
                 tasks.append(validator.task(record))
             except _RowRejected as e:
-                where = _location(path, record.row) + (f" (id {e.doc_id!r})" if e.doc_id is not None else "")
+                where = f"{path.name} {validator.row_unit} {record.row}"
+                where += f" (id {e.doc_id!r})" if e.doc_id is not None else ""
                 rejections.append(Rejection(record.row, e.doc_id, f"{where}: {e.problem}"))
     except ManifestError as e:
         raise ManifestError(f"manifest {path} {e}") from None

@@ -14,6 +14,7 @@ from jobs.config import ConfigError
 from jobs.manifest import ManifestError
 from storage.jobdir import JobDirError
 from storage.lock import JobLockedError
+from storage.scratch import ScratchError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Summarise thousands of long documents on Ray, with KV caches that fit.")
@@ -22,7 +23,7 @@ errors = Console(stderr=True)
 
 EXIT_USAGE = 2
 #: Errors the user fixes: a clear message and exit 2, never a traceback.
-USER_ERRORS = (ConfigError, ManifestError, JobDirError, JobLockedError)
+USER_ERRORS = (ConfigError, ManifestError, JobDirError, JobLockedError, ScratchError)
 
 SetOption = Annotated[list[str], typer.Option("--set", help="dotted config key=value, e.g. cache.strategy=tiered-disk")]
 AddressOption = Annotated[Optional[str], typer.Option("--address", help="join this Ray cluster (default: $RAY_ADDRESS or a private local one)")]
@@ -100,6 +101,17 @@ def results(
         return 0
 
     _run(export)
+
+
+@app.command()
+def clean(
+    job_dir: Annotated[Optional[Path], typer.Argument(help="only this job's scratch dirs")] = None,
+    offload_root: Annotated[Optional[Path], typer.Option("--offload-root", help="the offload root to sweep")] = None,
+) -> None:
+    """Remove per-task scratch dirs whose owner process is gone (never a live one)."""
+    from runner.scratch_cleanup import clean_scratch
+
+    _run(clean_scratch, job_dir, offload_root, console)
 
 
 def main() -> None:

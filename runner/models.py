@@ -213,7 +213,12 @@ def _looks_like_path(name: str) -> bool:
 def _tiny_random_model(
     tokenizer: PreTrainedTokenizerBase, attn_implementation: str, dtype: torch.dtype, name: str
 ) -> PreTrainedModel:
-    """4 layers, hidden 64, 4 query / 2 KV heads: grouped-query attention like SmolLM2, in milliseconds."""
+    """4 layers, hidden 64, 4 query / 2 KV heads: grouped-query attention like SmolLM2, in milliseconds.
+
+    initializer_range 0.2 instead of the usual 0.02: small weights make greedy decoding repeat one
+    token whatever the context, and then a test comparing KV cache strategies could not fail;
+    these weights give varied tokens that depend on every cached position.
+    """
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -227,6 +232,7 @@ def _tiny_random_model(
         head_dim=16,
         max_position_embeddings=8192,
         rms_norm_eps=1e-5,
+        initializer_range=0.2,
         tie_word_embeddings=True,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,

@@ -32,7 +32,7 @@ from runner.generation import Generation, generate_once
 from runner.kvcache import build_cache, kv_shape, resolve_budgets
 from runner.models import load_model
 from runner.summarize import ContextTooSmallError, Summarizer
-from storage.scratch import ScratchSpaceError, check_free_space, sweep_orphans, task_scratch
+from storage.scratch import ScratchSpaceError, check_free_space, ensure_offload_root, sweep_orphans, task_scratch
 
 DISK_RUNGS = frozenset({"tiered-disk"})
 
@@ -133,7 +133,8 @@ class SummaryWorker:
         if threads:
             torch.set_num_threads(max(1, int(threads)))
         self.name = f"{socket.gethostname()}:{os.getpid()}"
-        self.swept = sweep_orphans(self.offload_root) if self.offload_root.exists() else []
+        ensure_offload_root(self.offload_root)
+        self.swept = sweep_orphans(self.offload_root)
         self.loaded = load_model(self.cfg.model)
         self.summarizer = Summarizer(self.loaded, self.cfg.summarize.chunk_overlap_tokens)
         self.kv_shape = kv_shape(self.loaded.model.config)
@@ -167,7 +168,6 @@ class SummaryWorker:
         with ExitStack() as stack:
             offload_dir: Path | None = None
             if rung in DISK_RUNGS:
-                self.offload_root.mkdir(parents=True, exist_ok=True)
                 check_free_space(self.offload_root, kv_bytes(self.kv_shape, context_tokens))
                 offload_dir = stack.enter_context(
                     task_scratch(self.offload_root, self.job_id, task.task_id, attempt)

@@ -155,7 +155,8 @@ class _LayerFile:
     def view(self, offset: int, length: int) -> memoryview:
         if self._map is None or len(self._map) < offset + length:
             # A grown file needs a new mapping; the old one closes when its last view is dropped.
-            self._map = mmap.mmap(self.fd, self.size, access=mmap.ACCESS_READ)
+            # Copy-on-write so numpy (and torch) get a writable view; nothing is ever written back.
+            self._map = mmap.mmap(self.fd, self.size, access=mmap.ACCESS_COPY)
         return memoryview(self._map)[offset : offset + length]
 
     def truncate(self, size: int) -> None:

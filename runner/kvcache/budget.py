@@ -1,0 +1,43 @@
+"""The device budget guard: KV that would not fit raises the same error as a real device OOM.
+
+The worker moves a task to the next cache rung on `torch.OutOfMemoryError`; raising it before the
+allocation (rather than waiting for CUDA to fail) makes the ladder behave the same on CPU, where
+nothing else would stop a cache from eating all the RAM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+
+import torch
+
+
+class KVBudgetExceeded(torch.OutOfMemoryError):
+    """Resident KV would exceed the configured budget (a `torch.OutOfMemoryError`, so rungs move on)."""
+
+
+class ResidentMeter:
+    """Bytes a cache holds in one memory, by slot (a layer, a prefetch), with the peak and a limit."""
+
+    def __init__(self, budget_bytes: int | None, what: str, config_key: str) -> None:
+        self.budget_bytes = budget_bytes
+        self.what = what
+        self.config_key = config_key
+        self._slots: dict[Hashable, int] = {}
+        self.total = 0
+        self.peak = 0
+
+    def hold(self, slot: Hashable, nbytes: int) -> None:
+        """Set `slot` to `nbytes`, raising `KVBudgetExceeded` first if the total would pass the budget."""
+        total = self.total - self._slots.get(slot, 0) + nbytes
+        if self.budget_bytes is not None and total > self.budget_bytes:
+            raise KVBudgetExceeded(
+                f"{self.what} KV would reach {total:,} bytes, over the budget of {self.budget_bytes:,} bytes "
+                f"({self.config_key}); the next cache rung (or a shorter context) is needed"
+            )
+        self._slots[slot] = nbytes
+        self.total = total
+        self.peak = max(self.peak, total)
+
+    def drop(self, slot: Hashable) -> None:
+        self.total -= self._slots.pop(slot, 0)

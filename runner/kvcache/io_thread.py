@@ -1,0 +1,47 @@
+"""The background thread that reads KV ahead of the layer that needs it, and seals blocks.
+
+One worker thread runs jobs in submission order, so a read of a layer always sees the blocks
+sealed before it. On CUDA its copies go on a side stream, so they overlap the compute of the
+current layer; a job waits for its own copies before it reports done.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import nullcontext
+from typing import TypeVar
+
+import torch
+
+T = TypeVar("T")
+
+
+class IOThread:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-io")
+
+    def submit(self, job: Callable[..., T], *args: object) -> Future[T]:
+        return self._pool.submit(self._run, job, *args)
+
+    def run(self, job: Callable[..., T], *args: object) -> T:
+        """Run `job` after everything already queued, and wait for it."""
+        return self.submit(job, *args).result()
+
+    def _run(self, job: Callable[..., T], *args: object) -> T:
+        with torch.cuda.stream(self._stream) if self._stream is not None else nullcontext():
+            result = job(*args)
+        if self._stream is not None:
+            self._stream.synchronize()
+        return result
+
+    def adopt(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Hand a tensor made on the side stream to the compute stream (so its memory is not reused early)."""
+        if self._stream is not None:
+            tensor.record_stream(torch.cuda.current_stream(self.device))
+        return tensor
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)

@@ -1,0 +1,96 @@
+"""Where a layer's sealed (full) blocks live once they are off the device: host RAM or block files.
+
+A tier stores the keys and values of one block of one layer and gives them back as host tensors.
+Sealing and loading run on the IO thread; the disk tier bridges torch tensors to the numpy-only
+block store (bf16 travels as int16 bits: numpy has no bfloat16, and the codec only needs widths).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from storage.kvblocks import BlockCodec, BlockRef, KVBlockStore
+
+_SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(tensor: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's bytes as a numpy array of integers of the same width (no copy)."""
+    return tensor.contiguous().view(_SAME_WIDTH_INT[tensor.element_size()]).numpy()
+
+
+def _from_bits(values: np.ndarray, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
+    return torch.from_numpy(values).view(dtype).reshape(shape)
+
+
+class Tier(Protocol):
+    compression_ratio: float | None
+    bytes_written: int
+    bytes_read: int
+
+    def seal(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> object: ...
+    def load(self, payload: object, shape: torch.Size, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def discard_from(self, payload: object) -> None: ...
+    def close(self) -> None: ...
+
+
+class HostTier:
+    """Sealed blocks stay as host tensors (pinned on CUDA: they were the layer's RAM tail)."""
+
+    compression_ratio = None
+    bytes_written = 0  # the host tier's traffic is the device<->host copies, counted by the layer store
+    bytes_read = 0
+
+    def seal(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> object:
+        return keys, values
+
+    def load(self, payload: object, shape: torch.Size, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return payload  # type: ignore[return-value]
+
+    def discard_from(self, payload: object) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class DiskTier:
+    """Sealed blocks are encoded once and appended to the layer's file in the offload dir."""
+
+    def __init__(self, directory: str | Path, codec: BlockCodec) -> None:
+        self.store = KVBlockStore(directory, codec)
+
+    @property
+    def compression_ratio(self) -> float | None:
+        return self.store.compression_ratio
+
+    @property
+    def bytes_written(self) -> int:
+        return self.store.bytes_written
+
+    @property
+    def bytes_read(self) -> int:
+        return self.store.bytes_read
+
+    def seal(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> object:
+        return self.store.append(layer_idx, _bits(keys)), self.store.append(layer_idx, _bits(values))
+
+    def load(self, payload: object, shape: torch.Size, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        key_ref, value_ref = payload  # type: ignore[misc]
+        width = _SAME_WIDTH_INT[dtype.itemsize]
+        np_dtype = torch.empty(0, dtype=width).numpy().dtype
+        return (
+            _from_bits(self.store.read(key_ref, np_dtype), dtype, shape),
+            _from_bits(self.store.read(value_ref, np_dtype), dtype, shape),
+        )
+
+    def discard_from(self, payload: object) -> None:
+        key_ref: BlockRef = payload[0]  # type: ignore[index]
+        self.store.truncate(key_ref)
+
+    def close(self) -> None:
+        self.store.close()

@@ -1,0 +1,160 @@
+"""Crash safety, retries and fallbacks, with real processes killed by real signals."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import LICENSES, REPO, TINY_CONFIG, export_rows, kvbatch, write_jsonl
+
+DOCS = ["GPL-2", "LGPL-2.1", "Apache-2.0", "MPL-2.0", "Artistic", "BSD", "CC0-1.0", "LGPL-3"]
+FAST = ["--set", "checkpoint.flush_every=1"]
+
+
+def manifest_of(tmp_path: Path, names: list[str] = DOCS) -> Path:
+    return write_jsonl(tmp_path / "manifest.jsonl", [{"id": n.lower(), "path": str(LICENSES / n)} for n in names])
+
+
+def start_submit(manifest: Path, job: Path, address: str, *extra: str, env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "runner", "submit", str(manifest), "-c", str(TINY_CONFIG), "-j", str(job),
+         "--address", address, *extra],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})},
+    )
+
+
+def wait_for(predicate, proc: subprocess.Popen, timeout: float = 300, poll: float = 0.005) -> bool:
+    """True once `predicate()` holds; False if the process ended first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        if proc.poll() is not None:
+            return False
+        time.sleep(poll)
+    raise TimeoutError("condition not reached")
+
+
+def visible_parts(job: Path, sub: str) -> list[Path]:
+    d = job / sub
+    return sorted(p for p in d.glob("part-*.parquet")) if d.exists() else []
+
+
+def temp_files(job: Path) -> list[Path]:
+    return [p for sub in ("results", "events") if (job / sub).exists() for p in (job / sub).iterdir()
+            if not p.name.startswith("part-")]
+
+
+def summaries(job: Path) -> dict[str, str]:
+    rows = export_rows(job)
+    ids = [r["doc_id"] for r in rows]
+    assert len(ids) == len(set(ids)), f"a document appears twice: {ids}"
+    assert all(r["status"] == "done" for r in rows), rows
+    return {r["doc_id"]: r["summary"] for r in rows}
+
+
+@pytest.fixture(scope="module")
+def baseline(ray_address, tmp_path_factory) -> dict[str, str]:
+    tmp = tmp_path_factory.mktemp("baseline")
+    job = tmp / "job"
+    kvbatch("submit", str(manifest_of(tmp)), "-c", str(TINY_CONFIG), "-j", str(job), "--address", ray_address,
+            check=0)
+    return summaries(job)
+
+
+@pytest.mark.parametrize("moment", ["before-any-result", "mid-batch", "during-a-flush"])
+def test_sigkill_then_resume_gives_every_document_exactly_once(moment, baseline, ray_address, tmp_path):
+    job = tmp_path / "job"
+    proc = start_submit(manifest_of(tmp_path), job, ray_address, *FAST)
+    conditions = {
+        "before-any-result": lambda: (job / "job.json").exists(),
+        "mid-batch": lambda: len(visible_parts(job, "results")) >= 2,
+        "during-a-flush": lambda: bool(visible_parts(job, "results")) and bool(temp_files(job)),
+    }
+    reached = wait_for(conditions[moment], proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    if moment != "during-a-flush":
+        assert reached, f"the batch finished before the {moment} kill"
+    done_before = len(visible_parts(job, "results"))
+    assert moment != "before-any-result" or done_before == 0
+    kvbatch("resume", str(job), "--address", ray_address, check=0)
+    assert summaries(job) == baseline
+
+
+def test_a_worker_process_that_dies_is_replaced_and_the_task_retried(ray_address, tmp_path):
+    faults = json.dumps([{"doc": "bsd", "fault": "crash", "attempts": [1]}])
+    job = tmp_path / "job"
+    kvbatch("submit", str(manifest_of(tmp_path, ["BSD", "CC0-1.0"])), "-c", str(TINY_CONFIG), "-j", str(job),
+            "--address", ray_address, env={"KVBATCH_FAULTS": faults}, check=0)
+    rows = {r["doc_id"]: r for r in export_rows(job)}
+    assert rows["bsd"]["status"] == "done" and rows["bsd"]["attempts"] == 2
+    log = [json.loads(line) for line in (job / "job.log").read_text().splitlines()]
+    assert any(e["event"] == "task_retry" and e["error_type"] == "WorkerDied" for e in log)
+
+
+def test_a_hung_task_times_out_and_is_retried(ray_address, tmp_path):
+    faults = json.dumps([{"doc": "bsd", "fault": "hang", "attempts": [1]}])
+    job = tmp_path / "job"
+    kvbatch("submit", str(manifest_of(tmp_path, ["BSD"])), "-c", str(TINY_CONFIG), "-j", str(job),
+            "--address", ray_address, "--set", "retry.task_timeout_s=8", env={"KVBATCH_FAULTS": faults}, check=0)
+    [row] = export_rows(job)
+    assert row["status"] == "done" and row["attempts"] == 2
+
+
+def test_memory_failures_fall_back_to_a_shorter_context(ray_address, tmp_path):
+    # OOM on every cache rung while the context is above 512 tokens
+    faults = json.dumps([{"doc": "apache-2.0", "fault": "oom", "context_above": 512}])
+    job = tmp_path / "job"
+    kvbatch("submit", str(manifest_of(tmp_path, ["Apache-2.0"])), "-c", str(TINY_CONFIG), "-j", str(job),
+            "--address", ray_address, env={"KVBATCH_FAULTS": faults}, check=0)
+    [row] = export_rows(job)
+    assert row["status"] == "done" and row["context_tokens"] == 512
+    assert any(f.startswith("cache:") for f in row["fallbacks"])
+    assert "context:1024->512 (OutOfMemoryError)" in row["fallbacks"]
+
+
+def test_a_document_failing_at_every_size_ends_failed_with_exit_3(ray_address, tmp_path):
+    faults = json.dumps([{"doc": "bsd", "fault": "io"}])
+    job = tmp_path / "job"
+    proc = kvbatch("submit", str(manifest_of(tmp_path, ["BSD", "CC0-1.0"])), "-c", str(TINY_CONFIG),
+                   "-j", str(job), "--address", ray_address, "--set", "retry.max_attempts=2",
+                   env={"KVBATCH_FAULTS": faults}, check=3)
+    assert "failed" in proc.stdout
+    [err] = export_rows(job, "--errors")
+    assert err["doc_id"] == "bsd" and err["status"] == "failed" and err["error_type"] == "OSError"
+    assert err["attempts"] == 2 * 3  # 2 attempts at each of 1024, 512, 256 tokens
+    assert err["fallbacks"] == ["context:1024->512 (OSError)", "context:512->256 (OSError)"]
+    assert {r["doc_id"] for r in export_rows(job)} == {"bsd", "cc0-1.0"}
+
+
+def test_a_second_coordinator_on_the_same_job_refuses(ray_address, tmp_path):
+    faults = json.dumps([{"doc": "bsd", "fault": "hang"}])
+    job = tmp_path / "job"
+    proc = start_submit(manifest_of(tmp_path, ["BSD"]), job, ray_address, env={"KVBATCH_FAULTS": faults})
+    try:
+        assert wait_for(lambda: (job / ".lock").exists(), proc, poll=0.05)
+        second = kvbatch("resume", str(job), "--address", ray_address, check=2)
+        assert "in use by a running coordinator" in second.stderr and str(proc.pid) in second.stderr
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_ctrl_c_stops_cleanly_and_resume_finishes(baseline, ray_address, tmp_path):
+    job = tmp_path / "job"
+    proc = start_submit(manifest_of(tmp_path), job, ray_address, *FAST)
+    assert wait_for(lambda: len(visible_parts(job, "results")) >= 1, proc)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out
+    assert f"kvbatch resume {job}" in out
+    kvbatch("resume", str(job), "--address", ray_address, check=0)
+    assert summaries(job) == baseline
