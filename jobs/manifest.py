@@ -16,7 +16,7 @@ import math
 import unicodedata
 import zlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -35,8 +35,8 @@ from jobs.documents import (
 from jobs.schema import MANIFEST_SCHEMA
 
 #: Manifest fields with a meaning; every other field is metadata passed through to the results.
-RESERVED_FIELDS = ("id", "text", "path", "max_new_tokens", "prompt")
 OVERRIDE_FIELDS = ("max_new_tokens", "prompt")
+RESERVED_FIELDS = ("id", "text", "path", *OVERRIDE_FIELDS)
 MAX_ID_CHARS = 1024
 _JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
 _SUFFIXES_HELP = ".jsonl, .ndjson, .json, .csv or .parquet (.gz allowed except for Parquet)"
@@ -70,6 +70,7 @@ class Rejection:
     row: int
     doc_id: str | None
     reason: str
+    meta: dict = field(default_factory=dict)  # the row's metadata when it could be parsed
 
     @property
     def task_id(self) -> str:
@@ -100,17 +101,23 @@ class _Record:
 # ---------------------------------------------------------------- field validation
 
 
+def _shown(value: Any) -> str:
+    """A value as messages quote it: hostile rows can hold megabytes in one field."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def _doc_id(value: Any) -> str:
     if value is None or (isinstance(value, str) and not value.strip()):
         raise _RowRejected("has no 'id': give every document a unique id")
     if isinstance(value, bool) or not isinstance(value, (str, int)):
-        raise _RowRejected(f"'id' must be a string or an integer, got {type(value).__name__} {value!r}")
+        raise _RowRejected(f"'id' must be a string or an integer, got {type(value).__name__} {_shown(value)}")
     doc_id = str(value)
     if len(doc_id) > MAX_ID_CHARS:
         raise _RowRejected(f"'id' is {len(doc_id)} characters long (at most {MAX_ID_CHARS}): use a shorter id")
     if any(unicodedata.category(c) == "Cc" for c in doc_id):
         raise _RowRejected(
-            f"'id' {doc_id!r} contains control characters (newline, tab, NUL...): use printable ids"
+            f"'id' {_shown(doc_id)} contains control characters (newline, tab, NUL...): use printable ids"
         )
     return doc_id
 
@@ -124,7 +131,7 @@ def _positive_int(name: str, value: Any) -> int:
         except ValueError:
             pass
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise _RowRejected(f"'{name}' must be a positive integer, got {value!r}: fix or remove it")
+        raise _RowRejected(f"'{name}' must be a positive integer, got {_shown(value)}: fix or remove it")
     return value
 
 
@@ -134,9 +141,13 @@ def _overrides(fields: dict[str, Any]) -> dict[str, Any]:
         overrides["max_new_tokens"] = _positive_int("max_new_tokens", value)
     if (value := fields.get("prompt")) is not None:
         if not isinstance(value, str) or not value.strip():
-            raise _RowRejected(f"'prompt' must be a non-empty string, got {value!r}: fix or remove it")
+            raise _RowRejected(f"'prompt' must be a non-empty string, got {_shown(value)}: fix or remove it")
         overrides["prompt"] = value
     return overrides
+
+
+def _metadata(fields: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in fields.items() if k not in RESERVED_FIELDS}
 
 
 def _inline_text(value: Any) -> str:
@@ -194,7 +205,7 @@ class _Validator:
             n_bytes=len(text.encode("utf-8")),
             sha256=text_sha256(text),
             overrides=overrides,
-            meta={k: v for k, v in fields.items() if k not in RESERVED_FIELDS},
+            meta=_metadata(fields),
         )
 
     def _claim_id(self, doc_id: str, row: int) -> None:
@@ -221,12 +232,12 @@ class _Validator:
                 check_size("'text'", len(text.encode("utf-8")), self.max_bytes)
                 return "text", text, text
             if not isinstance(path, str) or not path.strip():
-                raise _RowRejected(f"'path' must be a non-empty string, got {path!r}")
+                raise _RowRejected(f"'path' must be a non-empty string, got {_shown(path)}")
             # Relative paths are relative to the manifest, not to wherever kvbatch was started.
             resolved = resolve_document_path(self.manifest_dir / Path(path).expanduser(), self.documents_root)
             return "path", str(resolved), read_document_text(resolved, self.max_bytes, self.documents_root)
         except DocumentError as e:
-            raise _RowRejected(str(e) if text is not None else f"'path' {path!r}: {e}") from None
+            raise _RowRejected(str(e) if text is not None else f"'path' {_shown(path)}: {e}") from None
 
 
 # ---------------------------------------------------------------- file formats
@@ -445,7 +456,8 @@ def read_manifest(path: Path, input_cfg: InputConfig) -> tuple[list[Task], list[
             except _RowRejected as e:
                 where = f"{path.name} {validator.row_unit} {record.row}"
                 where += f" (id {e.doc_id!r})" if e.doc_id is not None else ""
-                rejections.append(Rejection(record.row, e.doc_id, f"{where}: {e.problem}"))
+                meta = _metadata(record.fields) if record.fields is not None else {}
+                rejections.append(Rejection(record.row, e.doc_id, f"{where}: {e.problem}", meta))
     except ManifestError as e:
         raise ManifestError(f"manifest {path} {e}") from None
     except (OSError, EOFError, zlib.error) as e:

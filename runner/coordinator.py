@@ -76,7 +76,7 @@ class Coordinator:
             job.path, flush_every=config.checkpoint.flush_every,
             flush_interval_s=config.checkpoint.flush_interval_s,
         )
-        self._record_lock = threading.Lock()
+        self._record_lock = threading.RLock()
         self._closed = False
 
     # -- events and results ---------------------------------------------------------------

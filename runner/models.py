@@ -161,6 +161,8 @@ def _prepare_for_generation(model: PreTrainedModel, tokenizer: PreTrainedTokeniz
 def _missing_model_fix(name: str) -> str:
     import huggingface_hub.constants
 
+    if _looks_like_path(name):
+        return f"check that {name} holds a saved model: config.json, weights and tokenizer files"
     if huggingface_hub.constants.is_offline_mode():
         return (
             f"'{name}' is neither a local folder nor in the Hugging Face cache, and HF_HUB_OFFLINE=1 "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import time
 from pathlib import Path
@@ -35,9 +36,9 @@ def _sha256_of(path: Path) -> str:
 def _rejection_row(rejection: Rejection) -> dict:
     row = empty_row(RESULT_SCHEMA)
     row.update(
-        doc_id=rejection.doc_id if rejection.doc_id is not None else f"<manifest row {rejection.row}>",
-        task_id=f"row{rejection.row:06d}", status=TaskState.REJECTED.value, error_type="RejectedInput",
-        error=rejection.reason, attempts=0, fallbacks=[], meta="{}", finished_at=time.time(),
+        doc_id=rejection.doc_id, task_id=rejection.task_id, status=TaskState.REJECTED.value,
+        error_type="RejectedInput", error=rejection.reason, attempts=0, fallbacks=[],
+        meta=json.dumps(rejection.meta), finished_at=time.time(),
     )
     return row
 
@@ -94,11 +95,11 @@ def _execute(job: JobDir, info: JobInfo, config: JobConfig, address: str | None,
         state = load_state(job.path)
         for part in state.corrupt:
             console.print(f"[yellow]skipped a damaged checkpoint part: {part}")
-        finished = state.done_doc_ids | state.rejected_doc_ids
+        finished = state.done_task_ids | state.rejected_task_ids
         if not retry_failed:
-            finished |= state.failed_doc_ids
-        open_tasks = [t for t in tasks if t.doc_id not in finished]
-        total = len(tasks) + len(state.rejected_doc_ids)
+            finished |= state.failed_task_ids
+        open_tasks = [t for t in tasks if t.task_id not in finished]
+        total = len(tasks) + len(state.rejected_task_ids)
         console.print(
             f"{len(tasks)} task(s): {len(tasks) - len(open_tasks)} already finished, {len(open_tasks)} to run"
         )
@@ -116,7 +117,7 @@ def _execute(job: JobDir, info: JobInfo, config: JobConfig, address: str | None,
 
 
 def _final_report(job: JobDir, state: JobState, console: Console) -> int:
-    done, failed, rejected = len(state.done_doc_ids), len(state.failed_doc_ids), len(state.rejected_doc_ids)
+    done, failed, rejected = len(state.done_task_ids), len(state.failed_task_ids), len(state.rejected_task_ids)
     console.print(f"done {done}, failed {failed}, rejected {rejected}; results in {job.results}")
     console.print(f"export: kvbatch results {job.path} -o summaries.jsonl")
     if failed:

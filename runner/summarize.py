@@ -1,8 +1,8 @@
 """Summarise one document: in one pass when it fits the context, else map-reduce over chunks.
 
 A document longer than the context is split (jobs.chunking) into token-budgeted chunks on
-paragraph/sentence boundaries; each chunk is summarised, the summaries are joined and the result
-is summarised again, until one pass covers everything.
+paragraph/sentence boundaries; each chunk is summarised, then neighbouring summaries are joined in
+groups that fit one pass and summarised again, until one summary remains.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from jobs.chunking import plan_chunks, summary_budget
+from jobs.chunking import SUMMARY_SEPARATOR, group_for_merge, plan_chunks, summary_budget
 from runner.generation import Generation
 from runner.models import LoadedModel
 
@@ -18,10 +18,6 @@ from runner.models import LoadedModel
 _EDGE_MARGIN_TOKENS = 8
 
 GenerateFn = Callable[[list[int], int], Generation]
-
-
-class ContextTooSmallError(ValueError):
-    """The context leaves too little room for the document after the prompt and the summary."""
 
 
 @dataclass
@@ -71,30 +67,24 @@ class Summarizer:
         generate: GenerateFn,
     ) -> Summary:
         overhead = len(self.prompt_ids(instruction, "")) + _EDGE_MARGIN_TOKENS
-        try:
-            budget = summary_budget(context_tokens, overhead, max_new_tokens)
-        except ValueError as e:
-            raise ContextTooSmallError(str(e)) from None
-        summary: Summary | None = None
-        level_text = text
-        while True:
-            encoded = self.tokenizer(level_text, return_offsets_mapping=True, add_special_tokens=False)
-            n_tokens = len(encoded["input_ids"])
-            chunks = plan_chunks(level_text, encoded["offset_mapping"], budget, self.overlap_tokens)
-            if summary is None:
-                summary = Summary(text="", input_tokens=n_tokens, output_tokens=0, chunks=len(chunks))
-            parts = []
-            for chunk in chunks:
-                gen = generate(self.prompt_ids(instruction, chunk.text), max_new_tokens)
-                summary.passes.append(gen)
-                parts.append(self.tokenizer.decode(gen.tokens, skip_special_tokens=True).strip())
-            if len(chunks) == 1:
-                summary.text = parts[0]
-                summary.output_tokens = summary.passes[-1].output_tokens
-                return summary
-            level_text = "\n\n".join(parts)
-            if len(self.tokenizer(level_text, add_special_tokens=False)["input_ids"]) >= n_tokens:
-                raise ContextTooSmallError(
-                    f"context_tokens={context_tokens} is too small to combine summaries of "
-                    f"{max_new_tokens} tokens; raise summarize.context_tokens or lower max_new_tokens"
-                )
+        budget = summary_budget(context_tokens, overhead, max_new_tokens)
+        encoded = self.tokenizer(text, return_offsets_mapping=True, add_special_tokens=False)
+        chunks = plan_chunks(text, encoded["offset_mapping"], budget, self.overlap_tokens)
+        summary = Summary(text="", input_tokens=len(encoded["input_ids"]), output_tokens=0, chunks=len(chunks))
+
+        def summarise(document: str) -> tuple[str, int]:
+            gen = generate(self.prompt_ids(instruction, document), max_new_tokens)
+            summary.passes.append(gen)
+            return self.tokenizer.decode(gen.tokens, skip_special_tokens=True).strip(), gen.output_tokens
+
+        parts = [summarise(chunk.text) for chunk in chunks]
+        separator_tokens = len(self.tokenizer(SUMMARY_SEPARATOR, add_special_tokens=False)["input_ids"])
+        while len(parts) > 1:
+            counts = [len(self.tokenizer(p, add_special_tokens=False)["input_ids"]) for p, _ in parts]
+            groups = group_for_merge(counts, budget, separator_tokens)
+            parts = [
+                parts[g.start] if len(g) == 1 else summarise(SUMMARY_SEPARATOR.join(parts[i][0] for i in g))
+                for g in groups
+            ]
+        summary.text, summary.output_tokens = parts[0]
+        return summary

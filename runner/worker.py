@@ -23,6 +23,7 @@ import psutil
 import torch
 
 from jobs.config import JobConfig
+from jobs.chunking import ContextTooSmallError
 from jobs.documents import DocumentError, load_task_text
 from jobs.faults import FaultRule, fault_for
 from jobs.kvplan import kv_bytes, plan_rungs
@@ -31,7 +32,7 @@ from jobs.policy import FailureClass, cache_fallback_note
 from runner.generation import Generation, generate_once
 from runner.kvcache import build_cache, kv_shape, resolve_budgets
 from runner.models import load_model
-from runner.summarize import ContextTooSmallError, Summarizer
+from runner.summarize import Summarizer
 from storage.scratch import ScratchSpaceError, check_free_space, ensure_offload_root, sweep_orphans, task_scratch
 
 DISK_RUNGS = frozenset({"tiered-disk"})
@@ -137,7 +138,7 @@ class SummaryWorker:
         self.swept = sweep_orphans(self.offload_root)
         self.loaded = load_model(self.cfg.model)
         self.summarizer = Summarizer(self.loaded, self.cfg.summarize.chunk_overlap_tokens)
-        self.kv_shape = kv_shape(self.loaded.model.config)
+        self.kv_shape = kv_shape(self.loaded.model.config, self.loaded.dtype)
         self.device_budget, self.host_budget = resolve_budgets(self.cfg.cache, self.loaded.device)
 
     def info(self) -> dict[str, Any]:

@@ -23,7 +23,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from jobs.schema import EVENT_SCHEMA, RESULT_SCHEMA, TaskState
-from storage.parts import CorruptPart, list_temp_files, merge_parts, read_parts, write_part
+from storage.parts import CorruptPart, list_temp_files, merge_parts, read_parts, replace_parts, write_part
 
 logger = logging.getLogger(__name__)
 
@@ -46,11 +46,12 @@ class _Stream:
     def __init__(self, directory: Path, schema: pa.Schema) -> None:
         self.directory = directory
         self.schema = schema
+        self.columns = frozenset(schema.names)
         self.pending: list[dict[str, Any]] = []
-        self.unmerged: list[Path] = []
+        self.unmerged: list[tuple[Path, pa.Table]] = []  # parts this log wrote, kept to merge without rereading
 
     def check_keys(self, row: dict[str, Any]) -> None:
-        unknown = set(row) - set(self.schema.names)
+        unknown = row.keys() - self.columns
         if unknown:
             raise CheckpointRowError(
                 f"{_row_label(row)}: unknown {self.directory.name} column(s) {sorted(unknown)}; "
@@ -76,7 +77,7 @@ class _Stream:
             return
         table, rejected = self._convert_pending()
         if table.num_rows:
-            self.unmerged.append(write_part(self.directory, table))
+            self.unmerged.append((write_part(self.directory, table), table))
         self.pending = []
         if rejected:
             raise CheckpointRowError(
@@ -86,7 +87,8 @@ class _Stream:
 
     def merge_if_due(self, merge_every: int) -> None:
         if len(self.unmerged) >= merge_every:
-            merge_parts(self.directory, self.schema, self.unmerged)
+            merged = pa.concat_tables([table for _, table in self.unmerged])
+            replace_parts(self.directory, merged, [path for path, _ in self.unmerged])
             self.unmerged = []
 
 
@@ -198,19 +200,19 @@ class CheckpointLog:
 
 @dataclass(frozen=True)
 class JobState:
-    """What the checkpoint log says about a job, one result per document."""
+    """What the checkpoint log says about a job, one result per task (one manifest row)."""
 
     results: pa.Table
     events: pa.Table
-    done_doc_ids: frozenset[str]
-    failed_doc_ids: frozenset[str]
-    rejected_doc_ids: frozenset[str]
+    done_task_ids: frozenset[str]
+    failed_task_ids: frozenset[str]
+    rejected_task_ids: frozenset[str]
     corrupt: list[CorruptPart] = field(default_factory=list)
-    duplicate_results: int = 0  # result rows dropped because their document already had a winning row
+    duplicate_results: int = 0  # result rows dropped because their task already had a winning row
 
 
 def _winning_result_rows(results: pa.Table) -> np.ndarray:
-    """Row indices (in write order) of each document's winning result.
+    """Row indices (in write order) of each task's winning result.
 
     A done row beats any other, and the first done row wins (a later duplicate comes from a task
     that finished twice, e.g. after a timeout). Without a done row, the latest row wins: a rerun's
@@ -221,17 +223,17 @@ def _winning_result_rows(results: pa.Table) -> np.ndarray:
     is_done = pc.equal(results["status"], TaskState.DONE.value).fill_null(False).to_numpy(zero_copy_only=False)
     rank = np.where(is_done, index, 2 * n - index)  # done rows first by age, then others newest first
     best = (
-        pa.table({"doc_id": results["doc_id"], "rank": rank})
-        .group_by("doc_id", use_threads=False)
+        pa.table({"task_id": results["task_id"], "rank": rank})
+        .group_by("task_id", use_threads=False)
         .aggregate([("rank", "min")])["rank_min"]
         .to_numpy()
     )
     return np.sort(np.where(best < n, best, 2 * n - best))
 
 
-def _doc_ids_with_status(results: pa.Table, status: TaskState) -> frozenset[str]:
+def _task_ids_with_status(results: pa.Table, status: TaskState) -> frozenset[str]:
     mask = pc.equal(results["status"], status.value).fill_null(False)
-    return frozenset(results["doc_id"].filter(mask).to_pylist())
+    return frozenset(results["task_id"].filter(mask).to_pylist())
 
 
 def load_state(job_dir: Path) -> JobState:
@@ -245,9 +247,9 @@ def load_state(job_dir: Path) -> JobState:
     return JobState(
         results=results,
         events=events,
-        done_doc_ids=_doc_ids_with_status(results, TaskState.DONE),
-        failed_doc_ids=_doc_ids_with_status(results, TaskState.FAILED),
-        rejected_doc_ids=_doc_ids_with_status(results, TaskState.REJECTED),
+        done_task_ids=_task_ids_with_status(results, TaskState.DONE),
+        failed_task_ids=_task_ids_with_status(results, TaskState.FAILED),
+        rejected_task_ids=_task_ids_with_status(results, TaskState.REJECTED),
         corrupt=corrupt_results + corrupt_events,
         duplicate_results=raw_results.num_rows - results.num_rows,
     )

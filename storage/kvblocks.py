@@ -39,16 +39,21 @@ def shuffle_planes(values: np.ndarray) -> np.ndarray:
     return planes
 
 
-def unshuffle_planes(planes: list[np.ndarray] | np.ndarray, dtype: np.dtype) -> np.ndarray:
-    """Inverse of `shuffle_planes`: a flat array of `dtype` from its byte planes."""
-    dtype = np.dtype(dtype)
-    if len(planes) != dtype.itemsize or len({plane.size for plane in planes}) != 1:
-        raise KVBlockError(f"{len(planes)} byte planes of sizes {[p.size for p in planes]} "
-                           f"do not hold {dtype.itemsize}-byte values")
-    columns = np.empty((planes[0].size, dtype.itemsize), dtype=np.uint8)
+def unshuffle_planes(planes: list[np.ndarray] | np.ndarray, out: np.ndarray) -> np.ndarray:
+    """Inverse of `shuffle_planes`, written into `out` (any strides, last axis contiguous): the
+    values in C order, so `out` can be a slice of the final buffer and no copy follows."""
+    width = out.dtype.itemsize
+    if len(planes) != width or any(plane.size != out.size for plane in planes):
+        raise KVBlockError(
+            f"{len(planes)} byte planes of sizes {[p.size for p in planes]} do not fill "
+            f"{out.size} values of {width} bytes"
+        )
+    if out.ndim == 0 or (out.shape[-1] > 1 and out.strides[-1] != width):
+        raise KVBlockError("the destination of a decoded block needs a contiguous last axis")
+    as_bytes = out.view(np.uint8)  # (..., last * width): byte j of value k at [..., k * width + j]
     for i, plane in enumerate(planes):
-        columns[:, i] = plane
-    return columns.reshape(-1).view(dtype)
+        as_bytes[..., i::width] = plane.reshape(out.shape)
+    return out
 
 
 _PLANE_LENGTH = np.dtype("<u4")
@@ -87,17 +92,27 @@ class BlockCodec:
         dtype = np.dtype(dtype)
         if self.compression == "none":
             return np.frombuffer(payload, dtype=dtype)
-        decompressor = _zstd.decompressor
         if not self.shuffle:
-            return np.frombuffer(decompressor.decompress(payload), dtype=dtype)
-        header = dtype.itemsize * _PLANE_LENGTH.itemsize
+            return np.frombuffer(_zstd.decompressor.decompress(payload), dtype=dtype)
+        planes = self._planes(payload, dtype.itemsize)
+        return unshuffle_planes(planes, np.empty(planes[0].size, dtype=dtype))
+
+    def decode_into(self, payload: bytes | memoryview, out: np.ndarray) -> None:
+        """Decode a block straight into `out` (e.g. its window of the layer's buffer)."""
+        if self.compression == "zstd" and self.shuffle:
+            unshuffle_planes(self._planes(payload, out.dtype.itemsize), out)
+        else:
+            out[...] = self.decode(payload, out.dtype).reshape(out.shape)
+
+    @staticmethod
+    def _planes(payload: bytes | memoryview, width: int) -> list[np.ndarray]:
+        header = width * _PLANE_LENGTH.itemsize
         lengths = np.frombuffer(payload[:header], dtype=_PLANE_LENGTH)
         ends = header + np.cumsum(lengths)
-        starts = ends - lengths
-        planes = [
-            np.frombuffer(decompressor.decompress(payload[s:e]), dtype=np.uint8) for s, e in zip(starts, ends)
+        return [
+            np.frombuffer(_zstd.decompressor.decompress(payload[s:e]), dtype=np.uint8)
+            for s, e in zip(ends - lengths, ends)
         ]
-        return unshuffle_planes(planes, dtype)
 
 
 class _ZstdContexts(threading.local):
@@ -199,20 +214,30 @@ class KVBlockStore:
         self.bytes_written += len(payload)
         return BlockRef(layer, offset, len(payload), values.nbytes)
 
-    def read(self, ref: BlockRef, dtype: np.dtype) -> np.ndarray:
-        """The block's values as a flat array (a read-only view of the mapping for `none`)."""
+    def _payload(self, ref: BlockRef) -> bytes | memoryview:
         file = self._file(ref.layer)
-        if self.codec.compression == "none":
-            payload: bytes | memoryview = file.view(ref.offset, ref.stored_bytes)
-        else:
-            payload = file.read(ref.offset, ref.stored_bytes)
         self.bytes_read += ref.stored_bytes
-        values = self.codec.decode(payload, dtype)
-        if values.nbytes != ref.raw_bytes:
+        if self.codec.compression == "none":
+            return file.view(ref.offset, ref.stored_bytes)
+        return file.read(ref.offset, ref.stored_bytes)
+
+    def _check_size(self, ref: BlockRef, nbytes: int) -> None:
+        if nbytes != ref.raw_bytes:
             raise KVBlockError(
-                f"KV block at {file.path}:{ref.offset} decoded to {values.nbytes} bytes, expected {ref.raw_bytes}"
+                f"KV block at {self._file(ref.layer).path}:{ref.offset} holds {ref.raw_bytes} bytes, "
+                f"not the {nbytes} asked for"
             )
+
+    def read(self, ref: BlockRef, dtype: np.dtype) -> np.ndarray:
+        """The block's values as a flat array (a view of the mapping for `none`)."""
+        values = self.codec.decode(self._payload(ref), dtype)
+        self._check_size(ref, values.nbytes)
         return values
+
+    def read_into(self, ref: BlockRef, out: np.ndarray) -> None:
+        """Decode the block straight into `out`, which has the shape it was appended with."""
+        self._check_size(ref, out.nbytes)
+        self.codec.decode_into(self._payload(ref), out)
 
     def truncate(self, ref: BlockRef) -> None:
         """Drop `ref` and every block appended after it in the same layer."""

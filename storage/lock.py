@@ -98,10 +98,10 @@ class JobLock:
         )
 
     def _takeover(self, previous: ProcessOwner) -> str:
-        liveness = previous.liveness()
-        why = "its process is gone" if liveness != OwnerLiveness.PID_REUSED else "its pid now belongs to another process"
-        if liveness == OwnerLiveness.OTHER_HOST:
-            why = "its lock is no longer held"
+        why = {
+            OwnerLiveness.PID_REUSED: "its pid now belongs to another process",
+            OwnerLiveness.OTHER_HOST: "its lock is no longer held",
+        }.get(previous.liveness(), "its process is gone")
         return f"took over stale lock {self.path} left by {previous.describe()}: {why}"
 
     def release(self) -> None:

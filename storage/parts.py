@@ -17,7 +17,7 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +29,8 @@ PART_GLOB = "part-*.parquet"
 TEMP_PREFIX = ".tmp-"
 _REPLACES_KEY = b"kvbatch.replaces"
 _READ_THREADS = 4  # small parts are dominated by per-file latency; a few threads overlap it
+_RESCANS = 3  # extra listings that catch parts a concurrent merge published during a listing
+_MAX_LISTINGS = 100  # bound on chasing merged parts of inputs that vanished mid-read
 
 _name_lock = threading.Lock()
 _last_time_ns = 0
@@ -129,18 +131,27 @@ def _schema_problem(found: pa.Schema, expected: pa.Schema) -> str | None:
 
 
 def _read_one(path: Path, schema: pa.Schema) -> _ReadPart:
+    def broken(problem: str) -> _ReadPart:
+        return _ReadPart(path, None, frozenset(), problem)
+
     try:
         if path.stat().st_size == 0:
-            return _ReadPart(path, None, frozenset(), "empty file (0 bytes)")
+            return broken("empty file (0 bytes)")
         table = pq.ParquetFile(path).read()
+    except FileNotFoundError:  # merged away by a live writer since the listing
+        return _ReadPart(path, None, frozenset(), problem=None)
     except (OSError, pa.ArrowException) as exc:
-        return _ReadPart(path, None, frozenset(), f"unreadable Parquet ({type(exc).__name__}: {exc})")
+        return broken(f"unreadable Parquet ({type(exc).__name__}: {exc})")
     problem = _schema_problem(table.schema, schema)
     if problem:
-        return _ReadPart(path, None, frozenset(), problem)
+        return broken(problem)
     metadata = table.schema.metadata or {}
-    replaces = frozenset(json.loads(metadata[_REPLACES_KEY])) if _REPLACES_KEY in metadata else frozenset()
-    return _ReadPart(path, table.select(schema.names).cast(schema), replaces, None)
+    try:
+        replaces = frozenset(json.loads(metadata[_REPLACES_KEY])) if _REPLACES_KEY in metadata else frozenset()
+        table = table.select(schema.names).cast(schema)
+    except (ValueError, TypeError, pa.ArrowException) as exc:
+        return broken(f"unusable part metadata or columns ({type(exc).__name__}: {exc})")
+    return _ReadPart(path, table, replaces, None)
 
 
 @dataclass(frozen=True)
@@ -157,20 +168,34 @@ class PartSet:
         return pa.concat_tables([table for _, table in self.tables])
 
 
-def scan_parts(directory: Path, schema: pa.Schema, paths: Iterable[Path] | None = None) -> PartSet:
-    """Read every part of `directory` (or just `paths`), sorting out superseded and corrupt ones."""
-    targets = list_parts(directory) if paths is None else sorted(paths)
-    with ThreadPoolExecutor(_READ_THREADS) as pool:
-        read = list(pool.map(lambda path: _read_one(path, schema), targets))
-    replaced = set().union(*(part.replaces for part in read))
+def scan_parts(directory: Path, schema: pa.Schema) -> PartSet:
+    """Read every part of `directory`, sorting out superseded and corrupt ones.
+
+    A live writer (a `status` during a run) may merge parts while they are read. A merged part is
+    published before its inputs are removed, so listing again until nothing new shows up finds
+    the merged part of every input that vanished; superseded parts are then skipped as usual.
+    """
+    read: dict[Path, _ReadPart] = {}
+    for listing in range(_MAX_LISTINGS):
+        new = [path for path in list_parts(directory) if path not in read]
+        with ThreadPoolExecutor(_READ_THREADS) as pool:
+            read.update((part.path, part) for part in pool.map(lambda path: _read_one(path, schema), new))
+        replaced = set().union(*(part.replaces for part in read.values()))
+        unexplained = any(p.table is None and not p.problem and p.path.name not in replaced for p in read.values())
+        if not unexplained and (not new or listing >= _RESCANS):
+            break
     tables, superseded, corrupt = [], [], []
-    for part in read:
+    for path in sorted(read):
+        part = read[path]
         if part.problem is not None:
-            corrupt.append(CorruptPart(part.path, part.problem))
-        elif part.path.name in replaced:
-            superseded.append(part.path)
+            corrupt.append(CorruptPart(path, part.problem))
+        elif path.name in replaced:
+            if part.table is not None:
+                superseded.append(path)
+        elif part.table is None:
+            corrupt.append(CorruptPart(path, "removed while being read, and no part replacing it was found"))
         else:
-            tables.append((part.path, part.table.replace_schema_metadata(None)))
+            tables.append((path, part.table.replace_schema_metadata(None)))
     return PartSet(tables, superseded, corrupt)
 
 
@@ -180,22 +205,32 @@ def read_parts(directory: Path, schema: pa.Schema) -> tuple[pa.Table, list[Corru
     return parts.concat(schema), parts.corrupt
 
 
-def merge_parts(directory: Path, schema: pa.Schema, paths: Sequence[Path] | None = None) -> Path | None:
-    """Replace several parts (default: all of `directory`'s) by one, keeping every row and its order.
+def replace_parts(directory: Path, merged: pa.Table, obsolete: Sequence[Path]) -> Path:
+    """Publish `merged` (the rows of `obsolete`, in order), then delete `obsolete`.
 
-    The merged part is published before any input is removed; if the process dies in between, the
-    inputs are superseded (skipped by readers) and the next merge deletes them. Corrupt parts are
-    left where they are, so they keep being reported until someone looks at them. Returns the
-    merged part, or None when there was nothing to merge.
+    If the process dies in between, the obsolete parts are superseded (skipped by readers) and the
+    next merge deletes them.
     """
-    parts = scan_parts(directory, schema, paths)
-    merged = None
-    obsolete = list(parts.superseded)
-    if len(parts.tables) > 1:
-        obsolete += [path for path, _ in parts.tables]
-        merged = write_part(directory, parts.concat(schema), replaces=[path.name for path in obsolete])
-    for path in obsolete:
+    part = write_part(directory, merged, replaces=[path.name for path in obsolete])
+    _remove(directory, obsolete)
+    return part
+
+
+def _remove(directory: Path, paths: Sequence[Path]) -> None:
+    for path in paths:
         path.unlink(missing_ok=True)
-    if obsolete:
+    if paths:
         fsync_directory(directory)
-    return merged
+
+
+def merge_parts(directory: Path, schema: pa.Schema) -> Path | None:
+    """Replace all of `directory`'s parts by one, keeping every row and its order.
+
+    Corrupt parts are left where they are, so they keep being reported until someone looks at
+    them. Returns the merged part, or None when there was nothing to merge.
+    """
+    parts = scan_parts(directory, schema)
+    if len(parts.tables) <= 1:
+        _remove(directory, parts.superseded)
+        return None
+    return replace_parts(directory, parts.concat(schema), [path for path, _ in parts.tables] + parts.superseded)

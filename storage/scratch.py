@@ -97,7 +97,8 @@ def ensure_offload_root(offload_root: Path) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     marker = root / ROOT_MARKER
     if not marker.is_file():
-        if any(entry.name != ROOT_MARKER for entry in os.scandir(root)):
+        # another worker may have just marked the root and started a task: re-check before refusing
+        if any(entry.name != ROOT_MARKER for entry in os.scandir(root)) and not marker.is_file():
             raise _not_a_kvbatch_root(offload_root)
         marker.write_text(f"kvbatch offload root, created {time.ctime()} on {socket.gethostname()}\n")
     return root

@@ -121,7 +121,7 @@ def test_load_state_reports_corrupt_parts_and_keeps_going(tmp_path: Path) -> Non
     (tmp_path / EVENTS_DIR).mkdir()
     (tmp_path / EVENTS_DIR / "part-00000000000000000001-bad.parquet").write_bytes(b"")
     state = load_state(tmp_path)
-    assert state.done_doc_ids == {"a"}
+    assert state.done_task_ids == {"t-a"}
     assert sorted(c.path.parent.name for c in state.corrupt) == [EVENTS_DIR, RESULTS_DIR]
 
 
@@ -148,9 +148,9 @@ def test_dedup_keeps_first_done_else_latest_row(tmp_path: Path) -> None:
         "c": ("rejected", None, "empty text"),
         "d": ("done", "d summary", None),
     }
-    assert state.done_doc_ids == {"a", "d"}
-    assert state.failed_doc_ids == {"b"}
-    assert state.rejected_doc_ids == {"c"}
+    assert state.done_task_ids == {"t-a", "t-d"}
+    assert state.failed_task_ids == {"t-b"}
+    assert state.rejected_task_ids == {"t-c"}
     assert state.duplicate_results == 4
     assert state.results.column("doc_id").to_pylist() == ["a", "c", "b", "d"]  # winning rows in write order
 
@@ -177,7 +177,7 @@ def test_dedup_matches_reference_for_any_history(rows: list[tuple[str, str]], pa
             start += size
         state = load_state(Path(job))
     assert {doc: int(summary) for doc, (_, summary, _) in summaries_by_doc(state).items()} == expected
-    assert state.done_doc_ids == {doc for doc, i in expected.items() if rows[i][1] == "done"}
+    assert state.done_task_ids == {f"t-{doc}" for doc, i in expected.items() if rows[i][1] == "done"}
 
 
 # --- the log's batching ---------------------------------------------------------------------------
@@ -191,10 +191,10 @@ def test_log_flushes_every_n_rows_and_on_close(tmp_path: Path) -> None:
     assert load_state(tmp_path).results.num_rows == 0
     log.add_event(event("t2", "running"))
     state = load_state(tmp_path)
-    assert state.done_doc_ids == {"d1"} and state.events.num_rows == 3
+    assert state.done_task_ids == {"t-d1"} and state.events.num_rows == 3
     log.add_result(result("d2"))
     log.close()
-    assert load_state(tmp_path).done_doc_ids == {"d1", "d2"}
+    assert load_state(tmp_path).done_task_ids == {"t-d1", "t-d2"}
     with pytest.raises(RuntimeError, match="closed"):
         log.add_result(result("d3"))
 
@@ -204,9 +204,9 @@ def test_log_flushes_after_the_interval_without_more_rows(tmp_path: Path) -> Non
         log.add_result(result("d1"))
         assert load_state(tmp_path).results.num_rows == 0
         deadline = time.monotonic() + 10
-        while not load_state(tmp_path).done_doc_ids and time.monotonic() < deadline:
+        while not load_state(tmp_path).done_task_ids and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert load_state(tmp_path).done_doc_ids == {"d1"}
+        assert load_state(tmp_path).done_task_ids == {"t-d1"}
 
 
 def test_log_is_safe_across_threads(tmp_path: Path) -> None:
@@ -224,7 +224,7 @@ def test_log_is_safe_across_threads(tmp_path: Path) -> None:
         for thread in threads:
             thread.join()
     state = load_state(tmp_path)
-    assert len(state.done_doc_ids) == 800 and state.duplicate_results == 0 and state.events.num_rows == 800
+    assert len(state.done_task_ids) == 800 and state.duplicate_results == 0 and state.events.num_rows == 800
     for w in range(4):  # each worker's rows keep their order
         mine = [d for d in state.results.column("doc_id").to_pylist() if d.startswith(f"w{w}-")]
         assert mine == [f"w{w}-{i}" for i in range(200)]
@@ -239,6 +239,32 @@ def test_log_merges_its_parts_while_running(tmp_path: Path) -> None:
     assert load_state(tmp_path).results.column("doc_id").to_pylist() == [f"d{i}" for i in range(50)]
 
 
+def test_reading_while_a_live_writer_merges_gives_consistent_views(tmp_path: Path) -> None:
+    """`kvbatch status` during a run: parts merged away mid-read are neither lost, doubled nor 'corrupt'."""
+    writer = Child(
+        """
+        import sys
+        from jobs.schema import RESULT_SCHEMA, empty_row
+        from storage.checkpoint import CheckpointLog
+        with CheckpointLog(sys.argv[1], flush_every=1, merge_every=3) as log:
+            for i in range(600):
+                log.add_result({**empty_row(RESULT_SCHEMA), "doc_id": f"d{i}", "status": "done"})
+                if i == 10:
+                    print("writing", flush=True)
+        """,
+        str(tmp_path),
+    )
+    assert writer.read_line() == "writing"
+    seen = []
+    while writer.process.poll() is None:
+        state = load_state(tmp_path)
+        assert state.corrupt == [] and state.duplicate_results == 0
+        seen.append(len(state.done_task_ids))
+    writer.finish()
+    assert len(seen) > 3 and seen == sorted(seen)
+    assert len(load_state(tmp_path).done_task_ids) == 600
+
+
 def test_rows_that_do_not_fit_are_named_and_the_rest_is_written(tmp_path: Path) -> None:
     log = CheckpointLog(tmp_path, flush_every=100)
     with pytest.raises(CheckpointRowError, match=r"doc_id 'd1'.*unknown results column\(s\) \['sumary'\]"):
@@ -248,7 +274,7 @@ def test_rows_that_do_not_fit_are_named_and_the_rest_is_written(tmp_path: Path) 
     with pytest.raises(CheckpointRowError, match="1 results row.*doc_id 'bad'"):
         log.flush()
     log.close()
-    assert load_state(tmp_path).done_doc_ids == {"ok"}
+    assert load_state(tmp_path).done_task_ids == {"t-ok"}
 
 
 # --- compaction -------------------------------------------------------------------------------
@@ -303,26 +329,43 @@ def test_crash_between_publish_and_removal_leaves_no_duplicates(tmp_path: Path) 
     assert_same_state(tmp_path, before)
 
 
-def test_compaction_killed_at_any_moment_loses_nothing(tmp_path: Path) -> None:
-    write_job(tmp_path, 3000, flush_every=9)
+def kill_compaction_when(job: Path, moment) -> None:
+    """Run compact() in a child and SIGKILL it as soon as `moment(job)` is true."""
+    child = Child(
+        """
+        import sys
+        from storage.checkpoint import compact
+        print("start", flush=True)
+        compact(sys.argv[1])
+        """,
+        str(job),
+    )
+    try:
+        assert child.read_line() == "start"
+        deadline = time.monotonic() + 60
+        while not moment(job) and child.process.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.0005)
+        assert moment(job), "compaction finished before the moment to kill it came"
+    finally:
+        child.kill()
+
+
+def test_compaction_killed_at_each_step_loses_nothing(tmp_path: Path) -> None:
+    write_job(tmp_path, 2400, flush_every=9)
     before = load_state(tmp_path)
-    for delay in (0.0, 0.02, 0.05, 0.1, 0.2, 0.4):
-        child = Child(
-            """
-            import sys
-            from storage.checkpoint import compact
-            print("start", flush=True)
-            compact(sys.argv[1])
-            print("finished", flush=True)
-            """,
-            str(tmp_path),
-        )
-        try:
-            assert child.read_line() == "start"
-            time.sleep(delay)
-        finally:
-            child.kill()
+    originals = {d: set(list_parts(tmp_path / d)) for d in (RESULTS_DIR, EVENTS_DIR)}
+
+    def writing(directory: str):
+        return lambda job: bool(list_temp_files(job / directory))
+
+    def published(directory: str):
+        return lambda job: bool(set(list_parts(job / directory)) - originals[directory])
+
+    for moment in (writing(RESULTS_DIR), published(RESULTS_DIR), writing(EVENTS_DIR), published(EVENTS_DIR)):
+        kill_compaction_when(tmp_path, moment)
         assert_same_state(tmp_path, before)
+    assert len(list_parts(tmp_path / EVENTS_DIR)) > 1, "the last kill came after the inputs were removed"
+
     compact(tmp_path)
     assert len(list_parts(tmp_path / RESULTS_DIR)) == 1 and len(list_parts(tmp_path / EVENTS_DIR)) == 1
     assert_same_state(tmp_path, before)

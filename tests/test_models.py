@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import os
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers/huggingface_hub read it
-
 import re
 import subprocess
 import sys

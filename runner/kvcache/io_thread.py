@@ -37,11 +37,11 @@ class IOThread:
             self._stream.synchronize()
         return result
 
-    def adopt(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Hand a tensor made on the side stream to the compute stream (so its memory is not reused early)."""
+    def adopt(self, tensor: torch.Tensor) -> None:
+        """Mark a tensor made on the side stream as used by the caller's stream, so the allocator
+        does not hand its memory out again before that stream is done with it. Call on the compute thread."""
         if self._stream is not None:
             tensor.record_stream(torch.cuda.current_stream(self.device))
-        return tensor
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)

@@ -19,8 +19,8 @@ _SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int6
 
 
 def _bits(tensor: torch.Tensor) -> np.ndarray:
-    """A CPU tensor's bytes as a numpy array of integers of the same width (no copy)."""
-    return tensor.contiguous().view(_SAME_WIDTH_INT[tensor.element_size()]).numpy()
+    """A CPU tensor's bytes as a numpy array of integers of the same width, sharing its memory."""
+    return tensor.view(_SAME_WIDTH_INT[tensor.element_size()]).numpy()
 
 
 def _from_bits(values: np.ndarray, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
@@ -28,12 +28,14 @@ def _from_bits(values: np.ndarray, dtype: torch.dtype, shape: torch.Size) -> tor
 
 
 class Tier(Protocol):
+    keeps_blocks_in_ram: bool
     compression_ratio: float | None
     bytes_written: int
     bytes_read: int
 
     def seal(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> object: ...
     def load(self, payload: object, shape: torch.Size, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def load_into(self, payload: object, keys: torch.Tensor, values: torch.Tensor) -> None: ...
     def discard_from(self, payload: object) -> None: ...
     def close(self) -> None: ...
 
@@ -41,6 +43,7 @@ class Tier(Protocol):
 class HostTier:
     """Sealed blocks stay as host tensors (pinned on CUDA: they were the layer's RAM tail)."""
 
+    keeps_blocks_in_ram = True
     compression_ratio = None
     bytes_written = 0  # the host tier's traffic is the device<->host copies, counted by the layer store
     bytes_read = 0
@@ -51,6 +54,11 @@ class HostTier:
     def load(self, payload: object, shape: torch.Size, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         return payload  # type: ignore[return-value]
 
+    def load_into(self, payload: object, keys: torch.Tensor, values: torch.Tensor) -> None:
+        stored_keys, stored_values = payload  # type: ignore[misc]
+        keys.copy_(stored_keys)
+        values.copy_(stored_values)
+
     def discard_from(self, payload: object) -> None:
         pass
 
@@ -60,6 +68,8 @@ class HostTier:
 
 class DiskTier:
     """Sealed blocks are encoded once and appended to the layer's file in the offload dir."""
+
+    keeps_blocks_in_ram = False
 
     def __init__(self, directory: str | Path, codec: BlockCodec) -> None:
         self.store = KVBlockStore(directory, codec)
@@ -77,7 +87,10 @@ class DiskTier:
         return self.store.bytes_read
 
     def seal(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> object:
-        return self.store.append(layer_idx, _bits(keys)), self.store.append(layer_idx, _bits(values))
+        return (
+            self.store.append(layer_idx, _bits(keys.contiguous())),
+            self.store.append(layer_idx, _bits(values.contiguous())),
+        )
 
     def load(self, payload: object, shape: torch.Size, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         key_ref, value_ref = payload  # type: ignore[misc]
@@ -87,6 +100,12 @@ class DiskTier:
             _from_bits(self.store.read(key_ref, np_dtype), dtype, shape),
             _from_bits(self.store.read(value_ref, np_dtype), dtype, shape),
         )
+
+    def load_into(self, payload: object, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Decode straight into CPU windows of the layer's buffer: no intermediate copy."""
+        key_ref, value_ref = payload  # type: ignore[misc]
+        self.store.read_into(key_ref, _bits(keys))
+        self.store.read_into(value_ref, _bits(values))
 
     def discard_from(self, payload: object) -> None:
         key_ref: BlockRef = payload[0]  # type: ignore[index]

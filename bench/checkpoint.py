@@ -1,0 +1,104 @@
+"""Checkpoint cost of a large job: per-task write overhead, state-load time, bytes on disk.
+
+Writes what a run writes for each task (a "running" event, the result row, a "done" event)
+through CheckpointLog with the default flush settings, then loads the state the way `resume` does,
+before and after `compact`. Run: python bench/checkpoint.py [--tasks 100000] [--dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+from jobs.schema import EVENT_SCHEMA, RESULT_SCHEMA, empty_row
+from storage.checkpoint import EVENTS_DIR, RESULTS_DIR, CheckpointLog, compact, load_state
+from storage.parts import list_parts
+
+SUMMARY = "The document is a software licence that grants broad rights to use, copy and modify. " * 3
+
+
+def task_rows(i: int) -> tuple[dict, dict, dict]:
+    now = time.time()
+    task_id, doc_id = f"t{i:07d}", f"doc-{i:07d}"
+    running = {**empty_row(EVENT_SCHEMA), "task_id": task_id, "attempt": 1, "state": "running", "ts": now,
+               "worker": "worker-3", "context_tokens": 8192, "cache_strategy": "dynamic"}
+    result = {**empty_row(RESULT_SCHEMA), "doc_id": doc_id, "task_id": task_id, "summary": SUMMARY,
+              "status": "done", "attempts": 1, "input_tokens": 5000 + i % 3000, "output_tokens": 180,
+              "context_tokens": 8192, "chunks": 1, "cache_strategy": "dynamic", "fallbacks": [],
+              "ttft_s": 0.8, "decode_tokens_per_s": 41.5, "wall_s": 5.1, "peak_device_bytes": 2**30,
+              "peak_host_rss_bytes": 2**31, "kv_bytes": 180 * 2**20, "kv_resident_peak_bytes": 180 * 2**20,
+              "offload_bytes_written": 0, "offload_bytes_read": 0, "compression_ratio": None,
+              "worker": "worker-3", "model": "builtin:smollm2-135m", "finished_at": now,
+              "meta": json.dumps({"source": "bench", "n": i})}
+    done = {**running, "state": "done", "ts": now}
+    return running, result, done
+
+
+def write_tasks(job_dir: Path, rows: list[tuple[dict, dict, dict]], **settings: int) -> float:
+    """Seconds to checkpoint `rows` the way the coordinator does, close (final flush) included."""
+    start = time.perf_counter()
+    with CheckpointLog(job_dir, **settings) as log:
+        for running, result, done in rows:
+            log.add_event(running)
+            log.add_result(result)
+            log.add_event(done)
+    return time.perf_counter() - start
+
+
+def disk_usage(job_dir: Path) -> tuple[int, int]:
+    parts = list_parts(job_dir / EVENTS_DIR) + list_parts(job_dir / RESULTS_DIR)
+    return len(parts), sum(part.stat().st_size for part in parts)
+
+
+def timed_load(job_dir: Path, n_tasks: int) -> float:
+    start = time.perf_counter()
+    state = load_state(job_dir)
+    elapsed = time.perf_counter() - start
+    assert len(state.done_task_ids) == n_tasks and state.events.num_rows == 2 * n_tasks and not state.corrupt
+    return elapsed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tasks", type=int, default=100_000)
+    parser.add_argument("--unbatched-tasks", type=int, default=2_000,
+                        help="tasks for the flush_every=1 comparison (one part per row is slow)")
+    parser.add_argument("--dir", type=Path, default=None, help="where to write the job (default: a temp dir)")
+    args = parser.parse_args()
+
+    rows = [task_rows(i) for i in range(args.tasks)]  # built outside the timing: the run has them anyway
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        n_unbatched = min(args.unbatched_tasks, args.tasks)
+        unbatched_s = write_tasks(Path(tmp), rows[:n_unbatched], flush_every=1)
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        job_dir = Path(tmp)
+        write_s = write_tasks(job_dir, rows)
+        parts_before, bytes_before = disk_usage(job_dir)
+        load_before = timed_load(job_dir, args.tasks)
+
+        start = time.perf_counter()
+        compact(job_dir)
+        compact_s = time.perf_counter() - start
+        parts_after, bytes_after = disk_usage(job_dir)
+        load_after = timed_load(job_dir, args.tasks)
+
+    per_task_ms = write_s / args.tasks * 1e3
+    unbatched_ms = unbatched_s / n_unbatched * 1e3
+    print(f"{args.tasks:,} tasks, 3 rows each, CheckpointLog defaults (flush_every=32, flush_interval_s=5)")
+    print(f"{'':24}{'before compact':>16}{'after compact':>16}{'after/before':>14}")
+    print(f"{'parts on disk':24}{parts_before:>16,}{parts_after:>16,}{parts_after / parts_before:>14.3f}")
+    print(f"{'bytes on disk':24}{bytes_before:>16,}{bytes_after:>16,}{bytes_after / bytes_before:>14.3f}")
+    print(f"{'state load (s)':24}{load_before:>16.3f}{load_after:>16.3f}{load_after / load_before:>14.3f}")
+    print(f"checkpoint overhead per task: {per_task_ms:.3f} ms (target well under 1 ms; "
+          f"{write_s:.1f} s for all tasks)")
+    print(f"  vs one part per row (flush_every=1, {n_unbatched:,} tasks): {unbatched_ms:.3f} ms per task; "
+          f"batched/unbatched = {per_task_ms / unbatched_ms:.3f}")
+    print(f"compaction: {compact_s:.2f} s; state load target < 3 s: "
+          f"{'met' if max(load_before, load_after) < 3 else 'MISSED'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,175 @@
+"""KV offload cost on SmolLM2-135M: every cache strategy side by side on the same real text.
+
+For each context length (GPL-3 text, repeated) and strategy it runs one greedy generate() the way
+a worker does (prefill in chunks, then decode) and reports prefill time, decode tokens/s and its
+ratio to `dynamic`, resident KV peak, bytes moved per decode step (vs one full KV), the time one
+read pass over every offloaded layer takes with no compute (what prefetch must hide), the
+compression ratio, and whether the tokens match `dynamic`. Then the codec alone on the real KV:
+shuffled zstd vs plain zstd, ratio and MB/s.
+
+Run: python bench/offload.py [--device cpu|cuda] [--contexts 2048,4096,8192] [--new-tokens 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from jobs.config import CacheConfig, ModelConfig, SummarizeConfig
+from jobs.kvplan import kv_bytes
+from runner.generation import generate_once
+from runner.kvcache import TieredCache, build_cache, kv_shape
+from runner.models import LoadedModel, load_model
+from storage.kvblocks import BlockCodec
+
+TEXT = Path("/usr/share/common-licenses/GPL-3")
+MiB = 1 << 20
+STRATEGIES = ["dynamic", "tiered-host", "tiered-disk:zstd", "tiered-disk:none"]
+
+
+@dataclass
+class Run:
+    context: int
+    strategy: str
+    prefill_s: float
+    decode_step_s: float
+    new_tokens: list[int]
+    stats: dict[str, Any]
+    read_pass_s: float | None
+    device_peak_bytes: int | None
+
+
+def real_prompt(loaded: LoadedModel, tokens: int) -> list[int]:
+    text = TEXT.read_text(encoding="utf-8")
+    ids: list[int] = []
+    while len(ids) < tokens:
+        ids += loaded.tokenizer(text, add_special_tokens=False).input_ids
+    return ids[:tokens]
+
+
+def run_one(loaded: LoadedModel, strategy: str, prompt: list[int], args: argparse.Namespace, scratch: Path) -> Run:
+    name, _, compression = strategy.partition(":")
+    cache_cfg = CacheConfig(block_tokens=args.block_tokens, compression=compression or "zstd", zstd_level=1)
+    settings = SummarizeConfig(max_new_tokens=args.new_tokens, prefill_chunk_size=args.prefill_chunk)
+    offload_dir = scratch / f"{name}-{compression}-{len(prompt)}"
+    cuda = loaded.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        baseline = torch.cuda.memory_allocated()
+    with build_cache(name, loaded.model, cache_cfg, offload_dir, None) as handle:
+        out = generate_once(loaded, prompt, args.new_tokens, settings, handle.generate_kwargs)
+        device_peak = torch.cuda.max_memory_allocated() - baseline if cuda else None
+        stats = handle.stats()
+        cache = handle.generate_kwargs.get("past_key_values")
+        extra = cache.stats() if cache is not None else {}
+        stats.update({k: extra.get(k) for k in ("bytes_moved_per_decode_step",)})
+        read_pass = cache.time_read_pass() if isinstance(cache, TieredCache) else None
+        if name == "dynamic":
+            stats["_real_kv"] = [(layer.keys, layer.values) for layer in cache.layers]
+    decode_steps = max(len(out.tokens) - 1, 1)
+    return Run(len(prompt), strategy, out.ttft_s, out.decode_s / decode_steps, out.tokens, stats, read_pass,
+               device_peak)
+
+
+def codec_rows(real_kv: list[tuple[torch.Tensor, torch.Tensor]], block_tokens: int) -> list[str]:
+    """The codec alone on the real KV, cut into blocks as the disk tier cuts it."""
+    width = {2: np.int16, 4: np.int32}[real_kv[0][0].element_size()]
+    blocks = []
+    for keys, values in real_kv:
+        for tensor in (keys, values):
+            bits = tensor.detach().cpu().contiguous().view(getattr(torch, np.dtype(width).name)).numpy()
+            for start in range(0, bits.shape[-2] - block_tokens + 1, block_tokens):
+                blocks.append(np.ascontiguousarray(bits[:, :, start : start + block_tokens]))
+    raw = sum(b.nbytes for b in blocks)
+    lines = []
+    for label, codec in (("zstd-1 + byte-plane shuffle", BlockCodec("zstd", 1, True)),
+                         ("zstd-1 plain", BlockCodec("zstd", 1, False))):
+        start = time.perf_counter()
+        payloads = [codec.encode(b) for b in blocks]
+        encode_s = time.perf_counter() - start
+        start = time.perf_counter()
+        for payload, block in zip(payloads, blocks):
+            codec.decode(payload, block.dtype)
+        decode_s = time.perf_counter() - start
+        ratio = raw / sum(len(p) for p in payloads)
+        lines.append(f"{label:<28} ratio {ratio:5.3f}  compress {raw / encode_s / 1e6:7.0f} MB/s  "
+                     f"decompress {raw / decode_s / 1e6:7.0f} MB/s  ({len(blocks)} blocks, {raw / MiB:.0f} MiB)")
+    return lines
+
+
+def fmt(value: float | None, width: int, spec: str) -> str:
+    return ("n/a" if value is None else format(value, spec)).rjust(width)
+
+
+def print_table(runs: list[Run], full_kv: dict[int, int]) -> None:
+    header = (f"{'ctx':>5} {'strategy':<17} {'prefill s':>9} {'tok/s':>7} {'x dyn':>6} {'resident MiB':>12} "
+              f"{'KV MiB':>7} {'moved/step MiB':>14} {'x KV':>5} {'read-pass ms':>12} {'step/max':>8} "
+              f"{'compr':>6} {'same':>5}")
+    if any(r.device_peak_bytes is not None for r in runs):
+        header += f" {'dev peak MiB':>12}"
+    print(header)
+    dynamic = {r.context: r for r in runs if r.strategy == "dynamic"}
+    for r in runs:
+        base = dynamic[r.context]
+        moved = r.stats.get("bytes_moved_per_decode_step")
+        step_vs_bound = None
+        if r.read_pass_s is not None:
+            step_vs_bound = r.decode_step_s / max(base.decode_step_s, r.read_pass_s)
+        line = (f"{r.context:>5} {r.strategy:<17} {r.prefill_s:>9.2f} {1 / r.decode_step_s:>7.2f} "
+                f"{base.decode_step_s / r.decode_step_s:>6.2f} "
+                f"{fmt(r.stats['kv_resident_peak_bytes'] and r.stats['kv_resident_peak_bytes'] / MiB, 12, '.1f')} "
+                f"{full_kv[r.context] / MiB:>7.1f} {fmt(moved and moved / MiB, 14, '.1f')} "
+                f"{fmt(moved and moved / full_kv[r.context], 5, '.2f')} "
+                f"{fmt(r.read_pass_s and r.read_pass_s * 1e3, 12, '.1f')} {fmt(step_vs_bound, 8, '.2f')} "
+                f"{fmt(r.stats['compression_ratio'], 6, '.3f')} {str(r.new_tokens == base.new_tokens):>5}")
+        if r.device_peak_bytes is not None:
+            line += f" {r.device_peak_bytes / MiB:>12.1f}"
+        print(line, flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="bfloat16", help="model dtype; the KV has the same one")
+    parser.add_argument("--contexts", default="2048,4096,8192")
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--block-tokens", type=int, default=512)
+    parser.add_argument("--prefill-chunk", type=int, default=512)
+    parser.add_argument("--offload-root", type=Path, default=None, help="fast local disk for the disk tier")
+    args = parser.parse_args()
+
+    loaded = load_model(ModelConfig(name="builtin:smollm2-135m", dtype=args.dtype, device=args.device))
+    strategies = STRATEGIES + (["offloaded"] if loaded.device.type == "cuda" else [])
+    shape = kv_shape(loaded.model.config, loaded.dtype)
+    print(f"SmolLM2-135M on {loaded.device} ({loaded.dtype}), {torch.get_num_threads()} threads; "
+          f"{args.new_tokens} new tokens, blocks of {args.block_tokens}, prefill chunks of {args.prefill_chunk}")
+    runs: list[Run] = []
+    full_kv: dict[int, int] = {}
+    with tempfile.TemporaryDirectory(dir=args.offload_root, prefix="kvbench-") as scratch:
+        for context in (int(c) for c in args.contexts.split(",")):
+            prompt = real_prompt(loaded, context)
+            full_kv[context] = kv_bytes(shape, context + args.new_tokens - 1)
+            for strategy in strategies:
+                runs.append(run_one(loaded, strategy, prompt, args, Path(scratch)))
+                print(f"  done: {context} tokens, {strategy}", flush=True)
+    print()
+    print_table(runs, full_kv)
+    print("\nx dyn: decode tokens/s over dynamic's. moved/step: device<->host bytes per decode step (x KV: over "
+          "one full KV).\nstep/max: decode step over max(dynamic's compute-only step, read-pass), 1.0 = I/O "
+          "fully hidden.\n")
+    real_kv = next(r.stats["_real_kv"] for r in reversed(runs) if r.strategy == "dynamic")
+    print(f"codec on the real {loaded.dtype} KV of the {runs[-1].context}-token run:")
+    for line in codec_rows(real_kv, args.block_tokens):
+        print("  " + line)
+
+
+if __name__ == "__main__":
+    main()

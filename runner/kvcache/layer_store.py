@@ -1,0 +1,227 @@
+"""One layer's authoritative KV off the device: sealed full blocks in a tier, plus a RAM tail.
+
+New tokens are copied off the device once, into the tail; a full tail is sealed (handed to the
+tier on the IO thread) and never rewritten. Beam reorders and batch changes do not move block
+data: each block keeps a row map (logical batch row -> stored row) applied when it is read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import torch
+
+from runner.kvcache.io_thread import IOThread
+from runner.kvcache.tiers import Tier
+
+
+@dataclass
+class Traffic:
+    """Bytes moved between the device and host RAM, and how much of it the decode steps took."""
+
+    device_to_host: int = 0
+    host_to_device: int = 0
+    decode_steps: int = 0
+    decode_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class SealedBlock:
+    stored_shape: torch.Size  # (batch as stored, heads, block_tokens, head_dim)
+    payload: Future[object]  # what the tier returned; ready once the IO thread sealed it
+    rows: torch.Tensor | None = None  # logical batch row -> stored row; None while they are the same
+
+
+@dataclass
+class Resident:
+    """A layer's old tokens on the device, in buffers with room for `capacity - length` new ones."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    length: int
+
+    @property
+    def capacity(self) -> int:
+        return self.keys.shape[-2]
+
+
+@dataclass(frozen=True)
+class _Snapshot:
+    """What a background read needs, frozen at submission (the layer may change afterwards)."""
+
+    blocks: tuple[SealedBlock, ...]
+    tail_keys: torch.Tensor | None
+    tail_values: torch.Tensor | None
+    tail_len: int
+    seq_len: int
+    batch: int
+    copies_done: torch.cuda.Event | None
+
+
+class LayerStore:
+    def __init__(
+        self, layer_idx: int, like: torch.Tensor, tier: Tier, io: IOThread, block_tokens: int, traffic: Traffic
+    ) -> None:
+        self.layer_idx = layer_idx
+        self.tier = tier
+        self.io = io
+        self.block_tokens = block_tokens
+        self.traffic = traffic
+        self.batch, self.heads, _, self.head_dim = like.shape
+        self.dtype = like.dtype
+        self.device = like.device
+        self.pinned = like.device.type == "cuda"
+        self.blocks: list[SealedBlock] = []
+        self.tail_keys: torch.Tensor | None = None
+        self.tail_values: torch.Tensor | None = None
+        self.tail_len = 0
+        self.seq_len = 0
+        self._copies_done: torch.cuda.Event | None = None
+
+    @property
+    def token_bytes(self) -> int:
+        """Keys + values of one token of every batch row."""
+        return 2 * self.batch * self.heads * self.head_dim * self.dtype.itemsize
+
+    @property
+    def host_bytes(self) -> int:
+        """Host RAM this layer holds: the tail, plus the sealed blocks when the tier keeps them in RAM."""
+        in_ram = len(self.blocks) if self.tier.keeps_blocks_in_ram else 0
+        tail = 1 if self.tail_keys is not None else 0
+        return (in_ram + tail) * self.block_tokens * self.token_bytes
+
+    def resident_bytes(self, extra_tokens: int) -> int:
+        return (self.seq_len + extra_tokens) * self.token_bytes
+
+    # --- writing -------------------------------------------------------------------------------
+
+    def _new_tail(self) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (self.batch, self.heads, self.block_tokens, self.head_dim)
+        return tuple(torch.empty(shape, dtype=self.dtype, pin_memory=self.pinned) for _ in range(2))  # type: ignore[return-value]
+
+    def _mark_copies(self) -> torch.cuda.Event | None:
+        """On CUDA the tail is filled by asynchronous copies; readers wait for this event."""
+        if not self.pinned:
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        self._copies_done = event
+        return event
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Copy only the new tokens off the device, sealing each tail that fills up."""
+        new = keys.shape[-2]
+        done = 0
+        while done < new:
+            if self.tail_keys is None:
+                self.tail_keys, self.tail_values = self._new_tail()
+            n = min(new - done, self.block_tokens - self.tail_len)
+            window = slice(self.tail_len, self.tail_len + n)
+            self.tail_keys[:, :, window].copy_(keys[:, :, done : done + n], non_blocking=self.pinned)
+            self.tail_values[:, :, window].copy_(values[:, :, done : done + n], non_blocking=self.pinned)
+            self.tail_len += n
+            done += n
+            if self.tail_len == self.block_tokens:
+                self._seal_tail()
+        self.seq_len += new
+        self.traffic.device_to_host += keys.nbytes + values.nbytes
+        self._mark_copies()
+
+    def _seal_tail(self) -> None:
+        keys, values, copies_done = self.tail_keys, self.tail_values, self._mark_copies()
+        payload = self.io.submit(self._seal, keys, values, copies_done)
+        self.blocks.append(SealedBlock(keys.shape, payload))
+        self.tail_keys = self.tail_values = None
+        self.tail_len = 0
+
+    def _seal(self, keys: torch.Tensor, values: torch.Tensor, copies_done: torch.cuda.Event | None) -> object:
+        if copies_done is not None:
+            copies_done.synchronize()
+        return self.tier.seal(self.layer_idx, keys, values)
+
+    # --- reading -------------------------------------------------------------------------------
+
+    def _snapshot(self) -> _Snapshot:
+        return _Snapshot(
+            tuple(self.blocks), self.tail_keys, self.tail_values, self.tail_len, self.seq_len, self.batch,
+            self._copies_done,
+        )
+
+    def load_async(self, extra_tokens: int) -> Future[Resident]:
+        """Start bringing the layer to the device on the IO thread, with room for `extra_tokens`."""
+        return self.io.submit(self._materialize, self._snapshot(), extra_tokens)
+
+    def load(self, extra_tokens: int) -> Resident:
+        return self.io.run(self._materialize, self._snapshot(), extra_tokens)
+
+    def _read_block(self, block: SealedBlock) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = self.tier.load(block.payload.result(), block.stored_shape, self.dtype)
+        if block.rows is not None:
+            keys, values = keys.index_select(0, block.rows), values.index_select(0, block.rows)
+        return keys, values
+
+    def _materialize(self, snap: _Snapshot, extra_tokens: int) -> Resident:
+        shape = (snap.batch, self.heads, snap.seq_len + extra_tokens, self.head_dim)
+        keys = torch.empty(shape, dtype=self.dtype, device=self.device)
+        values = torch.empty(shape, dtype=self.dtype, device=self.device)
+        if snap.copies_done is not None:
+            snap.copies_done.synchronize()
+        for i, block in enumerate(snap.blocks):
+            window = slice(i * self.block_tokens, (i + 1) * self.block_tokens)
+            if self.device.type == "cpu" and block.rows is None:
+                self.tier.load_into(block.payload.result(), keys[:, :, window], values[:, :, window])
+                continue
+            block_keys, block_values = self._read_block(block)
+            keys[:, :, window].copy_(block_keys, non_blocking=True)
+            values[:, :, window].copy_(block_values, non_blocking=True)
+        if snap.tail_len:
+            window = slice(snap.seq_len - snap.tail_len, snap.seq_len)
+            keys[:, :, window].copy_(snap.tail_keys[:, :, : snap.tail_len], non_blocking=True)
+            values[:, :, window].copy_(snap.tail_values[:, :, : snap.tail_len], non_blocking=True)
+        self.traffic.host_to_device += snap.seq_len * self.token_bytes
+        return Resident(keys, values, snap.seq_len)
+
+    # --- reshaping (callers settle any pending read of this layer first) -----------------------
+
+    def _wait_copies(self) -> None:
+        if self._copies_done is not None:
+            self._copies_done.synchronize()
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """New batch row i is old row rows[i]: beam reorder, repeat-interleave and selection alike."""
+        rows = rows.to("cpu")
+        self._wait_copies()
+        self.blocks = [
+            dataclasses.replace(b, rows=rows.clone() if b.rows is None else b.rows.index_select(0, rows))
+            for b in self.blocks
+        ]
+        self.batch = rows.numel()
+        if self.tail_keys is not None:
+            old_keys, old_values = self.tail_keys, self.tail_values
+            self.tail_keys, self.tail_values = self._new_tail()
+            torch.index_select(old_keys, 0, rows, out=self.tail_keys)
+            torch.index_select(old_values, 0, rows, out=self.tail_values)
+
+    def crop(self, tokens: int) -> None:
+        """Forget the last `tokens` tokens; a block cut in two comes back as the tail."""
+        keep = max(self.seq_len - tokens, 0)
+        sealed = len(self.blocks) * self.block_tokens
+        self._wait_copies()
+        if keep >= sealed:
+            self.tail_len = keep - sealed
+        else:
+            first_dropped, partial = divmod(keep, self.block_tokens)
+            dropped = self.blocks[first_dropped]
+            self.tail_keys = self.tail_values = None
+            self.tail_len = 0
+            if partial:
+                keys, values = self.io.run(self._read_block, dropped)
+                self.tail_keys, self.tail_values = self._new_tail()
+                self.tail_keys[:, :, :partial].copy_(keys[:, :, :partial])
+                self.tail_values[:, :, :partial].copy_(values[:, :, :partial])
+                self.tail_len = partial
+            self.io.run(self.tier.discard_from, dropped.payload.result())
+            del self.blocks[first_dropped:]
+        self.seq_len = keep

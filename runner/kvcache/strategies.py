@@ -1,0 +1,121 @@
+"""From `cache.strategy` to what one `generate()` call needs: the cache, its stats, its cleanup.
+
+The worker resolves the budgets once, asks `jobs.kvplan.plan_rungs` for the rungs to try, and
+builds one `CacheHandle` per attempt; a `torch.OutOfMemoryError` (real, or the budget guard's)
+moves it to the next rung.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+from transformers import PretrainedConfig, PreTrainedModel
+
+from jobs.config import CacheConfig, ConfigError
+from jobs.kvplan import CUDA_ONLY, KVShape, check_strategy
+from runner.kvcache.dynamic import BudgetedDynamicCache
+from runner.kvcache.tiered import TieredCache
+
+STAT_KEYS = ("kv_bytes", "kv_resident_peak_bytes", "offload_bytes_written", "offload_bytes_read", "compression_ratio")
+
+CUDA_SAFETY_MARGIN = 0.10
+"""Share of a GPU's memory left for activations and the allocator when the device budget is auto."""
+CUDA_MIN_MARGIN_BYTES = 1 << 30
+RAM_SHARE = 0.5
+"""Share of the currently available RAM a task's KV may take when a budget is auto on the host."""
+
+
+@dataclass
+class CacheHandle:
+    """What the worker needs for one generate() call with one cache strategy."""
+
+    strategy: str
+    generate_kwargs: dict[str, Any]
+    _stats: Callable[[], dict[str, Any]] = field(repr=False)
+    _close: Callable[[], None] = field(repr=False)
+
+    def stats(self) -> dict[str, Any]:
+        """The result row's cache columns (None where the strategy cannot tell)."""
+        raw = self._stats()
+        return {key: raw.get(key) for key in STAT_KEYS}
+
+    def close(self) -> None:
+        self._close()
+
+    def __enter__(self) -> "CacheHandle":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def kv_shape(model_config: PretrainedConfig, dtype: torch.dtype | None = None) -> KVShape:
+    """The planner's view of a model; `dtype` defaults to the config's (float32 when it has none)."""
+    text = model_config.get_text_config(decoder=True)
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    if dtype is None:
+        configured = getattr(text, "dtype", None) or getattr(model_config, "dtype", None)
+        dtype = getattr(torch, configured) if isinstance(configured, str) else configured or torch.float32
+    return KVShape(
+        num_layers=text.num_hidden_layers,
+        num_kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+        head_dim=head_dim,
+        dtype_bytes=dtype.itemsize,
+    )
+
+
+def resolve_budgets(cache_cfg: CacheConfig, device: torch.device) -> tuple[int, int]:
+    """(device, host) KV budgets in bytes; `auto` reads what this machine has free right now."""
+    available_ram = int(psutil.virtual_memory().available * RAM_SHARE)
+    host = available_ram if cache_cfg.host_kv_budget_bytes == "auto" else cache_cfg.host_kv_budget_bytes
+    if cache_cfg.device_kv_budget_bytes != "auto":
+        return cache_cfg.device_kv_budget_bytes, host
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        margin = max(int(total * CUDA_SAFETY_MARGIN), CUDA_MIN_MARGIN_BYTES)
+        return max(free - margin, 0), host
+    return available_ram, host
+
+
+def build_cache(
+    strategy: str,
+    model: PreTrainedModel,
+    cache_cfg: CacheConfig,
+    offload_dir: Path | None,
+    device_budget_bytes: int | None,
+    host_budget_bytes: int | None = None,
+) -> CacheHandle:
+    """A fresh cache for one generate() call; `offload_dir` is the task's scratch dir (disk tier)."""
+    check_strategy(strategy)
+    if strategy == "dynamic":
+        cache = BudgetedDynamicCache(model.config, device_budget_bytes)
+        return CacheHandle(strategy, {"past_key_values": cache}, cache.stats, cache.close)
+    if strategy in ("tiered-host", "tiered-disk"):
+        tier = "host" if strategy == "tiered-host" else "disk"
+        if tier == "disk" and offload_dir is None:
+            raise ValueError("cache strategy tiered-disk needs the task's offload dir (cache.offload_root)")
+        tiered = TieredCache(
+            model.config,
+            tier=tier,
+            offload_dir=offload_dir,
+            block_tokens=cache_cfg.block_tokens,
+            compression=cache_cfg.compression,
+            zstd_level=cache_cfg.zstd_level,
+            shuffle=cache_cfg.shuffle,
+            device_budget_bytes=device_budget_bytes,
+            host_budget_bytes=host_budget_bytes,
+        )
+        return CacheHandle(strategy, {"past_key_values": tiered}, tiered.stats, tiered.close)
+    if strategy in CUDA_ONLY and model.device.type != "cuda":
+        raise ConfigError(
+            f"cache.strategy {strategy!r} is transformers' own offloading, which needs a CUDA device; "
+            f"this model runs on {model.device.type}: use tiered-host or tiered-disk instead"
+        )
+    # transformers' own `cache_implementation` values: generate() builds that cache itself
+    return CacheHandle(strategy, {"cache_implementation": strategy}, dict, lambda: None)

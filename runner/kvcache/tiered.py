@@ -1,0 +1,351 @@
+"""TieredCache: a transformers `Cache` whose full-attention layers live off the device.
+
+During a forward pass layer i is on the device while the IO thread brings layer i+1 there; the
+authoritative copy of every layer is in host RAM (`tier="host"`) or in block files in the task's
+offload dir (`tier="disk"`). Sliding-window layers are bounded by their window and stay resident
+as transformers' own `DynamicSlidingWindowLayer`.
+
+    with TieredCache(model.config, tier="disk", offload_dir=scratch) as cache:
+        out = model.generate(**inputs, past_key_values=cache, max_new_tokens=256)
+        print(cache.stats())
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from transformers import PretrainedConfig
+from transformers.cache_utils import (
+    Cache,
+    CacheLayerMixin,
+    DummyLayer,
+    DynamicSlidingWindowLayer,
+    get_layer_types_and_kwargs,
+)
+
+from runner.kvcache.budget import ResidentMeter
+from runner.kvcache.io_thread import IOThread
+from runner.kvcache.layer_store import LayerStore, Resident, Traffic
+from runner.kvcache.tiers import DiskTier, HostTier, Tier
+from storage.kvblocks import BlockCodec, Compression
+
+TierName = Literal["host", "disk"]
+_WINDOWED = ("sliding_attention", "chunked_attention")
+
+
+class _Shared:
+    """What the layers of one TieredCache share: the tier, the IO thread, the meters, the counters."""
+
+    def __init__(self, tier: Tier, block_tokens: int, device_meter: ResidentMeter, host_meter: ResidentMeter) -> None:
+        self.tier = tier
+        self.block_tokens = block_tokens
+        self.device_meter = device_meter
+        self.host_meter = host_meter
+        self.traffic = Traffic()
+        self._io: IOThread | None = None
+
+    def io(self, device: torch.device) -> IOThread:
+        if self._io is None:
+            self._io = IOThread(device)
+        return self._io
+
+    def drain(self) -> None:
+        """Wait for every queued seal and read, so sizes and counters are final."""
+        if self._io is not None:
+            self._io.run(lambda: None)
+
+    def close(self) -> None:
+        if self._io is not None:
+            self._io.close()
+            self._io = None
+        self.tier.close()
+
+
+class TieredLayer(CacheLayerMixin):
+    """A full-attention layer kept off the device between its turns in the forward pass."""
+
+    is_sliding = False
+    is_croppable = True
+
+    def __init__(self, layer_idx: int, shared: _Shared) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.shared = shared
+        self.store: LayerStore | None = None
+        self._pending: Future[Resident] | None = None
+        self._ready: Resident | None = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        io = self.shared.io(key_states.device)
+        self.store = LayerStore(
+            self.layer_idx, key_states, self.shared.tier, io, self.shared.block_tokens, self.shared.traffic
+        )
+        self.is_initialized = True
+
+    # --- the forward pass ----------------------------------------------------------------------
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        assert self.store is not None
+        new = key_states.shape[-2]
+        old = self._take_resident(extra_tokens=new)
+        self.store.append(key_states, value_states)
+        self.shared.host_meter.hold(self.layer_idx, self.store.host_bytes)
+        if old is None:
+            keys, values = key_states, value_states
+        elif old.capacity == old.length + new:
+            old.keys[:, :, old.length :].copy_(key_states)
+            old.values[:, :, old.length :].copy_(value_states)
+            keys, values = old.keys, old.values
+        else:  # the prefetch guessed the step size wrong (e.g. the first decode step after prefill)
+            keys = torch.cat([old.keys[:, :, : old.length], key_states], dim=-2)
+            values = torch.cat([old.values[:, :, : old.length], value_states], dim=-2)
+        self.shared.device_meter.hold(self.layer_idx, keys.nbytes + values.nbytes)
+        if new == 1:  # a decode step: this layer's old tokens came in, its new ones went out
+            old_tokens = old.length if old is not None else 0
+            self.shared.traffic.decode_bytes += (old_tokens + new) * self.store.token_bytes
+        return keys, values
+
+    def prefetch_async(self, extra_tokens: int) -> None:
+        """Start bringing this layer to the device for its next turn (with room for its new tokens)."""
+        if self.store is None or self.store.seq_len == 0 or self._pending is not None or self._ready is not None:
+            return
+        self.shared.device_meter.hold(self.layer_idx, self.store.resident_bytes(extra_tokens))
+        self._pending = self.store.load_async(extra_tokens)
+
+    def _take_resident(self, extra_tokens: int) -> Resident | None:
+        self._settle()
+        if self._ready is not None:
+            ready, self._ready = self._ready, None
+            return ready
+        assert self.store is not None
+        if self.store.seq_len == 0:
+            return None
+        self.shared.device_meter.hold(self.layer_idx, self.store.resident_bytes(extra_tokens))
+        return self._adopt(self.store.load(extra_tokens))
+
+    def _settle(self) -> None:
+        """Wait for a background read of this layer before anything reads or changes the layer."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            self._ready = self._adopt(pending.result())
+
+    def _adopt(self, resident: Resident) -> Resident:
+        """Buffers made on the IO thread's stream are used on this (the compute) thread's stream."""
+        assert self.store is not None
+        self.store.io.adopt(resident.keys)
+        self.store.io.adopt(resident.values)
+        return resident
+
+    def _discard_resident(self) -> None:
+        self._settle()
+        self._ready = None
+        self.shared.device_meter.drop(self.layer_idx)
+
+    # --- CacheLayerMixin -----------------------------------------------------------------------
+
+    def get_seq_length(self) -> int:
+        return self.store.seq_len if self.store is not None else 0
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.store is None:
+            return
+        self._settle()
+        if self._ready is not None:  # reorder the prefetched copy on the device instead of reading it again
+            rows = beam_idx.to(self._ready.keys.device)
+            self._ready.keys = self._ready.keys.index_select(0, rows)
+            self._ready.values = self._ready.values.index_select(0, rows)
+        self.store.select_rows(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.store is not None:
+            self._discard_resident()
+            self.store.select_rows(torch.arange(self.store.batch).repeat_interleave(repeats))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.store is not None:
+            self._discard_resident()
+            self.store.select_rows(torch.as_tensor(indices).reshape(-1))
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError(
+                f"Calling `crop` with a positive value (`{tokens_to_remove}`) is not supported. "
+                "Please use a negative integer to remove that number of tokens from the cache instead."
+            )
+        if tokens_to_remove == 0 or self.store is None:
+            return
+        self._discard_resident()
+        self.store.crop(-tokens_to_remove)
+
+    def reset(self) -> None:
+        if self.store is not None:
+            self._discard_resident()
+            self.store.crop(self.store.seq_len)
+
+    def offload(self) -> None:
+        """Nothing to do: this layer is never left on the device between turns."""
+
+    def prefetch(self) -> None:
+        """Nothing to do: `prefetch_async` (driven by TieredCache) brings the layer back."""
+
+
+class TieredCache(Cache):
+    """A transformers Cache whose full-attention KV lives in host RAM or in NVMe block files."""
+
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        tier: TierName = "host",
+        offload_dir: str | Path | None = None,
+        block_tokens: int = 512,
+        compression: Compression = "zstd",
+        zstd_level: int = 1,
+        shuffle: bool = True,
+        device_budget_bytes: int | None = None,
+        host_budget_bytes: int | None = None,
+    ) -> None:
+        if block_tokens <= 0:
+            raise ValueError(f"block_tokens must be positive, got {block_tokens}")
+        self.tier_name = tier
+        self.compression = compression if tier == "disk" else None
+        self.shared = _Shared(
+            _make_tier(tier, offload_dir, BlockCodec(compression, zstd_level, shuffle)),
+            block_tokens,
+            ResidentMeter(device_budget_bytes, "resident device", "cache.device_kv_budget_bytes"),
+            ResidentMeter(host_budget_bytes, "host RAM", "cache.host_kv_budget_bytes"),
+        )
+        layers = _layers_for(config.get_text_config(decoder=True), self.shared)
+        super().__init__(layers=layers)
+        tiered = [i for i, layer in enumerate(layers) if isinstance(layer, TieredLayer)]
+        self._next_tiered = dict(zip(tiered, tiered[1:] + tiered[:1]))
+        self._first_tiered = tiered[0] if tiered else None
+        self._current: int | None = None
+        self._kv_peak = 0
+        self._closed = False
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        layer = self.layers[layer_idx]
+        if not isinstance(layer, TieredLayer):
+            keys, values = layer.update(key_states, value_states, *args, **kwargs)
+            self.shared.device_meter.hold(("window", layer_idx), layer.keys.nbytes + layer.values.nbytes)
+            return keys, values
+        if self._current is not None and self._current != layer_idx:
+            self.shared.device_meter.drop(self._current)  # its attention has run: its buffers are free
+        self._current = layer_idx
+        new = key_states.shape[-2]
+        if layer_idx == self._first_tiered and new == 1:
+            self.shared.traffic.decode_steps += 1
+        keys, values = layer.update(key_states, value_states)
+        following_idx = self._next_tiered[layer_idx]
+        if following_idx != layer_idx:
+            # Within a step the next layer gets the same new tokens; past the last layer, guess a
+            # decode step (one token) rather than reserve room for another prompt-sized chunk.
+            self.layers[following_idx].prefetch_async(extra_tokens=new if following_idx > layer_idx else 1)
+        self._kv_peak = max(self._kv_peak, self._kv_bytes())
+        return keys, values
+
+    def _kv_bytes(self) -> int:
+        """All layers' KV as `dynamic` would hold it on the device."""
+        total = 0
+        for layer in self.layers:
+            if isinstance(layer, TieredLayer):
+                total += layer.store.seq_len * layer.store.token_bytes if layer.store is not None else 0
+            elif getattr(layer, "keys", None) is not None:
+                total += layer.keys.nbytes + layer.values.nbytes
+        return total
+
+    def stats(self) -> dict[str, Any]:
+        """Sizes and traffic so far; the first five keys are the result row's columns."""
+        self.shared.drain()
+        traffic = self.shared.traffic
+        tier = self.shared.tier
+        written = tier.bytes_written if self.tier_name == "disk" else traffic.device_to_host
+        read = tier.bytes_read if self.tier_name == "disk" else traffic.host_to_device
+        ratio = None
+        if self.tier_name == "disk":
+            ratio = tier.compression_ratio if self.compression == "zstd" else 1.0
+        return {
+            "kv_bytes": self._kv_peak,
+            "kv_resident_peak_bytes": self.shared.device_meter.peak,
+            "offload_bytes_written": written,
+            "offload_bytes_read": read,
+            "compression_ratio": ratio,
+            "host_peak_bytes": self.shared.host_meter.peak,
+            "device_to_host_bytes": traffic.device_to_host,
+            "host_to_device_bytes": traffic.host_to_device,
+            "decode_steps": traffic.decode_steps,
+            "bytes_moved_per_decode_step": traffic.decode_bytes / traffic.decode_steps if traffic.decode_steps else None,
+        }
+
+    def time_read_pass(self) -> float:
+        """Seconds to bring every offloaded layer to the device once with no compute to hide it:
+        the I/O that prefetching must overlap in a decode step. Adds to the read counters."""
+        self.shared.drain()
+        start = time.perf_counter()
+        for layer in self.layers:
+            if isinstance(layer, TieredLayer) and layer.store is not None:
+                layer.store.load(extra_tokens=1)
+        return time.perf_counter() - start
+
+    def offload_files(self) -> list[Path]:
+        """The block files currently in the offload dir (none for the host tier)."""
+        tier = self.shared.tier
+        return tier.store.files() if isinstance(tier, DiskTier) else []
+
+    def close(self) -> None:
+        """Stop the IO thread and remove the block files; the cache is unusable afterwards."""
+        if self._closed:
+            return
+        self._closed = True
+        self.shared.close()  # waits for the IO thread's running job; queued reads are cancelled
+
+    def __enter__(self) -> "TieredCache":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _make_tier(tier: str, offload_dir: str | Path | None, codec: BlockCodec) -> Tier:
+    if tier == "host":
+        return HostTier()
+    if tier == "disk":
+        if offload_dir is None:
+            raise ValueError("TieredCache(tier='disk') needs offload_dir: the task's own directory on fast local disk")
+        return DiskTier(offload_dir, codec)
+    raise ValueError(f"TieredCache tier must be 'host' or 'disk', got {tier!r}")
+
+
+def _layers_for(config: PretrainedConfig, shared: _Shared) -> list[CacheLayerMixin | DummyLayer]:
+    layer_types, layer_kwargs = get_layer_types_and_kwargs(config)
+    layers: list[CacheLayerMixin | DummyLayer] = []
+    for idx, (layer_type, kwargs) in enumerate(zip(layer_types, layer_kwargs)):
+        if layer_type == "full_attention":
+            layers.append(TieredLayer(idx, shared))
+        elif layer_type in _WINDOWED:
+            layers.append(DynamicSlidingWindowLayer(**kwargs))
+        elif layer_type == "dummy":
+            layers.append(DummyLayer())
+        else:
+            raise ValueError(
+                f"TieredCache handles full and sliding-window attention layers; layer {idx} of "
+                f"{config.model_type} is {layer_type!r}: use cache.strategy=dynamic for this model"
+            )
+    return layers

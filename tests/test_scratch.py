@@ -1,0 +1,254 @@
+"""Per-task scratch dirs: isolated, removed however a task ends, orphans swept, disk never filled."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from storage.owner import ProcessOwner
+from storage.scratch import (
+    OFFLOAD_ROOT_ENV,
+    OWNER_FILE,
+    OWNERLESS_GRACE_S,
+    ROOT_MARKER,
+    ScratchError,
+    ScratchSpaceError,
+    UnsafeOffloadRootError,
+    check_free_space,
+    default_offload_root,
+    ensure_offload_root,
+    sweep_orphans,
+    task_scratch,
+)
+from tests.child_process import Child
+
+HOLD_SCRATCH = """
+import sys, time
+from pathlib import Path
+from storage.scratch import task_scratch
+root, job, task = sys.argv[1:4]
+with task_scratch(Path(root), job, task, 1) as scratch:
+    (scratch / "block-0.zst").write_bytes(b"k" * 10000)
+    print(scratch, flush=True)
+    time.sleep(600)
+"""
+
+
+def task_dirs(root: Path) -> list[Path]:
+    return sorted(p for job in root.iterdir() if job.is_dir() for p in job.iterdir())
+
+
+def test_dir_is_created_with_owner_and_removed_on_success(tmp_path: Path) -> None:
+    root = tmp_path / "kv"
+    with task_scratch(root, "job1", "t7", 2) as scratch:
+        assert scratch == root.resolve() / "job1" / "t7.2"
+        owner = json.loads((scratch / OWNER_FILE).read_text())
+        assert owner["pid"] == os.getpid() and owner["host"] == socket.gethostname()
+        assert owner["job_id"] == "job1" and owner["start_time"] == ProcessOwner.current().start_time
+        (scratch / "block").write_bytes(b"x" * 100)
+    assert not scratch.exists()
+    assert task_dirs(root) == []
+    assert (root / ROOT_MARKER).is_file()
+
+
+def test_dir_is_removed_when_the_task_raises(tmp_path: Path) -> None:
+    with pytest.raises(MemoryError):
+        with task_scratch(tmp_path / "kv", "job1", "t1", 1) as scratch:
+            (scratch / "sub").mkdir()
+            (scratch / "sub" / "block").write_bytes(b"x")
+            raise MemoryError("simulated OOM inside the task")
+    assert not scratch.exists()
+    assert task_dirs(tmp_path / "kv") == []
+
+
+def test_tasks_and_attempts_get_their_own_dirs(tmp_path: Path) -> None:
+    root = tmp_path / "kv"
+    with task_scratch(root, "j", "t1", 1) as a, task_scratch(root, "j", "t1", 2) as b, \
+            task_scratch(root, "j", "t2", 1) as c:
+        assert len({a, b, c}) == 3
+        with pytest.raises(ScratchError, match="already exists"):
+            with task_scratch(root, "j", "t1", 1):
+                pass
+        assert a.exists()  # the refused duplicate did not remove the live one
+    assert task_dirs(root) == []
+
+
+@pytest.mark.parametrize("job_id, task_id", [("../escape", "t1"), ("j", "a/b"), ("j", ".."), ("", "t1")])
+def test_names_that_could_escape_the_layout_are_refused(tmp_path: Path, job_id: str, task_id: str) -> None:
+    with pytest.raises(ScratchError, match="cannot name a scratch dir"):
+        with task_scratch(tmp_path / "kv", job_id, task_id, 1):
+            pass
+
+
+def test_sigkilled_owner_is_swept_and_live_owner_survives(tmp_path: Path) -> None:
+    root = tmp_path / "kv"
+    dead, live = Child(HOLD_SCRATCH, str(root), "job1", "t1"), Child(HOLD_SCRATCH, str(root), "job1", "t2")
+    try:
+        dead_dir, live_dir = Path(dead.read_line()), Path(live.read_line())
+        dead.kill()
+        assert dead_dir.exists()  # SIGKILL runs no cleanup
+
+        swept = sweep_orphans(root)
+
+        assert [s.path for s in swept] == [dead_dir]
+        assert swept[0].owner == f"pid {dead.pid} on host {socket.gethostname()}"
+        assert swept[0].reason == "owner process dead" and swept[0].bytes_freed >= 10000
+        assert not dead_dir.exists()
+        assert (live_dir / "block-0.zst").read_bytes() == b"k" * 10000
+        assert sweep_orphans(root) == []
+    finally:
+        dead.kill()
+        live.kill()
+    assert [s.path for s in sweep_orphans(root)] == [live_dir]
+    assert not (root / "job1").exists()
+
+
+def make_task_dir(root: Path, job: str, name: str, owner: dict | None) -> Path:
+    task_dir = root / job / name
+    task_dir.mkdir(parents=True)
+    if owner is not None:
+        (task_dir / OWNER_FILE).write_text(json.dumps(owner))
+    return task_dir
+
+
+def test_pid_reuse_ownerless_and_other_host_dirs(tmp_path: Path) -> None:
+    root = ensure_offload_root(tmp_path / "kv")
+    me = ProcessOwner.current()
+    reused = make_task_dir(root, "j", "t1.1", {**me.to_dict(), "start_time": me.start_time - 500})
+    other_host = make_task_dir(root, "j", "t2.1", {**me.to_dict(), "host": "some-other-node"})
+    fresh_ownerless = make_task_dir(root, "j", "t3.1", None)
+    old_ownerless = make_task_dir(root, "j", "t4.1", None)
+    long_ago = time.time() - OWNERLESS_GRACE_S - 60
+    os.utime(old_ownerless, (long_ago, long_ago))
+
+    swept = {s.path: s.reason for s in sweep_orphans(root)}
+
+    assert swept.keys() == {reused, old_ownerless}
+    assert swept[reused] == "owner process pid reused"
+    assert "no readable owner file" in swept[old_ownerless]
+    assert other_host.exists() and fresh_ownerless.exists()
+
+
+def test_sweep_never_follows_symlinks(tmp_path: Path) -> None:
+    root = ensure_offload_root(tmp_path / "kv")
+    victim = tmp_path / "precious"
+    (victim / "t1.1").mkdir(parents=True)
+    (victim / "t1.1" / "data").write_text("keep me")
+    (root / "linked-job").symlink_to(victim)
+    dead_owner = {"host": socket.gethostname(), "pid": 2**22 + 1, "start_time": 1.0}  # above pid_max
+    task_dir = make_task_dir(root, "j", "t2.1", dead_owner)
+    (task_dir / "outside").symlink_to(victim)
+    (root / "j" / "t3.1").symlink_to(victim / "t1.1")
+
+    swept = sweep_orphans(root)
+
+    assert [s.path for s in swept] == [task_dir]
+    assert (victim / "t1.1" / "data").read_text() == "keep me"
+    assert (root / "j" / "t3.1").is_symlink()
+
+
+def test_two_jobs_on_one_root_never_see_each_other(tmp_path: Path) -> None:
+    root = tmp_path / "kv"
+    worker = """
+        import sys, os
+        from pathlib import Path
+        from storage.scratch import task_scratch
+        root, job = Path(sys.argv[1]), sys.argv[2]
+        for i in range(60):
+            with task_scratch(root, job, f"t{i % 3}", i) as scratch:
+                (scratch / f"{job}-block").write_bytes(os.urandom(1000))
+                seen = sorted(os.listdir(scratch))
+                assert seen == [".owner.json", f"{job}-block"], seen
+        print("ok", flush=True)
+    """
+    jobs = [Child(worker, str(root), "jobA"), Child(worker, str(root), "jobB")]
+    for job in jobs:
+        assert job.read_line() == "ok"
+        job.finish()
+    assert task_dirs(root) == []
+
+    dead = {"host": socket.gethostname(), "pid": 2**22 + 1, "start_time": 1.0}
+    orphan_a = make_task_dir(root, "jobA", "t1.9", dead)
+    orphan_b = make_task_dir(root, "jobB", "t1.9", dead)
+    assert [s.path for s in sweep_orphans(root, job_id="jobA")] == [orphan_a]
+    assert orphan_b.exists()
+
+
+def test_root_must_not_be_the_filesystem_root() -> None:
+    with pytest.raises(UnsafeOffloadRootError, match="filesystem root"):
+        sweep_orphans(Path("/"))
+    with pytest.raises(UnsafeOffloadRootError, match="filesystem root"):
+        with task_scratch(Path("/"), "j", "t1", 1):
+            pass
+
+
+def test_foreign_folders_are_refused_and_empty_ones_adopted(tmp_path: Path) -> None:
+    foreign = tmp_path / "home"
+    (foreign / "alice" / "notes.1").mkdir(parents=True)
+    with pytest.raises(UnsafeOffloadRootError, match="without the kvbatch marker"):
+        sweep_orphans(foreign)
+    with pytest.raises(UnsafeOffloadRootError, match="without the kvbatch marker"):
+        with task_scratch(foreign, "j", "t1", 1):
+            pass
+    assert (foreign / "alice" / "notes.1").is_dir()
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with task_scratch(empty, "j", "t1", 1):
+        pass
+    assert (empty / ROOT_MARKER).is_file()
+    assert sweep_orphans(tmp_path / "never-created") == []
+
+
+def test_default_offload_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(OFFLOAD_ROOT_ENV, raising=False)
+    assert default_offload_root(tmp_path / "runs" / "j1") == tmp_path / "runs" / "j1" / "scratch" / "kvbatch"
+    monkeypatch.setenv(OFFLOAD_ROOT_ENV, str(tmp_path / "nvme"))
+    assert default_offload_root(tmp_path / "runs" / "j1") == tmp_path / "nvme"
+
+
+@pytest.fixture
+def small_filesystem(tmp_path: Path):
+    """A 4 MiB tmpfs, unmounted afterwards; skipped where mounting is not permitted."""
+    mount_point = tmp_path / "small"
+    mount_point.mkdir()
+    if shutil.which("mount") is None:
+        pytest.skip("no mount command on this machine")
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount_point)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root or CAP_SYS_ADMIN): {mounted.stderr.strip()}")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", str(mount_point)], check=True)
+
+
+def test_small_filesystem_guard_and_enospc_cleanup(small_filesystem: Path) -> None:
+    root = small_filesystem / "kvbatch"
+    free_at_start = check_free_space(root, 1 * 2**20)
+    with pytest.raises(ScratchSpaceError, match=r"has 4\.0 MiB free; the task needs 8\.0 MiB") as refused:
+        check_free_space(root, 8 * 2**20)
+    assert refused.value.needed_bytes == 8 * 2**20 and refused.value.free_bytes == free_at_start
+    with pytest.raises(ScratchSpaceError):  # fits the bytes, but not with the reserve kept free
+        check_free_space(root, free_at_start - 1000)
+
+    with pytest.raises(OSError) as full:
+        with task_scratch(root, "job1", "t1", 1) as scratch:
+            with open(scratch / "block-0", "wb") as block:
+                while True:
+                    block.write(b"\xff" * 65536)
+                    block.flush()
+    assert full.value.errno == errno.ENOSPC
+    assert not scratch.exists()
+    assert shutil.disk_usage(small_filesystem).free >= free_at_start - 64 * 1024
+    with task_scratch(root, "job1", "t1", 2) as retry:  # the next attempt has the space again
+        (retry / "block-0").write_bytes(b"k" * 2**20)
