@@ -75,6 +75,17 @@ RESULT_SCHEMA = pa.schema(
         ("worker", pa.string()),
         ("model", pa.string()),
         ("finished_at", pa.float64()),
+        # latency split: waiting for a worker, prompt processing (all passes, first token included), decoding
+        ("queue_wait_s", pa.float64()),
+        ("prefill_s", pa.float64()),
+        ("decode_s", pa.float64()),
+        # memory at each stage, on the device (null on CPU) and the worker's host RSS; max over a task's passes
+        ("load_device_bytes", pa.int64()),
+        ("load_host_rss_bytes", pa.int64()),
+        ("prefill_device_bytes", pa.int64()),
+        ("prefill_host_rss_bytes", pa.int64()),
+        ("decode_peak_device_bytes", pa.int64()),
+        ("decode_peak_host_rss_bytes", pa.int64()),
         ("meta", pa.string()),  # JSON of the manifest's metadata; expanded into columns on export
     ]
 )

@@ -18,8 +18,8 @@ from storage.scratch import ScratchError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Summarise thousands of long documents on Ray, with KV caches that fit.")
-console = Console()
-errors = Console(stderr=True)
+console = Console(soft_wrap=True)
+errors = Console(stderr=True, soft_wrap=True)
 
 EXIT_USAGE = 2
 #: Errors the user fixes: a clear message and exit 2, never a traceback.
@@ -112,6 +112,26 @@ def clean(
     from runner.scratch_cleanup import clean_scratch
 
     _run(clean_scratch, job_dir, offload_root, console)
+
+
+@app.command()
+def report(
+    job_dir: Path,
+    output: Annotated[Optional[Path], typer.Option("-o", "--output", help="HTML file (default JOB_DIR/report.html)")] = None,
+) -> None:
+    """One self-contained HTML page: summary, plots, failures, fallbacks, alerts."""
+    from runner.report import write_report
+
+    _run(write_report, job_dir, output, console)
+
+
+@app.command()
+def doctor(config: Annotated[Optional[Path], typer.Option("-c", "--config", help="YAML config")] = None) -> None:
+    """Check this machine: torch/CUDA, GPUs, copy bandwidth, offload root space and speed, RAM."""
+    from jobs.config import load_config
+    from runner.doctor import doctor as run_doctor
+
+    _run(lambda: run_doctor(load_config(config), console))
 
 
 def main() -> None:

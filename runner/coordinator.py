@@ -30,7 +30,9 @@ from jobs.faults import FaultRule
 from jobs.manifest import Task
 from jobs.policy import FailureClass, context_fallback_note, shorter_context
 from jobs.schema import RESULT_SCHEMA, TaskState, empty_row
+from runner.alerts import AlertMonitor
 from runner.joblog import JobLog
+from runner.metrics import BatchMetrics
 from runner.progress import BatchProgress
 from runner.worker import SummaryWorker
 from storage.checkpoint import CheckpointLog
@@ -59,6 +61,8 @@ class _TaskRun:
     attempt: int = 0
     context_tokens: int = 0
     fallbacks: list[str] = field(default_factory=list)
+    queue_wait_s: float | None = None
+    slow_alerted: bool = False
 
 
 class Coordinator:
@@ -78,6 +82,10 @@ class Coordinator:
         )
         self._record_lock = threading.RLock()
         self._closed = False
+        self.alerts = AlertMonitor(self.log, console)
+        self.metrics = BatchMetrics(job_id)
+        self.worker_slots: dict[Any, str] = {}
+        self._queued_at = time.time()
 
     # -- events and results ---------------------------------------------------------------
     def _event(self, run: _TaskRun, state: TaskState, worker: str = "", error_type: str | None = None,
@@ -97,7 +105,7 @@ class Coordinator:
         row.update(
             doc_id=run.task.doc_id, task_id=run.task.task_id, attempts=run.attempt,
             context_tokens=run.context_tokens, fallbacks=run.fallbacks + outcome.get("fallbacks", []),
-            meta=json.dumps(run.task.meta), finished_at=time.time(),
+            meta=json.dumps(run.task.meta), finished_at=time.time(), queue_wait_s=run.queue_wait_s,
         )
         with self._record_lock:
             if self._closed or (self.stop.is_set() and row["status"] != "done"):
@@ -110,8 +118,9 @@ class Coordinator:
               attempts=run.attempt, context_tokens=run.context_tokens, fallbacks=row["fallbacks"],
               cache_strategy=row.get("cache_strategy"), error_type=row.get("error_type"),
               error=row.get("error"))
-        if len(row["fallbacks"]) > 1:
-            self.log.warning("repeated_fallbacks", task_id=run.task.task_id, fallbacks=row["fallbacks"])
+        self.alerts.task_finished(run.task.task_id, run.task.doc_id, run.task.n_chars, outcome, row["fallbacks"],
+                                  run.slow_alerted)
+        self.metrics.task_finished(row)
         progress.record(row["status"], row.get("output_tokens") or 0, len(row["fallbacks"]))
 
     # -- one task ---------------------------------------------------------------------------
@@ -119,22 +128,38 @@ class Coordinator:
         if self.stop.is_set():
             raise Interrupted()
         run.attempt += 1
+        if run.queue_wait_s is None:
+            run.queue_wait_s = time.time() - self._queued_at
         self._event(run, TaskState.RUNNING)
+        slot = self.worker_slots.get(actor, "worker")
+        self.alerts.task_started(run.task.task_id, run.task.doc_id, run.task.n_chars, slot)
+        self.metrics.set_running(self.alerts.active())
         ref = actor.run.remote(dataclasses.asdict(run.task), run.attempt, run.context_tokens)
         try:
             outcome = ray.get(ref, timeout=self.cfg.retry.task_timeout_s)
         except GetTimeoutError:
             ray.kill(actor, no_restart=False)  # a hung worker is restarted, with a fresh model
+            self._worker_restarted(slot, "TimeoutError")
+            self._await_restart(actor)
             raise TransientFailure(
                 "TimeoutError", f"no result within retry.task_timeout_s={self.cfg.retry.task_timeout_s}s"
             ) from None
         except RayActorError as e:
             if self.stop.is_set():
                 raise Interrupted() from None
+            self._worker_restarted(slot, "WorkerDied")
+            self._await_restart(actor)
             raise TransientFailure("WorkerDied", f"worker process died: {e}") from None
+        finally:
+            run.slow_alerted = self.alerts.task_stopped(run.task.task_id)
+            self.metrics.set_running(self.alerts.active())
         if outcome.get("failure_class") == FailureClass.TRANSIENT:
             raise TransientFailure(outcome["error_type"], outcome["error"])
         return outcome
+
+    def _worker_restarted(self, slot: str, reason: str) -> None:
+        self.alerts.worker_restarted(slot, reason)
+        self.metrics.worker_restarted()
 
     def _before_retry(self, run: _TaskRun) -> Any:
         def hook(state: RetryCallState) -> None:
@@ -214,10 +239,26 @@ class Coordinator:
         faults = [f.model_dump() for f in self.faults]
         actors = [remote_cls.remote(config, self.job_id, str(self.offload_root), faults, threads)
                   for _ in range(count)]
+        self.worker_slots = {actor: f"worker slot {i}" for i, actor in enumerate(actors)}
         infos = ray.get([a.info.remote() for a in actors])
         for info in infos:
             self.log.info("worker_ready", **info)
         return actors
+
+    def _await_restart(self, actor: Any) -> None:
+        """Wait until Ray has restarted a killed or crashed worker: its start sweeps the scratch dir the
+        dead process left, and the task's next attempt must reach it, not the dying incarnation."""
+        deadline = time.monotonic() + min(self.cfg.retry.task_timeout_s, 300)
+        while not self.stop.is_set():
+            try:
+                ray.get(actor.info.remote(), timeout=max(deadline - time.monotonic(), 0.1))
+                return
+            except (RayActorError, GetTimeoutError) as e:  # RayActorError: it reached the dying incarnation
+                if time.monotonic() >= deadline:
+                    self.log.warning("worker_restart_unfinished", error=str(e),
+                                     hint="a killed worker's scratch dir may remain: run `kvbatch clean`")
+                    return
+                time.sleep(0.1)
 
     def worker_count(self, open_tasks: int) -> int:
         if self.cfg.workers.count != "auto":
@@ -247,8 +288,10 @@ class Coordinator:
         count = self.worker_count(len(open_tasks))
         self.log.info("batch_start", open_tasks=len(open_tasks), workers=count)
         actors = self._start_workers(count) if open_tasks else []
+        self._queued_at = time.time()  # queue wait counts from here: waiting for a free worker
         errors: list[BaseException] = []
-        with BatchProgress(self.console, total, already_done, len(actors)) as progress:
+        with self.alerts.watching(), \
+                BatchProgress(self.console, total, already_done, len(actors), self.alerts.active) as progress:
             threads = [threading.Thread(target=self._drive, args=(a, todo, progress, errors), daemon=True)
                        for a in actors]
             for t in threads:
@@ -256,6 +299,8 @@ class Coordinator:
             while any(t.is_alive() for t in threads) and not self.stop.is_set():
                 for t in threads:
                     t.join(timeout=0.2)
+            if self.stop.is_set():
+                self._abandon_in_flight(actors, threads)
         with self._record_lock:
             self._closed = True
             self.checkpoint.close()
@@ -266,6 +311,13 @@ class Coordinator:
             return EXIT_INTERRUPTED
         self.log.info("batch_end")
         return EXIT_OK
+
+    def _abandon_in_flight(self, actors: list[Any], threads: list[threading.Thread]) -> None:
+        """Killing the actors ends every pending ray.get at once, so no thread outlives the batch."""
+        for actor in actors:
+            ray.kill(actor, no_restart=True)
+        for t in threads:
+            t.join(timeout=30)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         if self.stop.is_set():

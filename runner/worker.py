@@ -32,6 +32,7 @@ from jobs.policy import FailureClass, cache_fallback_note
 from runner.generation import Generation, generate_once
 from runner.kvcache import build_cache, kv_shape, resolve_budgets
 from runner.models import load_model
+from runner.probes import StageProbe, memory_snapshot
 from runner.summarize import Summarizer
 from storage.scratch import ScratchSpaceError, check_free_space, ensure_offload_root, sweep_orphans, task_scratch
 
@@ -137,6 +138,7 @@ class SummaryWorker:
         ensure_offload_root(self.offload_root)
         self.swept = sweep_orphans(self.offload_root)
         self.loaded = load_model(self.cfg.model)
+        self.after_load = memory_snapshot(self.loaded.device)
         self.summarizer = Summarizer(self.loaded, self.cfg.summarize.chunk_overlap_tokens)
         self.kv_shape = kv_shape(self.loaded.model.config, self.loaded.dtype)
         self.device_budget, self.host_budget = resolve_budgets(self.cfg.cache, self.loaded.device)
@@ -181,6 +183,8 @@ class SummaryWorker:
                     gen = generate_once(
                         self.loaded, prompt_ids, max_new, self.cfg.summarize, handle.generate_kwargs
                     )
+                    # an injected failure strikes mid-task, with this pass's KV blocks in the scratch dir
+                    _fire(fault_for(self.faults, task.doc_id, attempt, rung, context_tokens), task, rung)
                     totals.add(handle.stats())
                 finally:
                     handle.close()
@@ -201,14 +205,11 @@ class SummaryWorker:
         max_new = int(task.overrides.get("max_new_tokens", self.cfg.summarize.max_new_tokens))
         instruction = str(task.overrides.get("prompt", self.cfg.summarize.prompt))
         rungs = self._rungs(task, context_tokens, max_new)
-        if self.loaded.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.loaded.device)
         last_error: BaseException | None = None
-        with _PeakRss() as rss:
+        with _PeakRss() as rss, StageProbe(self.loaded.model, self.loaded.device) as probe:
             for i, rung in enumerate(rungs):
                 totals = _CacheTotals()
                 try:
-                    _fire(fault_for(self.faults, task.doc_id, attempt, rung, context_tokens), task, rung)
                     summary = self._summarize_on(
                         rung, task, attempt, text, context_tokens, max_new, instruction, totals
                     )
@@ -231,6 +232,8 @@ class SummaryWorker:
                     cache_strategy=rung,
                     ttft_s=summary.ttft_s,
                     decode_tokens_per_s=summary.decode_tokens_per_s,
+                    prefill_s=sum(p.ttft_s for p in summary.passes),
+                    decode_s=sum(p.decode_s for p in summary.passes),
                     kv_bytes=totals.kv_bytes,
                     kv_resident_peak_bytes=totals.kv_resident_peak_bytes,
                     offload_bytes_written=totals.offload_bytes_written,
@@ -238,9 +241,15 @@ class SummaryWorker:
                     compression_ratio=totals.compression_ratio,
                 )
                 break
-        outcome["peak_host_rss_bytes"] = rss.peak
-        if self.loaded.device.type == "cuda":
-            outcome["peak_device_bytes"] = torch.cuda.max_memory_allocated(self.loaded.device)
+        outcome.update(
+            probe.row_fields(),
+            peak_host_rss_bytes=max(rss.peak, probe.decode_peak_host_rss_bytes or 0),
+            peak_device_bytes=probe.device_peak_bytes,
+            load_host_rss_bytes=self.after_load.host_rss_bytes,
+            load_device_bytes=self.after_load.device_bytes,
+            host_used_fraction=probe.host_used_fraction,  # for the coordinator's memory alert
+            device_used_fraction=probe.device_used_fraction,
+        )
         outcome["wall_s"] = time.perf_counter() - started
         if outcome.get("status") == "done":
             return outcome

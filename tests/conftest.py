@@ -6,7 +6,8 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -58,3 +59,24 @@ def export_rows(job_dir: Path, *extra: str) -> list[dict]:
 def license_manifest(tmp_path: Path, names: list[str], **extra: dict) -> Path:
     rows = [{"id": n.lower(), "path": str(LICENSES / n)} | extra.get(n, {}) for n in names]
     return write_jsonl(tmp_path / "manifest.jsonl", rows)
+
+
+def start_submit(manifest: Path, job: Path, address: str, *extra: str, env: dict | None = None) -> subprocess.Popen:
+    """`kvbatch submit` with the tiny config, left running in the background."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "runner", "submit", str(manifest), "-c", str(TINY_CONFIG), "-j", str(job),
+         "--address", address, *extra],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})},
+    )
+
+
+def wait_for(predicate: Callable[[], bool], proc: subprocess.Popen, timeout: float = 300, poll: float = 0.005) -> bool:
+    """True once `predicate()` holds; False if the process ended first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        if proc.poll() is not None:
+            return False
+        time.sleep(poll)
+    raise TimeoutError("condition not reached")

@@ -7,11 +7,14 @@ tokens of `dynamic`, and sampling with a fixed seed too.
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 from transformers import (
+    AutoModelForCausalLM,
     DynamicCache,
     Gemma2Config,
     LlamaConfig,
@@ -19,18 +22,25 @@ from transformers import (
     PreTrainedModel,
     Qwen2Config,
     StoppingCriteria,
-    AutoModelForCausalLM,
 )
 
-from jobs.config import CacheConfig
+from jobs.config import CacheConfig, ConfigError
 from jobs.kvplan import kv_bytes, plan_rungs
-from runner.kvcache import BudgetedDynamicCache, TieredCache, build_cache, kv_shape
+from runner.kvcache import BudgetedDynamicCache, TieredCache, build_cache, kv_shape, resolve_budgets
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-torch.set_num_threads(1)
 
 VOCAB = 96
 BLOCK = 8  # small blocks, so prompts span several sealed blocks plus a tail
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread() -> object:
+    """Tiny models gain nothing from threads and lose a lot when the cores are shared."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def _small(**extra: object) -> dict[str, object]:
@@ -136,20 +146,70 @@ def test_half_precision_through_the_disk_codec(dtype: torch.dtype, tmp_path: Pat
     _check_same(_model("llama-gqa", dtype), "tiered-disk-zstd", tmp_path, _prompt(41), do_sample=False)
 
 
-def test_crop_across_a_block_boundary_matches_dynamic(tmp_path: Path) -> None:
-    model = _model("llama-gqa")
-    ids = _prompt(29)
+def _prefilled_pair(model: PreTrainedModel, tier: str, tmp_path: Path, ids: torch.Tensor) -> tuple[DynamicCache, TieredCache]:
     dynamic = DynamicCache(config=model.config)
-    with TieredCache(model.config, tier="disk", offload_dir=tmp_path / "kv", block_tokens=BLOCK) as tiered:
-        with torch.no_grad():
-            for cache in (dynamic, tiered):
-                model(ids, past_key_values=cache)
-                cache.crop(-10)  # 29 -> 19 tokens: cuts into the third sealed block
-            assert tiered.get_seq_length() == dynamic.get_seq_length() == 19
-            follow = _prompt(5)
-            expected = model(follow, past_key_values=dynamic).logits
-            got = model(follow, past_key_values=tiered).logits
+    tiered = TieredCache(model.config, tier=tier, offload_dir=tmp_path / "kv", block_tokens=BLOCK)
+    with torch.no_grad():
+        for cache in (dynamic, tiered):
+            model(ids, past_key_values=cache)
+    return dynamic, tiered
+
+
+def _next_logits_equal(model: PreTrainedModel, dynamic: DynamicCache, tiered: TieredCache, follow: torch.Tensor) -> None:
+    with torch.no_grad():
+        expected = model(follow, past_key_values=dynamic).logits
+        got = model(follow, past_key_values=tiered).logits
     assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_crop_across_a_block_boundary_matches_dynamic(tier: str, tmp_path: Path) -> None:
+    model = _model("llama-gqa")
+    dynamic, tiered = _prefilled_pair(model, tier, tmp_path, _prompt(29))
+    with tiered:
+        for cache in (dynamic, tiered):
+            cache.crop(-10)  # 29 -> 19 tokens: cuts into the third sealed block
+        assert tiered.get_seq_length() == dynamic.get_seq_length() == 19
+        _next_logits_equal(model, dynamic, tiered, _prompt(5))
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_batch_repeat_and_select_match_dynamic(tier: str, tmp_path: Path) -> None:
+    """What contrastive and assisted decoding do to a cache: repeat rows, then keep some of them."""
+    model = _model("llama-gqa")
+    dynamic, tiered = _prefilled_pair(model, tier, tmp_path, _prompt(27, batch=2))
+    with tiered:
+        for cache in (dynamic, tiered):
+            cache.batch_repeat_interleave(3)  # rows a a a b b b
+            cache.batch_select_indices(torch.tensor([5, 0, 3]))  # rows b a b
+        _next_logits_equal(model, dynamic, tiered, _prompt(4, batch=3))
+
+
+def test_reads_queued_behind_a_stalled_io_thread_are_done_by_the_compute_thread(tmp_path: Path) -> None:
+    """A starved IO thread must not stall decoding: queued reads are taken over, not waited for."""
+    model = _model("llama-gqa")
+    dynamic, tiered = _prefilled_pair(model, "disk", tmp_path, _prompt(30))
+    release = threading.Event()
+    with tiered:
+        tiered.stats()  # let the prefill's block seals finish first
+        stall = tiered.shared.io(torch.device("cpu")).submit(release.wait)
+        errors: list[BaseException] = []
+
+        def decode_step() -> None:
+            try:
+                _next_logits_equal(model, dynamic, tiered, _prompt(1))  # 30 + 1 tokens: no block to seal
+            except BaseException as e:  # reported below, from the test's thread
+                errors.append(e)
+
+        step = threading.Thread(target=decode_step)
+        step.start()
+        step.join(timeout=60)
+        finished = not step.is_alive()
+        release.set()
+        step.join()
+        stall.result()
+    assert finished, "the decode step waited for the stalled IO thread"
+    assert not errors, errors
 
 
 def _layer_bytes(model: PreTrainedModel, tokens: int, batch: int = 1) -> int:
@@ -241,8 +301,6 @@ def test_host_budget_guard_for_the_host_tier(tmp_path: Path) -> None:
 
 def test_transformers_offloading_on_cpu_is_a_clear_error() -> None:
     model = _model("llama-gqa")
-    from jobs.config import ConfigError
-
     for strategy in ("offloaded", "offloaded_static"):
         with pytest.raises(ConfigError, match="needs a CUDA device"):
             build_cache(strategy, model, CacheConfig(), None, None)
@@ -270,3 +328,11 @@ def test_kv_shape_reads_the_model_config() -> None:
     shape = kv_shape(_model("gemma2-alternating").config, torch.bfloat16)
     assert (shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.dtype_bytes) == (4, 2, 16, 2)
     assert kv_shape(_model("llama-gqa").config, torch.float32).head_dim == 8
+
+
+def test_resolve_budgets_on_cpu() -> None:
+    explicit = CacheConfig(device_kv_budget_bytes=123_456, host_kv_budget_bytes=654_321)
+    assert resolve_budgets(explicit, torch.device("cpu")) == (123_456, 654_321)
+    device, host = resolve_budgets(CacheConfig(), torch.device("cpu"))
+    assert 0 < device <= psutil.virtual_memory().total
+    assert 0 < host <= psutil.virtual_memory().total

@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 
-from conftest import LICENSES, REPO, TINY_CONFIG, export_rows, kvbatch, write_jsonl
+from conftest import LICENSES, TINY_CONFIG, export_rows, kvbatch, start_submit, wait_for, write_jsonl
 
 DOCS = ["GPL-2", "LGPL-2.1", "Apache-2.0", "MPL-2.0", "Artistic", "BSD", "CC0-1.0", "LGPL-3"]
 FAST = ["--set", "checkpoint.flush_every=1"]
@@ -20,26 +16,6 @@ FAST = ["--set", "checkpoint.flush_every=1"]
 
 def manifest_of(tmp_path: Path, names: list[str] = DOCS) -> Path:
     return write_jsonl(tmp_path / "manifest.jsonl", [{"id": n.lower(), "path": str(LICENSES / n)} for n in names])
-
-
-def start_submit(manifest: Path, job: Path, address: str, *extra: str, env: dict | None = None) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "runner", "submit", str(manifest), "-c", str(TINY_CONFIG), "-j", str(job),
-         "--address", address, *extra],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})},
-    )
-
-
-def wait_for(predicate, proc: subprocess.Popen, timeout: float = 300, poll: float = 0.005) -> bool:
-    """True once `predicate()` holds; False if the process ended first."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        if proc.poll() is not None:
-            return False
-        time.sleep(poll)
-    raise TimeoutError("condition not reached")
 
 
 def visible_parts(job: Path, sub: str) -> list[Path]:
@@ -85,8 +61,8 @@ def test_sigkill_then_resume_gives_every_document_exactly_once(moment, baseline,
         assert reached, f"the batch finished before the {moment} kill"
     done_before = len(visible_parts(job, "results"))
     assert moment != "before-any-result" or done_before == 0
-    kvbatch("resume", str(job), "--address", ray_address, check=0)
-    assert summaries(job) == baseline
+    resumed = kvbatch("resume", str(job), "--address", ray_address, check=0)
+    assert summaries(job) == baseline, resumed.stdout + resumed.stderr
 
 
 def test_a_worker_process_that_dies_is_replaced_and_the_task_retried(ray_address, tmp_path):

@@ -25,6 +25,7 @@ class Traffic:
     host_to_device: int = 0
     decode_steps: int = 0
     decode_bytes: int = 0
+    decode_wait_s: float = 0.0  # compute thread time spent waiting for layers to arrive
 
 
 @dataclass(frozen=True)
@@ -154,7 +155,12 @@ class LayerStore:
         return self.io.submit(self._materialize, self._snapshot(), extra_tokens)
 
     def load(self, extra_tokens: int) -> Resident:
+        """Bring the layer to the device after the IO thread's queued work (its seals) is done."""
         return self.io.run(self._materialize, self._snapshot(), extra_tokens)
+
+    def load_here(self, extra_tokens: int) -> Resident:
+        """Bring the layer to the device on the calling thread (blocks still being sealed are waited for)."""
+        return self._materialize(self._snapshot(), extra_tokens)
 
     def _read_block(self, block: SealedBlock) -> tuple[torch.Tensor, torch.Tensor]:
         keys, values = self.tier.load(block.payload.result(), block.stored_shape, self.dtype)

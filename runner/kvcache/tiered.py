@@ -77,6 +77,7 @@ class TieredLayer(CacheLayerMixin):
         self.shared = shared
         self.store: LayerStore | None = None
         self._pending: Future[Resident] | None = None
+        self._pending_extra = 0
         self._ready: Resident | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -96,7 +97,9 @@ class TieredLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         assert self.store is not None
         new = key_states.shape[-2]
+        waited_from = time.perf_counter()
         old = self._take_resident(extra_tokens=new)
+        waited = time.perf_counter() - waited_from
         self.store.append(key_states, value_states)
         self.shared.host_meter.hold(self.layer_idx, self.store.host_bytes)
         if old is None:
@@ -112,6 +115,7 @@ class TieredLayer(CacheLayerMixin):
         if new == 1:  # a decode step: this layer's old tokens came in, its new ones went out
             old_tokens = old.length if old is not None else 0
             self.shared.traffic.decode_bytes += (old_tokens + new) * self.store.token_bytes
+            self.shared.traffic.decode_wait_s += waited
         return keys, values
 
     def prefetch_async(self, extra_tokens: int) -> None:
@@ -120,6 +124,7 @@ class TieredLayer(CacheLayerMixin):
             return
         self.shared.device_meter.hold(self.layer_idx, self.store.resident_bytes(extra_tokens))
         self._pending = self.store.load_async(extra_tokens)
+        self._pending_extra = extra_tokens
 
     def _take_resident(self, extra_tokens: int) -> Resident | None:
         self._settle()
@@ -133,10 +138,16 @@ class TieredLayer(CacheLayerMixin):
         return self._adopt(self.store.load(extra_tokens))
 
     def _settle(self) -> None:
-        """Wait for a background read of this layer before anything reads or changes the layer."""
+        """Finish a background read of this layer before anything reads or changes the layer."""
         if self._pending is not None:
             pending, self._pending = self._pending, None
-            self._ready = self._adopt(pending.result())
+            if pending.cancel():
+                # Still queued (the IO thread is busy or starved of CPU): reading here beats waiting
+                # for its turn. Nothing changed the layer since the read was queued.
+                assert self.store is not None
+                self._ready = self._adopt(self.store.load_here(self._pending_extra))
+            else:
+                self._ready = self._adopt(pending.result())
 
     def _adopt(self, resident: Resident) -> Resident:
         """Buffers made on the IO thread's stream are used on this (the compute) thread's stream."""
@@ -221,8 +232,6 @@ class TieredCache(Cache):
     ) -> None:
         if block_tokens <= 0:
             raise ValueError(f"block_tokens must be positive, got {block_tokens}")
-        self.tier_name = tier
-        self.compression = compression if tier == "disk" else None
         self.shared = _Shared(
             _make_tier(tier, offload_dir, BlockCodec(compression, zstd_level, shuffle)),
             block_tokens,
@@ -276,11 +285,12 @@ class TieredCache(Cache):
         self.shared.drain()
         traffic = self.shared.traffic
         tier = self.shared.tier
-        written = tier.bytes_written if self.tier_name == "disk" else traffic.device_to_host
-        read = tier.bytes_read if self.tier_name == "disk" else traffic.host_to_device
-        ratio = None
-        if self.tier_name == "disk":
-            ratio = tier.compression_ratio if self.compression == "zstd" else 1.0
+        if isinstance(tier, DiskTier):
+            store = tier.store
+            written, read = store.bytes_written, store.bytes_read
+            ratio = store.compression_ratio if store.codec.compression == "zstd" else 1.0
+        else:  # the host tier's offload traffic is the device<->host copies
+            written, read, ratio = traffic.device_to_host, traffic.host_to_device, None
         return {
             "kv_bytes": self._kv_peak,
             "kv_resident_peak_bytes": self.shared.device_meter.peak,
@@ -292,6 +302,8 @@ class TieredCache(Cache):
             "host_to_device_bytes": traffic.host_to_device,
             "decode_steps": traffic.decode_steps,
             "bytes_moved_per_decode_step": traffic.decode_bytes / traffic.decode_steps if traffic.decode_steps else None,
+            # time the compute thread waited for layers in decode steps: what prefetch did not hide
+            "read_wait_per_decode_step_s": traffic.decode_wait_s / traffic.decode_steps if traffic.decode_steps else None,
         }
 
     def time_read_pass(self) -> float:

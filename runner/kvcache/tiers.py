@@ -29,9 +29,6 @@ def _from_bits(values: np.ndarray, dtype: torch.dtype, shape: torch.Size) -> tor
 
 class Tier(Protocol):
     keeps_blocks_in_ram: bool
-    compression_ratio: float | None
-    bytes_written: int
-    bytes_read: int
 
     def seal(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> object: ...
     def load(self, payload: object, shape: torch.Size, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]: ...
@@ -44,9 +41,6 @@ class HostTier:
     """Sealed blocks stay as host tensors (pinned on CUDA: they were the layer's RAM tail)."""
 
     keeps_blocks_in_ram = True
-    compression_ratio = None
-    bytes_written = 0  # the host tier's traffic is the device<->host copies, counted by the layer store
-    bytes_read = 0
 
     def seal(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> object:
         return keys, values
@@ -73,18 +67,6 @@ class DiskTier:
 
     def __init__(self, directory: str | Path, codec: BlockCodec) -> None:
         self.store = KVBlockStore(directory, codec)
-
-    @property
-    def compression_ratio(self) -> float | None:
-        return self.store.compression_ratio
-
-    @property
-    def bytes_written(self) -> int:
-        return self.store.bytes_written
-
-    @property
-    def bytes_read(self) -> int:
-        return self.store.bytes_read
 
     def seal(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> object:
         return (

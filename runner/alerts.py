@@ -1,0 +1,226 @@
+"""Alerts: the few things an operator of a long batch must act on, as warnings in job.log and on the console.
+
+- `slow_task`: a task running longer than 2 x the median time of finished tasks of its length class
+  (documents within a factor of two of each other in characters); at least two finished tasks
+  make a median.
+- `memory`: host RAM or device memory above 80 % used (`$KVBATCH_ALERT_MEMORY_FRACTION` changes
+  the threshold); once per crossing, again only after it fell back below.
+- `worker_restarts`: one worker slot restarted twice or more (it died, or hung and was killed).
+- `repeated_fallbacks`: a task that fell back (cache rung or context size) more than once.
+
+`AlertRules` is the plain decision logic; `AlertMonitor` feeds it from the coordinator, runs a
+watchdog thread for the rules that need a clock, and writes what fires.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import statistics
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import psutil
+from rich.console import Console
+from rich.markup import escape
+
+from runner.joblog import JobLog
+
+MEMORY_FRACTION_ENV = "KVBATCH_ALERT_MEMORY_FRACTION"
+SLOW_FACTOR = 2.0
+MEMORY_FRACTION = 0.8
+MEMORY_REARM_MARGIN = 0.05
+MIN_CLASS_SAMPLES = 2
+RESTARTS_ALERT = 2
+
+
+def length_class(n_chars: int) -> str:
+    """Power-of-two buckets of document length: tasks in one bucket should take similar times."""
+    low = 1 << (max(n_chars, 1).bit_length() - 1)
+    return f"{low}-{2 * low - 1} chars"
+
+
+def memory_threshold() -> float:
+    raw = os.environ.get(MEMORY_FRACTION_ENV, "").strip()
+    if not raw:
+        return MEMORY_FRACTION
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{MEMORY_FRACTION_ENV}={raw!r}: expected a fraction such as 0.8") from None
+    if not 0 < value <= 1:
+        raise ValueError(f"{MEMORY_FRACTION_ENV}={raw!r}: expected a fraction in (0, 1]")
+    return value
+
+
+@dataclass(frozen=True)
+class Alert:
+    kind: str
+    message: str
+    fields: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class _Running:
+    doc_id: str
+    n_chars: int
+    started: float
+    worker: str
+    alerted: bool = False
+
+
+class AlertRules:
+    """Decides which alerts fire; fed with observations, holds no clock and writes nothing."""
+
+    def __init__(self, slow_factor: float = SLOW_FACTOR, memory_fraction: float = MEMORY_FRACTION,
+                 restarts_alert: int = RESTARTS_ALERT, min_class_samples: int = MIN_CLASS_SAMPLES) -> None:
+        self.slow_factor = slow_factor
+        self.memory_fraction = memory_fraction
+        self.restarts_alert = restarts_alert
+        self.min_class_samples = min_class_samples
+        self.running: dict[str, _Running] = {}
+        self._times: dict[str, list[float]] = defaultdict(list)
+        self._restarts: dict[str, int] = defaultdict(int)
+        self._memory_high: set[tuple[str, str]] = set()
+
+    def _median(self, n_chars: int) -> float | None:
+        times = self._times[length_class(n_chars)]
+        return statistics.median(times) if len(times) >= self.min_class_samples else None
+
+    def _slow(self, task_id: str, run: _Running, seconds: float, state: str) -> Alert:
+        median = self._median(run.n_chars)
+        run.alerted = True
+        return Alert("slow_task", (
+            f"task {task_id} ({run.doc_id}) {state} {seconds:.1f} s, over {self.slow_factor:g} x the "
+            f"median {median:.1f} s of {length_class(run.n_chars)} documents"
+        ), {"task_id": task_id, "doc_id": run.doc_id, "seconds": round(seconds, 3),
+            "median_s": round(median, 3), "length_class": length_class(run.n_chars), "worker": run.worker})
+
+    def task_started(self, task_id: str, doc_id: str, n_chars: int, now: float, worker: str) -> None:
+        self.running[task_id] = _Running(doc_id, n_chars, now, worker)
+
+    def task_stopped(self, task_id: str) -> _Running | None:
+        return self.running.pop(task_id, None)
+
+    def overdue(self, now: float) -> list[Alert]:
+        """Running tasks past the slow threshold, each reported once per attempt."""
+        alerts = []
+        for task_id, run in self.running.items():
+            median = self._median(run.n_chars)
+            if not run.alerted and median is not None and now - run.started > self.slow_factor * median:
+                alerts.append(self._slow(task_id, run, now - run.started, "running for"))
+        return alerts
+
+    def task_finished(self, task_id: str, doc_id: str, n_chars: int, wall_s: float | None,
+                      fallbacks: list[str], slow_alerted: bool = False) -> list[Alert]:
+        alerts = []
+        if wall_s is not None:
+            median = self._median(n_chars)
+            if not slow_alerted and median is not None and wall_s > self.slow_factor * median:
+                alerts.append(self._slow(task_id, _Running(doc_id, n_chars, 0.0, ""), wall_s, "took"))
+            self._times[length_class(n_chars)].append(wall_s)
+        if len(fallbacks) > 1:
+            alerts.append(Alert("repeated_fallbacks", (
+                f"task {task_id} ({doc_id}) fell back {len(fallbacks)} times: {', '.join(fallbacks)}"
+            ), {"task_id": task_id, "doc_id": doc_id, "fallbacks": fallbacks}))
+        return alerts
+
+    def worker_restarted(self, worker: str, reason: str) -> list[Alert]:
+        self._restarts[worker] += 1
+        count = self._restarts[worker]
+        if count < self.restarts_alert:
+            return []
+        return [Alert("worker_restarts", f"{worker} restarted {count} times (last: {reason})",
+                      {"worker": worker, "restarts": count, "reason": reason})]
+
+    def memory(self, resource: str, where: str, used_fraction: float | None) -> list[Alert]:
+        """`resource` is "host RAM" or "device memory"; alerts when it crosses the threshold upwards."""
+        if used_fraction is None:
+            return []
+        key = (resource, where)
+        if used_fraction <= self.memory_fraction - MEMORY_REARM_MARGIN:
+            self._memory_high.discard(key)
+        if used_fraction <= self.memory_fraction or key in self._memory_high:
+            return []
+        self._memory_high.add(key)
+        return [Alert("memory", (
+            f"{resource} {used_fraction:.0%} used on {where} (alert above {self.memory_fraction:.0%})"
+        ), {"resource": resource, "where": where, "used_fraction": round(used_fraction, 4)})]
+
+
+class AlertMonitor:
+    """Thread-safe front of AlertRules for the coordinator: emits to job.log and the console."""
+
+    def __init__(self, log: JobLog, console: Console, rules: AlertRules | None = None,
+                 interval_s: float = 1.0) -> None:
+        self.log = log
+        self.console = console
+        self.rules = rules or AlertRules(memory_fraction=memory_threshold())
+        self.interval_s = interval_s
+        self._lock = threading.Lock()
+        self._host = socket.gethostname()
+
+    def _emit(self, alerts: list[Alert]) -> None:
+        for alert in alerts:
+            self.log.warning("alert", kind=alert.kind, message=alert.message, **alert.fields)
+            self.console.print(f"[yellow]alert ({alert.kind}):[/yellow] {escape(alert.message)}", highlight=False,
+                               soft_wrap=True)
+
+    def active(self) -> int:
+        """Tasks on a worker right now (the progress line's "active workers")."""
+        with self._lock:
+            return len(self.rules.running)
+
+    def task_started(self, task_id: str, doc_id: str, n_chars: int, worker: str) -> None:
+        with self._lock:
+            self.rules.task_started(task_id, doc_id, n_chars, time.monotonic(), worker)
+
+    def task_stopped(self, task_id: str) -> bool:
+        """Whether this attempt was already reported as slow."""
+        with self._lock:
+            run = self.rules.task_stopped(task_id)
+        return bool(run and run.alerted)
+
+    def task_finished(self, task_id: str, doc_id: str, n_chars: int, outcome: dict[str, Any],
+                      fallbacks: list[str], slow_alerted: bool) -> None:
+        where = outcome.get("worker") or "a worker"
+        with self._lock:
+            alerts = self.rules.task_finished(task_id, doc_id, n_chars, outcome.get("wall_s"), fallbacks,
+                                              slow_alerted)
+            alerts += self.rules.memory("host RAM", where.split(":")[0], outcome.get("host_used_fraction"))
+            alerts += self.rules.memory("device memory", where, outcome.get("device_used_fraction"))
+        self._emit(alerts)
+
+    def worker_restarted(self, worker: str, reason: str) -> None:
+        with self._lock:
+            alerts = self.rules.worker_restarted(worker, reason)
+        self._emit(alerts)
+
+    def check(self) -> None:
+        """One watchdog round: overdue tasks, and this machine's RAM."""
+        with self._lock:
+            alerts = self.rules.overdue(time.monotonic())
+            alerts += self.rules.memory("host RAM", self._host, psutil.virtual_memory().percent / 100)
+        self._emit(alerts)
+
+    @contextmanager
+    def watching(self) -> Iterator[None]:
+        """Runs `check` every `interval_s` in a background thread while the block runs."""
+        stop = threading.Event()
+
+        def loop() -> None:
+            while not stop.wait(self.interval_s):
+                self.check()
+
+        thread = threading.Thread(target=loop, name="alert-watchdog", daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join()

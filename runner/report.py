@@ -1,0 +1,151 @@
+"""`kvbatch report`: one self-contained HTML page about a job (plots embedded as data URIs).
+
+It reads the job folder only, like `status`, so it works on a finished job, a running one, or a
+copy of the folder on a laptop; the page has no external references and can be mailed as is.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import statistics
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from runner.joblog import read_log
+from runner.progress import format_duration
+from runner.report_plots import PLOTS, fallback_path
+from runner.status import job_status
+from storage.export import results_table
+from storage.jobdir import JobDir, read_job
+
+_CSS = """
+body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1100px; color: #222; }
+h1 { font-size: 1.5em; } h2 { border-bottom: 1px solid #ddd; padding-bottom: .2em; margin-top: 1.6em; }
+table { border-collapse: collapse; margin: .5em 0; font-size: .9em; }
+th, td { border: 1px solid #ccc; padding: .25em .6em; text-align: left; vertical-align: top; }
+th { background: #f3f3f3; } td.num { text-align: right; font-variant-numeric: tabular-nums; }
+figure { margin: 1em 0; } figcaption { color: #555; font-size: .9em; }
+img { max-width: 100%; border: 1px solid #eee; }
+.none { color: #888; font-style: italic; }
+"""
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "<td></td>"
+    if isinstance(value, float):
+        return f'<td class="num">{value:,.3g}</td>' if abs(value) < 1000 else f'<td class="num">{value:,.0f}</td>'
+    if isinstance(value, int):
+        return f'<td class="num">{value:,}</td>'
+    return f"<td>{html.escape(str(value))}</td>"
+
+
+def _table(headers: list[str], rows: Iterable[list[Any]], empty: str) -> str:
+    body = "".join("<tr>" + "".join(_cell(v) for v in row) + "</tr>" for row in rows)
+    if not body:
+        return f'<p class="none">{html.escape(empty)}</p>'
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def _median(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+def _strategy_rows(rows: list[dict[str, Any]]) -> list[list[Any]]:
+    by: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        if r["status"] == "done":
+            by.setdefault(r["cache_strategy"] or "unknown", []).append(r)
+    mib = 2**20
+    out = []
+    for strategy, rs in sorted(by.items()):
+        rss = _median([r["peak_host_rss_bytes"] for r in rs])
+        dev = _median([r["peak_device_bytes"] for r in rs])
+        out.append([
+            strategy, len(rs), _median([r["wall_s"] for r in rs]), _median([r["ttft_s"] for r in rs]),
+            _median([r["decode_tokens_per_s"] for r in rs]),
+            rss / mib if rss is not None else None, dev / mib if dev is not None else None,
+            sum(r["offload_bytes_written"] or 0 for r in rs) / mib,
+        ])
+    return out
+
+
+def _figure(title: str, question: str, png: bytes | None) -> str:
+    if png is None:
+        return f'<h3>{html.escape(title)}</h3><p class="none">nothing to plot yet for this job</p>'
+    data = base64.b64encode(png).decode("ascii")
+    return (f'<figure><img alt="{html.escape(title)}" src="data:image/png;base64,{data}">'
+            f"<figcaption>{html.escape(title)}: {html.escape(question)}</figcaption></figure>")
+
+
+def render_report(job_dir: Path) -> str:
+    """The HTML page of a job, as a string."""
+    job = JobDir(job_dir)
+    info = read_job(job)
+    status = job_status(job_dir, slowest=10)
+    rows = results_table(job_dir, errors_only=False).to_pylist()
+    alerts = [e for e in read_log(job.log) if e.get("event") == "alert"]
+    c = status["counts"]
+    cfg = info.config
+    summary = [
+        ["job id", info.job_id], ["job folder", str(job.path)],
+        ["created", time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info.created))],
+        ["state", f"running ({status['coordinator']})" if status["coordinator"] else "not running"],
+        ["model", cfg["model"]["name"]], ["cache strategy (config)", cfg["cache"]["strategy"]],
+        ["context tokens", cfg["summarize"]["context_tokens"]],
+        ["documents", f"{status['total']}: done {c['done']}, failed {c['failed']}, rejected {c['rejected']}, "
+                      f"running {c['running']}, pending {c['pending']}"],
+        ["latest run", f"{format_duration(status['run_elapsed_s'])}, "
+                       f"{status['throughput_docs_per_s'] * 60:.2f} docs/min, {status['tokens_per_s']:.1f} tok/s"],
+        ["fallbacks", f"{status['fallbacks']['total']} in {status['fallbacks']['tasks']} task(s)"],
+        ["alerts", len(alerts)],
+    ]
+    failures = [[r["doc_id"], r["status"], r["error_type"], r["error"], r["attempts"],
+                 "; ".join(r["fallbacks"] or [])] for r in rows if r["status"] != "done"]
+    fell_back = [[r["doc_id"], r["status"], fallback_path(r), r["context_tokens"]]
+                 for r in rows if r["fallbacks"]]
+    slowest = [[r["doc_id"], r["wall_s"], r["input_tokens"], r["cache_strategy"]] for r in status["slowest"]]
+    alert_rows = [[time.strftime("%H:%M:%S", time.localtime(a["ts"])), a.get("kind"), a.get("message")]
+                  for a in alerts]
+    sections = [
+        f"<h1>kvbatch job {html.escape(info.job_id)}</h1>",
+        "<h2>Summary</h2>", _table(["", ""], summary, ""),
+        "<h2>Plots</h2>", *(_figure(title, question, plot(rows)) for title, question, plot in PLOTS),
+        "<h2>Per cache strategy</h2>",
+        _table(["strategy", "documents", "median wall s", "median TTFT s", "median decode tok/s",
+                "median peak host RSS MiB", "median peak device MiB", "offload written MiB"],
+               _strategy_rows(rows), "no finished documents yet"),
+        "<h2>Failures</h2>",
+        _table(["document", "status", "error type", "error", "attempts", "fallbacks"], failures,
+               "no failed or rejected documents"),
+        "<h2>Fallbacks</h2>",
+        _table(["document", "status", "ladder", "final context tokens"], fell_back, "no task fell back"),
+        "<h2>Slowest documents</h2>",
+        _table(["document", "wall s", "input tokens", "cache strategy"], slowest, "no finished documents yet"),
+        "<h2>Alerts</h2>", _table(["time", "kind", "message"], alert_rows, "no alerts"),
+        "<h2>Config</h2>", f"<pre>{html.escape(json.dumps(cfg, indent=2))}</pre>",
+    ]
+    return (
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
+        f"<title>kvbatch report {html.escape(info.job_id)}</title><style>{_CSS}</style></head>"
+        f"<body>{''.join(sections)}<p class=\"none\">generated {time.ctime()}</p></body></html>\n"
+    )
+
+
+def write_report(job_dir: Path, output: Path | None, console: Console) -> int:
+    """Writes the page (default JOB_DIR/report.html) and says where it is; exit code 0."""
+    out = output or Path(job_dir) / "report.html"
+    page = render_report(job_dir)
+    tmp = out.with_name(f".{out.name}.tmp")
+    tmp.write_text(page, encoding="utf-8")
+    tmp.replace(out)
+    console.print(f"report -> {out}  (open it in a browser; it is one self-contained file)", highlight=False, soft_wrap=True)
+    return 0
