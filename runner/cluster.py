@@ -14,6 +14,8 @@ import ray
 def ray_session(address: str | None) -> Iterator[dict[str, float]]:
     """Connects to `address` (or $RAY_ADDRESS), else starts a private local instance; yields its resources."""
     address = address or os.environ.get("RAY_ADDRESS") or None
+    # token authentication stays on (it is the safe default); only its notice is silenced
+    logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
     options = {"logging_level": logging.WARNING, "log_to_driver": False}
     if address:
         ray.init(address=address, **options)

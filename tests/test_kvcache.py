@@ -249,6 +249,7 @@ def test_tiered_disk_keeps_two_layers_resident_and_its_blocks_on_disk(tmp_path: 
     assert dynamic.stats()["kv_resident_peak_bytes"] == all_layers
     assert stats["kv_bytes"] == all_layers
     assert stats["kv_resident_peak_bytes"] <= 2 * layer + block
+    assert stats["device_to_host_bytes"] == all_layers, "each token must leave the device exactly once"
     assert stats["offload_bytes_written"] > 0 and stats["offload_bytes_read"] > 0
     # every decode step brings each layer's old tokens in and sends its new token out: one KV, no more
     assert stats["bytes_moved_per_decode_step"] <= all_layers
