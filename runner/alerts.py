@@ -1,7 +1,7 @@
 """Alerts: the few things an operator of a long batch must act on, as warnings in job.log and on the console.
 
 - `slow_task`: a task running longer than 2 x the median time of finished tasks of its length class
-  (documents within a factor of two of each other in characters); at least two finished tasks
+  (documents within a factor of two of each other in characters); at least three finished tasks
   make a median.
 - `memory`: host RAM or device memory above 80 % used (`$KVBATCH_ALERT_MEMORY_FRACTION` changes
   the threshold); once per crossing, again only after it fell back below.
@@ -35,7 +35,7 @@ MEMORY_FRACTION_ENV = "KVBATCH_ALERT_MEMORY_FRACTION"
 SLOW_FACTOR = 2.0
 MEMORY_FRACTION = 0.8
 MEMORY_REARM_MARGIN = 0.05
-MIN_CLASS_SAMPLES = 2
+MIN_CLASS_SAMPLES = 3
 RESTARTS_ALERT = 2
 
 

@@ -70,6 +70,7 @@ class StageProbe:
         self.host_used_fraction: float | None = None  # highest reading while the task ran
         self.device_used_fraction: float | None = None
         self._decoding = False
+        self._prefilling = False  # prefill steps seen since the last decode step
         self._hook: Any = None
 
     def __enter__(self) -> "StageProbe":
@@ -82,7 +83,9 @@ class StageProbe:
         self._hook.remove()
         if self._decoding:
             self._decode_ended()
-        self._decoding = False
+        elif self._prefilling:  # a one-token answer: generate() stopped right after prefill
+            self._prefill_ended()
+        self._decoding = self._prefilling = False
         if self.cuda:
             self.device_peak_bytes = _max(self.device_peak_bytes, torch.cuda.max_memory_allocated(self.device))
 
@@ -90,10 +93,10 @@ class StageProbe:
         if _step_tokens(args, kwargs) > 1:  # a prefill step: a new pass begins, or a prefill chunk
             if self._decoding:
                 self._decode_ended()
-            self._decoding = False
+            self._decoding, self._prefilling = False, True
             return
         if not self._decoding:
-            self._decoding = True
+            self._decoding, self._prefilling = True, False
             self._prefill_ended()
         rss = psutil.Process().memory_info().rss
         self.decode_peak_host_rss_bytes = int(_max(self.decode_peak_host_rss_bytes, rss))

@@ -74,6 +74,7 @@ class BatchProgress:
     def __enter__(self) -> "BatchProgress":
         if self._bar:
             self._bar.start()
+            self._refresh()
         self._ticker.start()
         return self
 

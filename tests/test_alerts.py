@@ -17,8 +17,12 @@ def test_length_classes_group_documents_within_a_factor_of_two():
 
 def test_a_running_task_is_slow_only_against_its_own_length_class():
     rules = AlertRules()
-    for task, wall in (("a", 1.0), ("b", 3.0)):  # median 2.0 s for 1024-2047 chars
-        assert rules.task_finished(task, task, 1500, wall, []) == []
+    assert rules.task_finished("a", "a", 1500, 1.0, []) == []
+    assert rules.task_finished("b", "b", 1500, 3.0, []) == []
+    rules.task_started("early", "early", 1500, now=0.0, worker="w0")
+    assert rules.overdue(now=1000.0) == []  # two samples make no median yet
+    assert rules.task_finished("c", "c", 1500, 2.0, []) == []  # median 2.0 s for 1024-2047 chars
+    rules.task_stopped("early")
     rules.task_started("short", "short", 1500, now=100.0, worker="w0")
     rules.task_started("long", "long", 9000, now=100.0, worker="w1")  # no median for its class yet
     assert rules.overdue(now=104.0) == []  # exactly 2 x median is not over it
@@ -30,8 +34,8 @@ def test_a_running_task_is_slow_only_against_its_own_length_class():
 
 def test_a_finished_task_over_the_threshold_alerts_unless_it_already_did():
     rules = AlertRules()
-    rules.task_finished("a", "a", 100, 1.0, [])
-    rules.task_finished("b", "b", 100, 1.0, [])
+    for task in ("a", "b", "c"):
+        rules.task_finished(task, task, 100, 1.0, [])
     [alert] = rules.task_finished("c", "c", 100, 2.5, [])
     assert alert.kind == "slow_task" and "took 2.5 s" in alert.message
     assert rules.task_finished("d", "d", 100, 9.0, [], slow_alerted=True) == []

@@ -248,7 +248,7 @@ def test_reading_while_a_live_writer_merges_gives_consistent_views(tmp_path: Pat
         from storage.checkpoint import CheckpointLog
         with CheckpointLog(sys.argv[1], flush_every=1, merge_every=3) as log:
             for i in range(600):
-                log.add_result({**empty_row(RESULT_SCHEMA), "doc_id": f"d{i}", "status": "done"})
+                log.add_result({**empty_row(RESULT_SCHEMA), "doc_id": f"d{i}", "task_id": f"t{i}", "status": "done"})
                 if i == 10:
                     print("writing", flush=True)
         """,

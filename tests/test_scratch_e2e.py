@@ -23,8 +23,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import LICENSES, TINY_CONFIG, export_rows, kvbatch, write_jsonl
-from test_resume import start_submit, wait_for
+from conftest import TINY_CONFIG, export_rows, kvbatch
+from test_resume import manifest_of, start_submit, wait_for
 from storage.scratch import OWNER_FILE, ROOT_MARKER
 from tests.child_process import Child
 
@@ -41,10 +41,6 @@ with task_scratch(Path(sys.argv[1]), "live-job", "t000001", 1) as scratch:
     print(scratch, flush=True)
     time.sleep(600)
 """
-
-
-def manifest_of(folder: Path, names: list[str]) -> Path:
-    return write_jsonl(folder / "manifest.jsonl", [{"id": n.lower(), "path": str(LICENSES / n)} for n in names])
 
 
 def with_root(root: Path) -> list[str]:
@@ -270,7 +266,7 @@ def test_two_concurrent_jobs_on_one_root_never_see_each_others_files(ray_address
     pids: dict[str, set[int]] = {job_id: set() for job_id in job_ids}
     for (job_id, name), sighting in watcher.dirs.items():
         assert job_id in job_ids, f"a dir of an unknown job: {job_id}/{name}"
-        assert sighting.owner["job_id"] == job_id, f"{job_id}/{name} is owned by {sighting.owner}"
+        assert sighting.owner.get("job_id") == job_id, f"{job_id}/{name} is owned by {sighting.owner}"
         pids[job_id].add(sighting.owner["pid"])
     assert not set.intersection(*pids.values()), "one worker process wrote into both jobs' dirs"
     expected = {doc: r["summary"] for doc, r in rows_by_doc(reference).items()}

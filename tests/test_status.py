@@ -99,7 +99,8 @@ def watched(ray_address, tmp_path_factory) -> dict:
         assert wait_for(bsd_alone_running, proc, timeout=240, poll=0.2), proc.communicate()
         seen["running_json"] = status_json(job)
         seen["running_text"] = kvbatch("status", str(job), check=0).stdout
-        assert wait_for(lambda: bool(alerts_of(job, "slow_task")), proc, timeout=60, poll=0.2)
+        bsd_slow = lambda: any(a["doc_id"] == "bsd" for a in alerts_of(job, "slow_task"))  # noqa: E731
+        assert wait_for(bsd_slow, proc, timeout=60, poll=0.2)
         proc.send_signal(signal.SIGINT)
         seen["submit_out"], seen["submit_err"] = proc.communicate(timeout=120)
         seen["submit_code"] = proc.returncode
@@ -133,7 +134,7 @@ def test_status_of_a_running_job_from_another_process(watched):
 
 def test_live_alerts_reach_job_log_and_console(watched):
     job = watched["job"]
-    [slow] = alerts_of(job, "slow_task")
+    [slow] = [a for a in alerts_of(job, "slow_task") if a["doc_id"] == "bsd"]  # others may be slow too
     assert slow["doc_id"] == "bsd" and slow["level"] == "warning"
     assert slow["seconds"] > 2 * slow["median_s"] and slow["length_class"] == "1024-2047 chars"
     [memory] = alerts_of(job, "memory")  # once, however many times it was seen over the threshold
@@ -157,7 +158,7 @@ def test_status_after_an_interruption(watched):
     assert s["coordinator"] is None
     assert s["counts"] == {"pending": 1, "running": 0, "done": 4, "failed": 0, "rejected": 0}
     assert s["running"] == [] and s["eta_s"] is None  # nothing is running, so no ETA
-    assert s["alerts"]["by_kind"]["slow_task"] == 1
+    assert s["alerts"]["by_kind"]["slow_task"] >= 1 and s["alerts"]["by_kind"]["memory"] == 1
 
 
 def test_rich_progress_bar_on_a_terminal(watched):

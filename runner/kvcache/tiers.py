@@ -16,6 +16,7 @@ import torch
 from storage.kvblocks import BlockCodec, BlockRef, KVBlockStore
 
 _SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_SAME_WIDTH_NP = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
 
 
 def _bits(tensor: torch.Tensor) -> np.ndarray:
@@ -76,8 +77,7 @@ class DiskTier:
 
     def load(self, payload: object, shape: torch.Size, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         key_ref, value_ref = payload  # type: ignore[misc]
-        width = _SAME_WIDTH_INT[dtype.itemsize]
-        np_dtype = torch.empty(0, dtype=width).numpy().dtype
+        np_dtype = np.dtype(_SAME_WIDTH_NP[dtype.itemsize])
         return (
             _from_bits(self.store.read(key_ref, np_dtype), dtype, shape),
             _from_bits(self.store.read(value_ref, np_dtype), dtype, shape),
