@@ -12,6 +12,13 @@ Run: python bench/offload.py [--device cpu|cuda] [--contexts 2048,4096,8192] [--
 
 from __future__ import annotations
 
+import os
+
+# On a CPU shared with other work, OpenMP threads that spin at barriers stall whenever another
+# thread (here: the cache's IO thread) takes their core; sleeping waits keep every strategy sane.
+# Read by torch's OpenMP runtime when it loads, so set before importing torch (override from the shell).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import argparse
 import tempfile
 import time
@@ -155,7 +162,8 @@ def main() -> None:
     loaded = load_model(ModelConfig(name="builtin:smollm2-135m", dtype=args.dtype, device=args.device))
     strategies = STRATEGIES + (["offloaded"] if loaded.device.type == "cuda" else [])
     shape = kv_shape(loaded.model.config, loaded.dtype)
-    print(f"SmolLM2-135M on {loaded.device} ({loaded.dtype}), {torch.get_num_threads()} threads; "
+    print(f"SmolLM2-135M on {loaded.device} ({loaded.dtype}), {torch.get_num_threads()} threads "
+          f"(OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}); "
           f"{args.new_tokens} new tokens, blocks of {args.block_tokens}, prefill chunks of {args.prefill_chunk}")
     runs: list[Run] = []
     full_kv: dict[int, int] = {}
