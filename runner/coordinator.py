@@ -41,6 +41,8 @@ from storage.jobdir import JobDir
 EXIT_OK = 0
 EXIT_FAILED_TASKS = 3
 EXIT_INTERRUPTED = 130
+#: How long a restarted worker may take to come back (process start + model load), not task time.
+WORKER_RESTART_TIMEOUT_S = 300.0
 
 
 class TransientFailure(Exception):
@@ -248,7 +250,7 @@ class Coordinator:
     def _await_restart(self, actor: Any) -> None:
         """Wait until Ray has restarted a killed or crashed worker: its start sweeps the scratch dir the
         dead process left, and the task's next attempt must reach it, not the dying incarnation."""
-        deadline = time.monotonic() + min(self.cfg.retry.task_timeout_s, 300)
+        deadline = time.monotonic() + WORKER_RESTART_TIMEOUT_S
         while not self.stop.is_set():
             try:
                 ray.get(actor.info.remote(), timeout=max(deadline - time.monotonic(), 0.1))
