@@ -177,6 +177,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             text = Path(path).read_text(encoding="utf-8")
         except OSError as e:
             raise ConfigError(f"cannot read config file {path}: {e.strerror or e}") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(
+                f"config file {path} is not valid UTF-8 (byte offset {e.start}): save it as UTF-8"
+            ) from None
         try:
             loaded = yaml.safe_load(text)
         except yaml.YAMLError as e:

@@ -8,6 +8,22 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import ray
+from ray._private import ray_constants
+
+#: Off: Ray resolves "127.0.0.1" to the loopback address instead of the machine's reachable IP.
+_CLUSTER_MODE_ENV = ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR
+
+
+def _loopback_only() -> None:
+    """Make a private local Ray listen on loopback only.
+
+    Ray turns `_node_ip_address="127.0.0.1"` into the host's routable IP, and its gRPC servers
+    (GCS, raylet, workers, agents) then listen on every interface. With cluster mode off it keeps
+    the loopback address and every listener binds 127.0.0.1. The constant is read when a node
+    starts (this process); the environment variable reaches the processes Ray spawns.
+    """
+    os.environ[_CLUSTER_MODE_ENV] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
 
 
 @contextmanager
@@ -20,6 +36,7 @@ def ray_session(address: str | None) -> Iterator[dict[str, float]]:
     if address:
         ray.init(address=address, **options)
     else:
+        _loopback_only()
         ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", **options)
     try:
         yield ray.cluster_resources()

@@ -26,6 +26,7 @@ from runner.progress import format_duration
 from storage.checkpoint import load_state
 from storage.jobdir import JobDir, read_job, read_manifest_table
 from storage.owner import OwnerLiveness, ProcessOwner
+from storage.parts import CORRUPT_PART_ADVICE
 
 RECENT_ALERTS = 5
 
@@ -167,3 +168,5 @@ def print_status(status: dict[str, Any], console: Console) -> None:
             console.print(f"  {a['kind']}: {escape(a['message'] or '')}", highlight=False, soft_wrap=True)
     for part in status["corrupt_parts"]:
         console.print(f"[yellow]damaged part skipped: {escape(part)}")
+    if status["corrupt_parts"]:
+        console.print(f"  {CORRUPT_PART_ADVICE}", highlight=False)

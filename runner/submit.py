@@ -20,6 +20,7 @@ from runner.coordinator import EXIT_FAILED_TASKS, EXIT_INTERRUPTED, EXIT_OK, Coo
 from storage.checkpoint import CheckpointLog, JobState, compact, load_state
 from storage.jobdir import JobDir, JobInfo, create_job, new_job_id, read_job, read_manifest_table, update_job_config
 from storage.lock import JobLock
+from storage.parts import CORRUPT_PART_ADVICE
 from storage.scratch import default_offload_root
 
 EXIT_USAGE = 2
@@ -95,6 +96,8 @@ def _execute(job: JobDir, info: JobInfo, config: JobConfig, address: str | None,
         state = load_state(job.path)
         for part in state.corrupt:
             console.print(f"[yellow]skipped a damaged checkpoint part: {part}")
+        if state.corrupt:
+            console.print(f"  {CORRUPT_PART_ADVICE}", highlight=False)
         finished = state.done_task_ids | state.rejected_task_ids
         if not retry_failed:
             finished |= state.failed_task_ids

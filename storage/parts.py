@@ -37,6 +37,13 @@ _last_time_ns = 0
 _sequence = itertools.count()
 
 
+#: What a user does about a damaged part; printed by `status` and `resume` after the parts they skipped.
+CORRUPT_PART_ADVICE = (
+    "a damaged part's rows are ignored and never overwritten: documents whose results were in it "
+    "run again on `kvbatch resume`; move the file out of the job folder once you have looked at it"
+)
+
+
 @dataclass(frozen=True)
 class CorruptPart:
     """A part that could not be used; its rows are missing from what was read."""

@@ -1,0 +1,181 @@
+"""Hostile manifests and configs through the parser and the real CLI: a clear message naming the
+row or key, the rest of the batch goes on, never a traceback. (tests/test_manifest.py covers the
+per-reason messages; this file adds random structured rows, random configs and the CLI path.)"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from jobs.config import ConfigError, config_from_dict, load_config
+from jobs.manifest import ManifestError, read_manifest
+from jobs.config import InputConfig
+from tests.conftest import TINY_CONFIG, export_rows, kvbatch, write_jsonl
+
+SMALL_INPUT = InputConfig(max_document_bytes=4096)
+
+json_scalars = st.one_of(
+    st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=False),
+    st.text(max_size=30), st.sampled_from(["", " ", "\x00", "..", "/etc/passwd", "$(touch x)", "e\u0301", "\u00e9"]),
+)
+json_values = st.recursive(json_scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3), max_leaves=6)
+row_fields = st.dictionaries(
+    st.sampled_from(["id", "text", "path", "max_new_tokens", "prompt", "lang", ""]), json_values, max_size=6
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(rows=st.lists(row_fields, min_size=1, max_size=8))
+def test_random_structured_rows_become_tasks_or_named_rejections(tmp_path: Path, rows: list[dict]) -> None:
+    manifest = write_jsonl(tmp_path / "m.jsonl", [*rows, {"id": "zz-good", "text": "A real document."}])
+    tasks, rejections = read_manifest(manifest, SMALL_INPUT)
+    assert tasks[-1].doc_id == "zz-good" or any(r.doc_id == "zz-good" for r in rejections)  # a duplicate id may claim it
+    assert len(tasks) + len(rejections) == len(rows) + 1  # every row accounted for, once
+    for rejection in rejections:
+        assert rejection.reason.startswith(f"m.jsonl line {rejection.row}") and ": " in rejection.reason
+    for task in tasks:
+        assert task.n_bytes <= SMALL_INPUT.max_document_bytes and task.doc_id.strip()
+
+
+config_keys = st.sampled_from(
+    ["model", "summarize", "cache", "retry", "workers", "checkpoint", "input", "modle", "cache.strategy",
+     "summarize.max_new_tokens", "cache.device_kv_budget_bytes", "retry.context_shrink", "workers.count",
+     "input.max_document_bytes", "checkpoint.flush_every", "cache.ladder", "summarize.seed", "cache.zstd_levle"]
+)
+
+
+def _nest(dotted: str, value: object) -> dict:
+    head, _, rest = dotted.partition(".")
+    return {head: _nest(rest, value) if rest else value}
+
+
+@settings(max_examples=200, deadline=None)
+@given(items=st.lists(st.tuples(config_keys, json_values), max_size=4))
+def test_random_configs_are_valid_or_a_config_error_naming_the_key(items: list[tuple[str, object]]) -> None:
+    data: dict = {}
+    for key, value in items:
+        section = _nest(key, value)
+        name = next(iter(section))
+        if isinstance(data.get(name), dict) and isinstance(section[name], dict):
+            data[name].update(section[name])
+        else:
+            data.update(section)
+    try:
+        config_from_dict(data, "hypothesis")
+    except ConfigError as e:
+        message = str(e)
+        assert message.startswith("invalid config (hypothesis):")
+        named = [line.split(":")[0].strip() for line in message.splitlines()[1:]]
+        assert named and all(n for n in named)
+
+
+@pytest.mark.parametrize(
+    ("content", "named"),
+    [
+        (b"cache:\n  stratgy: dynamic\n", "unknown key 'cache.stratgy'"),
+        (b"summarize:\n  max_new_tokens: -3\n", "summarize.max_new_tokens"),
+        (b"cache:\n  host_kv_budget_bytes: 0\n", "cache.host_kv_budget_bytes"),
+        (b"input:\n  max_document_bytes: 0\n", "input.max_document_bytes"),
+        (b"retry: 5\n", "retry: Input should be a valid dictionary"),
+        (b"model:\n  name: \xff\xfe\n", "is not valid UTF-8"),
+        (b"a: &a [*a]\n", "unknown key 'a'"),
+        (b"cache: {ladder: []}\n", "cache.ladder"),
+    ],
+    ids=["typo", "negative", "zero-budget", "zero-limit", "not-a-section", "bad-utf8", "recursive-yaml", "empty-ladder"],
+)
+def test_bad_config_files_exit_2_through_the_cli_naming_the_key(tmp_path: Path, content: bytes, named: str) -> None:
+    config = tmp_path / "bad.yaml"
+    config.write_bytes(content)
+    manifest = write_jsonl(tmp_path / "m.jsonl", [{"id": "a", "text": "Some text."}])
+    proc = kvbatch("submit", str(manifest), "-c", str(config), "-j", str(tmp_path / "job"), check=2)
+    assert named in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "job" / "job.json").exists()  # nothing started
+
+
+def _hostile_rows(tmp_path: Path) -> list[dict | str]:
+    root = tmp_path / "docs"
+    root.mkdir()
+    (root / "good.txt").write_text("A perfectly ordinary document about licences.\n" * 20)
+    (root / "huge.txt").open("wb").truncate(2 * 1024**3)  # sparse: costs no disk, would cost 2 GB of RAM
+    (root / "latin1.txt").write_bytes("Caf\xe9".encode("latin-1"))
+    (root / "nul.txt").write_bytes(b"text\x00more")
+    (root / "subdir").mkdir()
+    os.mkfifo(root / "fifo")
+    (root / "escape.txt").symlink_to("/etc/hostname")
+    return [
+        {"id": "good-inline", "text": "Inline text of a document."},
+        '{"id": "truncated", "text": "no end',
+        "\x00\x00\x00",
+        {"id": "huge", "path": "docs/huge.txt"},
+        {"id": "latin1", "path": "docs/latin1.txt"},
+        {"id": "nul-file", "path": "docs/nul.txt"},
+        {"id": "nul-text", "text": "a\x00b"},
+        {"id": "dir", "path": "docs/subdir"},
+        {"id": "fifo", "path": "docs/fifo"},
+        {"id": "device", "path": "/dev/zero"},
+        {"id": "dotdot", "path": "docs/../../outside.txt"},
+        {"id": "absolute", "path": "/etc/hostname"},
+        {"id": "symlink", "path": "docs/escape.txt"},
+        {"id": "caf\u00e9", "text": "Composed."},
+        {"id": "cafe\u0301", "text": "Decomposed duplicate."},
+        {"id": "zero-tokens", "text": "x", "max_new_tokens": 0},
+        {"id": "good-file", "path": "docs/good.txt"},
+    ]
+
+
+EXPECTED_REASONS = {
+    "huge": "over input.max_document_bytes", "latin1": "is not valid UTF-8",
+    "nul-file": "contains NUL bytes", "nul-text": "contains NUL characters", "dir": "is a directory",
+    "fifo": "is a FIFO", "device": "outside input.documents_root", "dotdot": "outside input.documents_root",
+    "absolute": "outside input.documents_root", "symlink": "outside input.documents_root",
+    "cafe\u0301": "equal after Unicode normalisation", "zero-tokens": "'max_new_tokens' must be a positive integer",
+}
+
+
+def _write_hostile(tmp_path: Path) -> tuple[Path, Path]:
+    rows = _hostile_rows(tmp_path)
+    manifest = tmp_path / "m.jsonl"
+    manifest.write_bytes(b"".join((r if isinstance(r, str) else json.dumps(r)).encode("utf-8", "surrogatepass") + b"\n" for r in rows))
+    config = tmp_path / "c.yaml"
+    settings_ = yaml.safe_load(TINY_CONFIG.read_text())
+    settings_["input"] = {"documents_root": str(tmp_path / "docs"), "max_document_bytes": 100_000}
+    config.write_text(yaml.safe_dump(settings_))
+    return manifest, config
+
+
+def test_strict_submit_of_a_hostile_manifest_names_every_row_reads_nothing_big_and_starts_nothing(tmp_path: Path) -> None:
+    manifest, config = _write_hostile(tmp_path)
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    proc = kvbatch("submit", str(manifest), "-c", str(config), "-j", str(tmp_path / "job"), "--strict", check=2, timeout=60)
+    peak_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    assert peak_kib < 1024 * 1024 or peak_kib == before  # far below the 2 GiB a read of huge.txt would need
+    assert "Traceback" not in proc.stderr + proc.stdout
+    out = " ".join(proc.stdout.split())
+    assert "14 manifest row(s) rejected" in out and "--strict: nothing was started" in out
+    for doc_id, reason in EXPECTED_REASONS.items():
+        assert any(f"(id {doc_id!r})" in line and reason in line for line in proc.stdout.splitlines()), (doc_id, proc.stdout)
+    assert "m.jsonl line 2: is not valid JSON" in out and "m.jsonl line 3: is not valid JSON" in out  # cut JSON, NULs
+
+
+def test_the_batch_goes_on_past_hostile_rows_and_exports_them_as_errors(tmp_path: Path, ray_address: str) -> None:
+    manifest, config = _write_hostile(tmp_path)
+    job = tmp_path / "job"
+    proc = kvbatch("submit", str(manifest), "-c", str(config), "-j", str(job), "--address", ray_address, check=0)
+    assert "Traceback" not in proc.stderr + proc.stdout
+    rows = {r["task_id"]: r for r in export_rows(job)}
+    done = sorted(r["doc_id"] for r in rows.values() if r["status"] == "done")
+    assert done == ["café", "good-file", "good-inline"]
+    errors = export_rows(job, "--errors")
+    assert len(errors) == 14 and {r["status"] for r in errors} == {"rejected"}
+    by_id = {r["doc_id"]: r["error"] for r in errors if r["doc_id"]}
+    for doc_id, reason in EXPECTED_REASONS.items():
+        assert reason in by_id[doc_id]
+    assert sorted(r["task_id"] for r in errors if r["doc_id"] is None) == ["t000002", "t000003"]  # cut JSON, NULs
