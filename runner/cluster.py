@@ -14,8 +14,8 @@ from ray._private import ray_constants
 _CLUSTER_MODE_ENV = ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR
 
 
-def _loopback_only() -> None:
-    """Make a private local Ray listen on loopback only.
+def init_local_ray(**options: object) -> None:
+    """Start a private local Ray that listens on loopback only, without the dashboard.
 
     Ray turns `_node_ip_address="127.0.0.1"` into the host's routable IP, and its gRPC servers
     (GCS, raylet, workers, agents) then listen on every interface. With cluster mode off it keeps
@@ -24,6 +24,7 @@ def _loopback_only() -> None:
     """
     os.environ[_CLUSTER_MODE_ENV] = "0"
     ray_constants.ENABLE_RAY_CLUSTER = False
+    ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", **options)
 
 
 @contextmanager
@@ -36,8 +37,7 @@ def ray_session(address: str | None) -> Iterator[dict[str, float]]:
     if address:
         ray.init(address=address, **options)
     else:
-        _loopback_only()
-        ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", **options)
+        init_local_ray(**options)
     try:
         yield ray.cluster_resources()
     finally:

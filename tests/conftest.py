@@ -26,7 +26,9 @@ def ray_address() -> Iterator[str]:
     """A real local Ray instance shared by every CLI run of the session (starting one costs seconds)."""
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False)
+    from runner.cluster import init_local_ray
+
+    init_local_ray(num_cpus=2, log_to_driver=False)
     try:
         yield ray.get_runtime_context().gcs_address
     finally:
