@@ -74,11 +74,25 @@ class CacheConfig(_Section):
             raise ValueError("must be a positive number of bytes or 'auto'")
         return v
 
+    @field_validator("strategy")
+    @classmethod
+    def _known_strategy(cls, v: str) -> str:
+        from jobs.kvplan import STRATEGIES  # kvplan imports this module
+
+        if v != "auto" and v not in STRATEGIES:
+            raise ValueError(f"unknown cache strategy; choose auto or one of {sorted(STRATEGIES)}")
+        return v
+
     @field_validator("ladder")
     @classmethod
-    def _non_empty_ladder(cls, v: list[str]) -> list[str]:
+    def _known_ladder(cls, v: list[str]) -> list[str]:
+        from jobs.kvplan import STRATEGIES
+
         if not v:
             raise ValueError("needs at least one cache strategy")
+        unknown = [name for name in v if name not in STRATEGIES]
+        if unknown:
+            raise ValueError(f"unknown cache strategy {unknown}; choose from {sorted(STRATEGIES)}")
         return v
 
 

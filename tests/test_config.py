@@ -33,6 +33,8 @@ def test_overrides_are_typed_and_dotted():
         ("retry.context_shrink=1.5", "retry.context_shrink"),
         ("workers.count=0", "workers.count"),
         ("summarize.min_context_tokens=99999", "min_context_tokens"),
+        ("cache.strategy=tiered-nvme", "cache.strategy"),
+        ("cache.ladder=[dynamic, ram]", "cache.ladder"),
     ],
 )
 def test_bad_keys_and_values_name_the_key(override, named):
