@@ -1,8 +1,8 @@
 """Load: thousands of real-text documents through `kvbatch submit`, then how fast the job folder
 reads back and how compact it stays.
 
-Documents are cut from /usr/share/common-licenses at varied lengths (a few sentences to several
-context windows) and run with builtin:tiny-random and a few new tokens, so the figures are the
+Documents are cut from /usr/share/common-licenses at varied lengths (a few sentences to most of
+the tiny config's context window, so each is one pass) and run with builtin:tiny-random and a few new tokens, so the figures are the
 runner's (scheduling, checkpointing, compaction), not the model's. Printed side by side: the
 batch's wall time and documents per second; `kvbatch status --json` (a fresh process) and
 `load_state` (in process) against the batch time; the job folder's parts and bytes after the
@@ -31,12 +31,12 @@ TINY_CONFIG = REPO / "configs" / "tiny.yaml"
 
 
 def write_manifest(path: Path, n_docs: int) -> int:
-    """JSONL of `n_docs` license excerpts, 200 to ~8,000 characters, starting at varied offsets."""
+    """JSONL of `n_docs` license excerpts, 200 to 3,000 characters, starting at varied offsets."""
     texts = [p.read_text(encoding="utf-8") for p in sorted(LICENSES.iterdir()) if p.is_file()]
     with path.open("w", encoding="utf-8") as f:
         for i in range(n_docs):
             text = texts[i % len(texts)]
-            length = 200 + (i * 7919) % 8000
+            length = 200 + (i * 7919) % 2800
             start = (i * 104729) % max(1, len(text) - 1)
             body = (text[start:] + text)[:length]
             f.write(json.dumps({"id": f"doc-{i:05d}", "text": body, "source": i % len(texts)}) + "\n")
