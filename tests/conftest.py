@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -82,3 +84,19 @@ def wait_for(predicate: Callable[[], bool], proc: subprocess.Popen, timeout: flo
             return False
         time.sleep(poll)
     raise TimeoutError("condition not reached")
+
+
+@contextmanager
+def mounted_tmpfs(mount_point: Path, options: str) -> Iterator[Path]:
+    """A real tmpfs (`mount -o OPTIONS`) for the test; skips with the reason where mounting is not allowed."""
+    mount_point.mkdir(exist_ok=True)
+    if shutil.which("mount") is None:
+        pytest.skip("no `mount` command on this machine to make a small filesystem")
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mount_point)],
+                          capture_output=True, text=True)
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root or CAP_SYS_ADMIN): {made.stderr.strip()}")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], check=True)

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from conftest import kvbatch
+from conftest import kvbatch, mounted_tmpfs
 
 
 def config_with_offload_root(tmp_path: Path, root: Path) -> Path:
@@ -38,16 +37,8 @@ def test_doctor_fails_when_the_offload_root_is_under_a_file(tmp_path):
 
 @pytest.fixture
 def read_only_mount(tmp_path) -> Iterator[Path]:
-    mount_point = tmp_path / "ro"
-    mount_point.mkdir()
-    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(mount_point)],
-                          capture_output=True, text=True)
-    if made.returncode != 0:
-        pytest.skip(f"cannot mount a read-only tmpfs here (needs root): {made.stderr.strip()}")
-    try:
+    with mounted_tmpfs(tmp_path / "ro", "ro,size=1m") as mount_point:
         yield mount_point
-    finally:
-        subprocess.run(["umount", str(mount_point)], check=True)
 
 
 @pytest.mark.parametrize("below", ["", "offload"])

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import resource
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,8 +14,8 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jobs.config import ConfigError, config_from_dict, load_config
-from jobs.manifest import ManifestError, read_manifest
+from jobs.config import ConfigError, config_from_dict
+from jobs.manifest import read_manifest
 from jobs.config import InputConfig
 from tests.conftest import TINY_CONFIG, export_rows, kvbatch, write_jsonl
 

@@ -145,7 +145,7 @@ def test_json_array_and_gzipped_manifests(tmp_path: Path, docs: Path) -> None:
 def test_relative_paths_resolve_against_the_manifest_folder_not_the_cwd(
     tmp_path: Path, docs: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    manifest = write_jsonl(tmp_path / "m.jsonl", [{"id": "a", "path": "docs/bsd.txt"}])
+    write_jsonl(tmp_path / "m.jsonl", [{"id": "a", "path": "docs/bsd.txt"}])
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     (elsewhere / "docs").mkdir()

@@ -7,7 +7,6 @@ import json
 import os
 import shutil
 import socket
-import subprocess
 import time
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from storage.scratch import (
     sweep_orphans,
     task_scratch,
 )
+from conftest import mounted_tmpfs
 from tests.child_process import Child
 
 HOLD_SCRATCH = """
@@ -218,18 +218,8 @@ def test_default_offload_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
 @pytest.fixture
 def small_filesystem(tmp_path: Path):
     """A 4 MiB tmpfs, unmounted afterwards; skipped where mounting is not permitted."""
-    mount_point = tmp_path / "small"
-    mount_point.mkdir()
-    if shutil.which("mount") is None:
-        pytest.skip("no mount command on this machine")
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount_point)],
-                             capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root or CAP_SYS_ADMIN): {mounted.stderr.strip()}")
-    try:
+    with mounted_tmpfs(tmp_path / "small", "size=4m") as mount_point:
         yield mount_point
-    finally:
-        subprocess.run(["umount", str(mount_point)], check=True)
 
 
 def test_small_filesystem_guard_and_enospc_cleanup(small_filesystem: Path) -> None:

@@ -15,15 +15,12 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
-import pytest
 
-from conftest import TINY_CONFIG, export_rows, kvbatch
+from conftest import TINY_CONFIG, export_rows, kvbatch, mounted_tmpfs
 from test_resume import manifest_of, start_submit, wait_for
 from storage.scratch import OWNER_FILE, ROOT_MARKER
 from tests.child_process import Child
@@ -133,23 +130,6 @@ def wait_until_dead(pid: int, timeout_s: float = 30) -> None:
             time.sleep(0.01)
     except psutil.NoSuchProcess:
         pass
-
-
-@contextmanager
-def small_tmpfs(mount_point: Path, size_bytes: int) -> Iterator[Path]:
-    """A tmpfs of `size_bytes` mounted for the test; skips (with the reason) where mounting is not allowed."""
-    mount_point.mkdir()
-    try:
-        proc = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs", str(mount_point)],
-                              capture_output=True, text=True)
-    except FileNotFoundError:
-        pytest.skip("no `mount` command on this machine to make a small filesystem")
-    if proc.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root or CAP_SYS_ADMIN): {proc.stderr.strip()}")
-    try:
-        yield mount_point
-    finally:
-        subprocess.run(["umount", "-l", str(mount_point)], check=True)
 
 
 def fill(path: Path, nbytes: int, timeout_s: float = 30) -> None:
@@ -282,7 +262,7 @@ def test_two_concurrent_jobs_on_one_root_never_see_each_others_files(ray_address
 def test_a_small_disk_refuses_tasks_that_cannot_fit_and_they_run_shorter(ray_address, tmp_path):
     # tiny-random keeps 1 KiB of KV a token: 1 MiB at 1024 tokens does not fit a 1 MiB disk (with its
     # reserve), 512 KiB at 512 tokens does
-    with small_tmpfs(tmp_path / "small", 2**20) as disk:
+    with mounted_tmpfs(tmp_path / "small", f"size={2**20}") as disk:
         root = disk / "kvbatch"
         job = tmp_path / "job"
         kvbatch("submit", str(manifest_of(tmp_path, ["GPL-3", "BSD"])), "-c", str(TINY_CONFIG),
@@ -299,7 +279,7 @@ def test_a_small_disk_refuses_tasks_that_cannot_fit_and_they_run_shorter(ray_add
 
 
 def test_a_disk_too_small_for_any_context_fails_those_tasks_clearly(ray_address, tmp_path):
-    with small_tmpfs(tmp_path / "small", 256 * 2**10) as disk:
+    with mounted_tmpfs(tmp_path / "small", f"size={256 * 2**10}") as disk:
         root = disk / "kvbatch"
         job = tmp_path / "job"
         proc = kvbatch("submit", str(manifest_of(tmp_path, ["BSD", "CC0-1.0"])), "-c", str(TINY_CONFIG),
@@ -322,7 +302,7 @@ def test_a_disk_that_fills_up_mid_task_is_cleaned_and_the_task_retried_shorter(r
     # A 2 MiB disk: the guard lets a 1024-token task start (1 MiB planned). Once it has written blocks,
     # another process takes all but 720 KiB, less than a 1024-token pass writes (~860 KiB compressed)
     # but more than the guard wants for 512 tokens (512 KiB + a 102 KiB reserve).
-    with small_tmpfs(tmp_path / "small", 2 * 2**20) as disk:
+    with mounted_tmpfs(tmp_path / "small", f"size={2 * 2**20}") as disk:
         root = disk / "kvbatch"
         job = tmp_path / "job"
         proc = start_submit(manifest_of(tmp_path, ["GPL-3"]), job, ray_address, *DISK, *with_root(root))
