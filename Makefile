@@ -35,7 +35,7 @@ test-fast: venv
 bench: venv
 	$(PY) bench/runner_overhead.py
 	$(PY) bench/checkpoint.py
-	$(PY) bench/offload.py
+	$(PY) bench/offload.py --threads 1
 
 clean:
 	rm -rf runs build *.egg-info
