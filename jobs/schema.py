@@ -91,6 +91,10 @@ RESULT_SCHEMA = pa.schema(
 )
 
 
+#: Columns a part must have to be read at all; any other column missing from an older part reads as null.
+KEY_COLUMNS = frozenset({"task_id", "doc_id", "status", "attempt", "state"})
+
+
 def empty_row(schema: pa.Schema) -> dict:
     """A row of `schema` with every field null, to be filled in by the writer."""
     return {name: None for name in schema.names}

@@ -25,6 +25,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from jobs.schema import KEY_COLUMNS
+
 PART_GLOB = "part-*.parquet"
 TEMP_PREFIX = ".tmp-"
 _REPLACES_KEY = b"kvbatch.replaces"
@@ -124,13 +126,16 @@ class _ReadPart:
 
 
 def _schema_problem(found: pa.Schema, expected: pa.Schema) -> str | None:
-    missing = [name for name in expected.names if name not in found.names]
+    """Parts written before a column was added lack it and stay readable; key columns must be there."""
+    missing = [name for name in expected.names if name not in found.names and name in KEY_COLUMNS]
     if missing:
         return f"wrong schema: missing column(s) {', '.join(missing)}"
     extra = [name for name in found.names if name not in expected.names]
     if extra:
         return f"wrong schema: unexpected column(s) {', '.join(extra)}"
     for field in expected:
+        if field.name not in found.names:
+            continue
         actual = found.field(field.name).type
         if not actual.equals(field.type):
             return f"wrong schema: column {field.name} is {actual}, expected {field.type}"
@@ -155,6 +160,9 @@ def _read_one(path: Path, schema: pa.Schema) -> _ReadPart:
     metadata = table.schema.metadata or {}
     try:
         replaces = frozenset(json.loads(metadata[_REPLACES_KEY])) if _REPLACES_KEY in metadata else frozenset()
+        for field in schema:
+            if field.name not in table.column_names:  # a column added since this part was written
+                table = table.append_column(field, pa.nulls(table.num_rows, field.type))
         table = table.select(schema.names).cast(schema)
     except (ValueError, TypeError, pa.ArrowException) as exc:
         return broken(f"unusable part metadata or columns ({type(exc).__name__}: {exc})")

@@ -369,3 +369,14 @@ def test_compaction_killed_at_each_step_loses_nothing(tmp_path: Path) -> None:
     compact(tmp_path)
     assert len(list_parts(tmp_path / RESULTS_DIR)) == 1 and len(list_parts(tmp_path / EVENTS_DIR)) == 1
     assert_same_state(tmp_path, before)
+
+
+def test_a_part_written_before_a_column_was_added_reads_with_nulls(tmp_path: Path) -> None:
+    """Job folders outlive versions: a results part without later columns still counts as done."""
+    old_columns = [name for name in RESULT_SCHEMA.names if name not in ("queue_wait_s", "prefill_s", "decode_s")]
+    older = pa.Table.from_pylist([result("a")], schema=RESULT_SCHEMA).select(old_columns)
+    (tmp_path / "results").mkdir()
+    pq.write_table(older, tmp_path / "results" / "part-00000000000000000001-old.parquet")
+    state = load_state(tmp_path)
+    assert state.corrupt == [] and state.done_task_ids == {"t-a"}
+    assert state.results.column("prefill_s").to_pylist() == [None]
