@@ -155,9 +155,9 @@ class _LayerFile:
 
     def append(self, payload: bytes) -> int:
         offset = self.size
-        written = os.pwrite(self.fd, payload, offset)
-        if written != len(payload):
-            raise KVBlockError(f"short write to KV block file {self.path} ({written} of {len(payload)} bytes)")
+        rest = memoryview(payload)
+        while rest:  # a short write (a disk filling up) is continued, so the real ENOSPC OSError surfaces
+            rest = rest[os.pwrite(self.fd, rest, offset + len(payload) - len(rest)) :]
         self.size += len(payload)
         return offset
 
