@@ -1,0 +1,184 @@
+"""A batch on a real multi-node Ray cluster on this machine: workers on every node, and a node lost mid-batch.
+
+The cluster (`ray.cluster_utils.Cluster`: a head without CPUs for work, like a real head node, and
+three 1-CPU worker nodes) lives in a child process of its own, with a private RAY_TMPDIR: Cluster
+writes its address where a plain `ray.init()` looks for one, and it must not capture the other
+tests' (or other sessions') local Ray instances. The child takes "remove NODE_ID" lines on stdin.
+Every node shares this host, so a worker's node is found from its process: Ray starts workers
+as children of their node's raylet.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pyarrow.parquet as pq
+import pytest
+
+from conftest import LICENSES, REPO, TINY_CONFIG, export_rows, kvbatch, start_submit, wait_for, write_jsonl
+
+#: Longest first: the coordinator takes the longest open task first, so Apache-2.0 starts at once.
+DOCS = ["Apache-2.0", "LGPL-3", "CC0-1.0", "Artistic", "BSD"]
+WORKER_NODES = 3
+
+#: Nodes listen on 127.0.0.1 only; the driver (`kvbatch submit`) then has to see itself as 127.0.0.1
+#: too, or it waits forever for a raylet on the host's routable address.
+LOOPBACK = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
+CLUSTER_PROCESS = """
+import json, sys
+from ray._private import ray_constants
+ray_constants.ENABLE_RAY_CLUSTER = False
+from ray.cluster_utils import Cluster
+
+def describe(node):
+    return {"node_id": node.node_id,
+            "raylet_pid": node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid}
+
+loopback = {"node_ip_address": "127.0.0.1", "include_dashboard": False}
+cluster = Cluster(initialize_head=True, head_node_args={**loopback, "num_cpus": 0})
+workers = {}
+for _ in range(int(sys.argv[1])):
+    node = cluster.add_node(**loopback, num_cpus=1)
+    workers[node.node_id] = node
+print(json.dumps({"address": cluster.address, "nodes": [describe(n) for n in workers.values()]}), flush=True)
+for line in sys.stdin:
+    command, _, node_id = line.strip().partition(" ")
+    if command == "remove":
+        cluster.remove_node(workers.pop(node_id))
+        print(json.dumps({"removed": node_id}), flush=True)
+cluster.shutdown()
+"""
+
+
+class LocalCluster:
+    """The child process holding the cluster; closing its stdin shuts every node down."""
+
+    def __init__(self, tmp_dir: str) -> None:
+        env = {**os.environ, **LOOPBACK, "RAY_TMPDIR": tmp_dir, "PYTHONUNBUFFERED": "1"}
+        env.pop("RAY_ADDRESS", None)
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", CLUSTER_PROCESS, str(WORKER_NODES)], cwd=REPO, env=env, text=True,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        )
+        started = json.loads(self._reply())
+        self.address: str = started["address"]
+        self.node_of_raylet: dict[int, str] = {n["raylet_pid"]: n["node_id"] for n in started["nodes"]}
+
+    def _reply(self) -> str:
+        line = self.process.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the cluster process ended (exit {self.process.wait()}); see its stderr above")
+        return line
+
+    def node_of(self, worker: str) -> str:
+        """The node id of a live worker named "host:pid"."""
+        pid = int(worker.rpartition(":")[2])
+        nodes = [self.node_of_raylet[p.pid] for p in psutil.Process(pid).parents() if p.pid in self.node_of_raylet]
+        assert len(nodes) == 1, f"worker {worker} is not under exactly one worker node's raylet"
+        return nodes[0]
+
+    def remove_node(self, node_id: str) -> None:
+        self.process.stdin.write(f"remove {node_id}\n")
+        self.process.stdin.flush()
+        assert json.loads(self._reply()) == {"removed": node_id}
+
+    def shutdown(self) -> None:
+        self.process.stdin.close()
+        try:
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+@pytest.fixture(scope="module")
+def ray_tmp() -> Iterator[str]:
+    # short: Ray's unix sockets live under it, and their paths are limited to ~107 characters
+    with tempfile.TemporaryDirectory(prefix="kvb-ray-", dir="/tmp") as d:
+        yield d
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_tmp: str) -> Iterator[LocalCluster]:
+    local = LocalCluster(ray_tmp)
+    try:
+        yield local
+    finally:
+        local.shutdown()
+
+
+def manifest_of(tmp_path: Path) -> Path:
+    return write_jsonl(tmp_path / "manifest.jsonl", [{"id": n.lower(), "path": str(LICENSES / n)} for n in DOCS])
+
+
+def summaries(job: Path) -> dict[str, str]:
+    rows = export_rows(job)
+    ids = [r["doc_id"] for r in rows]
+    assert sorted(ids) == sorted(n.lower() for n in DOCS), f"not every document exactly once: {ids}"
+    assert all(r["status"] == "done" for r in rows), rows
+    return {r["doc_id"]: r["summary"] for r in rows}
+
+
+def log_events(job: Path, event: str) -> list[dict]:
+    path = job / "job.log"
+    lines = path.read_text(encoding="utf-8").splitlines() if path.exists() else []
+    return [e for e in map(json.loads, lines) if e["event"] == event]
+
+
+def result_workers(job: Path) -> set[str]:
+    """Workers of the result rows published so far (the job is still running)."""
+    return {w for part in (job / "results").glob("part-*.parquet")
+            for w in pq.read_table(part, columns=["worker"]).column("worker").to_pylist()}
+
+
+@pytest.fixture(scope="module")
+def single_node(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """The same batch on a private single-node Ray that `kvbatch submit` starts itself (no --address);
+    a RAY_TMPDIR of its own, or `ray.init()` would find and join the cluster's address file."""
+    tmp = tmp_path_factory.mktemp("single-node")
+    with tempfile.TemporaryDirectory(prefix="kvb-ray1-", dir="/tmp") as ray_tmp:
+        kvbatch("submit", str(manifest_of(tmp)), "-c", str(TINY_CONFIG), "-j", str(tmp / "job"),
+                env={"RAY_TMPDIR": ray_tmp, "RAY_ADDRESS": ""}, check=0)
+    return summaries(tmp / "job")
+
+
+def test_workers_land_on_every_node_and_agree_with_a_single_node_run(cluster, single_node, tmp_path):
+    job = tmp_path / "job"
+    proc = start_submit(manifest_of(tmp_path), job, cluster.address, env=LOOPBACK)
+    assert wait_for(lambda: len(log_events(job, "worker_ready")) == WORKER_NODES, proc, timeout=120), \
+        proc.communicate()
+    nodes = {cluster.node_of(e["worker"]) for e in log_events(job, "worker_ready")}  # while the workers live
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out + err
+    assert nodes == set(cluster.node_of_raylet.values())
+    assert summaries(job) == single_node
+
+
+def test_a_node_removed_mid_batch_loses_and_duplicates_nothing(cluster, single_node, tmp_path):
+    # two workers on three nodes: the third node is where the lost node's worker is restarted
+    job = tmp_path / "job"
+    hang = json.dumps([{"doc": "apache-2.0", "fault": "hang", "attempts": [1]}])
+    proc = start_submit(manifest_of(tmp_path), job, cluster.address, "--set", "workers.count=2",
+                        "--set", "checkpoint.flush_every=1", env={**LOOPBACK, "KVBATCH_FAULTS": hang})
+    # the worker that took Apache-2.0 hangs on it; the other one publishes the remaining results
+    assert wait_for(lambda: len(log_events(job, "worker_ready")) == 2 and bool(result_workers(job)), proc,
+                    timeout=120), proc.communicate()
+    pinned = {e["worker"] for e in log_events(job, "worker_ready")} - result_workers(job)
+    assert len(pinned) == 1, f"expected one worker pinned by the hang, got {pinned}"
+    lost_node = cluster.node_of(pinned.pop())
+    cluster.remove_node(lost_node)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out + err
+    assert summaries(job) == single_node
+    rows = {r["doc_id"]: r for r in export_rows(job)}
+    assert rows["apache-2.0"]["attempts"] == 2
+    retries = log_events(job, "task_retry")
+    assert [(e["doc_id"], e["error_type"]) for e in retries] == [("apache-2.0", "WorkerDied")], retries
