@@ -28,8 +28,7 @@ from conftest import LICENSES, REPO, TINY_CONFIG, export_rows, kvbatch, start_su
 DOCS = ["Apache-2.0", "LGPL-3", "CC0-1.0", "Artistic", "BSD"]
 WORKER_NODES = 3
 
-#: Nodes listen on 127.0.0.1 only; the driver (`kvbatch submit`) then has to see itself as 127.0.0.1
-#: too, or it waits forever for a raylet on the host's routable address.
+#: The cluster's nodes listen on 127.0.0.1 only (kvbatch's driver follows a loopback --address by itself).
 LOOPBACK = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
 CLUSTER_PROCESS = """
@@ -152,7 +151,7 @@ def single_node(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 def test_workers_land_on_every_node_and_agree_with_a_single_node_run(cluster, single_node, tmp_path):
     job = tmp_path / "job"
-    proc = start_submit(manifest_of(tmp_path), job, cluster.address, env=LOOPBACK)
+    proc = start_submit(manifest_of(tmp_path), job, cluster.address)
     assert wait_for(lambda: len(log_events(job, "worker_ready")) == WORKER_NODES, proc, timeout=120), \
         proc.communicate()
     nodes = {cluster.node_of(e["worker"]) for e in log_events(job, "worker_ready")}  # while the workers live
@@ -167,7 +166,7 @@ def test_a_node_removed_mid_batch_loses_and_duplicates_nothing(cluster, single_n
     job = tmp_path / "job"
     hang = json.dumps([{"doc": "apache-2.0", "fault": "hang", "attempts": [1]}])
     proc = start_submit(manifest_of(tmp_path), job, cluster.address, "--set", "workers.count=2",
-                        "--set", "checkpoint.flush_every=1", env={**LOOPBACK, "KVBATCH_FAULTS": hang})
+                        "--set", "checkpoint.flush_every=1", env={"KVBATCH_FAULTS": hang})
     # the worker that took Apache-2.0 hangs on it; the other one publishes the remaining results
     assert wait_for(lambda: len(log_events(job, "worker_ready")) == 2 and bool(result_workers(job)), proc,
                     timeout=120), proc.communicate()
