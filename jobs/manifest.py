@@ -411,7 +411,7 @@ def _format(path: Path) -> str:
 
 
 def _records(path: Path, fmt: str, max_bytes: int) -> Iterator[_Record]:
-    # A text row can hold a whole document; JSON escapes (\uXXXX) take up to 6 bytes per byte.
+    # A text row can hold a whole document, and a JSON escape such as \u00e9 spends 6 bytes on one.
     max_line_bytes = 6 * max_bytes + (1 << 20)
     if fmt == "parquet":
         yield from _parquet_records(path)

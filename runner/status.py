@@ -8,7 +8,6 @@ without talking to Ray. `job_status` returns the figures `status --json` prints;
 
 from __future__ import annotations
 
-import json
 import time
 from collections import Counter
 from pathlib import Path
@@ -25,6 +24,7 @@ from runner.joblog import read_log
 from runner.progress import format_duration
 from storage.checkpoint import load_state
 from storage.jobdir import JobDir, read_job, read_manifest_table
+from storage.lock import lock_holder
 from storage.owner import OwnerLiveness, ProcessOwner
 from storage.parts import CORRUPT_PART_ADVICE
 
@@ -33,9 +33,8 @@ RECENT_ALERTS = 5
 
 def coordinator_holding(job: JobDir) -> ProcessOwner | None:
     """The live coordinator that holds the job's lock, if any (read only: never touches the lock)."""
-    try:
-        owner = ProcessOwner.from_dict(json.loads(job.lock.read_text(encoding="utf-8")))
-    except (OSError, ValueError):
+    owner = lock_holder(job.lock)
+    if owner is None:
         return None
     return owner if owner.liveness() in (OwnerLiveness.ALIVE, OwnerLiveness.OTHER_HOST) else None
 

@@ -15,7 +15,7 @@ import socket
 import threading
 import time
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -76,7 +76,7 @@ class _CacheTotals:
     offload_bytes_read: int = 0
     _raw: int = 0
     _stored: int = 0
-    passes: list[Generation] = field(default_factory=list)
+    passes: int = 0
 
     def add(self, stats: dict[str, Any]) -> None:
         self.kv_bytes = max(self.kv_bytes, stats.get("kv_bytes") or 0)
@@ -177,7 +177,7 @@ class SummaryWorker:
                 )
 
             def generate(prompt_ids: list[int], max_new: int) -> Generation:
-                pass_dir = offload_dir / f"pass-{len(totals.passes)}" if offload_dir else None
+                pass_dir = offload_dir / f"pass-{totals.passes}" if offload_dir else None
                 handle = build_cache(rung, self.loaded.model, self.cfg.cache, pass_dir, self.device_budget)
                 try:
                     gen = generate_once(
@@ -188,7 +188,7 @@ class SummaryWorker:
                     totals.add(handle.stats())
                 finally:
                     handle.close()
-                totals.passes.append(gen)
+                totals.passes += 1
                 return gen
 
             return self.summarizer.summarize(text, instruction, max_new_tokens, context_tokens, generate)

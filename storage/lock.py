@@ -26,16 +26,28 @@ class JobLockedError(RuntimeError):
     """Another live coordinator holds the job folder."""
 
 
-def _read_owner(fd: int) -> ProcessOwner | None:
-    os.lseek(fd, 0, os.SEEK_SET)
-    raw = b""
-    while chunk := os.read(fd, 65536):
-        raw += chunk
+def _parse_owner(raw: bytes) -> ProcessOwner | None:
     if not raw.strip():
         return None
     try:
         return ProcessOwner.from_dict(json.loads(raw))
     except ValueError:  # a torn or foreign record names nobody; the flock is what counts
+        return None
+
+
+def _read_owner(fd: int) -> ProcessOwner | None:
+    os.lseek(fd, 0, os.SEEK_SET)
+    raw = b""
+    while chunk := os.read(fd, 65536):
+        raw += chunk
+    return _parse_owner(raw)
+
+
+def lock_holder(path: Path) -> ProcessOwner | None:
+    """Who the lock record names, read without taking or touching the lock (for `status`)."""
+    try:
+        return _parse_owner(Path(path).read_bytes())
+    except OSError:
         return None
 
 

@@ -60,9 +60,9 @@ def export_rows(job_dir: Path, *extra: str) -> list[dict]:
     return [json.loads(line) for line in proc.stdout.splitlines()]
 
 
-def license_manifest(tmp_path: Path, names: list[str], **extra: dict) -> Path:
-    rows = [{"id": n.lower(), "path": str(LICENSES / n)} | extra.get(n, {}) for n in names]
-    return write_jsonl(tmp_path / "manifest.jsonl", rows)
+def license_manifest(tmp_path: Path, names: list[str]) -> Path:
+    """manifest.jsonl of texts from /usr/share/common-licenses, each id the lower-cased file name."""
+    return write_jsonl(tmp_path / "manifest.jsonl", [{"id": n.lower(), "path": str(LICENSES / n)} for n in names])
 
 
 def start_submit(manifest: Path, job: Path, address: str, *extra: str, env: dict | None = None) -> subprocess.Popen:

@@ -22,7 +22,7 @@ import psutil
 import pyarrow.parquet as pq
 import pytest
 
-from conftest import LICENSES, REPO, TINY_CONFIG, export_rows, kvbatch, start_submit, wait_for, write_jsonl
+from conftest import REPO, TINY_CONFIG, export_rows, kvbatch, license_manifest, start_submit, wait_for
 
 #: Longest first: the coordinator takes the longest open task first, so Apache-2.0 starts at once.
 DOCS = ["Apache-2.0", "LGPL-3", "CC0-1.0", "Artistic", "BSD"]
@@ -115,7 +115,7 @@ def cluster(ray_tmp: str) -> Iterator[LocalCluster]:
 
 
 def manifest_of(tmp_path: Path) -> Path:
-    return write_jsonl(tmp_path / "manifest.jsonl", [{"id": n.lower(), "path": str(LICENSES / n)} for n in DOCS])
+    return license_manifest(tmp_path, DOCS)
 
 
 def summaries(job: Path) -> dict[str, str]:

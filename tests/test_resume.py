@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from conftest import LICENSES, TINY_CONFIG, export_rows, kvbatch, start_submit, wait_for, write_jsonl
+from conftest import TINY_CONFIG, export_rows, kvbatch, license_manifest, start_submit, wait_for
 
 DOCS = ["GPL-2", "LGPL-2.1", "Apache-2.0", "MPL-2.0", "Artistic", "BSD", "CC0-1.0", "LGPL-3"]
 FAST = ["--set", "checkpoint.flush_every=1"]
 
 
 def manifest_of(tmp_path: Path, names: list[str] = DOCS) -> Path:
-    return write_jsonl(tmp_path / "manifest.jsonl", [{"id": n.lower(), "path": str(LICENSES / n)} for n in names])
+    return license_manifest(tmp_path, names)
 
 
 def visible_parts(job: Path, sub: str) -> list[Path]:
