@@ -45,7 +45,8 @@ def test_hundred_tasks_in_one_worker_release_memory_files_and_threads(tmp_path: 
     worker = SummaryWorker(config.model_dump(mode="json"), "soak", str(tmp_path / "offload"), threads=1)
     context = config.summarize.context_tokens
     snapshots, strategies = [], set()
-    for task in tasks:
+    # longest first, as the coordinator dispatches: the first task sets the working set a worker keeps
+    for task in sorted(tasks, key=lambda t: t.n_chars, reverse=True):
         outcome = worker.run(dataclasses.asdict(task), attempt=1, context_tokens=context)
         assert outcome["status"] == "done", outcome
         strategies.add(outcome["cache_strategy"])
