@@ -7,7 +7,8 @@ read pass over every offloaded layer takes with no compute (what prefetch must h
 compression ratio, and whether the tokens match `dynamic`. Then the codec alone on the real KV:
 shuffled zstd vs plain zstd, ratio and MB/s.
 
-Run: python bench/offload.py [--device cpu|cuda] [--contexts 2048,4096,8192] [--new-tokens 32]
+Run: python bench/offload.py [--sections strategies,...] [--device cpu|cuda] [--contexts 2048,4096,8192]
+     [--new-tokens 32]
 """
 
 from __future__ import annotations
@@ -144,27 +145,10 @@ def print_table(runs: list[Run], full_kv: dict[int, int]) -> None:
         print(line, flush=True)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--device", default="auto")
-    parser.add_argument("--dtype", default="bfloat16", help="model dtype; the KV has the same one")
-    parser.add_argument("--contexts", default="2048,4096,8192")
-    parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--block-tokens", type=int, default=512)
-    parser.add_argument("--prefill-chunk", type=int, default=512)
-    parser.add_argument("--repeats", type=int, default=2, help="rounds per context; the fastest decode counts")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    parser.add_argument("--offload-root", type=Path, default=None, help="fast local disk for the disk tier")
-    args = parser.parse_args()
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    loaded = load_model(ModelConfig(name="builtin:smollm2-135m", dtype=args.dtype, device=args.device))
+def strategies_section(loaded: LoadedModel, args: argparse.Namespace) -> None:
+    """Every strategy at every context: decode speed, resident peak, traffic, identity; then the codec."""
     strategies = STRATEGIES + (["offloaded"] if loaded.device.type == "cuda" else [])
     shape = kv_shape(loaded.model.config, loaded.dtype)
-    print(f"SmolLM2-135M on {loaded.device} ({loaded.dtype}), {torch.get_num_threads()} threads "
-          f"(OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}); "
-          f"{args.new_tokens} new tokens, blocks of {args.block_tokens}, prefill chunks of {args.prefill_chunk}")
     runs: list[Run] = []
     full_kv: dict[int, int] = {}
     with tempfile.TemporaryDirectory(dir=args.offload_root, prefix="kvbench-") as scratch:
@@ -195,6 +179,38 @@ def main() -> None:
     print(f"codec on the real {loaded.dtype} KV of the {runs[-1].context}-token run:")
     for line in codec_rows(real_kv, args.block_tokens):
         print("  " + line)
+
+
+SECTIONS = {"strategies": strategies_section}
+"""Each section takes the loaded model and the parsed arguments and prints its own table."""
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, from {list(SECTIONS)}")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default="bfloat16", help="model dtype; the KV has the same one")
+    parser.add_argument("--contexts", default="2048,4096,8192")
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--block-tokens", type=int, default=512)
+    parser.add_argument("--prefill-chunk", type=int, default=512)
+    parser.add_argument("--repeats", type=int, default=2, help="rounds per context; the fastest decode counts")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--offload-root", type=Path, default=None, help="fast local disk for the disk tier")
+    args = parser.parse_args()
+    unknown = set(args.sections.split(",")) - set(SECTIONS)
+    if unknown:
+        parser.error(f"unknown sections {sorted(unknown)}; choose from {list(SECTIONS)}")
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    loaded = load_model(ModelConfig(name="builtin:smollm2-135m", dtype=args.dtype, device=args.device))
+    print(f"SmolLM2-135M on {loaded.device} ({loaded.dtype}), {torch.get_num_threads()} threads "
+          f"(OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}); "
+          f"{args.new_tokens} new tokens, blocks of {args.block_tokens}, prefill chunks of {args.prefill_chunk}")
+    for section in args.sections.split(","):
+        print(f"\n## {section}\n", flush=True)
+        SECTIONS[section](loaded, args)
 
 
 if __name__ == "__main__":
