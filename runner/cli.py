@@ -26,6 +26,8 @@ EXIT_USAGE = 2
 USER_ERRORS = (ConfigError, ManifestError, JobDirError, JobLockedError, ScratchError)
 
 SetOption = Annotated[list[str], typer.Option("--set", help="dotted config key=value, e.g. cache.strategy=tiered-disk")]
+JOB_DIR_HELP = "job folder: a path, or s3://bucket/prefix, gs://bucket/prefix, file:///path on shared storage"
+JobDirArgument = Annotated[str, typer.Argument(help=JOB_DIR_HELP)]
 AddressOption = Annotated[Optional[str], typer.Option("--address", help="join this Ray cluster (default: $RAY_ADDRESS or a private local one)")]
 
 
@@ -42,7 +44,7 @@ def _run(fn, *args) -> None:  # noqa: ANN001 - thin wrapper shared by the comman
 def submit(
     manifest: Annotated[Path, typer.Argument(help="JSONL, CSV or Parquet manifest of documents")],
     config: Annotated[Optional[Path], typer.Option("-c", "--config", help="YAML config")] = None,
-    job_dir: Annotated[Optional[Path], typer.Option("-j", "--job-dir", help="job folder (default runs/<job-id>)")] = None,
+    job_dir: Annotated[Optional[str], typer.Option("-j", "--job-dir", help=JOB_DIR_HELP + " (default runs/<job-id>)")] = None,
     set_: SetOption = [],
     address: AddressOption = None,
     strict: Annotated[bool, typer.Option("--strict", help="any rejected manifest row stops everything (exit 2)")] = False,
@@ -55,7 +57,7 @@ def submit(
 
 @app.command()
 def resume(
-    job_dir: Path,
+    job_dir: JobDirArgument,
     retry_failed: Annotated[bool, typer.Option("--retry-failed", help="also rerun documents that failed")] = False,
     set_: SetOption = [],
     address: AddressOption = None,
@@ -67,7 +69,7 @@ def resume(
 
 
 @app.command()
-def status(job_dir: Path, as_json: Annotated[bool, typer.Option("--json", help="machine-readable")] = False) -> None:
+def status(job_dir: JobDirArgument, as_json: Annotated[bool, typer.Option("--json", help="machine-readable")] = False) -> None:
     """Counts per state, throughput, ETA, fallbacks and the slowest documents."""
     from runner.status import job_status, print_status
 
@@ -84,7 +86,7 @@ def status(job_dir: Path, as_json: Annotated[bool, typer.Option("--json", help="
 
 @app.command()
 def results(
-    job_dir: Path,
+    job_dir: JobDirArgument,
     output: Annotated[Optional[Path], typer.Option("-o", "--output", help="file to write (default stdout)")] = None,
     fmt: Annotated[Optional[str], typer.Option("--format", help="jsonl, csv or parquet (default: from -o, else jsonl)")] = None,
     errors_only: Annotated[bool, typer.Option("--errors", help="only failed and rejected documents")] = False,
@@ -105,7 +107,7 @@ def results(
 
 @app.command()
 def clean(
-    job_dir: Annotated[Optional[Path], typer.Argument(help="only this job's scratch dirs")] = None,
+    job_dir: Annotated[Optional[str], typer.Argument(help="only this job's scratch dirs")] = None,
     offload_root: Annotated[Optional[Path], typer.Option("--offload-root", help="the offload root to sweep")] = None,
 ) -> None:
     """Remove per-task scratch dirs whose owner process is gone (never a live one)."""
@@ -116,7 +118,7 @@ def clean(
 
 @app.command()
 def report(
-    job_dir: Path,
+    job_dir: JobDirArgument,
     output: Annotated[Optional[Path], typer.Option("-o", "--output", help="HTML file (default JOB_DIR/report.html)")] = None,
 ) -> None:
     """One self-contained HTML page: summary, plots, failures, fallbacks, alerts."""

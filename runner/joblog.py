@@ -4,8 +4,15 @@ from __future__ import annotations
 
 import json
 import logging
-from pathlib import Path
+import secrets
+import threading
+import time
 from typing import Any
+
+from storage.location import Location, Where
+
+OBJECT_LOG_UPLOAD_S = 5.0
+"""On object storage (no appends) job.log is rewritten whole, at most this often and at close."""
 
 
 class _JsonLines(logging.Formatter):
@@ -19,14 +26,48 @@ class _JsonLines(logging.Formatter):
         return json.dumps(entry, default=str)
 
 
+class _ObjectLogHandler(logging.Handler):
+    """Keeps the log's lines and rewrites the object; a crash loses at most the last few seconds."""
+
+    def __init__(self, location: Location) -> None:
+        super().__init__()
+        self.location = location
+        self._text = location.read_bytes().decode("utf-8", errors="replace") if location.exists() else ""
+        self._uploaded_at = 0.0
+        self._dirty = False
+        self._guard = threading.Lock()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        with self._guard:
+            self._text += self.format(record) + "\n"
+            self._dirty = True
+            if time.monotonic() - self._uploaded_at >= OBJECT_LOG_UPLOAD_S:
+                self._upload()
+
+    def _upload(self) -> None:
+        self.location.write_bytes_atomic(self._text.encode(), f".job.log.{secrets.token_hex(4)}.tmp")
+        self._uploaded_at = time.monotonic()
+        self._dirty = False
+
+    def close(self) -> None:
+        with self._guard:
+            if self._dirty:
+                self._upload()
+        super().close()
+
+
 class JobLog:
     """Appends events to JOB_DIR/job.log; warnings are echoed to the console by the caller."""
 
-    def __init__(self, path: Path) -> None:
-        self._logger = logging.getLogger(f"kvbatch.job.{path}")
+    def __init__(self, path: Where) -> None:
+        location = Location.of(path)
+        self._logger = logging.getLogger(f"kvbatch.job.{location}")
         self._logger.propagate = False
         self._logger.setLevel(logging.INFO)
-        self._handler = logging.FileHandler(path, encoding="utf-8")
+        self._handler: logging.Handler = (
+            logging.FileHandler(location.local_path, encoding="utf-8") if location.is_local
+            else _ObjectLogHandler(location)
+        )
         self._handler.setFormatter(_JsonLines())
         self._logger.addHandler(self._handler)
 
@@ -41,15 +82,17 @@ class JobLog:
         self._handler.close()
 
 
-def read_log(path: Path) -> list[dict[str, Any]]:
+def read_log(path: Where) -> list[dict[str, Any]]:
     """Every parseable line of a job.log (a line torn by a crash is skipped)."""
-    entries = []
-    if not path.exists():
+    location = Location.of(path)
+    entries: list[dict[str, Any]] = []
+    try:
+        text = location.read_bytes().decode("utf-8", errors="replace")
+    except FileNotFoundError:
         return entries
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+    for line in text.splitlines():
         try:
             entries.append(json.loads(line))
         except json.JSONDecodeError:
             continue
     return entries
-

@@ -23,6 +23,7 @@ from runner.report_plots import PLOTS, fallback_path
 from runner.status import job_status
 from storage.export import results_table
 from storage.jobdir import JobDir, read_job
+from storage.location import Location, Where
 
 _CSS = """
 body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1100px; color: #222; }
@@ -86,7 +87,7 @@ def _figure(title: str, question: str, png: bytes | None) -> str:
             f"<figcaption>{html.escape(title)}: {html.escape(question)}</figcaption></figure>")
 
 
-def render_report(job_dir: Path) -> str:
+def render_report(job_dir: Where) -> str:
     """The HTML page of a job, as a string."""
     job = JobDir(job_dir)
     info = read_job(job)
@@ -140,12 +141,10 @@ def render_report(job_dir: Path) -> str:
     )
 
 
-def write_report(job_dir: Path, output: Path | None, console: Console) -> int:
+def write_report(job_dir: Where, output: Path | None, console: Console) -> int:
     """Writes the page (default JOB_DIR/report.html) and says where it is; exit code 0."""
-    out = output or Path(job_dir) / "report.html"
+    out = Location.of(output) if output is not None else JobDir(job_dir).path / "report.html"
     page = render_report(job_dir)
-    tmp = out.with_name(f".{out.name}.tmp")
-    tmp.write_text(page, encoding="utf-8")
-    tmp.replace(out)
+    out.write_bytes_atomic(page.encode("utf-8"), f".{out.name}.tmp")
     console.print(f"report -> {out}  (open it in a browser; it is one self-contained file)", highlight=False, soft_wrap=True)
     return 0

@@ -8,10 +8,11 @@ from pathlib import Path
 from rich.console import Console
 
 from storage.jobdir import JobDir, read_job
+from storage.location import Where
 from storage.scratch import OFFLOAD_ROOT_ENV, ScratchError, default_offload_root, sweep_orphans
 
 
-def clean_scratch(job_dir: Path | None, offload_root: Path | None, console: Console) -> int:
+def clean_scratch(job_dir: Where | None, offload_root: Path | None, console: Console) -> int:
     """Sweeps `offload_root` (default: the job's, else $KVBATCH_OFFLOAD_ROOT); only JOB_DIR's job when given."""
     job_id = None
     if job_dir is not None:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
@@ -24,6 +23,7 @@ from runner.joblog import read_log
 from runner.progress import format_duration
 from storage.checkpoint import load_state
 from storage.jobdir import JobDir, read_job, read_manifest_table
+from storage.location import Where
 from storage.lock import lock_holder
 from storage.owner import OwnerLiveness, ProcessOwner
 from storage.parts import CORRUPT_PART_ADVICE
@@ -57,7 +57,7 @@ def _fallback_kinds(fallbacks: list[list[str] | None]) -> dict[str, int]:
     return dict(Counter(note.split(":", 1)[0] for notes in fallbacks for note in notes or []))
 
 
-def job_status(job_dir: Path, slowest: int = 5) -> dict[str, Any]:
+def job_status(job_dir: Where, slowest: int = 5) -> dict[str, Any]:
     """The figures `status` shows; also the documented keys of `status --json`."""
     job = JobDir(job_dir)
     info = read_job(job)

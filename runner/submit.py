@@ -19,7 +19,8 @@ from runner.cluster import ray_session
 from runner.coordinator import EXIT_FAILED_TASKS, EXIT_INTERRUPTED, EXIT_OK, Coordinator
 from storage.checkpoint import CheckpointLog, JobState, compact, load_state
 from storage.jobdir import JobDir, JobInfo, create_job, new_job_id, read_job, read_manifest_table, update_job_config
-from storage.lock import JobLock
+from storage.lease import job_lock
+from storage.location import Where
 from storage.parts import CORRUPT_PART_ADVICE
 from storage.scratch import default_offload_root
 
@@ -54,7 +55,7 @@ def report_rejections(console: Console, rejections: list[Rejection], limit: int 
         console.print(f"  ... and {len(rejections) - limit} more")
 
 
-def submit(manifest: Path, config_path: Path | None, job_dir: Path | None, overrides: list[str],
+def submit(manifest: Path, config_path: Path | None, job_dir: Where | None, overrides: list[str],
            address: str | None, strict: bool, console: Console) -> int:
     job_id = new_job_id()
     job = JobDir(job_dir or Path("runs") / job_id)
@@ -76,7 +77,7 @@ def submit(manifest: Path, config_path: Path | None, job_dir: Path | None, overr
     return _execute(job, info, config, address, retry_failed=False, console=console)
 
 
-def resume(job_dir: Path, retry_failed: bool, overrides: list[str], address: str | None,
+def resume(job_dir: Where, retry_failed: bool, overrides: list[str], address: str | None,
            console: Console) -> int:
     job = JobDir(job_dir)
     info = read_job(job)
@@ -91,7 +92,7 @@ def _execute(job: JobDir, info: JobInfo, config: JobConfig, address: str | None,
              console: Console) -> int:
     faults = parse_faults(os.environ.get(FAULTS_ENV))
     offload_root = Path(config.cache.offload_root) if config.cache.offload_root else default_offload_root(job.path)
-    with JobLock(job.lock):
+    with job_lock(job.lock):
         tasks = tasks_from_table(read_manifest_table(job))
         state = load_state(job.path)
         for part in state.corrupt:

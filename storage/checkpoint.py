@@ -14,7 +14,6 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from types import TracebackType
 from typing import Any
 
@@ -23,6 +22,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from jobs.schema import EVENT_SCHEMA, RESULT_SCHEMA, TaskState
+from storage.location import Location, Where
 from storage.parts import CorruptPart, list_temp_files, merge_parts, read_parts, replace_parts, write_part
 
 logger = logging.getLogger(__name__)
@@ -43,12 +43,12 @@ def _row_label(row: dict[str, Any]) -> str:
 class _Stream:
     """One directory of parts (events or results) and the rows not yet published to it."""
 
-    def __init__(self, directory: Path, schema: pa.Schema) -> None:
+    def __init__(self, directory: Location, schema: pa.Schema) -> None:
         self.directory = directory
         self.schema = schema
         self.columns = frozenset(schema.names)
         self.pending: list[dict[str, Any]] = []
-        self.unmerged: list[tuple[Path, pa.Table]] = []  # parts this log wrote, kept to merge without rereading
+        self.unmerged: list[tuple[Location, pa.Table]] = []  # parts this log wrote, kept to merge without rereading
 
     def check_keys(self, row: dict[str, Any]) -> None:
         unknown = row.keys() - self.columns
@@ -97,7 +97,7 @@ class CheckpointLog:
 
     def __init__(
         self,
-        job_dir: Path,
+        job_dir: Where,
         flush_every: int = 32,
         flush_interval_s: float = 5.0,
         merge_every: int = DEFAULT_MERGE_EVERY,
@@ -110,8 +110,9 @@ class CheckpointLog:
         self.flush_every = flush_every
         self.flush_interval_s = flush_interval_s
         self.merge_every = merge_every
-        self._results = _Stream(Path(job_dir) / RESULTS_DIR, RESULT_SCHEMA)
-        self._events = _Stream(Path(job_dir) / EVENTS_DIR, EVENT_SCHEMA)
+        job_dir = Location.of(job_dir)
+        self._results = _Stream(job_dir / RESULTS_DIR, RESULT_SCHEMA)
+        self._events = _Stream(job_dir / EVENTS_DIR, EVENT_SCHEMA)
         self._lock = threading.Condition()
         self._oldest_pending: float | None = None
         self._closed = False
@@ -236,9 +237,9 @@ def _task_ids_with_status(results: pa.Table, status: TaskState) -> frozenset[str
     return frozenset(results["task_id"].filter(mask).to_pylist())
 
 
-def load_state(job_dir: Path) -> JobState:
+def load_state(job_dir: Where) -> JobState:
     """Read the whole log: deduplicated results, all events, and any part that had to be skipped."""
-    job_dir = Path(job_dir)
+    job_dir = Location.of(job_dir)
     raw_results, corrupt_results = read_parts(job_dir / RESULTS_DIR, RESULT_SCHEMA)
     events, corrupt_events = read_parts(job_dir / EVENTS_DIR, EVENT_SCHEMA)
     results = raw_results.take(_winning_result_rows(raw_results)) if raw_results.num_rows else raw_results
@@ -255,14 +256,14 @@ def load_state(job_dir: Path) -> JobState:
     )
 
 
-def compact(job_dir: Path) -> None:
+def compact(job_dir: Where) -> None:
     """Merge each of events/ and results/ into one part; call with the job lock held, log closed.
 
     Every row is kept (deduplication is load_state's job). Temporary files left by crashed writers
     are removed: with the lock held and the log closed, nothing else can be writing them.
     """
-    job_dir = Path(job_dir)
+    job_dir = Location.of(job_dir)
     for directory, schema in ((job_dir / RESULTS_DIR, RESULT_SCHEMA), (job_dir / EVENTS_DIR, EVENT_SCHEMA)):
         merge_parts(directory, schema)
         for leftover in list_temp_files(directory):
-            leftover.unlink(missing_ok=True)
+            leftover.delete()

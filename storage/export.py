@@ -14,6 +14,7 @@ import pyarrow.parquet as pq
 
 from jobs.schema import TaskState
 from storage.checkpoint import load_state
+from storage.location import Where
 
 ExportFormat = Literal["jsonl", "csv", "parquet"]
 
@@ -27,7 +28,7 @@ def format_for(path: Path | None, requested: str | None) -> ExportFormat:
     return "jsonl"
 
 
-def results_table(job_dir: Path, errors_only: bool) -> pa.Table:
+def results_table(job_dir: Where, errors_only: bool) -> pa.Table:
     """Deduplicated results; `errors_only` keeps failed and rejected documents."""
     table = load_state(job_dir).results
     if errors_only:
@@ -43,7 +44,7 @@ def results_table(job_dir: Path, errors_only: bool) -> pa.Table:
     return table
 
 
-def export_results(job_dir: Path, out: Path | None, fmt: ExportFormat, errors_only: bool) -> int:
+def export_results(job_dir: Where, out: Path | None, fmt: ExportFormat, errors_only: bool) -> int:
     """Writes the rows to `out` (stdout when None; not for parquet); returns the row count."""
     table = results_table(job_dir, errors_only)
     if fmt == "parquet":

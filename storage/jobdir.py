@@ -7,18 +7,16 @@ resume needs comes from them, so the original manifest and config files may be g
 from __future__ import annotations
 
 import json
-import os
 import secrets
-import tempfile
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from jobs.schema import MANIFEST_SCHEMA
+from storage.location import Location, Where
 
 
 class JobDirError(RuntimeError):
@@ -37,30 +35,38 @@ class JobInfo:
 
 @dataclass(frozen=True)
 class JobDir:
-    path: Path
+    """A job folder: a local path or a storage URI (s3://, gs://, file://)."""
+
+    path: Location
+
+    def __init__(self, where: Where) -> None:
+        try:
+            object.__setattr__(self, "path", Location.of(where))
+        except ValueError as e:
+            raise JobDirError(f"job folder {e}: give a local path or an s3://, gs:// or file:// URI") from None
 
     @property
-    def job_json(self) -> Path:
+    def job_json(self) -> Location:
         return self.path / "job.json"
 
     @property
-    def manifest(self) -> Path:
+    def manifest(self) -> Location:
         return self.path / "manifest.parquet"
 
     @property
-    def events(self) -> Path:
+    def events(self) -> Location:
         return self.path / "events"
 
     @property
-    def results(self) -> Path:
+    def results(self) -> Location:
         return self.path / "results"
 
     @property
-    def log(self) -> Path:
+    def log(self) -> Location:
         return self.path / "job.log"
 
     @property
-    def lock(self) -> Path:
+    def lock(self) -> Location:
         return self.path / ".lock"
 
 
@@ -69,30 +75,12 @@ def new_job_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
 
 
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+def _temp_name(target: Location) -> str:
+    return f".{target.name}.{secrets.token_hex(4)}.tmp"
 
 
-def _atomic_write_table(path: Path, table: pa.Table) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        pq.write_table(table, tmp)
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+def _write_json(target: Location, payload: dict[str, Any]) -> None:
+    target.write_bytes_atomic(json.dumps(payload, indent=2).encode(), _temp_name(target))
 
 
 def create_job(job: JobDir, info: JobInfo, manifest_table: pa.Table) -> None:
@@ -102,10 +90,10 @@ def create_job(job: JobDir, info: JobInfo, manifest_table: pa.Table) -> None:
             f"{job.path} already holds a job ({job.job_json}); "
             f"continue it with `kvbatch resume {job.path}` or choose another -j JOB_DIR"
         )
-    job.path.mkdir(parents=True, exist_ok=True)
-    job.events.mkdir(exist_ok=True)
-    job.results.mkdir(exist_ok=True)
-    _atomic_write_table(job.manifest, manifest_table.cast(MANIFEST_SCHEMA))
+    for folder in (job.path, job.events, job.results):
+        folder.makedirs()
+    table = manifest_table.cast(MANIFEST_SCHEMA)
+    job.manifest.write_atomic(lambda handle: pq.write_table(table, handle), _temp_name(job.manifest))
     payload = {
         "job_id": info.job_id,
         "created": info.created,
@@ -113,14 +101,12 @@ def create_job(job: JobDir, info: JobInfo, manifest_table: pa.Table) -> None:
         "config": info.config,
         "manifest": {"path": info.manifest_path, "sha256": info.manifest_sha256},
     }
-    _atomic_write_bytes(job.job_json, json.dumps(payload, indent=2).encode())
+    _write_json(job.job_json, payload)
 
 
 def read_job(job: JobDir) -> JobInfo:
-    if not job.path.is_dir():
-        raise JobDirError(f"{job.path} is not a job folder (it does not exist)")
     try:
-        data = json.loads(job.job_json.read_text(encoding="utf-8"))
+        data = json.loads(job.job_json.read_bytes().decode("utf-8"))
         return JobInfo(
             job_id=data["job_id"],
             created=data["created"],
@@ -130,6 +116,8 @@ def read_job(job: JobDir) -> JobInfo:
             manifest_sha256=data["manifest"]["sha256"],
         )
     except FileNotFoundError:
+        if not job.path.is_dir():
+            raise JobDirError(f"{job.path} is not a job folder (it does not exist)") from None
         raise JobDirError(
             f"{job.job_json} is missing, so {job.path} cannot be resumed; its results/ are intact: "
             f"export them with `kvbatch results {job.path}` and submit the remaining documents as a new job"
@@ -143,14 +131,15 @@ def read_job(job: JobDir) -> JobInfo:
 
 def update_job_config(job: JobDir, config: dict[str, Any]) -> None:
     """Record the config a resume runs with (after --set), so the next resume uses it too."""
-    data = json.loads(job.job_json.read_text(encoding="utf-8"))
+    data = json.loads(job.job_json.read_bytes().decode("utf-8"))
     data["config"] = config
-    _atomic_write_bytes(job.job_json, json.dumps(data, indent=2).encode())
+    _write_json(job.job_json, data)
 
 
 def read_manifest_table(job: JobDir) -> pa.Table:
     try:
-        return pq.read_table(job.manifest, schema=MANIFEST_SCHEMA)
+        with job.manifest.open_input() as source:
+            return pq.read_table(source, schema=MANIFEST_SCHEMA)
     except FileNotFoundError:
         raise JobDirError(
             f"{job.manifest} is missing; without it the job's documents are unknown. Submit the "

@@ -15,9 +15,9 @@ import json
 import logging
 import os
 import time
-from pathlib import Path
 from types import TracebackType
 
+from storage.location import Location, Where
 from storage.owner import OwnerLiveness, ProcessOwner
 
 logger = logging.getLogger(__name__)
@@ -26,7 +26,7 @@ class JobLockedError(RuntimeError):
     """Another live coordinator holds the job folder."""
 
 
-def _parse_owner(raw: bytes) -> ProcessOwner | None:
+def parse_owner(raw: bytes) -> ProcessOwner | None:
     if not raw.strip():
         return None
     try:
@@ -40,26 +40,64 @@ def _read_owner(fd: int) -> ProcessOwner | None:
     raw = b""
     while chunk := os.read(fd, 65536):
         raw += chunk
-    return _parse_owner(raw)
+    return parse_owner(raw)
 
 
-def lock_holder(path: Path) -> ProcessOwner | None:
+def lock_holder(path: Where) -> ProcessOwner | None:
     """Who the lock record names, read without taking or touching the lock (for `status`)."""
     try:
-        return _parse_owner(Path(path).read_bytes())
+        return parse_owner(Location.of(path).read_bytes())
     except OSError:
         return None
 
 
-class JobLock:
-    """Context manager holding a job's lock file (JOB_DIR/.lock).
+class _HeldLock:
+    """What every kind of job lock shares: the messages and the context-manager protocol.
 
     `takeover_message` says whose stale lock was replaced, when one was.
     """
 
-    def __init__(self, path: Path) -> None:
-        self.path = Path(path)
-        self.takeover_message: str | None = None
+    takeover_message: str | None = None
+
+    def __init__(self, path: Where) -> None:
+        self.location = Location.of(path)
+
+    def acquire(self) -> None:
+        raise NotImplementedError
+
+    def release(self) -> None:
+        raise NotImplementedError
+
+    def _refusal(self, holder: ProcessOwner | None) -> str:
+        who = holder.describe() if holder else "another process"
+        return (
+            f"job folder {self.location.parent} is in use by a running coordinator ({who}); "
+            f"wait for it to finish or stop it, then run the command again"
+        )
+
+    def _takeover(self, previous: ProcessOwner, why: str | None = None) -> str:
+        why = why or {
+            OwnerLiveness.PID_REUSED: "its pid now belongs to another process",
+            OwnerLiveness.OTHER_HOST: "its lock is no longer held",
+        }.get(previous.liveness(), "its process is gone")
+        return f"took over stale lock {self.location} left by {previous.describe()}: {why}"
+
+    def __enter__(self) -> _HeldLock:
+        self.acquire()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.release()
+
+
+class JobLock(_HeldLock):
+    """A local job folder's lock file (JOB_DIR/.lock), held with flock."""
+
+    def __init__(self, path: Where) -> None:
+        super().__init__(path)
+        self.path = self.location.local_path
         self._fd: int | None = None
 
     def acquire(self) -> None:
@@ -102,20 +140,6 @@ class JobLock:
                 return fd
             os.close(fd)
 
-    def _refusal(self, holder: ProcessOwner | None) -> str:
-        who = holder.describe() if holder else "another process"
-        return (
-            f"job folder {self.path.parent} is in use by a running coordinator ({who}); "
-            f"wait for it to finish or stop it, then run the command again"
-        )
-
-    def _takeover(self, previous: ProcessOwner) -> str:
-        why = {
-            OwnerLiveness.PID_REUSED: "its pid now belongs to another process",
-            OwnerLiveness.OTHER_HOST: "its lock is no longer held",
-        }.get(previous.liveness(), "its process is gone")
-        return f"took over stale lock {self.path} left by {previous.describe()}: {why}"
-
     def release(self) -> None:
         """Remove the record and drop the flock; the unlink happens while still holding it."""
         if self._fd is None:
@@ -125,12 +149,3 @@ class JobLock:
             self.path.unlink(missing_ok=True)
         finally:
             os.close(fd)
-
-    def __enter__(self) -> JobLock:
-        self.acquire()
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.release()

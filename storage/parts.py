@@ -20,14 +20,14 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from jobs.schema import KEY_COLUMNS
+from storage.location import Location, Where, fsync_directory
 
-PART_GLOB = "part-*.parquet"
+PART_PREFIX, PART_SUFFIX = "part-", ".parquet"
 TEMP_PREFIX = ".tmp-"
 _REPLACES_KEY = b"kvbatch.replaces"
 _READ_THREADS = 4  # small parts are dominated by per-file latency; a few threads overlap it
@@ -50,7 +50,7 @@ CORRUPT_PART_ADVICE = (
 class CorruptPart:
     """A part that could not be used; its rows are missing from what was read."""
 
-    path: Path
+    path: Location
     reason: str
 
     def __str__(self) -> str:
@@ -67,59 +67,37 @@ def _next_part_name() -> str:
     return f"part-{stamp:020d}-{seq:08d}-{os.getpid()}-{secrets.token_hex(3)}.parquet"
 
 
-def fsync_directory(directory: Path) -> None:
-    """Make renames and unlinks in `directory` durable."""
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_part(directory: Path, table: pa.Table, replaces: Sequence[str] = ()) -> Path:
-    """Publish `table` as a new part in `directory` (created if missing) and return its path.
+def write_part(directory: Where, table: pa.Table, replaces: Sequence[str] = ()) -> Location:
+    """Publish `table` as a new part in `directory` (created if missing) and return where it is.
 
     `replaces` names parts in the same directory whose rows this part contains (a merge); readers
     skip those while both exist.
     """
-    directory.mkdir(parents=True, exist_ok=True)
+    directory = Location.of(directory)
+    directory.makedirs()
     name = _next_part_name()
-    final = directory / name
-    temp = directory / f"{TEMP_PREFIX}{name}"
     if replaces:
         metadata = dict(table.schema.metadata or {})
         metadata[_REPLACES_KEY] = json.dumps(sorted(replaces)).encode()
         table = table.replace_schema_metadata(metadata)
-    try:
-        with open(temp, "wb") as handle:
-            pq.write_table(table, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.rename(temp, final)
-    except BaseException:
-        temp.unlink(missing_ok=True)
-        raise
-    fsync_directory(directory)
+    final = directory / name
+    final.write_atomic(lambda handle: pq.write_table(table, handle), f"{TEMP_PREFIX}{name}")
     return final
 
 
-def list_parts(directory: Path) -> list[Path]:
+def list_parts(directory: Where) -> list[Location]:
     """Visible parts in write order; temporary files are not parts."""
-    if not directory.is_dir():
-        return []
-    return sorted(directory.glob(PART_GLOB))
+    return Location.of(directory).files(PART_PREFIX, PART_SUFFIX)
 
 
-def list_temp_files(directory: Path) -> list[Path]:
+def list_temp_files(directory: Where) -> list[Location]:
     """Temporary files of writes that never completed (or are in progress right now)."""
-    if not directory.is_dir():
-        return []
-    return sorted(directory.glob(f"{TEMP_PREFIX}*"))
+    return Location.of(directory).files(TEMP_PREFIX)
 
 
 @dataclass(frozen=True)
 class _ReadPart:
-    path: Path
+    path: Location
     table: pa.Table | None
     replaces: frozenset[str]
     problem: str | None
@@ -142,14 +120,15 @@ def _schema_problem(found: pa.Schema, expected: pa.Schema) -> str | None:
     return None
 
 
-def _read_one(path: Path, schema: pa.Schema) -> _ReadPart:
+def _read_one(path: Location, schema: pa.Schema) -> _ReadPart:
     def broken(problem: str) -> _ReadPart:
         return _ReadPart(path, None, frozenset(), problem)
 
     try:
-        if path.stat().st_size == 0:
+        if path.size() == 0:
             return broken("empty file (0 bytes)")
-        table = pq.ParquetFile(path).read()
+        with path.open_input() as source:
+            table = pq.ParquetFile(source).read()
     except FileNotFoundError:  # merged away by a live writer since the listing
         return _ReadPart(path, None, frozenset(), problem=None)
     except (OSError, pa.ArrowException) as exc:
@@ -173,8 +152,8 @@ def _read_one(path: Path, schema: pa.Schema) -> _ReadPart:
 class PartSet:
     """What a directory holds: usable tables in write order, what they supersede, what is broken."""
 
-    tables: list[tuple[Path, pa.Table]]
-    superseded: list[Path]
+    tables: list[tuple[Location, pa.Table]]
+    superseded: list[Location]
     corrupt: list[CorruptPart]
 
     def concat(self, schema: pa.Schema) -> pa.Table:
@@ -183,14 +162,14 @@ class PartSet:
         return pa.concat_tables([table for _, table in self.tables])
 
 
-def scan_parts(directory: Path, schema: pa.Schema) -> PartSet:
+def scan_parts(directory: Where, schema: pa.Schema) -> PartSet:
     """Read every part of `directory`, sorting out superseded and corrupt ones.
 
     A live writer (a `status` during a run) may merge parts while they are read. A merged part is
     published before its inputs are removed, so listing again until nothing new shows up finds
     the merged part of every input that vanished; superseded parts are then skipped as usual.
     """
-    read: dict[Path, _ReadPart] = {}
+    read: dict[Location, _ReadPart] = {}
     for listing in range(_MAX_LISTINGS):
         new = [path for path in list_parts(directory) if path not in read]
         with ThreadPoolExecutor(_READ_THREADS) as pool:
@@ -200,7 +179,7 @@ def scan_parts(directory: Path, schema: pa.Schema) -> PartSet:
         if not unexplained and (not new or listing >= _RESCANS):
             break
     tables, superseded, corrupt = [], [], []
-    for path in sorted(read):
+    for path in sorted(read, key=lambda location: location.name):
         part = read[path]
         if part.problem is not None:
             corrupt.append(CorruptPart(path, part.problem))
@@ -214,31 +193,31 @@ def scan_parts(directory: Path, schema: pa.Schema) -> PartSet:
     return PartSet(tables, superseded, corrupt)
 
 
-def read_parts(directory: Path, schema: pa.Schema) -> tuple[pa.Table, list[CorruptPart]]:
+def read_parts(directory: Where, schema: pa.Schema) -> tuple[pa.Table, list[CorruptPart]]:
     """All rows of `directory`'s parts in write order, and the parts that had to be skipped."""
     parts = scan_parts(directory, schema)
     return parts.concat(schema), parts.corrupt
 
 
-def replace_parts(directory: Path, merged: pa.Table, obsolete: Sequence[Path]) -> Path:
+def replace_parts(directory: Where, merged: pa.Table, obsolete: Sequence[Location]) -> Location:
     """Publish `merged` (the rows of `obsolete`, in order), then delete `obsolete`.
 
     If the process dies in between, the obsolete parts are superseded (skipped by readers) and the
     next merge deletes them.
     """
     part = write_part(directory, merged, replaces=[path.name for path in obsolete])
-    _remove(directory, obsolete)
+    _remove(obsolete)
     return part
 
 
-def _remove(directory: Path, paths: Sequence[Path]) -> None:
+def _remove(paths: Sequence[Location]) -> None:
     for path in paths:
-        path.unlink(missing_ok=True)
-    if paths:
-        fsync_directory(directory)
+        path.delete()
+    if paths and paths[0].is_local:
+        fsync_directory(paths[0].local_path.parent)
 
 
-def merge_parts(directory: Path, schema: pa.Schema) -> Path | None:
+def merge_parts(directory: Where, schema: pa.Schema) -> Location | None:
     """Replace all of `directory`'s parts by one, keeping every row and its order.
 
     Corrupt parts are left where they are, so they keep being reported until someone looks at
@@ -246,6 +225,6 @@ def merge_parts(directory: Path, schema: pa.Schema) -> Path | None:
     """
     parts = scan_parts(directory, schema)
     if len(parts.tables) <= 1:
-        _remove(directory, parts.superseded)
+        _remove(parts.superseded)
         return None
     return replace_parts(directory, parts.concat(schema), [path for path, _ in parts.tables] + parts.superseded)

@@ -14,12 +14,14 @@ import os
 import re
 import shutil
 import socket
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from storage.location import Location, Where
 from storage.owner import OwnerLiveness, ProcessOwner
 
 OFFLOAD_ROOT_ENV = "KVBATCH_OFFLOAD_ROOT"
@@ -62,15 +64,19 @@ class SweptDir:
     bytes_freed: int
 
 
-def default_offload_root(job_dir: Path) -> Path:
-    """$KVBATCH_OFFLOAD_ROOT when set, else JOB_DIR/scratch/kvbatch.
+def default_offload_root(job_dir: Where) -> Path:
+    """$KVBATCH_OFFLOAD_ROOT when set, else JOB_DIR/scratch/kvbatch (a job folder on shared
+    storage: the system temp dir's kvbatch-offload, as scratch must be node-local).
 
     The fallback keeps the scratch on the job folder's disk and goes away with the job folder; for
     KV offload, point the variable (or `cache.offload_root`) at a node-local NVMe folder such as
     /mnt/nvme/kvbatch.
     """
     configured = os.environ.get(OFFLOAD_ROOT_ENV, "").strip()
-    return Path(configured) if configured else Path(job_dir) / "scratch" / "kvbatch"
+    if configured:
+        return Path(configured)
+    job = Location.of(job_dir)
+    return job.local_path / "scratch" / "kvbatch" if job.is_local else Path(tempfile.gettempdir()) / "kvbatch-offload"
 
 
 def _check_not_filesystem_root(offload_root: Path) -> Path:

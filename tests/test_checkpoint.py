@@ -90,7 +90,7 @@ def test_corrupt_parts_of_each_kind_are_skipped_and_reported(tmp_path: Path) -> 
     good = write_part(tmp_path, results_table(result("a"), result("b")))
     torn_source = write_part(tmp_path, results_table(*(result(f"x{i}", summary="s" * 200) for i in range(50))))
     torn_bytes = torn_source.read_bytes()
-    torn_source.unlink()
+    torn_source.delete()
     (tmp_path / "part-00000000000000000001-torn.parquet").write_bytes(torn_bytes[: len(torn_bytes) // 2])
     (tmp_path / "part-00000000000000000002-empty.parquet").write_bytes(b"")
     (tmp_path / "part-00000000000000000003-garbage.parquet").write_bytes(b"not parquet at all\n" * 100)
