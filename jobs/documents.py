@@ -3,7 +3,8 @@
 Documents come from user manifests, so every path is hostile until proven otherwise: the size
 limit is checked before a byte is read, only regular files are opened (a FIFO would block
 forever, a device would never end), and `documents_root` is enforced on the path *after*
-symlinks and `..` are resolved, so neither can be used to escape it.
+symlinks and `..` are resolved, so neither can be used to escape it. A document named by a storage
+URI (s3://, gs://, file://) is read through pyarrow's filesystems under the same size and text rules.
 """
 
 from __future__ import annotations
@@ -15,6 +16,10 @@ import stat
 import zlib
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
+
+import pyarrow.fs as pafs
+
+from jobs.uris import is_uri
 
 if TYPE_CHECKING:
     from jobs.manifest import Task
@@ -81,7 +86,7 @@ def resolve_document_path(path: Path, documents_root: Path | None) -> Path:
     return resolved
 
 
-def _read_limited(stream: BinaryIO, path: Path, max_bytes: int, compressed: bool) -> bytes:
+def _read_limited(stream: BinaryIO, path: Path | str, max_bytes: int, compressed: bool) -> bytes:
     try:
         data = stream.read(max_bytes + 1)
     except (EOFError, zlib.error, gzip.BadGzipFile) as e:
@@ -95,7 +100,7 @@ def _read_limited(stream: BinaryIO, path: Path, max_bytes: int, compressed: bool
     return data
 
 
-def _decode(data: bytes, path: Path) -> str:
+def _decode(data: bytes, path: Path | str) -> str:
     if b"\x00" in data:
         raise DocumentError(
             f"file {path} contains NUL bytes, so it is binary or UTF-16, not text: give a UTF-8 text file"
@@ -123,9 +128,7 @@ def read_document_text(path: Path, max_bytes: int, documents_root: Path | None) 
         raise DocumentError(f"file {resolved} cannot be read ({e.strerror or e}): check the path") from None
     if problem := _kind_problem(st.st_mode):
         raise DocumentError(f"{resolved} {problem}")
-    compressed = resolved.name.endswith(".gz")
-    if not compressed:
-        check_size(f"file {resolved}", st.st_size, max_bytes)
+    check_size_before_reading(resolved, st.st_size, max_bytes)
     try:
         # O_NONBLOCK: if the file was swapped for a FIFO since stat(), opening must not hang.
         fd = os.open(resolved, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC)
@@ -137,26 +140,58 @@ def read_document_text(path: Path, max_bytes: int, documents_root: Path | None) 
         with open(fd, "rb") as raw:
             if problem := _kind_problem(os.fstat(fd).st_mode):
                 raise DocumentError(f"{resolved} {problem}")
-            if compressed:
-                with gzip.GzipFile(fileobj=raw, mode="rb") as stream:
-                    data = _read_limited(stream, resolved, max_bytes, compressed=True)
-            else:
-                data = _read_limited(raw, resolved, max_bytes, compressed=False)
+            return _text_of(raw, resolved, max_bytes)
     except OSError as e:
         raise DocumentError(f"file {resolved} cannot be read ({e.strerror or e}): check the disk and the file") from None
-    text = _decode(data, resolved)
-    check_text(f"file {resolved}", text)
+
+
+def check_size_before_reading(name: Path | str, size: int, max_bytes: int) -> None:
+    """A compressed file's size says nothing of its text: its limit is applied while reading."""
+    if not str(name).endswith(".gz"):
+        check_size(f"file {name}", size, max_bytes)
+
+
+def _text_of(raw: BinaryIO, name: Path | str, max_bytes: int) -> str:
+    """The checked text of an open document (`.gz` decompressed), read no further than the limit."""
+    if str(name).endswith(".gz"):
+        with gzip.GzipFile(fileobj=raw, mode="rb") as stream:
+            data = _read_limited(stream, name, max_bytes, compressed=True)
+    else:
+        data = _read_limited(raw, name, max_bytes, compressed=False)
+    text = _decode(data, name)
+    check_text(f"file {name}", text)
     return text
+
+
+def read_uri_document_text(uri: str, max_bytes: int) -> str:
+    """The text of a document on shared storage (s3://, gs://, file://)."""
+    try:
+        fs, path = pafs.FileSystem.from_uri(uri)
+        info = fs.get_file_info(path)
+        if info.type == pafs.FileType.NotFound:
+            raise DocumentError(f"{uri} does not exist: fix the URI or upload the document")
+        if info.type != pafs.FileType.File:
+            raise DocumentError(f"{uri} is not a file: give the URI of a document")
+        check_size_before_reading(uri, info.size, max_bytes)
+        with fs.open_input_stream(path) as raw:
+            return _text_of(raw, uri, max_bytes)
+    except (OSError, ValueError) as e:
+        if isinstance(e, DocumentError):
+            raise
+        raise DocumentError(f"{uri} cannot be read ({e}): check the URI and the storage credentials") from None
 
 
 def load_task_text(task: Task) -> str:
     """The text a task summarises; a file is re-read and must be the one validated at submit time."""
     if task.source_type == "text":
         return task.source
-    path = Path(task.source)
+    path = task.source if is_uri(task.source) else Path(task.source)
     try:
         # The path was resolved and checked against documents_root at submit; its exact size is known.
-        text = read_document_text(path, max_bytes=task.n_bytes, documents_root=None)
+        text = (
+            read_uri_document_text(path, max_bytes=task.n_bytes) if isinstance(path, str)
+            else read_document_text(path, max_bytes=task.n_bytes, documents_root=None)
+        )
     except DocumentTooLarge:
         raise DocumentError(
             f"document {task.doc_id!r} ({path}) changed since the job was submitted (it is now larger "

@@ -29,10 +29,12 @@ from jobs.documents import (
     check_size,
     check_text,
     read_document_text,
+    read_uri_document_text,
     resolve_document_path,
     text_sha256,
 )
 from jobs.schema import MANIFEST_SCHEMA
+from jobs.uris import is_uri
 
 #: Manifest fields with a meaning; every other field is metadata passed through to the results.
 OVERRIDE_FIELDS = ("max_new_tokens", "prompt")
@@ -233,6 +235,13 @@ class _Validator:
                 return "text", text, text
             if not isinstance(path, str) or not path.strip():
                 raise _RowRejected(f"'path' must be a non-empty string, got {_shown(path)}")
+            if is_uri(path):
+                if self.documents_root is not None:
+                    raise DocumentError(
+                        f"is a storage URI, but input.documents_root ({self.documents_root}) only allows "
+                        "files under it: unset documents_root to read documents from shared storage"
+                    )
+                return "path", path, read_uri_document_text(path, self.max_bytes)
             # Relative paths are relative to the manifest, not to wherever kvbatch was started.
             resolved = resolve_document_path(self.manifest_dir / Path(path).expanduser(), self.documents_root)
             return "path", str(resolved), read_document_text(resolved, self.max_bytes, self.documents_root)

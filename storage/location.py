@@ -17,12 +17,7 @@ from typing import BinaryIO, Union
 
 import pyarrow.fs as pafs
 
-URI_SCHEMES = ("s3://", "gs://", "gcs://", "file://", "hdfs://")
-
-
-def is_uri(where: str) -> bool:
-    """A name pyarrow's filesystems resolve (rather than a local path)."""
-    return where.startswith(URI_SCHEMES)
+from jobs.uris import is_uri
 
 
 def fsync_directory(directory: Path) -> None:
