@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, BinaryIO
 
 import pyarrow.fs as pafs
 
-from jobs.uris import is_uri
+from jobs.uris import filesystem_of, is_uri
 
 if TYPE_CHECKING:
     from jobs.manifest import Task
@@ -166,7 +166,7 @@ def _text_of(raw: BinaryIO, name: Path | str, max_bytes: int) -> str:
 def read_uri_document_text(uri: str, max_bytes: int) -> str:
     """The text of a document on shared storage (s3://, gs://, file://)."""
     try:
-        fs, path = pafs.FileSystem.from_uri(uri)
+        fs, path = filesystem_of(uri)
         info = fs.get_file_info(path)
         if info.type == pafs.FileType.NotFound:
             raise DocumentError(f"{uri} does not exist: fix the URI or upload the document")

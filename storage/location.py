@@ -17,7 +17,7 @@ from typing import BinaryIO, Union
 
 import pyarrow.fs as pafs
 
-from jobs.uris import is_uri
+from jobs.uris import filesystem_of, is_uri
 
 
 def fsync_directory(directory: Path) -> None:
@@ -44,7 +44,7 @@ class Location:
         text = os.fspath(where)
         if is_uri(text):
             try:
-                fs, path = pafs.FileSystem.from_uri(text)
+                fs, path = filesystem_of(text)
             except (OSError, ValueError) as e:
                 raise ValueError(f"{text}: not a usable storage URI ({e})") from None
             return Location(fs, path.rstrip("/"), text.rstrip("/"))
