@@ -1,18 +1,21 @@
 """The coordinator: runs a job's open tasks on a pool of Ray worker actors and checkpoints every step.
 
 One thread per actor takes the longest open task next (long documents must not straggle at the
-end). Each task runs under a tenacity policy for transient failures (worker died, I/O error,
-timeout); when a context size keeps failing, or the worker's cache ladder is exhausted, the task
-is tried again with a shorter context. A result row in results/ is the only "done" record, so a
-coordinator killed at any instant loses at most the tasks in flight.
+end). Each task runs under a tenacity policy for transient failures (I/O error, worker died,
+timeout); a task whose worker died or hung goes back to the front of the shared queue, so any
+worker (on any node) takes it while the lost one restarts. When a context size keeps failing, or
+the worker's cache ladder is exhausted, the task is tried again with a shorter context. A result
+row in results/ is the only "done" record, so a coordinator killed at any instant loses at most
+the tasks in flight.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import heapq
+import itertools
 import json
 import os
-import queue
 import signal
 import threading
 import time
@@ -23,7 +26,13 @@ from typing import Any
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 from rich.console import Console
-from tenacity import RetryCallState, Retrying, retry_if_exception_type, stop_after_attempt, wait_exponential
+from tenacity import (
+    RetryCallState,
+    Retrying,
+    retry_if_exception_type,
+    retry_if_not_exception_type,
+    wait_exponential,
+)
 
 from jobs.config import JobConfig
 from jobs.faults import FaultRule
@@ -33,6 +42,7 @@ from jobs.schema import RESULT_SCHEMA, TaskState, empty_row
 from runner.alerts import AlertMonitor
 from runner.joblog import JobLog
 from runner.metrics import BatchMetrics
+from runner.node_sweeper import NodeSweeper
 from runner.progress import BatchProgress
 from runner.worker import SummaryWorker
 from storage.checkpoint import CheckpointLog
@@ -40,6 +50,7 @@ from storage.jobdir import JobDir
 
 EXIT_OK = 0
 EXIT_FAILED_TASKS = 3
+EXIT_NO_WORKERS = 4
 EXIT_INTERRUPTED = 130
 #: How long a restarted worker may take to come back (process start + model load), not task time.
 WORKER_RESTART_TIMEOUT_S = 300.0
@@ -53,6 +64,10 @@ class TransientFailure(Exception):
         self.error_type = error_type
 
 
+class WorkerLost(TransientFailure):
+    """The worker died or hung: the task can run on any other worker while this one restarts."""
+
+
 class Interrupted(Exception):
     """The user asked the batch to stop; the task is left for `resume`."""
 
@@ -62,9 +77,59 @@ class _TaskRun:
     task: Task
     attempt: int = 0
     context_tokens: int = 0
+    tries_at_context: int = 0  # attempts at the current context size, on whichever workers
     fallbacks: list[str] = field(default_factory=list)
     queue_wait_s: float | None = None
     slow_alerted: bool = False
+
+
+class _WorkQueue:
+    """Open tasks, longest first, shared by the workers' threads; a task handed back by a lost
+    worker goes in front. `take` waits while other threads still hold tasks they may hand back."""
+
+    def __init__(self, runs: list[_TaskRun]) -> None:
+        self._order = itertools.count()
+        self._heap = [(1, -run.task.n_chars, next(self._order), run) for run in runs]
+        heapq.heapify(self._heap)
+        self._held = 0
+        self._changed = threading.Condition()
+
+    def take(self, stop: threading.Event) -> _TaskRun | None:
+        """The next task, or None once none is left and none can come back (or the batch stops)."""
+        with self._changed:
+            while not stop.is_set():
+                if self._heap:
+                    self._held += 1
+                    return heapq.heappop(self._heap)[-1]
+                if self._held == 0:
+                    return None
+                self._changed.wait(0.2)
+            return None
+
+    def finished(self) -> None:
+        with self._changed:
+            self._held -= 1
+            self._changed.notify_all()
+
+    def hand_back(self, run: _TaskRun) -> None:
+        with self._changed:
+            heapq.heappush(self._heap, (0, -run.task.n_chars, next(self._order), run))
+            self._held -= 1
+            self._changed.notify_all()
+
+    def drained(self) -> bool:
+        """Nothing left to run and nothing in flight that could come back."""
+        with self._changed:
+            return not self._heap and self._held == 0
+
+    def left(self) -> int:
+        with self._changed:
+            return len(self._heap)
+
+
+def _attempts_at_context_reach(limit: int, run: _TaskRun) -> Any:
+    """A tenacity stop that counts a task's attempts at its context size across workers."""
+    return lambda state: run.tries_at_context >= limit
 
 
 class Coordinator:
@@ -130,6 +195,7 @@ class Coordinator:
         if self.stop.is_set():
             raise Interrupted()
         run.attempt += 1
+        run.tries_at_context += 1
         if run.queue_wait_s is None:
             run.queue_wait_s = time.time() - self._queued_at
         self._event(run, TaskState.RUNNING)
@@ -142,16 +208,14 @@ class Coordinator:
         except GetTimeoutError:
             ray.kill(actor, no_restart=False)  # a hung worker is restarted, with a fresh model
             self._worker_restarted(slot, "TimeoutError")
-            self._await_restart(actor)
-            raise TransientFailure(
+            raise WorkerLost(
                 "TimeoutError", f"no result within retry.task_timeout_s={self.cfg.retry.task_timeout_s}s"
             ) from None
         except RayActorError as e:
             if self.stop.is_set():
                 raise Interrupted() from None
             self._worker_restarted(slot, "WorkerDied")
-            self._await_restart(actor)
-            raise TransientFailure("WorkerDied", f"worker process died: {e}") from None
+            raise WorkerLost("WorkerDied", f"worker process died: {e}") from None
         finally:
             run.slow_alerted = self.alerts.task_stopped(run.task.task_id)
             self.metrics.set_running(self.alerts.active())
@@ -163,29 +227,31 @@ class Coordinator:
         self.alerts.worker_restarted(slot, reason)
         self.metrics.worker_restarted()
 
+    def _note_retry(self, run: _TaskRun, err: BaseException | None, sleep_s: float) -> None:
+        error_type = getattr(err, "error_type", type(err).__name__)
+        self._event(run, TaskState.RETRYING, error_type=error_type, error=str(err))
+        self.log.warning("task_retry", task_id=run.task.task_id, doc_id=run.task.doc_id,
+                         attempt=run.attempt, error_type=error_type, error=str(err), sleep_s=round(sleep_s, 3))
+
     def _before_retry(self, run: _TaskRun) -> Any:
         def hook(state: RetryCallState) -> None:
-            err = state.outcome.exception() if state.outcome else None
-            error_type = getattr(err, "error_type", type(err).__name__)
-            self._event(run, TaskState.RETRYING, error_type=error_type, error=str(err))
-            self.log.warning("task_retry", task_id=run.task.task_id, doc_id=run.task.doc_id,
-                             attempt=run.attempt, error_type=error_type, error=str(err),
-                             sleep_s=round(state.upcoming_sleep, 3))
+            self._note_retry(run, state.outcome.exception() if state.outcome else None, state.upcoming_sleep)
         return hook
 
     def _sleep(self, seconds: float) -> None:
         if self.stop.wait(seconds):
             raise Interrupted()
 
-    def _run_task(self, actor: Any, task: Task, progress: BatchProgress) -> None:
-        run = _TaskRun(task=task, context_tokens=self.cfg.summarize.context_tokens)
+    def _run_task(self, actor: Any, run: _TaskRun, progress: BatchProgress) -> bool:
+        """Runs `run` to an end (True), or stops when its worker is lost and hands it back (False)."""
+        task = run.task
         retry = self.cfg.retry
         while True:
             retrying = Retrying(
-                stop=stop_after_attempt(retry.max_attempts),
+                stop=_attempts_at_context_reach(retry.max_attempts, run),
                 wait=wait_exponential(multiplier=retry.backoff_initial_s, min=retry.backoff_initial_s,
                                       max=retry.backoff_max_s),
-                retry=retry_if_exception_type(TransientFailure),
+                retry=retry_if_exception_type(TransientFailure) & retry_if_not_exception_type(WorkerLost),
                 before_sleep=self._before_retry(run),
                 sleep=self._sleep,
                 reraise=True,
@@ -193,48 +259,57 @@ class Coordinator:
             try:
                 outcome = retrying(self._call, actor, run)
             except TransientFailure as e:
+                if isinstance(e, WorkerLost) and run.tries_at_context < retry.max_attempts:
+                    self._note_retry(run, e, 0.0)
+                    return False
                 outcome = {"status": "failed", "failure_class": FailureClass.TRANSIENT.value,
                            "error_type": e.error_type, "error": str(e)}
             if outcome["status"] == "done" or outcome["failure_class"] == FailureClass.INPUT:
                 self._finish(run, outcome, progress)
-                return
+                return True
             run.fallbacks.extend(outcome.get("fallbacks", []))
             outcome["fallbacks"] = []
             smaller = shorter_context(run.context_tokens, retry.context_shrink,
                                       self.cfg.summarize.min_context_tokens)
             if smaller is None:
                 self._finish(run, outcome, progress)
-                return
+                return True
             run.fallbacks.append(context_fallback_note(run.context_tokens, smaller, outcome["error_type"]))
             self.log.warning("context_fallback", task_id=task.task_id, doc_id=task.doc_id,
                              from_tokens=run.context_tokens, to_tokens=smaller,
                              error_type=outcome["error_type"], error=outcome["error"])
             self._event(run, TaskState.RETRYING, error_type=outcome["error_type"], error=outcome["error"])
             run.context_tokens = smaller
+            run.tries_at_context = 0
 
-    def _drive(self, actor: Any, todo: queue.Queue[Task], progress: BatchProgress,
+    def _drive(self, actor: Any, work: _WorkQueue, progress: BatchProgress,
                errors: list[BaseException]) -> None:
-        while not self.stop.is_set():
+        while (run := work.take(self.stop)) is not None:
             try:
-                task = todo.get_nowait()
-            except queue.Empty:
-                return
-            try:
-                self._run_task(actor, task, progress)
+                finished = self._run_task(actor, run, progress)
             except Interrupted:
+                work.finished()
                 return
             except BaseException as e:  # a bug must stop the batch loudly, not hang it
+                work.finished()
                 errors.append(e)
                 self.stop.set()
+                return
+            if finished:
+                work.finished()
+                continue
+            work.hand_back(run)  # another worker takes it now; this one waits for its restart
+            if not self._await_restart(actor, until_drained=work):
                 return
 
     # -- the batch ----------------------------------------------------------------------------
     def _start_workers(self, count: int) -> list[Any]:
         resources = ray.cluster_resources()
         gpus = self.cfg.workers.gpus_per_worker if resources.get("GPU", 0) > 0 else 0
+        # SPREAD: one worker per node before any node gets a second, so a lost node costs the fewest
         remote_cls = ray.remote(SummaryWorker).options(
             num_cpus=self.cfg.workers.cpus_per_worker, num_gpus=gpus,
-            max_restarts=-1, max_task_retries=0,
+            max_restarts=-1, max_task_retries=0, scheduling_strategy="SPREAD",
         )
         threads = max(1, int(self.cfg.workers.cpus_per_worker))
         config = self.cfg.model_dump(mode="json")
@@ -247,20 +322,27 @@ class Coordinator:
             self.log.info("worker_ready", **info)
         return actors
 
-    def _await_restart(self, actor: Any) -> None:
-        """Wait until Ray has restarted a killed or crashed worker: its start sweeps the scratch dir the
-        dead process left, and the task's next attempt must reach it, not the dying incarnation."""
+    def _await_restart(self, actor: Any, until_drained: _WorkQueue) -> bool:
+        """Wait until Ray has restarted a killed or crashed worker (its start sweeps the scratch dir the
+        dead process left; its next task must reach it, not the dying incarnation). False when it did
+        not come back in time (no capacity left for it), or the batch needs it no more."""
         deadline = time.monotonic() + WORKER_RESTART_TIMEOUT_S
-        while not self.stop.is_set():
+        ready = actor.info.remote()
+        while not self.stop.is_set() and not until_drained.drained():
+            if time.monotonic() >= deadline:
+                self.log.warning("worker_restart_unfinished", worker=self.worker_slots.get(actor),
+                                 hint="no capacity left for it; a killed worker's scratch dir is swept "
+                                 "when its node comes back, or by `kvbatch clean` there")
+                return False
             try:
-                ray.get(actor.info.remote(), timeout=max(deadline - time.monotonic(), 0.1))
-                return
-            except (RayActorError, GetTimeoutError) as e:  # RayActorError: it reached the dying incarnation
-                if time.monotonic() >= deadline:
-                    self.log.warning("worker_restart_unfinished", error=str(e),
-                                     hint="a killed worker's scratch dir may remain: run `kvbatch clean`")
-                    return
+                ray.get(ready, timeout=1.0)
+                return True
+            except RayActorError:  # it reached the dying incarnation: ask the next one
                 time.sleep(0.1)
+                ready = actor.info.remote()
+            except GetTimeoutError:
+                pass
+        return False
 
     def worker_count(self, open_tasks: int) -> int:
         if self.cfg.workers.count != "auto":
@@ -284,17 +366,16 @@ class Coordinator:
             self.log.close()
 
     def _run(self, open_tasks: list[Task], already_done: int, total: int) -> int:
-        todo: queue.Queue[Task] = queue.Queue()
-        for task in sorted(open_tasks, key=lambda t: t.n_chars, reverse=True):
-            todo.put(task)
+        context = self.cfg.summarize.context_tokens
+        work = _WorkQueue([_TaskRun(task=task, context_tokens=context) for task in open_tasks])
         count = self.worker_count(len(open_tasks))
         self.log.info("batch_start", open_tasks=len(open_tasks), workers=count)
         actors = self._start_workers(count) if open_tasks else []
         self._queued_at = time.time()  # queue wait counts from here: waiting for a free worker
         errors: list[BaseException] = []
-        with self.alerts.watching(), \
+        with self.alerts.watching(), NodeSweeper(self.offload_root, self.log), \
                 BatchProgress(self.console, total, already_done, len(actors), self.alerts.active) as progress:
-            threads = [threading.Thread(target=self._drive, args=(a, todo, progress, errors), daemon=True)
+            threads = [threading.Thread(target=self._drive, args=(a, work, progress, errors), daemon=True)
                        for a in actors]
             for t in threads:
                 t.start()
@@ -311,6 +392,11 @@ class Coordinator:
         if self.stop.is_set():
             self.log.warning("batch_interrupted")
             return EXIT_INTERRUPTED
+        if left := work.left():
+            self.log.warning("batch_stalled", tasks_left=left)
+            self.console.print(f"[red]{left} task(s) not run: every worker was lost and none came back "
+                               f"within {WORKER_RESTART_TIMEOUT_S:.0f} s (no capacity left on the cluster)")
+            return EXIT_NO_WORKERS
         self.log.info("batch_end")
         return EXIT_OK
 

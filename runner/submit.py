@@ -16,7 +16,7 @@ from jobs.manifest import Rejection, read_manifest, tasks_from_table, tasks_to_t
 from jobs.schema import RESULT_SCHEMA, TaskState, empty_row
 from runner import __version__
 from runner.cluster import ray_session
-from runner.coordinator import EXIT_FAILED_TASKS, EXIT_INTERRUPTED, EXIT_OK, Coordinator
+from runner.coordinator import EXIT_FAILED_TASKS, EXIT_INTERRUPTED, EXIT_NO_WORKERS, EXIT_OK, Coordinator
 from storage.checkpoint import CheckpointLog, JobState, compact, load_state
 from storage.jobdir import JobDir, JobInfo, create_job, new_job_id, read_job, read_manifest_table, update_job_config
 from storage.lease import job_lock
@@ -112,8 +112,9 @@ def _execute(job: JobDir, info: JobInfo, config: JobConfig, address: str | None,
             with ray_session(address):
                 coordinator = Coordinator(job, info.job_id, config, offload_root, faults, console)
                 code = coordinator.run(open_tasks, total - len(open_tasks), total)
-        if code == EXIT_INTERRUPTED:
-            console.print(f"[yellow]interrupted; continue with: kvbatch resume {job.path}")
+        if code in (EXIT_INTERRUPTED, EXIT_NO_WORKERS):
+            what = "interrupted" if code == EXIT_INTERRUPTED else "stopped without workers"
+            console.print(f"[yellow]{what}; continue with: kvbatch resume {job.path}")
             return code
         compact(job.path)
         state = load_state(job.path)

@@ -22,6 +22,7 @@ import psutil
 import pyarrow.parquet as pq
 import pytest
 
+from tests.child_process import Child
 from conftest import REPO, TINY_CONFIG, export_rows, kvbatch, license_manifest, start_submit, wait_for
 
 #: Longest first: the coordinator takes the longest open task first, so Apache-2.0 starts at once.
@@ -53,6 +54,10 @@ for line in sys.stdin:
     if command == "remove":
         cluster.remove_node(workers.pop(node_id))
         print(json.dumps({"removed": node_id}), flush=True)
+    elif command == "add":
+        node = cluster.add_node(**loopback, num_cpus=1)
+        workers[node.node_id] = node
+        print(json.dumps({"added": describe(node)}), flush=True)
 cluster.shutdown()
 """
 
@@ -88,6 +93,15 @@ class LocalCluster:
         self.process.stdin.write(f"remove {node_id}\n")
         self.process.stdin.flush()
         assert json.loads(self._reply()) == {"removed": node_id}
+        self.node_of_raylet = {pid: node for pid, node in self.node_of_raylet.items() if node != node_id}
+
+    def add_node(self) -> str:
+        """A new 1-CPU worker node (a lost node coming back joins as a new node); returns its id."""
+        self.process.stdin.write("add\n")
+        self.process.stdin.flush()
+        added = json.loads(self._reply())["added"]
+        self.node_of_raylet[added["raylet_pid"]] = added["node_id"]
+        return added["node_id"]
 
     def shutdown(self) -> None:
         self.process.stdin.close()
@@ -161,23 +175,80 @@ def test_workers_land_on_every_node_and_agree_with_a_single_node_run(cluster, si
     assert summaries(job) == single_node
 
 
-def test_a_node_removed_mid_batch_loses_and_duplicates_nothing(cluster, single_node, tmp_path):
-    # two workers on three nodes: the third node is where the lost node's worker is restarted
+def _lose_the_node_of_a_hung_task(cluster: LocalCluster, tmp_path: Path, *settings: str) -> Path:
+    """Runs the batch, removes the node whose worker hangs on Apache-2.0, and returns the finished job."""
     job = tmp_path / "job"
     hang = json.dumps([{"doc": "apache-2.0", "fault": "hang", "attempts": [1]}])
-    proc = start_submit(manifest_of(tmp_path), job, cluster.address, "--set", "workers.count=2",
+    proc = start_submit(manifest_of(tmp_path), job, cluster.address, *settings,
                         "--set", "checkpoint.flush_every=1", env={"KVBATCH_FAULTS": hang})
-    # the worker that took Apache-2.0 hangs on it; the other one publishes the remaining results
-    assert wait_for(lambda: len(log_events(job, "worker_ready")) == 2 and bool(result_workers(job)), proc,
-                    timeout=120), proc.communicate()
+    # the worker that took Apache-2.0 hangs on it; every other one publishes results
+    def all_but_one_worker_published() -> bool:
+        ready = log_events(job, "worker_ready")
+        return bool(ready) and len(result_workers(job)) == len(ready) - 1
+
+    assert wait_for(all_but_one_worker_published, proc, timeout=120), proc.communicate()
     pinned = {e["worker"] for e in log_events(job, "worker_ready")} - result_workers(job)
     assert len(pinned) == 1, f"expected one worker pinned by the hang, got {pinned}"
-    lost_node = cluster.node_of(pinned.pop())
-    cluster.remove_node(lost_node)
-    out, err = proc.communicate(timeout=120)
+    cluster.remove_node(cluster.node_of(pinned.pop()))
+    out, err = proc.communicate(timeout=120)  # well within the 300 s a lost worker is waited for
     assert proc.returncode == 0, out + err
+    return job
+
+
+def _check_lost_task_rerun_once(job: Path, single_node: dict[str, str]) -> None:
     assert summaries(job) == single_node
     rows = {r["doc_id"]: r for r in export_rows(job)}
     assert rows["apache-2.0"]["attempts"] == 2
     retries = log_events(job, "task_retry")
     assert [(e["doc_id"], e["error_type"]) for e in retries] == [("apache-2.0", "WorkerDied")], retries
+
+
+def test_a_node_removed_mid_batch_loses_and_duplicates_nothing(cluster, single_node, tmp_path):
+    # two workers on three nodes: the third node is where the lost node's worker is restarted
+    job = _lose_the_node_of_a_hung_task(cluster, tmp_path, "--set", "workers.count=2")
+    _check_lost_task_rerun_once(job, single_node)
+
+ORPHAN_OWNER = """
+import sys, time
+from pathlib import Path
+from storage.scratch import ensure_offload_root, task_scratch
+root = ensure_offload_root(Path(sys.argv[1]))
+with task_scratch(root, "earlier-job", "t000001", 1) as scratch:
+    (scratch / "kv-block").write_bytes(b"x" * 4096)
+    print(scratch, flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_node_that_joins_mid_batch_has_orphaned_scratch_dirs_swept(cluster, tmp_path):
+    root = tmp_path / "offload"
+    job = tmp_path / "job"
+    # Apache-2.0 hangs until the task timeout: the batch is still running when the node joins
+    hang = json.dumps([{"doc": "apache-2.0", "fault": "hang", "attempts": [1]}])
+    proc = start_submit(manifest_of(tmp_path), job, cluster.address, "--set", f"cache.offload_root={root}",
+                        "--set", "retry.task_timeout_s=40", env={"KVBATCH_FAULTS": hang})
+    nodes_at_start = len(cluster.node_of_raylet) + 1  # the worker nodes left by earlier tests, and the head
+    assert wait_for(lambda: len(log_events(job, "node_swept")) >= nodes_at_start, proc, timeout=120), \
+        proc.communicate()
+    # a worker of an earlier batch, killed with its node: its task dir stays behind, owner dead
+    owner = Child(ORPHAN_OWNER, str(root))
+    orphan = Path(owner.read_line())
+    owner.kill()
+    assert orphan.is_dir()
+
+    joined = cluster.add_node()
+    assert wait_for(lambda: any(e["node_id"] == joined for e in log_events(job, "node_swept")), proc,
+                    timeout=60), proc.communicate()
+    swept = next(e for e in log_events(job, "node_swept") if e["node_id"] == joined)
+    assert swept["dirs"] == [str(orphan)] and swept["bytes_freed"] >= 4096
+    assert not orphan.exists()
+    out, err = proc.communicate(timeout=180)
+    assert proc.returncode == 0, out + err
+
+
+def test_with_no_spare_capacity_a_lost_nodes_task_moves_to_another_worker(cluster, single_node, tmp_path):
+    # a worker on every node: the lost worker cannot restart anywhere, so its task must move
+    assert len(cluster.node_of_raylet) >= 2
+    job = _lose_the_node_of_a_hung_task(cluster, tmp_path)
+    _check_lost_task_rerun_once(job, single_node)
+    assert log_events(job, "batch_end")
