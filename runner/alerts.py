@@ -5,7 +5,8 @@
   make a median.
 - `memory`: host RAM or device memory above 80 % used (`$KVBATCH_ALERT_MEMORY_FRACTION` changes
   the threshold); once per crossing, again only after it fell back below.
-- `worker_restarts`: one worker slot restarted twice or more (it died, or hung and was killed).
+- `worker_restarts`: one worker slot restarted twice or more (it died, or hung and was killed), or
+  one document took down two or more workers (a lost worker's task moves on to another one).
 - `repeated_fallbacks`: a task that fell back (cache rung or context size) more than once.
 
 `AlertRules` is the plain decision logic; `AlertMonitor` feeds it from the coordinator, runs a
@@ -85,7 +86,7 @@ class AlertRules:
         self.min_class_samples = min_class_samples
         self.running: dict[str, _Running] = {}
         self._times: dict[str, list[float]] = defaultdict(list)
-        self._restarts: dict[str, int] = defaultdict(int)
+        self._restarts: dict[object, int] = defaultdict(int)
         self._memory_high: set[tuple[str, str]] = set()
 
     def _median(self, n_chars: int) -> float | None:
@@ -130,13 +131,19 @@ class AlertRules:
             ), {"task_id": task_id, "doc_id": doc_id, "fallbacks": fallbacks}))
         return alerts
 
-    def worker_restarted(self, worker: str, reason: str) -> list[Alert]:
-        self._restarts[worker] += 1
-        count = self._restarts[worker]
-        if count < self.restarts_alert:
-            return []
-        return [Alert("worker_restarts", f"{worker} restarted {count} times (last: {reason})",
-                      {"worker": worker, "restarts": count, "reason": reason})]
+    def worker_restarted(self, worker: str, reason: str, doc_id: str | None = None) -> list[Alert]:
+        """Counted per worker slot and per document (`doc_id`, the task the worker was running)."""
+        counters = [(worker, f"{worker} restarted")]
+        if doc_id is not None:
+            counters.append((("doc", doc_id), f"document {doc_id!r} took down a worker"))
+        alerts = []
+        for key, what in counters:
+            self._restarts[key] += 1
+            count = self._restarts[key]
+            if count >= self.restarts_alert:
+                alerts.append(Alert("worker_restarts", f"{what} {count} times (last: {reason})",
+                                    {"worker": worker, "doc_id": doc_id, "restarts": count, "reason": reason}))
+        return alerts
 
     def memory(self, resource: str, where: str, used_fraction: float | None) -> list[Alert]:
         """`resource` is "host RAM" or "device memory"; alerts when it crosses the threshold upwards."""
@@ -196,9 +203,9 @@ class AlertMonitor:
             alerts += self.rules.memory("device memory", where, outcome.get("device_used_fraction"))
         self._emit(alerts)
 
-    def worker_restarted(self, worker: str, reason: str) -> None:
+    def worker_restarted(self, worker: str, reason: str, doc_id: str | None = None) -> None:
         with self._lock:
-            alerts = self.rules.worker_restarted(worker, reason)
+            alerts = self.rules.worker_restarted(worker, reason, doc_id)
         self._emit(alerts)
 
     def check(self) -> None:

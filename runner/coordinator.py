@@ -207,14 +207,14 @@ class Coordinator:
             outcome = ray.get(ref, timeout=self.cfg.retry.task_timeout_s)
         except GetTimeoutError:
             ray.kill(actor, no_restart=False)  # a hung worker is restarted, with a fresh model
-            self._worker_restarted(slot, "TimeoutError")
+            self._worker_restarted(slot, "TimeoutError", run.task.doc_id)
             raise WorkerLost(
                 "TimeoutError", f"no result within retry.task_timeout_s={self.cfg.retry.task_timeout_s}s"
             ) from None
         except RayActorError as e:
             if self.stop.is_set():
                 raise Interrupted() from None
-            self._worker_restarted(slot, "WorkerDied")
+            self._worker_restarted(slot, "WorkerDied", run.task.doc_id)
             raise WorkerLost("WorkerDied", f"worker process died: {e}") from None
         finally:
             run.slow_alerted = self.alerts.task_stopped(run.task.task_id)
@@ -223,8 +223,8 @@ class Coordinator:
             raise TransientFailure(outcome["error_type"], outcome["error"])
         return outcome
 
-    def _worker_restarted(self, slot: str, reason: str) -> None:
-        self.alerts.worker_restarted(slot, reason)
+    def _worker_restarted(self, slot: str, reason: str, doc_id: str) -> None:
+        self.alerts.worker_restarted(slot, reason, doc_id)
         self.metrics.worker_restarted()
 
     def _note_retry(self, run: _TaskRun, err: BaseException | None, sleep_s: float) -> None:

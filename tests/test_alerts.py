@@ -46,10 +46,13 @@ def test_repeated_fallbacks_and_restarts():
     assert rules.task_finished("a", "a", 10, 1.0, ["cache:dynamic->tiered-disk (OutOfMemoryError)"]) == []
     [alert] = rules.task_finished("b", "b", 10, 1.0, ["cache:x->y (E)", "context:1024->512 (E)"])
     assert alert.kind == "repeated_fallbacks" and alert.fields["fallbacks"][1] == "context:1024->512 (E)"
-    assert rules.worker_restarted("worker slot 0", "WorkerDied") == []
-    assert rules.worker_restarted("worker slot 1", "WorkerDied") == []
-    [alert] = rules.worker_restarted("worker slot 0", "TimeoutError")
-    assert alert.fields == {"worker": "worker slot 0", "restarts": 2, "reason": "TimeoutError"}
+    assert rules.worker_restarted("worker slot 0", "WorkerDied", "a") == []
+    assert rules.worker_restarted("worker slot 1", "WorkerDied", "b") == []
+    [alert] = rules.worker_restarted("worker slot 0", "TimeoutError", "c")
+    assert alert.fields == {"worker": "worker slot 0", "doc_id": "c", "restarts": 2, "reason": "TimeoutError"}
+    # a document that takes down one worker after another (its task moves on each time)
+    [alert] = rules.worker_restarted("worker slot 2", "WorkerDied", "b")
+    assert alert.message == "document 'b' took down a worker 2 times (last: WorkerDied)"
 
 
 def test_memory_alerts_once_per_crossing():
