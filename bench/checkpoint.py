@@ -50,7 +50,7 @@ def write_tasks(job_dir: Path, rows: list[tuple[dict, dict, dict]], **settings: 
 
 def disk_usage(job_dir: Path) -> tuple[int, int]:
     parts = list_parts(job_dir / EVENTS_DIR) + list_parts(job_dir / RESULTS_DIR)
-    return len(parts), sum(part.stat().st_size for part in parts)
+    return len(parts), sum(part.size() for part in parts)
 
 
 def timed_load(job_dir: Path, n_tasks: int) -> float:
