@@ -44,11 +44,19 @@ def _read_owner(fd: int) -> ProcessOwner | None:
 
 
 def lock_holder(path: Where) -> ProcessOwner | None:
-    """Who the lock record names, read without taking or touching the lock (for `status`)."""
+    """Who the lock record names, read without taking or touching the lock (for `status`); nobody
+    when the record is a lease (object storage) that has expired."""
     try:
-        return parse_owner(Location.of(path).read_bytes())
+        raw = Location.of(path).read_bytes()
     except OSError:
         return None
+    try:
+        expires = json.loads(raw).get("expires")
+    except (ValueError, AttributeError):
+        expires = None
+    if expires is not None and float(expires) < time.time():
+        return None
+    return parse_owner(raw)
 
 
 class _HeldLock:
