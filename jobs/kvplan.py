@@ -1,13 +1,16 @@
-"""Which KV cache rung a task should start on: a size estimate and the budgets, nothing else.
+"""Which KV cache rung a task should start on, and where a tiered rung keeps each layer.
 
 Pure policy: the worker describes the model as a `KVShape`, resolves the budgets to numbers and
 asks `plan_rungs` for the rungs to try in order. A later OOM (or the budget guard) moves the task
-to the next rung of that list; an empty list means the context has to shrink.
+to the next rung of that list; an empty list means the context has to shrink. On a tiered rung,
+`plan_placement` keeps on the device as many full-attention layers as the budget holds, so a
+decode step moves only the KV that does not fit.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from jobs.config import ConfigError
 
@@ -20,6 +23,9 @@ DISK_BACKED = frozenset({"tiered-disk"})
 CUDA_ONLY = frozenset({"offloaded", "offloaded_static"})
 """transformers' own offloading moves layers between a CUDA device and the host."""
 STRATEGIES = DEVICE_RESIDENT | HOST_BACKED | DISK_BACKED
+TierName = Literal["host", "disk"]
+TIER_OF: dict[str, TierName] = {"tiered-host": "host", "tiered-disk": "disk"}
+"""Our tiered rungs, and the tier their offloaded layers stream from."""
 
 
 @dataclass(frozen=True)
@@ -30,18 +36,35 @@ class KVShape:
     num_kv_heads: int
     head_dim: int
     dtype_bytes: int
+    layer_windows: tuple[int | None, ...] = ()
+    """Per layer: None for full attention, else the most tokens it keeps (a sliding window; 0 for a
+    layer with no KV of its own). Empty: every layer is full attention."""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "dtype_bytes"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"KVShape.{name} must be positive, got {getattr(self, name)}")
+        if self.layer_windows and len(self.layer_windows) != self.num_layers:
+            raise ValueError(f"KVShape.layer_windows needs one entry per layer ({self.num_layers}), "
+                             f"got {len(self.layer_windows)}")
+
+    @property
+    def full_attention_layers(self) -> tuple[int, ...]:
+        """The layers whose KV grows with the document: the ones placement decides about."""
+        if not self.layer_windows:
+            return tuple(range(self.num_layers))
+        return tuple(i for i, window in enumerate(self.layer_windows) if window is None)
+
+    def layer_token_bytes(self, batch: int = 1) -> int:
+        """Keys and values of one token of one layer, every batch row."""
+        return 2 * self.num_kv_heads * self.head_dim * self.dtype_bytes * batch
 
 
 def kv_bytes(shape: KVShape, tokens: int, batch: int = 1) -> int:
     """Keys and values of every layer for `tokens` tokens of `batch` sequences."""
     if tokens < 0 or batch <= 0:
         raise ValueError(f"kv_bytes needs tokens >= 0 and batch > 0, got tokens={tokens}, batch={batch}")
-    return 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * shape.dtype_bytes * tokens * batch
+    return shape.num_layers * shape.layer_token_bytes(batch) * tokens
 
 
 def check_strategy(name: str, key: str = "cache.strategy") -> None:
@@ -73,3 +96,113 @@ def plan_rungs(
         if _fits(rung, kv_bytes, device_budget, host_budget):
             return usable[i:]
     return []
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a tiered cache keeps each full-attention layer: on the device for good (`resident`,
+    never moved), or streamed to the device at its turn from host RAM (`host`) or block files
+    (`disk`). Sliding-window layers are not listed: they are bounded and always stay on the device."""
+
+    resident_layers: tuple[int, ...]
+    host_layers: tuple[int, ...]
+    disk_layers: tuple[int, ...]
+    layer_token_bytes: int
+    """One token of one layer (every batch row): what a streamed layer moves per cached token."""
+    tokens: int
+    """The document length planned for (prompt + new tokens): resident layers reserve room for it."""
+    windowed_layers: int = 0
+
+    @property
+    def full_attention_layers(self) -> tuple[int, ...]:
+        return tuple(sorted(self.resident_layers + self.host_layers + self.disk_layers))
+
+    @property
+    def streamed_layers(self) -> tuple[int, ...]:
+        return tuple(sorted(self.host_layers + self.disk_layers))
+
+    @property
+    def streamed_share(self) -> float:
+        """Share of the full-attention KV a decode step moves (0 when every layer is resident)."""
+        full = len(self.full_attention_layers)
+        return len(self.streamed_layers) / full if full else 0.0
+
+    def moved_per_decode_step(self, cached_tokens: int) -> int:
+        """Bytes a decode step moves when the cache holds `cached_tokens` tokens before it: each
+        streamed layer's old tokens come in and its new one goes out; resident layers move nothing."""
+        return len(self.streamed_layers) * (cached_tokens + 1) * self.layer_token_bytes
+
+    def describe(self) -> str:
+        """One line for the result row, e.g. "resident 15/30 layers, host 15"."""
+        parts = [f"resident {len(self.resident_layers)}/{len(self.full_attention_layers)} layers"]
+        parts += [f"{tier} {len(layers)}" for tier, layers in (("host", self.host_layers), ("disk", self.disk_layers))
+                  if layers]
+        if self.windowed_layers:
+            parts.append(f"{self.windowed_layers} sliding-window resident")
+        return ", ".join(parts)
+
+
+def _spread(layers: tuple[int, ...], k: int) -> tuple[int, ...]:
+    """`k` of `layers`, evenly spaced."""
+    n = len(layers)
+    return tuple(layers[(2 * i + 1) * n // (2 * k)] for i in range(k)) if k else ()
+
+
+def plan_placement(
+    shape: KVShape,
+    tokens: int,
+    tier: TierName,
+    device_budget: int,
+    host_budget: int,
+    block_tokens: int,
+    batch: int = 1,
+    device_is_cpu: bool = False,
+) -> Placement:
+    """Split the full-attention layers of a `tokens`-long document (prompt + new tokens) between
+    the device and the tier.
+
+    The device holds the sliding-window layers, the streaming working set (the layer computing and
+    the next one being prefetched, each as long as the document) and as many resident layers (each
+    reserving the whole document up front) as the rest of `device_budget` takes. When not even the
+    working set fits, every layer is streamed and the cache's budget guard raises the OOM that
+    moves the task on. Resident layers are spread evenly among the streamed ones, so each prefetch
+    hides behind the compute of the resident layers before its turn rather than behind one layer.
+    The host tier keeps every streamed layer in RAM (`plan_rungs` checked that it fits).
+
+    On the disk tier, streamed layers whose whole KV fits `host_budget` (after every disk layer's
+    one-block RAM tail) keep their blocks in host RAM instead of files. On a CPU device host RAM is
+    the device: a layer that fits there is resident, and none is kept as a second, host copy.
+    """
+    if tokens < 0 or batch <= 0 or block_tokens <= 0:
+        raise ValueError(f"plan_placement needs tokens >= 0, batch > 0, block_tokens > 0; "
+                         f"got tokens={tokens}, batch={batch}, block_tokens={block_tokens}")
+    full = shape.full_attention_layers
+    token_bytes = shape.layer_token_bytes(batch)
+    windowed = sum(min(tokens, w) for w in shape.layer_windows if w is not None) * token_bytes
+
+    def device_need(resident: int) -> int:
+        return (resident + min(len(full) - resident, 2)) * tokens * token_bytes + windowed
+
+    resident = len(full)
+    while resident > 0 and device_need(resident) > device_budget:
+        resident -= 1
+    kept = _spread(full, resident)
+    streamed = tuple(i for i in full if i not in kept)
+    if tier == "host":
+        in_ram = len(streamed)
+    elif device_is_cpu:
+        in_ram = 0
+    else:
+        tail = block_tokens * token_bytes  # every streamed layer's unfilled block, in RAM on any tier
+        beyond_tail = -(-tokens // block_tokens) * tail - tail  # a host layer's sealed blocks
+        spare = host_budget - len(streamed) * tail
+        in_ram = len(streamed) if beyond_tail == 0 else max(0, min(len(streamed), spare // beyond_tail))
+    host = _spread(streamed, in_ram)
+    return Placement(
+        resident_layers=kept,
+        host_layers=host,
+        disk_layers=tuple(i for i in streamed if i not in host),
+        layer_token_bytes=token_bytes,
+        tokens=tokens,
+        windowed_layers=sum(1 for w in shape.layer_windows if w),
+    )

@@ -72,6 +72,7 @@ RESULT_SCHEMA = pa.schema(
         ("offload_bytes_written", pa.int64()),
         ("offload_bytes_read", pa.int64()),
         ("compression_ratio", pa.float64()),
+        ("kv_placement", pa.string()),  # tiered rungs: "resident 15/30 layers, host 15"; null on other rungs
         ("worker", pa.string()),
         ("model", pa.string()),
         ("finished_at", pa.float64()),

@@ -26,7 +26,7 @@ from jobs.config import JobConfig
 from jobs.chunking import ContextTooSmallError
 from jobs.documents import DocumentError, load_task_text
 from jobs.faults import FaultRule, fault_for
-from jobs.kvplan import kv_bytes, plan_rungs
+from jobs.kvplan import TIER_OF, Placement, kv_bytes, plan_placement, plan_rungs
 from jobs.manifest import Task
 from jobs.policy import FailureClass, cache_fallback_note
 from runner.generation import Generation, generate_once
@@ -77,6 +77,13 @@ class _CacheTotals:
     _raw: int = 0
     _stored: int = 0
     passes: int = 0
+    placement: Placement | None = None  # the pass that streamed the most layers
+
+    def add_placement(self, placement: Placement | None) -> None:
+        if placement is not None and (
+            self.placement is None or len(placement.streamed_layers) > len(self.placement.streamed_layers)
+        ):
+            self.placement = placement
 
     def add(self, stats: dict[str, Any]) -> None:
         self.kv_bytes = max(self.kv_bytes, stats.get("kv_bytes") or 0)
@@ -164,6 +171,15 @@ class SummaryWorker:
             self.loaded.device.type == "cpu",
         )
 
+    def _placement(self, rung: str, tokens: int) -> Placement | None:
+        """On a tiered rung, which layers of this pass stay on the device (None on other rungs)."""
+        if rung not in TIER_OF:
+            return None
+        return plan_placement(
+            self.kv_shape, tokens, TIER_OF[rung], self.device_budget, self.host_budget,
+            self.cfg.cache.block_tokens, device_is_cpu=self.loaded.device.type == "cpu",
+        )
+
     def _summarize_on(
         self, rung: str, task: Task, attempt: int, text: str, context_tokens: int,
         max_new_tokens: int, instruction: str, totals: _CacheTotals,
@@ -178,14 +194,19 @@ class SummaryWorker:
 
             def generate(prompt_ids: list[int], max_new: int) -> Generation:
                 pass_dir = offload_dir / f"pass-{totals.passes}" if offload_dir else None
-                handle = build_cache(rung, self.loaded.model, self.cfg.cache, pass_dir, self.device_budget)
+                placement = self._placement(rung, len(prompt_ids) + max_new)
+                handle = build_cache(
+                    rung, self.loaded.model, self.cfg.cache, pass_dir, self.device_budget, self.host_budget, placement
+                )
                 try:
                     gen = generate_once(
-                        self.loaded, prompt_ids, max_new, self.cfg.summarize, handle.generate_kwargs
+                        self.loaded, prompt_ids, max_new, self.cfg.summarize, handle.generate_kwargs,
+                        self.cfg.cache.prefill,
                     )
                     # an injected failure strikes mid-task, with this pass's KV blocks in the scratch dir
                     _fire(fault_for(self.faults, task.doc_id, attempt, rung, context_tokens), task, rung)
                     totals.add(handle.stats())
+                    totals.add_placement(placement)
                 finally:
                     handle.close()
                 totals.passes += 1
@@ -239,6 +260,7 @@ class SummaryWorker:
                     offload_bytes_written=totals.offload_bytes_written,
                     offload_bytes_read=totals.offload_bytes_read,
                     compression_ratio=totals.compression_ratio,
+                    kv_placement=totals.placement.describe() if totals.placement else None,
                 )
                 break
         outcome.update(

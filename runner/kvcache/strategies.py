@@ -1,8 +1,9 @@
 """From `cache.strategy` to what one `generate()` call needs: the cache, its stats, its cleanup.
 
 The worker resolves the budgets once, asks `jobs.kvplan.plan_rungs` for the rungs to try, and
-builds one `CacheHandle` per attempt; a `torch.OutOfMemoryError` (real, or the budget guard's)
-moves it to the next rung.
+builds one `CacheHandle` per attempt (on a tiered rung with the `Placement` that
+`jobs.kvplan.plan_placement` made for that pass); a `torch.OutOfMemoryError` (real, or the budget
+guard's) moves it to the next rung.
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ from typing import Any
 import psutil
 import torch
 from transformers import PretrainedConfig, PreTrainedModel
+from transformers.cache_utils import get_layer_types_and_kwargs
 
 from jobs.config import CacheConfig, ConfigError
-from jobs.kvplan import CUDA_ONLY, KVShape, check_strategy
+from jobs.kvplan import CUDA_ONLY, TIER_OF, KVShape, Placement, check_strategy
 from runner.kvcache.dynamic import BudgetedDynamicCache
 from runner.kvcache.tiered import TieredCache
 
@@ -62,12 +64,19 @@ def kv_shape(model_config: PretrainedConfig, dtype: torch.dtype | None = None) -
     if dtype is None:
         configured = getattr(text, "dtype", None) or getattr(model_config, "dtype", None)
         dtype = getattr(torch, configured) if isinstance(configured, str) else configured or torch.float32
+    layer_types, layer_kwargs = get_layer_types_and_kwargs(text)
     return KVShape(
         num_layers=text.num_hidden_layers,
         num_kv_heads=getattr(text, "num_key_value_heads", None) or heads,
         head_dim=head_dim,
         dtype_bytes=dtype.itemsize,
+        layer_windows=tuple(_window(t, kw) for t, kw in zip(layer_types, layer_kwargs)),
     )
+
+
+def _window(layer_type: str, kwargs: dict[str, Any]) -> int | None:
+    """The most tokens a layer keeps: None when it keeps them all (and for types we cannot bound)."""
+    return 0 if layer_type == "dummy" else kwargs.get("sliding_window")
 
 
 def resolve_budgets(cache_cfg: CacheConfig, device: torch.device) -> tuple[int, int]:
@@ -90,14 +99,16 @@ def build_cache(
     offload_dir: Path | None,
     device_budget_bytes: int | None,
     host_budget_bytes: int | None = None,
+    placement: Placement | None = None,
 ) -> CacheHandle:
-    """A fresh cache for one generate() call; `offload_dir` is the task's scratch dir (disk tier)."""
+    """A fresh cache for one generate() call; `offload_dir` is the task's scratch dir (disk tier);
+    `placement` says which layers a tiered rung keeps on the device (default: none)."""
     check_strategy(strategy)
     if strategy == "dynamic":
         cache = BudgetedDynamicCache(model.config, device_budget_bytes)
         return CacheHandle(strategy, {"past_key_values": cache}, cache.stats, cache.close)
-    if strategy in ("tiered-host", "tiered-disk"):
-        tier = "host" if strategy == "tiered-host" else "disk"
+    if strategy in TIER_OF:
+        tier = TIER_OF[strategy]
         if tier == "disk" and offload_dir is None:
             raise ValueError("cache strategy tiered-disk needs the task's offload dir (cache.offload_root)")
         tiered = TieredCache(
@@ -110,6 +121,7 @@ def build_cache(
             shuffle=cache_cfg.shuffle,
             device_budget_bytes=device_budget_bytes,
             host_budget_bytes=host_budget_bytes,
+            placement=placement,
         )
         return CacheHandle(strategy, {"past_key_values": tiered}, tiered.stats, tiered.close)
     if strategy in CUDA_ONLY and model.device.type != "cuda":

@@ -1,9 +1,12 @@
-"""TieredCache: a transformers `Cache` whose full-attention layers live off the device.
+"""TieredCache: a transformers `Cache` whose full-attention layers live off the device, as far as needed.
 
-During a forward pass layer i is on the device while the IO thread brings layer i+1 there; the
-authoritative copy of every layer is in host RAM (`tier="host"`) or in block files in the task's
-offload dir (`tier="disk"`). Sliding-window layers are bounded by their window and stay resident
-as transformers' own `DynamicSlidingWindowLayer`.
+A `Placement` (jobs.kvplan) says which full-attention layers stay on the device for good (never
+moved) and which are streamed: during a forward pass streamed layer i is on the device while the
+IO thread brings the next streamed layer there; the authoritative copy of a streamed layer is in
+host RAM (`tier="host"`, or a disk-tier layer the placement keeps in RAM) or in block files in the
+task's offload dir (`tier="disk"`). Without a placement every full-attention layer is streamed.
+Sliding-window layers are bounded by their window and stay resident as transformers' own
+`DynamicSlidingWindowLayer`.
 
     with TieredCache(model.config, tier="disk", offload_dir=scratch) as cache:
         out = model.generate(**inputs, past_key_values=cache, max_new_tokens=256)
@@ -15,7 +18,7 @@ from __future__ import annotations
 import time
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from transformers import PretrainedConfig
@@ -27,13 +30,14 @@ from transformers.cache_utils import (
     get_layer_types_and_kwargs,
 )
 
+from jobs.kvplan import Placement, TierName
 from runner.kvcache.budget import ResidentMeter
 from runner.kvcache.io_thread import IOThread
 from runner.kvcache.layer_store import LayerStore, Resident, Traffic
+from runner.kvcache.resident import GrowingLayer
 from runner.kvcache.tiers import DiskTier, HostTier, Tier
 from storage.kvblocks import BlockCodec, Compression
 
-TierName = Literal["host", "disk"]
 _WINDOWED = ("sliding_attention", "chunked_attention")
 
 
@@ -71,10 +75,11 @@ class TieredLayer(CacheLayerMixin):
     is_sliding = False
     is_croppable = True
 
-    def __init__(self, layer_idx: int, shared: _Shared) -> None:
+    def __init__(self, layer_idx: int, shared: _Shared, tier: Tier) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.shared = shared
+        self.tier = tier
         self.store: LayerStore | None = None
         self._pending: Future[Resident] | None = None
         self._pending_extra = 0
@@ -84,7 +89,7 @@ class TieredLayer(CacheLayerMixin):
         self.dtype, self.device = key_states.dtype, key_states.device
         io = self.shared.io(key_states.device)
         self.store = LayerStore(
-            self.layer_idx, key_states, self.shared.tier, io, self.shared.block_tokens, self.shared.traffic
+            self.layer_idx, key_states, self.tier, io, self.shared.block_tokens, self.shared.traffic
         )
         self.is_initialized = True
 
@@ -216,7 +221,8 @@ class TieredLayer(CacheLayerMixin):
 
 
 class TieredCache(Cache):
-    """A transformers Cache whose full-attention KV lives in host RAM or in NVMe block files."""
+    """A transformers Cache whose full-attention KV lives on the device, in host RAM or in NVMe block
+    files, layer by layer as `placement` says (default: every full-attention layer streamed from `tier`)."""
 
     def __init__(
         self,
@@ -229,6 +235,7 @@ class TieredCache(Cache):
         shuffle: bool = True,
         device_budget_bytes: int | None = None,
         host_budget_bytes: int | None = None,
+        placement: Placement | None = None,
     ) -> None:
         if block_tokens <= 0:
             raise ValueError(f"block_tokens must be positive, got {block_tokens}")
@@ -238,11 +245,12 @@ class TieredCache(Cache):
             ResidentMeter(device_budget_bytes, "resident device", "cache.device_kv_budget_bytes"),
             ResidentMeter(host_budget_bytes, "host RAM", "cache.host_kv_budget_bytes"),
         )
-        layers = _layers_for(config.get_text_config(decoder=True), self.shared)
+        self.placement = placement
+        layers = _layers_for(config.get_text_config(decoder=True), self.shared, placement)
         super().__init__(layers=layers)
         tiered = [i for i, layer in enumerate(layers) if isinstance(layer, TieredLayer)]
         self._next_tiered = dict(zip(tiered, tiered[1:] + tiered[:1]))
-        self._first_tiered = tiered[0] if tiered else None
+        self._first_layer = next((i for i, layer in enumerate(layers) if not isinstance(layer, DummyLayer)), None)
         self._current: int | None = None
         self._kv_peak = 0
         self._closed = False
@@ -251,16 +259,19 @@ class TieredCache(Cache):
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         layer = self.layers[layer_idx]
-        if not isinstance(layer, TieredLayer):
+        new = key_states.shape[-2]
+        if layer_idx == self._first_layer and new == 1:
+            self.shared.traffic.decode_steps += 1
+        if not isinstance(layer, TieredLayer):  # resident or sliding-window: stays on the device, moves nothing
+            if isinstance(layer, GrowingLayer) and not layer.is_initialized:
+                self._reserve(layer, layer_idx, key_states, value_states)
             keys, values = layer.update(key_states, value_states, *args, **kwargs)
-            self.shared.device_meter.hold(("window", layer_idx), layer.keys.nbytes + layer.values.nbytes)
+            self.shared.device_meter.hold(("kept", layer_idx), _device_bytes(layer))
+            self._kv_peak = max(self._kv_peak, self._kv_bytes())
             return keys, values
         if self._current is not None and self._current != layer_idx:
             self.shared.device_meter.drop(self._current)  # its attention has run: its buffers are free
         self._current = layer_idx
-        new = key_states.shape[-2]
-        if layer_idx == self._first_tiered and new == 1:
-            self.shared.traffic.decode_steps += 1
         keys, values = layer.update(key_states, value_states)
         following_idx = self._next_tiered[layer_idx]
         if following_idx != layer_idx:
@@ -269,6 +280,16 @@ class TieredCache(Cache):
             self.layers[following_idx].prefetch_async(extra_tokens=new if following_idx > layer_idx else 1)
         self._kv_peak = max(self._kv_peak, self._kv_bytes())
         return keys, values
+
+    def _reserve(
+        self, layer: GrowingLayer, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor
+    ) -> None:
+        """Give a resident layer room for the whole planned document at once: it never regrows (no
+        copies), and the budget guard checks what the planner counted before it is allocated."""
+        assert self.placement is not None
+        layer.lazy_initialization(key_states, value_states)
+        self.shared.device_meter.hold(("kept", layer_idx), layer.bytes_for(self.placement.tokens))
+        layer.grow_to(self.placement.tokens)
 
     def _kv_bytes(self) -> int:
         """All layers' KV as `dynamic` would hold it on the device."""
@@ -345,12 +366,26 @@ def _make_tier(tier: str, offload_dir: str | Path | None, codec: BlockCodec) -> 
     raise ValueError(f"TieredCache tier must be 'host' or 'disk', got {tier!r}")
 
 
-def _layers_for(config: PretrainedConfig, shared: _Shared) -> list[CacheLayerMixin | DummyLayer]:
+def _device_bytes(layer: CacheLayerMixin) -> int:
+    """What a layer that stays on the device allocates there (a resident layer's reserved room included)."""
+    if isinstance(layer, GrowingLayer):
+        return layer.capacity_bytes
+    return layer.keys.nbytes + layer.values.nbytes
+
+
+def _layers_for(
+    config: PretrainedConfig, shared: _Shared, placement: Placement | None
+) -> list[CacheLayerMixin | DummyLayer]:
     layer_types, layer_kwargs = get_layer_types_and_kwargs(config)
+    resident = set(placement.resident_layers) if placement else set()
+    in_host_ram = set(placement.host_layers) if placement else set()
+    host_tier = HostTier()
     layers: list[CacheLayerMixin | DummyLayer] = []
     for idx, (layer_type, kwargs) in enumerate(zip(layer_types, layer_kwargs)):
-        if layer_type == "full_attention":
-            layers.append(TieredLayer(idx, shared))
+        if layer_type == "full_attention" and idx in resident:
+            layers.append(GrowingLayer())
+        elif layer_type == "full_attention":
+            layers.append(TieredLayer(idx, shared, host_tier if idx in in_host_ram else shared.tier))
         elif layer_type in _WINDOWED:
             layers.append(DynamicSlidingWindowLayer(**kwargs))
         elif layer_type == "dummy":
@@ -360,4 +395,10 @@ def _layers_for(config: PretrainedConfig, shared: _Shared) -> list[CacheLayerMix
                 f"TieredCache handles full and sliding-window attention layers; layer {idx} of "
                 f"{config.model_type} is {layer_type!r}: use cache.strategy=dynamic for this model"
             )
+    full = tuple(i for i, layer_type in enumerate(layer_types) if layer_type == "full_attention")
+    if placement is not None and placement.full_attention_layers != full:
+        raise ValueError(
+            f"the placement covers full-attention layers {list(placement.full_attention_layers)}, but "
+            f"{config.model_type} has {list(full)}: plan it from this model's kv_shape"
+        )
     return layers

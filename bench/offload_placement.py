@@ -1,0 +1,93 @@
+"""Budget-proportional placement on SmolLM2-135M: a decode step moves only the KV that does not fit.
+
+At the largest of --contexts, side by side in one run: everything resident (`dynamic`), everything
+streamed (a tiered cache without a placement), and device budgets of 25 %, 50 % and 75 % of the
+cache planned by `jobs.kvplan.plan_placement`, on tiered-host and tiered-disk. For each: bytes
+moved per decode step (MiB, and over the planned streamed share of the cache: 1.00 = exactly the
+overflow), decode tokens/s and its ratio to dynamic's, resident KV peak against the budget, and
+whether the tokens are dynamic's. Registered in bench/offload.py as the `placement` section:
+
+    python bench/offload.py --sections placement --threads 1 --new-tokens 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from jobs.kvplan import TIER_OF, KVShape, Placement, kv_bytes, plan_placement
+from runner.kvcache import kv_shape
+from runner.models import LoadedModel
+
+MiB = 1 << 20
+SHARES = (0.25, 0.5, 0.75)
+"""Device budgets, as shares of the whole cache (prompt + new tokens)."""
+
+
+@dataclass(frozen=True)
+class Case:
+    strategy: str
+    budget_label: str
+    budget: int | None
+    placement: Placement | None
+
+
+def _cases(shape: KVShape, tokens: int, block_tokens: int, device_is_cpu: bool) -> list[Case]:
+    full = kv_bytes(shape, tokens)
+    cases = [Case("dynamic", "all resident", None, None)]
+    for strategy, tier in TIER_OF.items():
+        cases.append(Case(strategy, "all streamed", None, None))
+        for share in SHARES:
+            budget = int(full * share)
+            # no host RAM to spare on the disk tier, so its streamed layers are read from files
+            host_budget = full if tier == "host" else 0
+            placement = plan_placement(shape, tokens, tier, budget, host_budget, block_tokens,
+                                       device_is_cpu=device_is_cpu)
+            cases.append(Case(strategy, f"{share:.0%} of KV", budget, placement))
+    return cases
+
+
+def placement_section(loaded: LoadedModel, args: argparse.Namespace) -> None:
+    """Bytes moved per decode step against the planned overflow, speed, resident peak, identity."""
+    from offload import fmt, real_prompt, run_one  # bench/offload.py imports this module to register the section
+
+    shape = kv_shape(loaded.model.config, loaded.dtype)
+    window = loaded.model.config.max_position_embeddings
+    context = max(int(c) for c in args.contexts.split(",")) if args.contexts else 4096
+    prompt = real_prompt(loaded, min(context, window - args.new_tokens))
+    cases = _cases(shape, len(prompt) + args.new_tokens, args.block_tokens, loaded.device.type == "cpu")
+    end_kv = kv_bytes(shape, len(prompt) + args.new_tokens - 1)  # the last token is never cached
+    best = {}
+    with tempfile.TemporaryDirectory(dir=args.offload_root, prefix="kvbench-") as scratch:
+        for strategy in ("dynamic", *TIER_OF):  # warm-up: first-call allocations and kernel choices
+            run_one(loaded, strategy, real_prompt(loaded, 256), args, Path(scratch))
+        for attempt in range(args.repeats):  # round robin, so a busy moment hits every case alike
+            for i, case in enumerate(cases):
+                run = run_one(loaded, case.strategy, prompt, args, Path(scratch), case.budget, case.placement)
+                if i not in best or run.decode_step_s < best[i].decode_step_s:
+                    best[i] = run
+                print(f"  {case.strategy}, {case.budget_label}, round {attempt + 1}: "
+                      f"{1 / run.decode_step_s:.2f} tok/s", flush=True)
+
+    dynamic = best[0]
+    print(f"\n{len(prompt)}-token prompt + {args.new_tokens} new tokens: KV {end_kv / MiB:.1f} MiB at the end\n")
+    print(f"{'strategy':<12} {'budget':<12} {'placement':<31} {'tok/s':>6} {'x dyn':>5} {'resident MiB':>12} "
+          f"{'budget MiB':>10} {'moved/step MiB':>14} {'streamed':>8} {'x overflow':>10} {'same':>5}")
+    for i, case in enumerate(cases):
+        run = best[i]
+        moved = run.stats.get("bytes_moved_per_decode_step")
+        streamed = case.placement.streamed_share if case.placement else (0.0 if case.strategy == "dynamic" else 1.0)
+        overflow = streamed * end_kv
+        describe = case.placement.describe() if case.placement else case.budget_label
+        print(f"{case.strategy:<12} {case.budget_label:<12} {describe:<31} {1 / run.decode_step_s:>6.2f} "
+              f"{dynamic.decode_step_s / run.decode_step_s:>5.2f} "
+              f"{run.stats['kv_resident_peak_bytes'] / MiB:>12.1f} {fmt(case.budget and case.budget / MiB, 10, '.1f')} "
+              f"{fmt(moved and moved / MiB, 14, '.2f')} {streamed:>8.2f} "
+              f"{fmt(moved / overflow if moved and overflow else None, 10, '.3f')} "
+              f"{str(run.new_tokens == dynamic.new_tokens):>5}", flush=True)
+    print("\nmoved/step: device<->host bytes per decode step. streamed: planned share of the full-attention layers "
+          "streamed.\nx overflow: moved/step over (streamed x KV at the end); 1.00 = a step moves exactly the "
+          "overflow (a little\nless, as early steps find a shorter cache). resident: KV peak on the device, "
+          "within the budget.")
