@@ -1,7 +1,9 @@
-"""`dynamic` with the budget guard: transformers' DynamicCache that refuses to outgrow a device budget.
+"""`dynamic` with the budget guard: every layer on the device, refusing to outgrow a device budget.
 
-Every layer stays on the device, so resident KV is all of it; checking before each update lets the
-planner's ladder be exercised on CPU exactly as a real CUDA OOM would on a GPU.
+Full-attention layers are `GrowingLayer`s (KV written in place into geometrically grown buffers,
+instead of transformers' concatenation that copies the whole prefix every step); sliding-window
+layers stay transformers' own. The meter counts the real allocation (capacity) and is checked before
+anything grows, so the planner's ladder is exercised on CPU exactly as a real CUDA OOM would on a GPU.
 """
 
 from __future__ import annotations
@@ -10,34 +12,78 @@ from typing import Any
 
 import torch
 from transformers import PretrainedConfig
-from transformers.cache_utils import DynamicCache
+from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from runner.kvcache.budget import ResidentMeter
+from runner.kvcache.resident import GrowingLayer
 
 
 class BudgetedDynamicCache(DynamicCache):
     def __init__(self, config: PretrainedConfig, device_budget_bytes: int | None = None) -> None:
         super().__init__(config=config)
+        # DynamicCache maps "full_attention" to exactly DynamicLayer; subclasses (sliding, hybrid) stay
+        self.layers = [GrowingLayer() if type(layer) is DynamicLayer else layer for layer in self.layers]
         self.meter = ResidentMeter(device_budget_bytes, "resident device", "cache.device_kv_budget_bytes")
+        self.kv = ResidentMeter(None, "valid KV", "")  # the tokens themselves, one slot a layer: `kv_bytes`
 
-    def _held_bytes(self) -> int:
-        return sum(
-            layer.keys.nbytes + layer.values.nbytes
-            for layer in self.layers
-            if getattr(layer, "keys", None) is not None
-        )
+    def _held_bytes(self, layers: list[Any] | None = None) -> int:
+        """What the layers really allocate: a GrowingLayer's capacity, the others' tensors."""
+        return sum(_allocated(layer) for layer in (self.layers if layers is None else layers))
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        self.meter.hold("kv", self._held_bytes() + key_states.nbytes + value_states.nbytes)
+        layer = self.layers[layer_idx]
+        growing = isinstance(layer, GrowingLayer)
+        if not growing:
+            arriving = key_states.nbytes + value_states.nbytes
+            if not self._fits(self._held_bytes() + arriving):
+                self._trim(self.layers)
+            self.meter.hold("kv", self._held_bytes() + arriving)
+        elif layer.get_seq_length() + key_states.shape[-2] > layer.capacity:
+            self._grow(layer, key_states, value_states)
+        # else: the new tokens go into room already allocated and counted
         keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
-        self.meter.hold("kv", self._held_bytes())  # sliding layers may have dropped old tokens
+        if not growing:
+            self.meter.hold("kv", self._held_bytes())  # the window may have dropped old tokens
+        self.kv.hold(layer_idx, layer.keys.nbytes + layer.values.nbytes)
         return keys, values
+
+    def _grow(self, layer: GrowingLayer, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Geometrically while the budget allows it, else to exactly what is needed (after giving back
+        the other layers' unused capacity); raise only if that does not fit."""
+        if not layer.is_initialized:
+            layer.lazy_initialization(key_states, value_states)
+        needed = layer.get_seq_length() + key_states.shape[-2]
+        others = [other for other in self.layers if other is not layer]
+        held = self._held_bytes(others)
+        capacity = layer.next_capacity(needed)
+        if not self._fits(held + layer.bytes_for(capacity)):
+            capacity = needed
+            if not self._fits(held + layer.bytes_for(needed)):
+                self._trim(others)
+                held = self._held_bytes(others)
+        self.meter.hold("kv", held + layer.bytes_for(capacity))
+        layer.grow_to(capacity)
+
+    def _fits(self, nbytes: int) -> bool:
+        return self.meter.budget_bytes is None or nbytes <= self.meter.budget_bytes
+
+    @staticmethod
+    def _trim(layers: list[Any]) -> None:
+        """Give back the growing layers' unused capacity: KV that fits without slack must not be refused."""
+        for layer in layers:
+            if isinstance(layer, GrowingLayer):
+                layer.trim()
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """More rows in room already allocated: counted (and checked) now, not at the next growth."""
+        super().batch_repeat_interleave(repeats)
+        self.meter.hold("kv", self._held_bytes())
 
     def stats(self) -> dict[str, Any]:
         return {
-            "kv_bytes": self.meter.peak,
+            "kv_bytes": self.kv.peak,
             "kv_resident_peak_bytes": self.meter.peak,
             "offload_bytes_written": 0,
             "offload_bytes_read": 0,
@@ -46,3 +92,10 @@ class BudgetedDynamicCache(DynamicCache):
 
     def close(self) -> None:
         """Nothing to release beyond the tensors themselves (kept for the CacheHandle protocol)."""
+
+
+def _allocated(layer: Any) -> int:
+    if isinstance(layer, GrowingLayer):
+        return layer.capacity_bytes
+    keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+    return keys.nbytes + values.nbytes if keys is not None else 0

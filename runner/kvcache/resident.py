@@ -1,0 +1,175 @@
+"""Device-resident KV without whole-prefix copies: buffers that grow geometrically and are written in place.
+
+transformers' `DynamicLayer` concatenates at every update, so each prefill chunk and each decode step
+copies the layer's whole prefix (O(n^2) bytes over a generation). `GrowingLayer` keeps keys/values in
+a preallocated [batch, heads, capacity, head_dim] buffer, writes new tokens into it, and hands
+attention views of the valid length; capacity grows by `GROWTH` (rounded up to `GRANULE_TOKENS`), so
+the bytes copied by growth stay O(n). Attention sees the same values in the same [B, H, T, D] shape
+(only the batch/head strides differ), so generated tokens are identical to `DynamicLayer`'s.
+
+The buffers are written in place, so a layer is for inference (generate runs under no_grad):
+autograd would reject the in-place writes into a buffer an earlier view was saved from.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from transformers.cache_utils import DynamicLayer
+
+GROWTH = 1.5
+"""Capacity factor per reallocation: O(n) total copying, at most a third of the buffer left unused."""
+GRANULE_TOKENS = 64
+"""Capacities are multiples of this many tokens, so small prompts and chunk sizes don't cause odd sizes."""
+
+
+class GrowingLayer(DynamicLayer):
+    """A full-attention layer whose KV grows in place; `.keys` / `.values` are views of the valid tokens."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._key_buffer: torch.Tensor | None = None
+        self._value_buffer: torch.Tensor | None = None
+        self._length = 0
+        self._token_bytes = 0  # keys and values of one token, all rows and heads
+
+    # --- capacity: what the budget guard of the owning cache reasons about ----------------------
+
+    @property
+    def capacity(self) -> int:
+        """Tokens the buffers hold room for (0 before the first update)."""
+        return self._key_buffer.shape[-2] if self._key_buffer is not None else 0
+
+    @property
+    def capacity_bytes(self) -> int:
+        """The real allocation (keys and values), as opposed to `.keys.nbytes + .values.nbytes`."""
+        return self.capacity * self._token_bytes
+
+    def bytes_for(self, tokens: int) -> int:
+        """Bytes both buffers take at a capacity of `tokens` (0 until the layer has seen its first tokens)."""
+        return tokens * self._token_bytes
+
+    def next_capacity(self, needed: int) -> int:
+        """The geometric step for `needed` tokens: GROWTH × capacity or `needed`, rounded up to the granule."""
+        wanted = max(needed, math.ceil(self.capacity * GROWTH))
+        return -(-wanted // GRANULE_TOKENS) * GRANULE_TOKENS
+
+    def grow_to(self, capacity: int) -> None:
+        """Reallocate to `capacity` tokens (never below the valid length), copying only the valid prefix."""
+        assert self._key_buffer is not None and self._value_buffer is not None, "layer not initialized"
+        capacity = max(capacity, self._length)
+        if capacity == self.capacity:
+            return
+        self._adopt(_moved(self._key_buffer, self._length, capacity), _moved(self._value_buffer, self._length, capacity))
+
+    def trim(self) -> None:
+        """Give back the unused capacity (when a budget needs it for another layer)."""
+        if self.is_initialized:
+            self.grow_to(self._length)
+
+    # --- the forward pass ----------------------------------------------------------------------
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self._length = 0
+        self._adopt(
+            key_states.new_empty((*key_states.shape[:-2], 0, key_states.shape[-1])),
+            value_states.new_empty((*value_states.shape[:-2], 0, value_states.shape[-1])),
+        )
+        self.is_initialized = True
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        assert self._key_buffer is not None and self._value_buffer is not None
+        start, end = self._length, self._length + key_states.shape[-2]
+        if end > self.capacity:
+            self.grow_to(self.next_capacity(end))
+        self._key_buffer[:, :, start:end].copy_(key_states)
+        self._value_buffer[:, :, start:end].copy_(value_states)
+        self._length = end
+        self._expose()
+        return self.keys, self.values
+
+    def _adopt(self, key_buffer: torch.Tensor, value_buffer: torch.Tensor) -> None:
+        """Take new buffers (grown, reshaped in batch, moved), so capacity and byte counts follow them."""
+        self._key_buffer, self._value_buffer = key_buffer, value_buffer
+        self._token_bytes = sum(b.shape[:-2].numel() * b.shape[-1] * b.element_size() for b in (key_buffer, value_buffer))
+        self._expose()
+
+    def _expose(self) -> None:
+        """Point `.keys` / `.values` (read by attention, transformers and our meters) at the valid tokens."""
+        assert self._key_buffer is not None and self._value_buffer is not None
+        self.keys = self._key_buffer[:, :, : self._length]
+        self.values = self._value_buffer[:, :, : self._length]
+
+    # --- CacheLayerMixin -----------------------------------------------------------------------
+
+    def get_seq_length(self) -> int:
+        return self._length
+
+    def reset(self) -> None:
+        self._key_buffer = self._value_buffer = None
+        self._length = self._token_bytes = 0
+        super().reset()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Forget the last `-tokens_to_remove` tokens; the capacity stays for the tokens that replace them."""
+        if tokens_to_remove > 0:
+            raise ValueError(
+                f"Calling `crop` with a positive value (`{tokens_to_remove}`) is not supported. "
+                "Please use a negative integer to remove that number of tokens from the cache instead."
+            )
+        if tokens_to_remove == 0 or not self.is_initialized:
+            return
+        self._length = max(self._length + tokens_to_remove, 0)
+        self._expose()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: rows rearranged in place (through one valid-length temporary, as DynamicLayer does)."""
+        if self._length > 0:
+            rows = beam_idx.to(self.keys.device)
+            self.keys.copy_(self.keys.index_select(0, rows))
+            self.values.copy_(self.values.index_select(0, rows))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self._length > 0:
+            self._adopt(_repeated(self._key_buffer, self._length, repeats), _repeated(self._value_buffer, self._length, repeats))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self._length > 0:
+            self._adopt(_selected(self._key_buffer, self._length, indices), _selected(self._value_buffer, self._length, indices))
+
+    def offload(self) -> None:
+        """transformers' own offloading (Cache(offloading=True)) moves the buffers, capacity and all."""
+        if self.is_initialized:
+            self._adopt(self._key_buffer.to("cpu", non_blocking=True), self._value_buffer.to("cpu", non_blocking=True))
+
+    def prefetch(self) -> None:
+        if self.is_initialized and self._key_buffer.device != self.device:
+            self._adopt(self._key_buffer.to(self.device, non_blocking=True), self._value_buffer.to(self.device, non_blocking=True))
+
+
+def _moved(buffer: torch.Tensor, length: int, capacity: int) -> torch.Tensor:
+    grown = buffer.new_empty((*buffer.shape[:-2], capacity, buffer.shape[-1]))
+    grown[:, :, :length].copy_(buffer[:, :, :length])
+    return grown
+
+
+def _repeated(buffer: torch.Tensor, length: int, repeats: int) -> torch.Tensor:
+    batch, *rest = buffer.shape
+    out = buffer.new_empty((batch * repeats, *rest))
+    valid = buffer[:, :, :length]
+    out.view(batch, repeats, *rest)[:, :, :, :length].copy_(valid.unsqueeze(1).expand(batch, repeats, *valid.shape[1:]))
+    return out
+
+
+def _selected(buffer: torch.Tensor, length: int, indices: torch.Tensor) -> torch.Tensor:
+    kept = buffer[:, :, :length][indices, ...]
+    out = buffer.new_empty((kept.shape[0], *buffer.shape[1:]))
+    out[:, :, :length].copy_(kept)
+    return out
