@@ -194,9 +194,11 @@ class SummaryWorker:
 
             def generate(prompt_ids: list[int], max_new: int) -> Generation:
                 pass_dir = offload_dir / f"pass-{totals.passes}" if offload_dir else None
-                placement = self._placement(rung, len(prompt_ids) + max_new)
+                tokens = len(prompt_ids) + max_new
+                placement = self._placement(rung, tokens)
                 handle = build_cache(
-                    rung, self.loaded.model, self.cfg.cache, pass_dir, self.device_budget, self.host_budget, placement
+                    rung, self.loaded.model, self.cfg.cache, pass_dir, self.device_budget, self.host_budget,
+                    placement, expected_tokens=tokens,
                 )
                 try:
                     gen = generate_once(

@@ -19,8 +19,13 @@ from runner.kvcache.resident import GrowingLayer
 
 
 class BudgetedDynamicCache(DynamicCache):
-    def __init__(self, config: PretrainedConfig, device_budget_bytes: int | None = None) -> None:
+    """`expected_tokens` (prompt + new tokens, when known) is allocated at once: no growth, no slack."""
+
+    def __init__(
+        self, config: PretrainedConfig, device_budget_bytes: int | None = None, expected_tokens: int | None = None
+    ) -> None:
         super().__init__(config=config)
+        self.expected_tokens = expected_tokens
         # DynamicCache maps "full_attention" to exactly DynamicLayer; subclasses (sliding, hybrid) stay
         self.layers = [GrowingLayer() if type(layer) is DynamicLayer else layer for layer in self.layers]
         self.meter = ResidentMeter(device_budget_bytes, "resident device", "cache.device_kv_budget_bytes")
@@ -58,6 +63,8 @@ class BudgetedDynamicCache(DynamicCache):
         others = [other for other in self.layers if other is not layer]
         held = self._held_bytes(others)
         capacity = layer.next_capacity(needed)
+        if self.expected_tokens is not None and needed <= self.expected_tokens:
+            capacity = self.expected_tokens
         if not self._fits(held + layer.bytes_for(capacity)):
             capacity = needed
             if not self._fits(held + layer.bytes_for(needed)):

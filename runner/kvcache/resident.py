@@ -58,11 +58,10 @@ class GrowingLayer(DynamicLayer):
 
     def grow_to(self, capacity: int) -> None:
         """Reallocate to `capacity` tokens (never below the valid length), copying only the valid prefix."""
-        assert self._key_buffer is not None and self._value_buffer is not None, "layer not initialized"
         capacity = max(capacity, self._length)
         if capacity == self.capacity:
             return
-        self._adopt(_moved(self._key_buffer, self._length, capacity), _moved(self._value_buffer, self._length, capacity))
+        self._adopt(*(_moved(buffer, self._length, capacity) for buffer in self._buffers))
 
     def trim(self) -> None:
         """Give back the unused capacity (when a budget needs it for another layer)."""
@@ -85,27 +84,33 @@ class GrowingLayer(DynamicLayer):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        assert self._key_buffer is not None and self._value_buffer is not None
         start, end = self._length, self._length + key_states.shape[-2]
         if end > self.capacity:
             self.grow_to(self.next_capacity(end))
-        self._key_buffer[:, :, start:end].copy_(key_states)
-        self._value_buffer[:, :, start:end].copy_(value_states)
+        key_buffer, value_buffer = self._buffers
+        key_buffer[:, :, start:end].copy_(key_states)
+        value_buffer[:, :, start:end].copy_(value_states)
         self._length = end
         self._expose()
         return self.keys, self.values
 
+    @property
+    def _buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self._key_buffer is not None and self._value_buffer is not None, "layer not initialized"
+        return self._key_buffer, self._value_buffer
+
     def _adopt(self, key_buffer: torch.Tensor, value_buffer: torch.Tensor) -> None:
         """Take new buffers (grown, reshaped in batch, moved), so capacity and byte counts follow them."""
         self._key_buffer, self._value_buffer = key_buffer, value_buffer
-        self._token_bytes = sum(b.shape[:-2].numel() * b.shape[-1] * b.element_size() for b in (key_buffer, value_buffer))
+        buffers = (key_buffer, value_buffer)
+        self._token_bytes = sum(b.shape[:-2].numel() * b.shape[-1] * b.element_size() for b in buffers)
         self._expose()
 
     def _expose(self) -> None:
         """Point `.keys` / `.values` (read by attention, transformers and our meters) at the valid tokens."""
-        assert self._key_buffer is not None and self._value_buffer is not None
-        self.keys = self._key_buffer[:, :, : self._length]
-        self.values = self._value_buffer[:, :, : self._length]
+        key_buffer, value_buffer = self._buffers
+        self.keys = key_buffer[:, :, : self._length]
+        self.values = value_buffer[:, :, : self._length]
 
     # --- CacheLayerMixin -----------------------------------------------------------------------
 
@@ -138,20 +143,11 @@ class GrowingLayer(DynamicLayer):
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self._length > 0:
-            self._adopt(_repeated(self._key_buffer, self._length, repeats), _repeated(self._value_buffer, self._length, repeats))
+            self._adopt(*(_repeated(buffer, self._length, repeats) for buffer in self._buffers))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self._length > 0:
-            self._adopt(_selected(self._key_buffer, self._length, indices), _selected(self._value_buffer, self._length, indices))
-
-    def offload(self) -> None:
-        """transformers' own offloading (Cache(offloading=True)) moves the buffers, capacity and all."""
-        if self.is_initialized:
-            self._adopt(self._key_buffer.to("cpu", non_blocking=True), self._value_buffer.to("cpu", non_blocking=True))
-
-    def prefetch(self) -> None:
-        if self.is_initialized and self._key_buffer.device != self.device:
-            self._adopt(self._key_buffer.to(self.device, non_blocking=True), self._value_buffer.to(self.device, non_blocking=True))
+            self._adopt(*(_selected(buffer, self._length, indices) for buffer in self._buffers))
 
 
 def _moved(buffer: torch.Tensor, length: int, capacity: int) -> torch.Tensor:
@@ -164,7 +160,7 @@ def _repeated(buffer: torch.Tensor, length: int, repeats: int) -> torch.Tensor:
     batch, *rest = buffer.shape
     out = buffer.new_empty((batch * repeats, *rest))
     valid = buffer[:, :, :length]
-    out.view(batch, repeats, *rest)[:, :, :, :length].copy_(valid.unsqueeze(1).expand(batch, repeats, *valid.shape[1:]))
+    out.view(batch, repeats, *rest)[:, :, :, :length].copy_(valid.unsqueeze(1).expand(-1, repeats, -1, -1, -1))
     return out
 
 

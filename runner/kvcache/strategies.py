@@ -100,12 +100,14 @@ def build_cache(
     device_budget_bytes: int | None,
     host_budget_bytes: int | None = None,
     placement: Placement | None = None,
+    expected_tokens: int | None = None,
 ) -> CacheHandle:
     """A fresh cache for one generate() call; `offload_dir` is the task's scratch dir (disk tier);
-    `placement` says which layers a tiered rung keeps on the device (default: none)."""
+    `placement` says which layers a tiered rung keeps on the device (default: none);
+    `expected_tokens` (prompt + new tokens) lets `dynamic` allocate once instead of growing."""
     check_strategy(strategy)
     if strategy == "dynamic":
-        cache = BudgetedDynamicCache(model.config, device_budget_bytes)
+        cache = BudgetedDynamicCache(model.config, device_budget_bytes, expected_tokens)
         return CacheHandle(strategy, {"past_key_values": cache}, cache.stats, cache.close)
     if strategy in TIER_OF:
         tier = TIER_OF[strategy]
