@@ -63,7 +63,9 @@ def _run(loaded: LoadedModel, variant: str, prompt: list[int], settings: Summari
         out = generate_once(loaded, prompt, settings.max_new_tokens, settings, kwargs)
         allocated = None
     else:
-        with build_cache("dynamic", loaded.model, CacheConfig(), None, None) as handle:
+        # as a worker builds it: the task's length is known, so the buffers are allocated once
+        with build_cache("dynamic", loaded.model, CacheConfig(), None, None,
+                         expected_tokens=len(prompt) + settings.max_new_tokens) as handle:
             kwargs = {**handle.generate_kwargs, "stopping_criteria": StoppingCriteriaList([clock])}
             out = generate_once(loaded, prompt, settings.max_new_tokens, settings, kwargs)
             layers = handle.generate_kwargs["past_key_values"].layers
