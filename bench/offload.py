@@ -31,11 +31,14 @@ import numpy as np
 import torch
 
 from jobs.config import CacheConfig, ModelConfig, SummarizeConfig
-from jobs.kvplan import kv_bytes
+from jobs.kvplan import Placement, kv_bytes
 from runner.generation import generate_once
 from runner.kvcache import TieredCache, build_cache, kv_shape
 from runner.models import LoadedModel, load_model
 from storage.kvblocks import BlockCodec
+from offload_resident import resident_section  # bench/ is on sys.path when this file runs as a script
+from offload_placement import placement_section
+from offload_prefill import prefill_section
 
 TEXT = Path("/usr/share/common-licenses/GPL-3")
 MiB = 1 << 20
@@ -63,7 +66,8 @@ def real_prompt(loaded: LoadedModel, tokens: int) -> list[int]:
     return ids[:tokens]
 
 
-def run_one(loaded: LoadedModel, strategy: str, prompt: list[int], args: argparse.Namespace, scratch: Path) -> Run:
+def run_one(loaded: LoadedModel, strategy: str, prompt: list[int], args: argparse.Namespace, scratch: Path,
+            device_budget: int | None = None, placement: Placement | None = None) -> Run:
     name, _, compression = strategy.partition(":")
     cache_cfg = CacheConfig(block_tokens=args.block_tokens, compression=compression or "zstd", zstd_level=1)
     settings = SummarizeConfig(max_new_tokens=args.new_tokens, prefill_chunk_size=args.prefill_chunk)
@@ -73,7 +77,8 @@ def run_one(loaded: LoadedModel, strategy: str, prompt: list[int], args: argpars
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         baseline = torch.cuda.memory_allocated()
-    with build_cache(name, loaded.model, cache_cfg, offload_dir, None) as handle:
+    with build_cache(name, loaded.model, cache_cfg, offload_dir, device_budget, None, placement,
+                     expected_tokens=len(prompt) + args.new_tokens) as handle:
         out = generate_once(loaded, prompt, args.new_tokens, settings, handle.generate_kwargs)
         device_peak = torch.cuda.max_memory_allocated() - baseline if cuda else None
         stats = handle.stats()
@@ -182,6 +187,9 @@ def strategies_section(loaded: LoadedModel, args: argparse.Namespace) -> None:
 
 
 SECTIONS = {"strategies": strategies_section}
+SECTIONS["prefill"] = prefill_section
+SECTIONS["placement"] = placement_section
+SECTIONS["resident"] = resident_section
 """Each section takes the loaded model and the parsed arguments and prints its own table."""
 
 

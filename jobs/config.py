@@ -54,6 +54,7 @@ class SummarizeConfig(_Section):
 
 
 ByteBudget = int | Literal["auto"]
+PrefillMode = Literal["auto", "chunked", "layer-major"]
 
 
 class CacheConfig(_Section):
@@ -66,6 +67,9 @@ class CacheConfig(_Section):
     compression: Literal["zstd", "none"] = "zstd"
     zstd_level: int = Field(1, ge=-7, le=22)
     shuffle: bool = True
+    # layer-major: prefill a layer at a time, so a tiered cache reads the prompt's KV back once (for its
+    # last chunk), not once per chunk; auto: that for tiered caches on covered models (runner/kvcache/layer_major.py)
+    prefill: PrefillMode = "auto"
 
     @field_validator("device_kv_budget_bytes", "host_kv_budget_bytes")
     @classmethod

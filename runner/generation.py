@@ -1,15 +1,21 @@
-"""One `model.generate` call, timed: time to first token and decode rate come from a streamer."""
+"""One `model.generate` call, timed: time to first token and decode rate come from a streamer.
+
+The prompt is prefilled in chunks of `summarize.prefill_chunk_size`, token-major (transformers') or,
+for tiered caches, layer-major first (`cache.prefill`, runner/kvcache/layer_major.py): same tokens.
+"""
 
 from __future__ import annotations
 
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers.generation.streamers import BaseStreamer
 
-from jobs.config import SummarizeConfig
+from jobs.config import PrefillMode, SummarizeConfig
+from runner.kvcache.layer_major import choose_prefill, layer_major_prefill, prefilled
 from runner.models import LoadedModel
 
 
@@ -48,19 +54,27 @@ def generate_once(
     max_new_tokens: int,
     settings: SummarizeConfig,
     cache_kwargs: dict[str, Any],
+    prefill: PrefillMode = "auto",
 ) -> Generation:
     """Greedy or seeded-sampling generation of one prompt with the cache the caller chose."""
     input_ids = torch.tensor([prompt_ids], device=loaded.device)
+    attention_mask = torch.ones_like(input_ids)
+    chunk_size = settings.prefill_chunk_size
+    cache = cache_kwargs.get("past_key_values")
+    layer_major = choose_prefill(prefill, loaded.model, cache, len(prompt_ids), chunk_size) == "layer-major"
     if settings.do_sample:
         torch.manual_seed(settings.seed)
     clock = _TokenClock()
-    with torch.inference_mode():
+    with torch.inference_mode(), ExitStack() as stack:
+        if layer_major:  # generate() takes the filled cache and the last token's logits, and decodes
+            output = layer_major_prefill(loaded.model, input_ids, attention_mask, cache, chunk_size)
+            stack.enter_context(prefilled(loaded.model, output))
         out = loaded.model.generate(
             input_ids=input_ids,
-            attention_mask=torch.ones_like(input_ids),
+            attention_mask=attention_mask,
             max_new_tokens=max_new_tokens,
             do_sample=settings.do_sample,
-            prefill_chunk_size=settings.prefill_chunk_size or None,
+            prefill_chunk_size=chunk_size or None,
             pad_token_id=loaded.tokenizer.pad_token_id,
             streamer=clock,
             **cache_kwargs,

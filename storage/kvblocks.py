@@ -179,6 +179,13 @@ class _LayerFile:
         os.ftruncate(self.fd, size)
         self.size = size
 
+    def drop_cached_pages(self) -> None:
+        """Flush the file and ask the kernel to forget its cached pages (dirty and still-mapped pages
+        would stay), so the next read of any block goes to the device."""
+        self._map = None
+        os.fdatasync(self.fd)
+        os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
     def close(self) -> None:
         self._map = None
         os.close(self.fd)
@@ -200,6 +207,14 @@ class KVBlockStore:
         self.raw_bytes_written = 0
         self.bytes_written = 0
         self.bytes_read = 0
+        self._drop_page_cache = False
+
+    def drop_page_cache_after_writes(self) -> None:
+        """Opt-in for benchmarks of the storage-bound case: after each block is written its file is
+        flushed and dropped from the page cache, so reads come from the device, not RAM."""
+        if not hasattr(os, "posix_fadvise"):
+            raise KVBlockError("dropping the page cache needs os.posix_fadvise, which this platform lacks")
+        self._drop_page_cache = True
 
     def _file(self, layer: int) -> _LayerFile:
         if layer not in self._files:
@@ -209,7 +224,10 @@ class KVBlockStore:
     def append(self, layer: int, values: np.ndarray) -> BlockRef:
         """Encode `values` (any shape, contiguous) and append it to the layer's file."""
         payload = self.codec.encode(values)
-        offset = self._file(layer).append(payload)
+        file = self._file(layer)
+        offset = file.append(payload)
+        if self._drop_page_cache:
+            file.drop_cached_pages()
         self.raw_bytes_written += values.nbytes
         self.bytes_written += len(payload)
         return BlockRef(layer, offset, len(payload), values.nbytes)

@@ -1,0 +1,173 @@
+"""Layer-major prefill: each layer's K/V for the whole prompt is computed first, then stored once.
+
+transformers' chunked prefill (`prefill_chunk_size`) runs every layer over chunk 1, then every layer
+over chunk 2, ...; an offloaded cache must bring each layer's earlier chunks back to the device for
+every new chunk: c·n(n-1)/2 tokens per layer for n chunks of c, about (n-1)/2 copies of the cache.
+Here layer 0 runs over all chunks, then layer 1, and so on. A layer the cache keeps off the device
+grows in a one-layer staging cache on the device (the very `DynamicLayer` chunked prefill would
+attend to) and is handed to the cache in one `update`, so the prompt's K/V is written once and
+never read back for a later chunk. Queries still go a chunk at a time, so activations stay bounded by a chunk;
+between layers the prompt's hidden states (tokens × hidden size) are kept.
+
+Every chunk, the last one too, is cut as generate() cuts them, and the last token's logits come
+from the model's own norm and head, so logits, K/V and tokens are bit for bit those of chunked
+prefill (tests/test_layer_major.py; a token's results depend on the chunk it was computed in).
+generate() is then handed that output as its prefill (`prefilled`) and only decodes: the prompt's
+K/V is written once and read back zero times.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, Literal
+
+import torch
+from transformers import PreTrainedModel
+from transformers.cache_utils import (
+    Cache,
+    DynamicCache,
+    DynamicLayer,
+    get_layer_types_and_kwargs,
+)
+from transformers.masking_utils import (
+    create_causal_mask,
+    create_sliding_window_causal_mask,
+)
+from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.modeling_utils import slice_logits_to_keep
+
+from jobs.config import PrefillMode
+from runner.kvcache.tiered import TieredLayer
+
+log = logging.getLogger(__name__)
+
+COVERED_MODEL_TYPES = ("llama", "mistral", "qwen2", "gemma2")
+"""Decoder-only models whose forward is embed_tokens -> rotary_emb -> layers (one mask per layer
+type: full or sliding) -> norm; layer_major_prefill drives those same modules."""
+_MASKS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+MIN_CHUNKS = 2
+"""With one chunk there is nothing to read back: both orders are the same."""
+
+
+def unsupported_reason(model: PreTrainedModel, cache: Cache) -> str | None:
+    """Why layer-major prefill cannot fill `cache` for `model` exactly as chunked prefill would; None if it can."""
+    model_type = model.config.model_type
+    if model_type not in COVERED_MODEL_TYPES:
+        return f"model type {model_type!r} is not one of {list(COVERED_MODEL_TYPES)}"
+    decoder = getattr(model, "model", None)
+    missing = [name for name in ("embed_tokens", "rotary_emb", "layers", "norm") if not hasattr(decoder, name)]
+    if missing:
+        return f"{type(model).__name__}.model has no {missing}"
+    layer_types, _ = get_layer_types_and_kwargs(decoder.config)
+    other_types = sorted(set(layer_types) - set(_MASKS))
+    if other_types:
+        return f"layer types {other_types} (covered: {list(_MASKS)})"
+    if cache.get_seq_length() != 0:
+        return "the cache already holds tokens"
+    if not callable(getattr(type(model), "_prefill", None)):
+        return "this transformers version's generate() has no _prefill step to hand the prefill to"
+    for idx, layer in enumerate(cache.layers[: len(layer_types)]):
+        if not isinstance(layer, (DynamicLayer, TieredLayer)):
+            return f"cache layer {idx} is a {type(layer).__name__} (covered: dynamic and tiered layers)"
+    return None
+
+
+def choose_prefill(
+    mode: PrefillMode, model: PreTrainedModel, cache: object, prompt_tokens: int, chunk_size: int
+) -> Literal["chunked", "layer-major"]:
+    """What `cache.prefill` means for one generate() call. `auto`: layer-major when the cache keeps
+    layers off the device (a TieredCache's streamed layers: reading them back is what costs), the
+    model is covered and the prompt spans at least MIN_CHUNKS chunks. A model or cache it cannot
+    fill falls back to chunked, the reason logged. `chunk_size` 0 (one forward for the whole
+    prompt) has nothing to reorder: chunked."""
+    if mode == "chunked" or chunk_size <= 0:
+        return "chunked"
+    if mode == "auto":
+        offloads = isinstance(cache, Cache) and any(isinstance(layer, TieredLayer) for layer in cache.layers)
+        if not offloads or math.ceil(prompt_tokens / chunk_size) < MIN_CHUNKS:
+            return "chunked"
+    if isinstance(cache, Cache):
+        reason = unsupported_reason(model, cache)
+    else:
+        reason = "generate() builds this cache itself (cache_implementation)"
+    if reason is not None:
+        log.log(logging.WARNING if mode == "layer-major" else logging.INFO,
+                "layer-major prefill not used (%s): chunked prefill instead", reason)
+        return "chunked"
+    return "layer-major"
+
+
+@torch.no_grad()
+def layer_major_prefill(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    cache: Cache,
+    chunk_size: int,
+) -> CausalLMOutputWithPast:
+    """Put the whole prompt's K/V into `cache`, a layer at a time over chunks of `chunk_size`, and
+    return the output chunked prefill would end with (the last token's logits). Hand it to
+    generate() with `prefilled`. Check `unsupported_reason` first."""
+    decoder = model.model
+    config = decoder.config
+    prefill_ids = input_ids
+    # generate()'s own position ids and mask form: positions count the real tokens of each row, and
+    # a mask without padding is dropped (so the first chunk may skip its causal mask, as it does there)
+    positions = model._prepare_position_ids_for_generation(input_ids, {"attention_mask": attention_mask})
+    padding_mask = None if bool((attention_mask == 1).all()) else attention_mask
+    bounds = [(start, start + chunk_size) for start in range(0, prefill_ids.shape[1], chunk_size)]
+    hidden = [decoder.embed_tokens(prefill_ids[:, start:end]) for start, end in bounds]
+    rotary = [decoder.rotary_emb(h, positions[:, start:end]) for h, (start, end) in zip(hidden, bounds)]
+    layer_types, _ = get_layer_types_and_kwargs(config)
+
+    for idx, layer in enumerate(decoder.layers[: config.num_hidden_layers]):
+        resident = isinstance(cache.layers[idx], DynamicLayer)
+        # A resident layer grows in the cache itself, as in chunked prefill; an offloaded one in a
+        # fresh DynamicCache's layer `idx` (what chunked prefill would attend to), handed over below.
+        target = cache if resident else DynamicCache(config=config)
+        make_mask = _MASKS[layer_types[idx]]
+        for chunk, (start, end) in enumerate(bounds):
+            # the mask is sized by this layer's own state, which is every same-type layer's state
+            # at this chunk in chunked prefill (where masks are sized by the first layer of a type)
+            mask = make_mask(
+                config=config,
+                inputs_embeds=hidden[chunk],
+                attention_mask=padding_mask[:, :end] if padding_mask is not None else None,
+                past_key_values=target,
+                position_ids=positions[:, start:end],
+                layer_idx=idx,
+            )
+            hidden[chunk] = layer(
+                hidden[chunk],
+                attention_mask=mask,
+                position_embeddings=rotary[chunk],
+                position_ids=positions[:, start:end],
+                past_key_values=target,
+            )
+        if not resident:
+            staged = target.layers[idx]
+            cache.update(staged.keys, staged.values, idx)
+    # the model's own head, as generate() runs it: final norm over the chunk, the last position kept
+    logits = model.lm_head(slice_logits_to_keep(decoder.norm(hidden[-1]), 1))
+    softcap = getattr(config, "final_logit_softcapping", None)
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    return CausalLMOutputWithPast(logits=logits, past_key_values=cache)
+
+
+@contextmanager
+def prefilled(model: PreTrainedModel, output: CausalLMOutputWithPast) -> Iterator[None]:
+    """Within the block, the model's next generate() takes `output` as its prefill and only decodes."""
+
+    def hand_over(*args: Any, **kwargs: Any) -> CausalLMOutputWithPast:
+        del model._prefill  # once: any later forward pass is a real one
+        return output
+
+    model._prefill = hand_over
+    try:
+        yield
+    finally:
+        model.__dict__.pop("_prefill", None)
