@@ -60,6 +60,15 @@ def export_rows(job_dir: Path, *extra: str) -> list[dict]:
     return [json.loads(line) for line in proc.stdout.splitlines()]
 
 
+def done_summaries(job: Path | str) -> dict[str, str]:
+    """doc id -> summary of an exported job whose every document is done, each exactly once."""
+    rows = export_rows(job)
+    ids = [r["doc_id"] for r in rows]
+    assert len(ids) == len(set(ids)), f"a document appears twice: {ids}"
+    assert all(r["status"] == "done" for r in rows), rows
+    return {r["doc_id"]: r["summary"] for r in rows}
+
+
 def license_manifest(tmp_path: Path, names: list[str]) -> Path:
     """manifest.jsonl of texts from /usr/share/common-licenses, each id the lower-cased file name."""
     return write_jsonl(tmp_path / "manifest.jsonl", [{"id": n.lower(), "path": str(LICENSES / n)} for n in names])

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from conftest import LICENSES, TINY_CONFIG, export_rows, kvbatch, license_manifest, wait_for, write_jsonl
+from conftest import LICENSES, TINY_CONFIG, done_summaries, kvbatch, license_manifest, wait_for, write_jsonl
 from jobs.schema import RESULT_SCHEMA, TaskState, empty_row
 from jobs.uris import filesystem_of
 from storage.checkpoint import CheckpointLog, compact, load_state
@@ -104,19 +104,11 @@ def test_the_lease_on_s3_admits_one_coordinator_and_takes_over_an_expired_one(s3
         JobLease(lock).acquire()
 
 
-def _summaries(job: str) -> dict[str, str]:
-    rows = export_rows(job)
-    ids = [r["doc_id"] for r in rows]
-    assert len(ids) == len(set(ids)), f"a document appears twice: {ids}"
-    assert all(r["status"] == "done" for r in rows), rows
-    return {r["doc_id"]: r["summary"] for r in rows}
-
-
 def test_a_batch_on_s3_killed_and_resumed_from_the_uri_gives_the_local_results(s3, ray_address, tmp_path) -> None:
     local_job = tmp_path / "local-job"
     kvbatch("submit", str(license_manifest(tmp_path, DOCS)), "-c", str(TINY_CONFIG), "-j", str(local_job),
             "--address", ray_address, check=0)
-    expected = _summaries(str(local_job))
+    expected = done_summaries(str(local_job))
 
     documents, _ = filesystem_of(s3)
     for name in DOCS:
@@ -141,6 +133,6 @@ def test_a_batch_on_s3_killed_and_resumed_from_the_uri_gives_the_local_results(s
     assert status["job_dir"] == job and status["counts"]["done"] >= 2
     resumed = kvbatch("resume", job, check=0)
     assert "took over stale lock" in resumed.stdout + resumed.stderr
-    assert _summaries(job) == expected
+    assert done_summaries(job) == expected
     assert not Location.of(f"{job}/.lock").exists()
     assert load_state(job).results.num_rows == len(DOCS)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TINY_CONFIG, export_rows, kvbatch, license_manifest, start_submit, wait_for
+from conftest import TINY_CONFIG, done_summaries, export_rows, kvbatch, license_manifest, start_submit, wait_for
 
 DOCS = ["GPL-2", "LGPL-2.1", "Apache-2.0", "MPL-2.0", "Artistic", "BSD", "CC0-1.0", "LGPL-3"]
 FAST = ["--set", "checkpoint.flush_every=1"]
@@ -28,21 +28,13 @@ def temp_files(job: Path) -> list[Path]:
             if not p.name.startswith("part-")]
 
 
-def summaries(job: Path) -> dict[str, str]:
-    rows = export_rows(job)
-    ids = [r["doc_id"] for r in rows]
-    assert len(ids) == len(set(ids)), f"a document appears twice: {ids}"
-    assert all(r["status"] == "done" for r in rows), rows
-    return {r["doc_id"]: r["summary"] for r in rows}
-
-
 @pytest.fixture(scope="module")
 def baseline(ray_address, tmp_path_factory) -> dict[str, str]:
     tmp = tmp_path_factory.mktemp("baseline")
     job = tmp / "job"
     kvbatch("submit", str(manifest_of(tmp)), "-c", str(TINY_CONFIG), "-j", str(job), "--address", ray_address,
             check=0)
-    return summaries(job)
+    return done_summaries(job)
 
 
 @pytest.mark.parametrize("moment", ["before-any-result", "mid-batch", "during-a-flush"])
@@ -62,7 +54,7 @@ def test_sigkill_then_resume_gives_every_document_exactly_once(moment, baseline,
     done_before = len(visible_parts(job, "results"))
     assert moment != "before-any-result" or done_before == 0
     resumed = kvbatch("resume", str(job), "--address", ray_address, check=0)
-    assert summaries(job) == baseline, resumed.stdout + resumed.stderr
+    assert done_summaries(job) == baseline, resumed.stdout + resumed.stderr
 
 
 def test_a_worker_process_that_dies_is_replaced_and_the_task_retried(ray_address, tmp_path):
@@ -133,4 +125,4 @@ def test_ctrl_c_stops_cleanly_and_resume_finishes(baseline, ray_address, tmp_pat
     assert proc.returncode == 130, out
     assert f"kvbatch resume {job}" in out
     kvbatch("resume", str(job), "--address", ray_address, check=0)
-    assert summaries(job) == baseline
+    assert done_summaries(job) == baseline
