@@ -10,6 +10,7 @@ storage-bound case. A second run per mode with --new-tokens checks that both giv
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import shutil
 import subprocess
@@ -38,6 +39,7 @@ class Prefill:
     cpu_s: float  # the compute thread's CPU time up to the first token: ttft less waiting (I/O, other processes)
     read: int
     written: int
+    read_s: float  # reading and decoding blocks, on the IO thread or the compute thread
     tokens: list[int]
 
 
@@ -75,12 +77,14 @@ def run(loaded: LoadedModel, prompt: list[int], mode: PrefillMode, codec: str, n
     settings = SummarizeConfig(max_new_tokens=new_tokens, prefill_chunk_size=args.prefill_chunk)
     offload_dir = scratch / f"{mode}-{codec}-{len(prompt)}-{new_tokens}"
     with build_cache("tiered-disk", loaded.model, cache_cfg, offload_dir, None) as handle:
-        handle.generate_kwargs["past_key_values"].shared.tier.store.drop_page_cache_after_writes()
+        store = handle.generate_kwargs["past_key_values"].shared.tier.store
+        store.drop_page_cache_after_writes()
         cpu_from = time.thread_time()
         out = generate_once(loaded, prompt, new_tokens, settings, handle.generate_kwargs, cache_cfg.prefill)
         cpu_s = time.thread_time() - cpu_from
         stats = handle.stats()
-    return Prefill(out.ttft_s, cpu_s, stats["offload_bytes_read"], stats["offload_bytes_written"], out.tokens)
+    return Prefill(out.ttft_s, cpu_s, stats["offload_bytes_read"], stats["offload_bytes_written"], store.read_s,
+                   out.tokens)
 
 
 def prefill_section(loaded: LoadedModel, args: argparse.Namespace) -> None:
@@ -95,7 +99,8 @@ def prefill_section(loaded: LoadedModel, args: argparse.Namespace) -> None:
         for mode in MODES:  # warm-up: first-call allocations and kernel choices
             run(loaded, real_prompt(loaded, 4 * args.prefill_chunk), mode, "none", 1, args, scratch)
         header = (f"{'ctx':>5} {'chunks':>6} {'codec':<5} {'prefill':<11} {'ttft s':>7} {'x chunked':>9} "
-                  f"{'cpu s':>6} {'read MiB':>9} {'written MiB':>11} {'read/written':>12} {'written/KV':>10} {'same':>5}")
+                  f"{'cpu s':>6} {'read MiB':>9} {'read s':>7} {'written MiB':>11} {'read/written':>12} "
+                  f"{'written/KV':>10} {'same':>5}")
         print("\n" + header)
         for context in (int(c) for c in args.contexts.split(",")):
             window = loaded.model.config.max_position_embeddings
@@ -106,17 +111,19 @@ def prefill_section(loaded: LoadedModel, args: argparse.Namespace) -> None:
                 for mode in MODES:
                     first = run(loaded, prompt, mode, codec, 1, args, scratch)
                     full = run(loaded, prompt, mode, codec, args.new_tokens, args, scratch)
-                    rows[mode] = Prefill(first.ttft_s, first.cpu_s, first.read, first.written, full.tokens)
+                    rows[mode] = dataclasses.replace(first, tokens=full.tokens)
                 for mode in MODES:
                     r, base = rows[mode], rows["chunked"]
                     print(f"{len(prompt):>5} {math.ceil(len(prompt) / args.prefill_chunk):>6} {codec:<5} "
                           f"{mode:<11} {r.ttft_s:>7.2f} {base.ttft_s / r.ttft_s:>9.2f} {r.cpu_s:>6.2f} "
-                          f"{r.read / MiB:>9.1f} {r.written / MiB:>11.1f} {r.read / r.written:>12.2f} "
+                          f"{r.read / MiB:>9.1f} {r.read_s:>7.2f} {r.written / MiB:>11.1f} {r.read / r.written:>12.2f} "
                           f"{r.written / raw_kv:>10.2f} "
                           f"{r.tokens == base.tokens!s:>5}", flush=True)
     print(f"""
 ttft: prefill up to the first token, page cache dropped; x chunked: chunked's ttft over this one's.
 cpu: the compute thread's CPU time up to the first token (ttft less the time it waited for I/O or for a core).
+read s: time spent reading blocks from the disk and decoding them (mostly on the prefetch thread, hidden
+behind compute where a core is free; on a GPU with slow storage it is what prefill waits for).
 read/written: disk bytes read per byte written up to the first token (layer 0, prefetched for the first
 decode step, included); written/KV: bytes written over the prompt's raw KV (the unfilled tail block stays
 in RAM; zstd stores less). same: the {args.new_tokens} generated tokens equal chunked's.""")

@@ -14,6 +14,7 @@ from __future__ import annotations
 import mmap
 import os
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -207,6 +208,7 @@ class KVBlockStore:
         self.raw_bytes_written = 0
         self.bytes_written = 0
         self.bytes_read = 0
+        self.read_s = 0.0  # time spent reading and decoding blocks, on whichever thread read them
         self._drop_page_cache = False
 
     def drop_page_cache_after_writes(self) -> None:
@@ -248,14 +250,18 @@ class KVBlockStore:
 
     def read(self, ref: BlockRef, dtype: np.dtype) -> np.ndarray:
         """The block's values as a flat array (a view of the mapping for `none`)."""
+        start = time.perf_counter()
         values = self.codec.decode(self._payload(ref), dtype)
         self._check_size(ref, values.nbytes)
+        self.read_s += time.perf_counter() - start
         return values
 
     def read_into(self, ref: BlockRef, out: np.ndarray) -> None:
         """Decode the block straight into `out`, which has the shape it was appended with."""
+        start = time.perf_counter()
         self._check_size(ref, out.nbytes)
         self.codec.decode_into(self._payload(ref), out)
+        self.read_s += time.perf_counter() - start
 
     def truncate(self, ref: BlockRef) -> None:
         """Drop `ref` and every block appended after it in the same layer."""
