@@ -242,11 +242,13 @@ class Coordinator:
         if self.stop.wait(seconds):
             raise Interrupted()
 
-    def _run_task(self, actor: Any, run: _TaskRun, progress: BatchProgress) -> bool:
-        """Runs `run` to an end (True), or stops when its worker is lost and hands it back (False)."""
+    def _run_task(self, actor: Any, run: _TaskRun, progress: BatchProgress) -> tuple[bool, bool]:
+        """Runs `run` until it ends (finished: True) or its worker is lost and another worker must
+        take it on (False); the second value says whether this worker was lost."""
         task = run.task
         retry = self.cfg.retry
         while True:
+            lost = False
             retrying = Retrying(
                 stop=_attempts_at_context_reach(retry.max_attempts, run),
                 wait=wait_exponential(multiplier=retry.backoff_initial_s, min=retry.backoff_initial_s,
@@ -259,21 +261,22 @@ class Coordinator:
             try:
                 outcome = retrying(self._call, actor, run)
             except TransientFailure as e:
-                if isinstance(e, WorkerLost) and run.tries_at_context < retry.max_attempts:
+                lost = isinstance(e, WorkerLost)
+                if lost and run.tries_at_context < retry.max_attempts:
                     self._note_retry(run, e, 0.0)
-                    return False
+                    return False, lost
                 outcome = {"status": "failed", "failure_class": FailureClass.TRANSIENT.value,
                            "error_type": e.error_type, "error": str(e)}
             if outcome["status"] == "done" or outcome["failure_class"] == FailureClass.INPUT:
                 self._finish(run, outcome, progress)
-                return True
+                return True, lost
             run.fallbacks.extend(outcome.get("fallbacks", []))
             outcome["fallbacks"] = []
             smaller = shorter_context(run.context_tokens, retry.context_shrink,
                                       self.cfg.summarize.min_context_tokens)
             if smaller is None:
                 self._finish(run, outcome, progress)
-                return True
+                return True, lost
             run.fallbacks.append(context_fallback_note(run.context_tokens, smaller, outcome["error_type"]))
             self.log.warning("context_fallback", task_id=task.task_id, doc_id=task.doc_id,
                              from_tokens=run.context_tokens, to_tokens=smaller,
@@ -281,12 +284,14 @@ class Coordinator:
             self._event(run, TaskState.RETRYING, error_type=outcome["error_type"], error=outcome["error"])
             run.context_tokens = smaller
             run.tries_at_context = 0
+            if lost:  # the shorter context goes to whichever worker is free
+                return False, lost
 
     def _drive(self, actor: Any, work: _WorkQueue, progress: BatchProgress,
                errors: list[BaseException]) -> None:
         while (run := work.take(self.stop)) is not None:
             try:
-                finished = self._run_task(actor, run, progress)
+                finished, lost = self._run_task(actor, run, progress)
             except Interrupted:
                 work.finished()
                 return
@@ -295,11 +300,16 @@ class Coordinator:
                 errors.append(e)
                 self.stop.set()
                 return
-            if finished:
-                work.finished()
+            if not finished:
+                work.hand_back(run)  # another worker takes it now; this one waits for its restart
+                if not self._await_restart(actor, until_drained=work):
+                    return
                 continue
-            work.hand_back(run)  # another worker takes it now; this one waits for its restart
-            if not self._await_restart(actor, until_drained=work):
+            # a task that ended on a lost worker still holds the batch open until the worker is back:
+            # its restart sweeps the dead process's scratch dir
+            restarted = self._await_restart(actor) if lost else True
+            work.finished()
+            if not restarted:
                 return
 
     # -- the batch ----------------------------------------------------------------------------
@@ -322,13 +332,13 @@ class Coordinator:
             self.log.info("worker_ready", **info)
         return actors
 
-    def _await_restart(self, actor: Any, until_drained: _WorkQueue) -> bool:
+    def _await_restart(self, actor: Any, until_drained: _WorkQueue | None = None) -> bool:
         """Wait until Ray has restarted a killed or crashed worker (its start sweeps the scratch dir the
         dead process left; its next task must reach it, not the dying incarnation). False when it did
         not come back in time (no capacity left for it), or the batch needs it no more."""
         deadline = time.monotonic() + WORKER_RESTART_TIMEOUT_S
         ready = actor.info.remote()
-        while not self.stop.is_set() and not until_drained.drained():
+        while not self.stop.is_set() and not (until_drained is not None and until_drained.drained()):
             if time.monotonic() >= deadline:
                 self.log.warning("worker_restart_unfinished", worker=self.worker_slots.get(actor),
                                  hint="no capacity left for it; a killed worker's scratch dir is swept "

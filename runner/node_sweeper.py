@@ -2,8 +2,9 @@
 task dirs of the workers it lost, and nothing else would run on it to remove them.
 
 Every node is swept once when the batch starts (nodes may have come back while no batch ran),
-then each node that joins while it runs. The sweep is a zero-CPU Ray task pinned to the node, so
-it runs even where every CPU is taken by workers.
+then each node that joins while it runs, and every node again when the batch ends (a worker lost
+near the end may not have been restarted to sweep its own dir). The sweep is a zero-CPU Ray task
+pinned to the node, so it runs even where every CPU is taken by workers.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ class NodeSweeper:
         self._remote = ray.remote(num_cpus=0, max_retries=0)(_sweep_here)
 
     def _sweep(self, node_ids: set[str]) -> None:
+        """Sweep these nodes, each once per call; a failure is logged, not retried."""
         pending = {
             node_id: self._remote.options(
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)
@@ -56,7 +58,7 @@ class NodeSweeper:
             for node_id in node_ids
         }
         for node_id, ref in pending.items():
-            self._swept.add(node_id)  # once per node, whatever happens: a failure is logged, not retried
+            self._swept.add(node_id)
             try:
                 swept = ray.get(ref, timeout=60)
             except Exception as e:  # a node that left again, or a root that is not kvbatch's: say so, go on
@@ -80,3 +82,7 @@ class NodeSweeper:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join(timeout=70)
+        try:
+            self._sweep(_alive_nodes())
+        except Exception as e:
+            self.log.warning("node_sweep_failed", error=f"{type(e).__name__}: {e}")

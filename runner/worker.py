@@ -172,8 +172,11 @@ class SummaryWorker:
         )
 
     def _placement(self, rung: str, tokens: int) -> Placement | None:
-        """On a tiered rung, which layers of this pass stay on the device (None on other rungs)."""
-        if rung not in TIER_OF:
+        """On a tiered rung, which layers of this pass stay on the device. None (every layer streamed)
+        on other rungs, and when the whole KV would fit the device budget: then the tiered rung is
+        there because the config asked for it (`cache.strategy`, or the ladder's order), not for lack
+        of room, and it is honoured as asked."""
+        if rung not in TIER_OF or kv_bytes(self.kv_shape, tokens) <= self.device_budget:
             return None
         return plan_placement(
             self.kv_shape, tokens, TIER_OF[rung], self.device_budget, self.host_budget,
