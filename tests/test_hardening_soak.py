@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import json
 import threading
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from jobs.config import load_config
 from jobs.manifest import read_manifest
 from runner.worker import SummaryWorker
 from storage.scratch import ROOT_MARKER
+from tests.child_process import Child
 from tests.conftest import LICENSES, TINY_CONFIG, write_jsonl
 
 N_TASKS = 100
@@ -38,7 +40,8 @@ def _host_snapshot() -> tuple[int, int, int]:
     return process.memory_info().rss, process.num_fds(), threading.active_count()
 
 
-def test_hundred_tasks_in_one_worker_release_memory_files_and_threads(tmp_path: Path) -> None:
+def soak(tmp_path: Path) -> dict:
+    """100 tasks in one worker of this process: what each left behind, and where they ran."""
     config = load_config(TINY_CONFIG, ["cache.ladder=[dynamic, tiered-disk]", f"cache.device_kv_budget_bytes={DEVICE_KV_BUDGET}"])
     tasks, rejections = read_manifest(write_jsonl(tmp_path / "m.jsonl", _varied_documents(N_TASKS)), config.input)
     assert not rejections and len(tasks) == N_TASKS
@@ -51,7 +54,23 @@ def test_hundred_tasks_in_one_worker_release_memory_files_and_threads(tmp_path: 
         assert outcome["status"] == "done", outcome
         strategies.add(outcome["cache_strategy"])
         snapshots.append(_host_snapshot())
-    assert strategies == {"dynamic", "tiered-disk"}  # both the device and the offload path soaked
+    leftovers = [str(p) for p in (tmp_path / "offload").rglob("*") if p.name != ROOT_MARKER]
+    return {"snapshots": snapshots, "strategies": sorted(strategies), "leftovers": leftovers}
+
+
+SOAK_PROCESS = """
+import json, sys
+from pathlib import Path
+from tests.test_hardening_soak import soak
+print(json.dumps(soak(Path(sys.argv[1]))), flush=True)
+"""
+
+
+def test_hundred_tasks_in_one_worker_release_memory_files_and_threads(tmp_path: Path) -> None:
+    # a process of its own, as a worker has: the allocator state other tests left must not count
+    found = json.loads(Child(SOAK_PROCESS, str(tmp_path)).read_line(timeout_s=900))
+    snapshots = found["snapshots"]
+    assert found["strategies"] == ["dynamic", "tiered-disk"]  # both the device and the offload path soaked
     first_rss, first_fds, first_threads = snapshots[0]
     worst = max(rss for rss, _, _ in snapshots)
     assert worst <= first_rss * (1 + RSS_TOLERANCE), (
@@ -60,5 +79,4 @@ def test_hundred_tasks_in_one_worker_release_memory_files_and_threads(tmp_path: 
     )
     assert max(fds for _, fds, _ in snapshots) <= first_fds, [fds for _, fds, _ in snapshots]
     assert max(threads for _, _, threads in snapshots) <= first_threads, [t for _, _, t in snapshots]
-    leftovers = [p for p in (tmp_path / "offload").rglob("*") if p.name != ROOT_MARKER]
-    assert not leftovers  # every task's scratch dir was removed
+    assert not found["leftovers"]  # every task's scratch dir was removed
