@@ -175,9 +175,9 @@ def read_uri_document_text(uri: str, max_bytes: int) -> str:
         check_size_before_reading(uri, info.size, max_bytes)
         with fs.open_input_stream(path) as raw:
             return _text_of(raw, uri, max_bytes)
+    except DocumentError:
+        raise
     except (OSError, ValueError) as e:
-        if isinstance(e, DocumentError):
-            raise
         raise DocumentError(f"{uri} cannot be read ({e}): check the URI and the storage credentials") from None
 
 

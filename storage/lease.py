@@ -15,7 +15,7 @@ import threading
 import time
 
 from storage.location import Location, Where
-from storage.lock import JobLock, JobLockedError, _HeldLock, parse_owner
+from storage.lock import HeldLock, JobLock, JobLockedError, parse_owner
 from storage.owner import OwnerLiveness, ProcessOwner
 
 logger = logging.getLogger(__name__)
@@ -26,13 +26,13 @@ _SETTLE_S = 0.5
 """How long a taker waits before reading its record back, so a racing write has landed."""
 
 
-def job_lock(path: Where, ttl_s: float = LEASE_TTL_S) -> _HeldLock:
+def job_lock(path: Where, ttl_s: float = LEASE_TTL_S) -> HeldLock:
     """The lock kind the job folder's storage supports: flock on a local disk, a lease elsewhere."""
     location = Location.of(path)
     return JobLock(location) if location.is_local else JobLease(location, ttl_s)
 
 
-class JobLease(_HeldLock):
+class JobLease(HeldLock):
     def __init__(self, path: Where, ttl_s: float = LEASE_TTL_S) -> None:
         super().__init__(path)
         self.ttl_s = ttl_s

@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import time
+from abc import ABC, abstractmethod
 from types import TracebackType
 
 from storage.location import Location, Where
@@ -59,7 +60,7 @@ def lock_holder(path: Where) -> ProcessOwner | None:
     return parse_owner(raw)
 
 
-class _HeldLock:
+class HeldLock(ABC):
     """What every kind of job lock shares: the messages and the context-manager protocol.
 
     `takeover_message` says whose stale lock was replaced, when one was.
@@ -70,11 +71,13 @@ class _HeldLock:
     def __init__(self, path: Where) -> None:
         self.location = Location.of(path)
 
+    @abstractmethod
     def acquire(self) -> None:
-        raise NotImplementedError
+        """Take the lock or raise JobLockedError naming the holder."""
 
+    @abstractmethod
     def release(self) -> None:
-        raise NotImplementedError
+        """Give the lock up (nothing to do when it is not held)."""
 
     def _refusal(self, holder: ProcessOwner | None) -> str:
         who = holder.describe() if holder else "another process"
@@ -90,7 +93,7 @@ class _HeldLock:
         }.get(previous.liveness(), "its process is gone")
         return f"took over stale lock {self.location} left by {previous.describe()}: {why}"
 
-    def __enter__(self) -> _HeldLock:
+    def __enter__(self) -> HeldLock:
         self.acquire()
         return self
 
@@ -100,7 +103,7 @@ class _HeldLock:
         self.release()
 
 
-class JobLock(_HeldLock):
+class JobLock(HeldLock):
     """A local job folder's lock file (JOB_DIR/.lock), held with flock."""
 
     def __init__(self, path: Where) -> None:

@@ -15,7 +15,7 @@ from transformers import PretrainedConfig
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from runner.kvcache.budget import ResidentMeter
-from runner.kvcache.resident import GrowingLayer
+from runner.kvcache.resident import GrowingLayer, allocated_bytes
 
 
 class BudgetedDynamicCache(DynamicCache):
@@ -33,7 +33,7 @@ class BudgetedDynamicCache(DynamicCache):
 
     def _held_bytes(self, layers: list[Any] | None = None) -> int:
         """What the layers really allocate: a GrowingLayer's capacity, the others' tensors."""
-        return sum(_allocated(layer) for layer in (self.layers if layers is None else layers))
+        return sum(allocated_bytes(layer) for layer in (self.layers if layers is None else layers))
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
@@ -100,9 +100,3 @@ class BudgetedDynamicCache(DynamicCache):
     def close(self) -> None:
         """Nothing to release beyond the tensors themselves (kept for the CacheHandle protocol)."""
 
-
-def _allocated(layer: Any) -> int:
-    if isinstance(layer, GrowingLayer):
-        return layer.capacity_bytes
-    keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
-    return keys.nbytes + values.nbytes if keys is not None else 0

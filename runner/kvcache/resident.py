@@ -150,6 +150,15 @@ class GrowingLayer(DynamicLayer):
             self._adopt(*(_selected(buffer, self._length, indices) for buffer in self._buffers))
 
 
+def allocated_bytes(layer: Any) -> int:
+    """What a layer kept on the device allocates there: a GrowingLayer's whole capacity, another
+    layer's tensors (0 before its first update)."""
+    if isinstance(layer, GrowingLayer):
+        return layer.capacity_bytes
+    keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
+    return keys.nbytes + values.nbytes if keys is not None else 0
+
+
 def _moved(buffer: torch.Tensor, length: int, capacity: int) -> torch.Tensor:
     grown = buffer.new_empty((*buffer.shape[:-2], capacity, buffer.shape[-1]))
     grown[:, :, :length].copy_(buffer[:, :, :length])

@@ -34,7 +34,7 @@ from jobs.kvplan import Placement, TierName
 from runner.kvcache.budget import ResidentMeter
 from runner.kvcache.io_thread import IOThread
 from runner.kvcache.layer_store import LayerStore, Resident, Traffic
-from runner.kvcache.resident import GrowingLayer
+from runner.kvcache.resident import GrowingLayer, allocated_bytes
 from runner.kvcache.tiers import DiskTier, HostTier, Tier
 from storage.kvblocks import BlockCodec, Compression
 
@@ -250,7 +250,8 @@ class TieredCache(Cache):
         super().__init__(layers=layers)
         tiered = [i for i, layer in enumerate(layers) if isinstance(layer, TieredLayer)]
         self._next_tiered = dict(zip(tiered, tiered[1:] + tiered[:1]))
-        self._first_layer = next((i for i, layer in enumerate(layers) if not isinstance(layer, DummyLayer)), None)
+        with_kv = [i for i, layer in enumerate(layers) if not isinstance(layer, DummyLayer)]
+        self._first_layer, self._last_layer = (with_kv[0], with_kv[-1]) if with_kv else (None, None)
         self._current: int | None = None
         self._kv_peak = 0
         self._closed = False
@@ -266,8 +267,8 @@ class TieredCache(Cache):
             if isinstance(layer, GrowingLayer) and not layer.is_initialized:
                 self._reserve(layer, layer_idx, key_states, value_states)
             keys, values = layer.update(key_states, value_states, *args, **kwargs)
-            self.shared.device_meter.hold(("kept", layer_idx), _device_bytes(layer))
-            self._kv_peak = max(self._kv_peak, self._kv_bytes())
+            self.shared.device_meter.hold(("kept", layer_idx), allocated_bytes(layer))
+            self._note_kv_peak(layer_idx)
             return keys, values
         if self._current is not None and self._current != layer_idx:
             self.shared.device_meter.drop(self._current)  # its attention has run: its buffers are free
@@ -278,8 +279,14 @@ class TieredCache(Cache):
             # Within a step the next layer gets the same new tokens; past the last layer, guess a
             # decode step (one token) rather than reserve room for another prompt-sized chunk.
             self.layers[following_idx].prefetch_async(extra_tokens=new if following_idx > layer_idx else 1)
-        self._kv_peak = max(self._kv_peak, self._kv_bytes())
+        self._note_kv_peak(layer_idx)
         return keys, values
+
+    def _note_kv_peak(self, layer_idx: int) -> None:
+        """After the last layer of a forward pass every layer holds its new tokens: the KV size
+        only grows between passes, so its peak is read there (one walk over the layers a pass)."""
+        if layer_idx == self._last_layer:
+            self._kv_peak = max(self._kv_peak, self._kv_bytes())
 
     def _reserve(
         self, layer: GrowingLayer, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor
@@ -364,13 +371,6 @@ def _make_tier(tier: str, offload_dir: str | Path | None, codec: BlockCodec) -> 
             raise ValueError("TieredCache(tier='disk') needs offload_dir: the task's own directory on fast local disk")
         return DiskTier(offload_dir, codec)
     raise ValueError(f"TieredCache tier must be 'host' or 'disk', got {tier!r}")
-
-
-def _device_bytes(layer: CacheLayerMixin) -> int:
-    """What a layer that stays on the device allocates there (a resident layer's reserved room included)."""
-    if isinstance(layer, GrowingLayer):
-        return layer.capacity_bytes
-    return layer.keys.nbytes + layer.values.nbytes
 
 
 def _layers_for(
