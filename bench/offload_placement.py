@@ -17,9 +17,12 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from jobs.kvplan import TIER_OF, KVShape, Placement, kv_bytes, plan_placement
-from runner.kvcache import kv_shape
-from runner.models import LoadedModel
+from offload_common import fmt, real_prompt, run_one  # bench/ is on sys.path as a script
+
+from jobs.kvplan import KVShape, Placement, kv_bytes, plan_placement
+from jobs.rungs import RUNGS
+from runner.engine.kvcache import kv_shape
+from runner.engine.models import LoadedModel
 
 MiB = 1 << 20
 SHARES = (0.25, 0.5, 0.75)
@@ -37,7 +40,7 @@ class Case:
 def _cases(shape: KVShape, tokens: int, block_tokens: int, device_is_cpu: bool) -> list[Case]:
     full = kv_bytes(shape, tokens)
     cases = [Case("dynamic", "all resident", None, None)]
-    for strategy, tier in TIER_OF.items():
+    for strategy, tier in ((r.name, r.tier) for r in RUNGS.values() if r.tier):
         cases.append(Case(strategy, "all streamed", None, None))
         for share in SHARES:
             budget = int(full * share)
@@ -51,7 +54,6 @@ def _cases(shape: KVShape, tokens: int, block_tokens: int, device_is_cpu: bool) 
 
 def placement_section(loaded: LoadedModel, args: argparse.Namespace) -> None:
     """Bytes moved per decode step against the planned overflow, speed, resident peak, identity."""
-    from offload import fmt, real_prompt, run_one  # bench/offload.py imports this module to register the section
 
     shape = kv_shape(loaded.model.config, loaded.dtype)
     window = loaded.model.config.max_position_embeddings
@@ -61,7 +63,7 @@ def placement_section(loaded: LoadedModel, args: argparse.Namespace) -> None:
     end_kv = kv_bytes(shape, len(prompt) + args.new_tokens - 1)  # the last token is never cached
     best = {}
     with tempfile.TemporaryDirectory(dir=args.offload_root, prefix="kvbench-") as scratch:
-        for strategy in ("dynamic", *TIER_OF):  # warm-up: first-call allocations and kernel choices
+        for strategy in ("dynamic", *(r.name for r in RUNGS.values() if r.tier)):  # warm-up: first-call allocations and kernel choices
             run_one(loaded, strategy, real_prompt(loaded, 256), args, Path(scratch))
         for attempt in range(args.repeats):  # round robin, so a busy moment hits every case alike
             for i, case in enumerate(cases):

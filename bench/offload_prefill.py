@@ -1,7 +1,7 @@
 """Prefill into a tiered-disk cache, chunked (token-major, transformers') vs layer-major, side by side.
 
 Chunked prefill reads every layer's earlier chunks back from the disk for each new chunk; layer-major
-(runner/kvcache/layer_major.py) writes each layer once and reads none of it back. Per context and codec, one generate_once() per mode that stops at the first token measures the
+(runner/engine/kvcache/layer_major.py) writes each layer once and reads none of it back. Per context and codec, one generate_once() per mode that stops at the first token measures the
 prefill: time to first token, the compute thread's CPU time, disk bytes read and written. The block
 files are flushed and dropped from the page cache after every write, so reads come from the disk: the
 storage-bound case. A second run per mode with --new-tokens checks that both give the same tokens.
@@ -20,12 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from offload_common import real_prompt  # bench/ is on sys.path as a script
 
 from jobs.config import CacheConfig, PrefillMode, SummarizeConfig
 from jobs.kvplan import kv_bytes
-from runner.generation import generate_once
-from runner.kvcache import build_cache, kv_shape
-from runner.models import LoadedModel
+from runner.engine.generation import generate_once
+from runner.engine.kvcache import build_cache, kv_shape
+from runner.engine.models import LoadedModel
 from storage.kvblocks import BlockCodec, KVBlockError, KVBlockStore
 
 MiB = 1 << 20
@@ -90,7 +91,6 @@ def run(loaded: LoadedModel, prompt: list[int], mode: PrefillMode, codec: str, n
 def prefill_section(loaded: LoadedModel, args: argparse.Namespace) -> None:
     """Chunked vs layer-major prefill of a tiered-disk cache: time, bytes read and written, tokens."""
     # bench/ runs as a script, and offload imports this module
-    from offload import real_prompt
 
     shape = kv_shape(loaded.model.config, loaded.dtype)
     with tempfile.TemporaryDirectory(dir=args.offload_root, prefix="kvbench-prefill-") as tmp:

@@ -16,14 +16,15 @@ import time
 from dataclasses import dataclass
 
 import torch
+from offload_common import real_prompt  # bench/ is on sys.path as a script
 from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
 
 from jobs.config import CacheConfig, SummarizeConfig
 from jobs.kvplan import kv_bytes
-from runner.generation import Generation, generate_once
-from runner.kvcache import build_cache, kv_shape
-from runner.kvcache.resident import GrowingLayer
-from runner.models import LoadedModel
+from runner.engine.generation import Generation, generate_once
+from runner.engine.kvcache import build_cache, kv_shape
+from runner.engine.kvcache.resident import GrowingLayer
+from runner.engine.models import LoadedModel
 
 MiB = 1 << 20
 VARIANTS = ("DynamicCache", "dynamic")
@@ -75,7 +76,6 @@ def _run(loaded: LoadedModel, variant: str, prompt: list[int], settings: Summari
 
 def resident_section(loaded: LoadedModel, args: argparse.Namespace) -> None:
     """Decode ms/step and prefill s of both, their ratio, and whether the tokens are identical."""
-    from offload import real_prompt  # bench/offload.py imports this module to register the section
 
     settings = SummarizeConfig(max_new_tokens=args.new_tokens, prefill_chunk_size=args.prefill_chunk)
     for variant in VARIANTS:  # warm-up: first-call allocations and kernel choices

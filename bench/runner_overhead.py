@@ -36,10 +36,10 @@ import torch  # noqa: E402
 
 from jobs.config import JobConfig, load_config  # noqa: E402
 from jobs.documents import read_document_text  # noqa: E402
-from runner.generation import generate_once  # noqa: E402
-from runner.joblog import read_log  # noqa: E402
-from runner.models import load_model  # noqa: E402
-from runner.summarize import Summarizer  # noqa: E402
+from runner.engine.generation import generate_once  # noqa: E402
+from runner.engine.models import load_model  # noqa: E402
+from runner.engine.summarize import Summarizer  # noqa: E402
+from runner.observe.joblog import read_log  # noqa: E402
 
 LICENSES = Path("/usr/share/common-licenses")
 DEFAULT_DOCS = ["BSD", "CC0-1.0", "Artistic", "LGPL-3"]

@@ -12,6 +12,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from jobs.rungs import STRATEGIES
+
 DEFAULT_PROMPT = (
     "Summarise the following document in a few sentences. "
     "Say what it is, who it concerns and what it requires or allows."
@@ -68,7 +70,7 @@ class CacheConfig(_Section):
     zstd_level: int = Field(1, ge=-7, le=22)
     shuffle: bool = True
     # layer-major: prefill a layer at a time, so a tiered cache reads the prompt's KV back once (for its
-    # last chunk), not once per chunk; auto: that for tiered caches on covered models (runner/kvcache/layer_major.py)
+    # last chunk), not once per chunk; auto: that for tiered caches on covered models (runner/engine/kvcache/layer_major.py)
     prefill: PrefillMode = "auto"
 
     @field_validator("device_kv_budget_bytes", "host_kv_budget_bytes")
@@ -81,7 +83,6 @@ class CacheConfig(_Section):
     @field_validator("strategy")
     @classmethod
     def _known_strategy(cls, v: str) -> str:
-        from jobs.kvplan import STRATEGIES  # kvplan imports this module
 
         if v != "auto" and v not in STRATEGIES:
             raise ValueError(f"unknown cache strategy; choose auto or one of {sorted(STRATEGIES)}")
@@ -90,7 +91,6 @@ class CacheConfig(_Section):
     @field_validator("ladder")
     @classmethod
     def _known_ladder(cls, v: list[str]) -> list[str]:
-        from jobs.kvplan import STRATEGIES
 
         if not v:
             raise ValueError("needs at least one cache strategy")

@@ -10,22 +10,9 @@ decode step moves only the KV that does not fit.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
 
 from jobs.config import ConfigError
-
-DEVICE_RESIDENT = frozenset({"dynamic", "static"})
-"""Keep every layer's KV on the device."""
-HOST_BACKED = frozenset({"tiered-host", "offloaded", "offloaded_static"})
-"""Keep the KV in host RAM and bring a layer or two to the device at a time."""
-DISK_BACKED = frozenset({"tiered-disk"})
-"""Keep the KV in the task's offload dir; RAM and device hold only a few blocks and layers."""
-CUDA_ONLY = frozenset({"offloaded", "offloaded_static"})
-"""transformers' own offloading moves layers between a CUDA device and the host."""
-STRATEGIES = DEVICE_RESIDENT | HOST_BACKED | DISK_BACKED
-TierName = Literal["host", "disk"]
-TIER_OF: dict[str, TierName] = {"tiered-host": "host", "tiered-disk": "disk"}
-"""Our tiered rungs, and the tier their offloaded layers stream from."""
+from jobs.rungs import RUNGS, STRATEGIES, TierName
 
 
 @dataclass(frozen=True)
@@ -67,18 +54,21 @@ def kv_bytes(shape: KVShape, tokens: int, batch: int = 1) -> int:
     return shape.num_layers * shape.layer_token_bytes(batch) * tokens
 
 
+CHARS_PER_TOKEN = 3
+"""Rough characters per token, to size a task's KV cache before it is tokenised (on the high side)."""
+PROMPT_TOKENS = 64
+"""Room for the instruction and chat template around the document."""
+
+
+def estimated_tokens(n_chars: int, max_new_tokens: int, context_tokens: int) -> int:
+    """A pass's length (prompt + new tokens) from the document's size, before it is tokenised."""
+    return min(context_tokens, n_chars // CHARS_PER_TOKEN + max_new_tokens + PROMPT_TOKENS)
+
+
 def check_strategy(name: str, key: str = "cache.strategy") -> None:
     """A clear error for a cache strategy this tool does not know (`auto` is not a rung)."""
     if name not in STRATEGIES:
         raise ConfigError(f"{key}: unknown cache strategy {name!r}; choose from {sorted(STRATEGIES)}")
-
-
-def _fits(rung: str, kv: int, device_budget: int, host_budget: int) -> bool:
-    if rung in DEVICE_RESIDENT:
-        return kv <= device_budget
-    if rung in HOST_BACKED:
-        return kv <= host_budget
-    return True  # disk: the worker checks the offload root's free space before the task starts
 
 
 def plan_rungs(
@@ -91,9 +81,9 @@ def plan_rungs(
     """
     for rung in ladder:
         check_strategy(rung, "cache.ladder")
-    usable = [r for r in ladder if not (device_is_cpu and r in HOST_BACKED)]
+    usable = [r for r in ladder if not (device_is_cpu and RUNGS[r].home == "host")]
     for i, rung in enumerate(usable):
-        if _fits(rung, kv_bytes, device_budget, host_budget):
+        if RUNGS[rung].fits(kv_bytes, device_budget, host_budget):
             return usable[i:]
     return []
 

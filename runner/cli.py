@@ -71,7 +71,7 @@ def resume(
 @app.command()
 def status(job_dir: JobDirArgument, as_json: Annotated[bool, typer.Option("--json", help="machine-readable")] = False) -> None:
     """Counts per state, throughput, ETA, fallbacks and the slowest documents."""
-    from runner.status import job_status, print_status
+    from runner.observe.status import job_status, print_status
 
     def show() -> int:
         figures = job_status(job_dir)
@@ -122,7 +122,7 @@ def report(
     output: Annotated[Optional[Path], typer.Option("-o", "--output", help="HTML file (default JOB_DIR/report.html)")] = None,
 ) -> None:
     """One self-contained HTML page: summary, plots, failures, fallbacks, alerts."""
-    from runner.report import write_report
+    from runner.observe.report import write_report
 
     _run(write_report, job_dir, output, console)
 
@@ -131,7 +131,7 @@ def report(
 def doctor(config: Annotated[Optional[Path], typer.Option("-c", "--config", help="YAML config")] = None) -> None:
     """Check this machine: torch/CUDA, GPUs, copy bandwidth, offload root space and speed, RAM."""
     from jobs.config import load_config
-    from runner.doctor import doctor as run_doctor
+    from runner.observe.doctor import doctor as run_doctor
 
     _run(lambda: run_doctor(load_config(config), console))
 

@@ -39,12 +39,12 @@ from jobs.faults import FaultRule
 from jobs.manifest import Task
 from jobs.policy import FailureClass, context_fallback_note, shorter_context
 from jobs.schema import RESULT_SCHEMA, TaskState, empty_row
-from runner.alerts import AlertMonitor
-from runner.joblog import JobLog
-from runner.metrics import BatchMetrics
+from runner.engine.worker import SummaryWorker
 from runner.node_sweeper import NodeSweeper
-from runner.progress import BatchProgress
-from runner.worker import SummaryWorker
+from runner.observe.alerts import AlertMonitor
+from runner.observe.joblog import JobLog
+from runner.observe.metrics import BatchMetrics
+from runner.observe.progress import BatchProgress
 from storage.checkpoint import CheckpointLog
 from storage.jobdir import JobDir
 

@@ -16,7 +16,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from runner.joblog import JobLog
+from runner.observe.joblog import JobLog
 from storage.scratch import sweep_orphans
 
 POLL_S = 2.0

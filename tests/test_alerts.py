@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from rich.console import Console
 
-from runner.alerts import AlertMonitor, AlertRules, length_class, memory_threshold
-from runner.joblog import JobLog, read_log
+from runner.observe.alerts import AlertMonitor, AlertRules, length_class, memory_threshold
+from runner.observe.joblog import JobLog, read_log
 
 
 def test_length_classes_group_documents_within_a_factor_of_two():

@@ -14,9 +14,8 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jobs.config import ConfigError, config_from_dict
+from jobs.config import ConfigError, InputConfig, config_from_dict
 from jobs.manifest import read_manifest
-from jobs.config import InputConfig
 from tests.conftest import TINY_CONFIG, export_rows, kvbatch, write_jsonl
 
 SMALL_INPUT = InputConfig(max_document_bytes=4096)

@@ -12,7 +12,7 @@ import psutil
 
 from jobs.config import load_config
 from jobs.manifest import read_manifest
-from runner.worker import SummaryWorker
+from runner.engine.worker import SummaryWorker
 from storage.scratch import ROOT_MARKER
 from tests.child_process import Child
 from tests.conftest import LICENSES, TINY_CONFIG, write_jsonl

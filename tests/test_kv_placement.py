@@ -17,10 +17,11 @@ from test_kvcache import BLOCK, _generate, _one_torch_thread, _prompt, _small  #
 from transformers import AutoModelForCausalLM, DynamicCache, Gemma2Config, LlamaConfig, PreTrainedModel
 
 from jobs.config import CacheConfig, load_config
-from jobs.kvplan import KVShape, Placement, TierName, kv_bytes, plan_placement
+from jobs.kvplan import KVShape, Placement, kv_bytes, plan_placement
 from jobs.manifest import read_manifest
-from runner.kvcache import TieredCache, build_cache, kv_shape
-from runner.worker import SummaryWorker
+from jobs.rungs import TierName
+from runner.engine.kvcache import TieredCache, build_cache, kv_shape
+from runner.engine.worker import SummaryWorker
 
 SMOLLM2 = KVShape(num_layers=30, num_kv_heads=3, head_dim=64, dtype_bytes=2)
 DOC = 4096  # tokens: prompt + new tokens

@@ -26,7 +26,7 @@ from transformers import (
 
 from jobs.config import CacheConfig, ConfigError
 from jobs.kvplan import kv_bytes, plan_rungs
-from runner.kvcache import BudgetedDynamicCache, TieredCache, build_cache, kv_shape, resolve_budgets
+from runner.engine.kvcache import BudgetedDynamicCache, TieredCache, build_cache, kv_shape, resolve_budgets
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -10,13 +10,13 @@ import math
 
 import pytest
 import torch
+from test_kvcache import ARCHS, _generate, _model, _next_logits_equal, _one_torch_thread, _prompt  # noqa: F401
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from jobs.kvplan import kv_bytes
-from runner.kvcache import BudgetedDynamicCache, KVBudgetExceeded, kv_shape
-from runner.kvcache.resident import GRANULE_TOKENS, GROWTH, GrowingLayer
-from test_kvcache import ARCHS, _generate, _model, _next_logits_equal, _one_torch_thread, _prompt  # noqa: F401
+from runner.engine.kvcache import BudgetedDynamicCache, KVBudgetExceeded, kv_shape
+from runner.engine.kvcache.resident import GRANULE_TOKENS, GROWTH, GrowingLayer
 
 
 def _check_same(

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from conftest import LICENSES, TINY_CONFIG, export_rows, kvbatch, write_jsonl
 
 

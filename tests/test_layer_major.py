@@ -16,15 +16,15 @@ from test_kvcache import BLOCK, _cache, _layer_bytes, _model, _one_torch_thread,
 from transformers import AutoModelForCausalLM, DynamicCache, GPT2Config, PreTrainedModel
 
 from jobs.config import ModelConfig, SummarizeConfig
-from runner.generation import generate_once
-from runner.kvcache import TieredCache
-from runner.kvcache.layer_major import (
+from runner.engine.generation import generate_once
+from runner.engine.kvcache import TieredCache
+from runner.engine.kvcache.layer_major import (
     choose_prefill,
     layer_major_prefill,
     prefilled,
     unsupported_reason,
 )
-from runner.models import LoadedModel, load_model
+from runner.engine.models import LoadedModel, load_model
 
 CHUNK = 11
 NEW_TOKENS = 8
@@ -146,7 +146,7 @@ def test_an_uncovered_architecture_falls_back_to_chunked_prefill(tiny: LoadedMod
     outputs = {}
     for mode in ("chunked", "layer-major"):
         with TieredCache(gpt2.model.config, tier="disk", offload_dir=tmp_path / mode, block_tokens=BLOCK) as cache:
-            with caplog.at_level(logging.INFO, logger="runner.kvcache.layer_major"):
+            with caplog.at_level(logging.INFO, logger="runner.engine.kvcache.layer_major"):
                 outputs[mode] = generate_once(gpt2, prompt, NEW_TOKENS, settings, {"past_key_values": cache}, mode)
             assert cache.stats()["offload_bytes_read"] > 0  # chunked prefill's read-backs
     assert outputs["layer-major"].tokens == outputs["chunked"].tokens

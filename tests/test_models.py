@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from jobs.config import ModelConfig
-from runner import models
-from runner.models import (
+from runner.engine import models
+from runner.engine.models import (
     LoadedModel,
     ModelLoadError,
     builtin_cache_dir,
@@ -62,7 +62,7 @@ def _is_plain_english(text: str) -> bool:
 
 def test_import_is_cheap() -> None:
     proc = _run_python(
-        "import sys, runner.models; print(sorted({'ray', 'torch', 'transformers'} & set(sys.modules)))", {}
+        "import sys, runner.engine.models; print(sorted({'ray', 'torch', 'transformers'} & set(sys.modules)))", {}
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
@@ -148,7 +148,7 @@ def test_unknown_hub_id_offline_names_the_model(tmp_path: Path) -> None:
     # a fresh process, so HF_HUB_OFFLINE is read at import like in a real run; an empty HF cache
     code = (
         "from jobs.config import ModelConfig\n"
-        "from runner.models import load_model, ModelLoadError\n"
+        "from runner.engine.models import load_model, ModelLoadError\n"
         "try:\n"
         "    load_model(ModelConfig(name='kvbatch-test/definitely-not-cached'))\n"
         "except ModelLoadError as e:\n"
@@ -211,7 +211,7 @@ def test_concurrent_first_loads_convert_once(tmp_path: Path) -> None:
     code = (
         "import hashlib\n"
         "from jobs.config import ModelConfig\n"
-        "from runner.models import load_model\n"
+        "from runner.engine.models import load_model\n"
         "m = load_model(ModelConfig(name='builtin:tiny-random')).model\n"
         "h = hashlib.sha256()\n"
         "for k, v in sorted(m.state_dict().items()):\n"

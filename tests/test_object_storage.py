@@ -16,14 +16,14 @@ import time
 from collections.abc import Iterator
 
 import pytest
-
 from conftest import LICENSES, TINY_CONFIG, done_summaries, kvbatch, license_manifest, wait_for, write_jsonl
+
 from jobs.schema import RESULT_SCHEMA, TaskState, empty_row
 from jobs.uris import filesystem_of
 from storage.checkpoint import CheckpointLog, compact, load_state
 from storage.lease import JobLease, job_lock
-from storage.lock import JobLockedError
 from storage.location import Location
+from storage.lock import JobLockedError
 from storage.parts import TEMP_PREFIX, list_parts, list_temp_files
 
 DOCS = ["GPL-2", "LGPL-2.1", "Apache-2.0", "MPL-2.0", "Artistic", "BSD"]

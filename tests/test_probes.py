@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from jobs.config import ModelConfig, SummarizeConfig
-from runner.generation import generate_once
-from runner.models import load_model
-from runner.probes import StageProbe, memory_snapshot
+from runner.engine.generation import generate_once
+from runner.engine.models import load_model
+from runner.engine.probes import StageProbe, memory_snapshot
 
 
 @pytest.fixture(scope="module")

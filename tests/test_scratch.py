@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import mounted_tmpfs
 
 from storage.owner import ProcessOwner
 from storage.scratch import (
@@ -27,7 +28,6 @@ from storage.scratch import (
     sweep_orphans,
     task_scratch,
 )
-from conftest import mounted_tmpfs
 from tests.child_process import Child
 
 HOLD_SCRATCH = """

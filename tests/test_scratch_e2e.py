@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
-
 from conftest import TINY_CONFIG, export_rows, kvbatch, mounted_tmpfs
 from test_resume import manifest_of, start_submit, wait_for
+
 from storage.scratch import OWNER_FILE, ROOT_MARKER
 from tests.child_process import Child
 

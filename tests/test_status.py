@@ -19,10 +19,10 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, kvbatch, start_submit, wait_for, write_jsonl
-from runner.joblog import read_log
-from runner.status import job_status
+
+from runner.observe.joblog import read_log
+from runner.observe.status import job_status
 from storage.jobdir import JobDirError
 
 SENTENCE = "The committee reviewed the quarterly figures and agreed to publish them next week. "

@@ -1,7 +1,7 @@
 """One `model.generate` call, timed: time to first token and decode rate come from a streamer.
 
 The prompt is prefilled in chunks of `summarize.prefill_chunk_size`, token-major (transformers') or,
-for tiered caches, layer-major first (`cache.prefill`, runner/kvcache/layer_major.py): same tokens.
+for tiered caches, layer-major first (`cache.prefill`, runner/engine/kvcache/layer_major.py): same tokens.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import torch
 from transformers.generation.streamers import BaseStreamer
 
 from jobs.config import PrefillMode, SummarizeConfig
-from runner.kvcache.layer_major import choose_prefill, layer_major_prefill, prefilled
-from runner.models import LoadedModel
+from runner.engine.kvcache.layer_major import choose_prefill, layer_major_prefill, prefilled
+from runner.engine.models import LoadedModel
 
 
 @dataclass(frozen=True)

@@ -31,9 +31,9 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     from jobs.config import ModelConfig
-    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 

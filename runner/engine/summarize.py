@@ -11,8 +11,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from jobs.chunking import SUMMARY_SEPARATOR, group_for_merge, plan_chunks, summary_budget
-from runner.generation import Generation
-from runner.models import LoadedModel
+from runner.engine.generation import Generation
+from runner.engine.models import LoadedModel
 
 #: Re-tokenising a chunk inside the chat template can merge tokens differently at its edges.
 _EDGE_MARGIN_TOKENS = 8

@@ -22,24 +22,20 @@ from typing import Any
 import psutil
 import torch
 
-from jobs.config import JobConfig
 from jobs.chunking import ContextTooSmallError
+from jobs.config import JobConfig
 from jobs.documents import DocumentError, load_task_text
 from jobs.faults import FaultRule, fault_for
-from jobs.kvplan import TIER_OF, Placement, kv_bytes, plan_placement, plan_rungs
+from jobs.kvplan import Placement, estimated_tokens, kv_bytes, plan_placement, plan_rungs
 from jobs.manifest import Task
 from jobs.policy import FailureClass, cache_fallback_note
-from runner.generation import Generation, generate_once
-from runner.kvcache import build_cache, kv_shape, resolve_budgets
-from runner.models import load_model
-from runner.probes import StageProbe, memory_snapshot
-from runner.summarize import Summarizer
+from jobs.rungs import RUNGS
+from runner.engine.generation import Generation, generate_once
+from runner.engine.kvcache import build_cache, kv_shape, resolve_budgets
+from runner.engine.models import load_model
+from runner.engine.probes import StageProbe, memory_snapshot
+from runner.engine.summarize import Summarizer
 from storage.scratch import ScratchSpaceError, check_free_space, ensure_offload_root, sweep_orphans, task_scratch
-
-DISK_RUNGS = frozenset({"tiered-disk"})
-
-#: Rough characters per token, to size a task's KV cache before it is tokenised.
-_CHARS_PER_TOKEN = 3
 
 
 class _PeakRss:
@@ -162,7 +158,7 @@ class SummaryWorker:
     def _rungs(self, task: Task, context_tokens: int, max_new_tokens: int) -> list[str]:
         if self.cfg.cache.strategy != "auto":
             return [self.cfg.cache.strategy]
-        tokens = min(context_tokens, task.n_chars // _CHARS_PER_TOKEN + max_new_tokens + 64)
+        tokens = estimated_tokens(task.n_chars, max_new_tokens, context_tokens)
         return plan_rungs(
             self.cfg.cache.ladder,
             kv_bytes(self.kv_shape, tokens),
@@ -176,10 +172,11 @@ class SummaryWorker:
         on other rungs, and when the whole KV would fit the device budget: then the tiered rung is
         there because the config asked for it (`cache.strategy`, or the ladder's order), not for lack
         of room, and it is honoured as asked."""
-        if rung not in TIER_OF or kv_bytes(self.kv_shape, tokens) <= self.device_budget:
+        tier = RUNGS[rung].tier
+        if tier is None or kv_bytes(self.kv_shape, tokens) <= self.device_budget:
             return None
         return plan_placement(
-            self.kv_shape, tokens, TIER_OF[rung], self.device_budget, self.host_budget,
+            self.kv_shape, tokens, tier, self.device_budget, self.host_budget,
             self.cfg.cache.block_tokens, device_is_cpu=self.loaded.device.type == "cpu",
         )
 
@@ -189,7 +186,7 @@ class SummaryWorker:
     ) -> Any:
         with ExitStack() as stack:
             offload_dir: Path | None = None
-            if rung in DISK_RUNGS:
+            if RUNGS[rung].needs_offload_dir:
                 check_free_space(self.offload_root, kv_bytes(self.kv_shape, context_tokens))
                 offload_dir = stack.enter_context(
                     task_scratch(self.offload_root, self.job_id, task.task_id, attempt)

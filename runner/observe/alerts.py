@@ -30,7 +30,7 @@ import psutil
 from rich.console import Console
 from rich.markup import escape
 
-from runner.joblog import JobLog
+from runner.observe.joblog import JobLog
 
 MEMORY_FRACTION_ENV = "KVBATCH_ALERT_MEMORY_FRACTION"
 SLOW_FACTOR = 2.0

@@ -17,10 +17,10 @@ from typing import Any
 
 from rich.console import Console
 
-from runner.joblog import read_log
-from runner.progress import format_duration
-from runner.report_plots import PLOTS, fallback_path
-from runner.status import job_status
+from runner.observe.joblog import read_log
+from runner.observe.progress import format_duration
+from runner.observe.report_plots import PLOTS, fallback_path
+from runner.observe.status import job_status
 from storage.export import results_table
 from storage.jobdir import JobDir, read_job
 from storage.location import Location, Where

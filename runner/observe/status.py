@@ -19,8 +19,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from jobs.schema import TaskState
-from runner.joblog import read_log
-from runner.progress import format_duration
+from runner.observe.joblog import read_log
+from runner.observe.progress import format_duration
 from storage.checkpoint import load_state
 from storage.jobdir import JobDir, read_job, read_manifest_table
 from storage.location import Where

@@ -1,10 +1,10 @@
 """KV cache strategies: transformers' own caches (budget-guarded) and our tiered host/disk cache."""
 
-from runner.kvcache.budget import KVBudgetExceeded
-from runner.kvcache.dynamic import BudgetedDynamicCache
-from runner.kvcache.resident import GrowingLayer
-from runner.kvcache.strategies import CacheHandle, build_cache, kv_shape, resolve_budgets
-from runner.kvcache.tiered import TieredCache
+from runner.engine.kvcache.budget import KVBudgetExceeded
+from runner.engine.kvcache.dynamic import BudgetedDynamicCache
+from runner.engine.kvcache.resident import GrowingLayer
+from runner.engine.kvcache.strategies import CacheHandle, build_cache, kv_shape, resolve_budgets
+from runner.engine.kvcache.tiered import TieredCache
 
 __all__ = [
     "BudgetedDynamicCache",

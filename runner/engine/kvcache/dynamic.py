@@ -14,8 +14,8 @@ import torch
 from transformers import PretrainedConfig
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-from runner.kvcache.budget import ResidentMeter
-from runner.kvcache.resident import GrowingLayer, allocated_bytes
+from runner.engine.kvcache.budget import ResidentMeter
+from runner.engine.kvcache.resident import GrowingLayer, allocated_bytes
 
 
 class BudgetedDynamicCache(DynamicCache):

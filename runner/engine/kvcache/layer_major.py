@@ -40,7 +40,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.modeling_utils import slice_logits_to_keep
 
 from jobs.config import PrefillMode
-from runner.kvcache.tiered import TieredLayer
+from runner.engine.kvcache.tiered import TieredLayer
 
 log = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from runner.kvcache.io_thread import IOThread
-from runner.kvcache.tiers import Tier
+from runner.engine.kvcache.io_thread import IOThread
+from runner.engine.kvcache.tiers import Tier
 
 
 @dataclass

@@ -19,9 +19,10 @@ from transformers import PretrainedConfig, PreTrainedModel
 from transformers.cache_utils import get_layer_types_and_kwargs
 
 from jobs.config import CacheConfig, ConfigError
-from jobs.kvplan import CUDA_ONLY, TIER_OF, KVShape, Placement, check_strategy
-from runner.kvcache.dynamic import BudgetedDynamicCache
-from runner.kvcache.tiered import TieredCache
+from jobs.kvplan import KVShape, Placement, check_strategy
+from jobs.rungs import RUNGS
+from runner.engine.kvcache.dynamic import BudgetedDynamicCache
+from runner.engine.kvcache.tiered import TieredCache
 
 STAT_KEYS = ("kv_bytes", "kv_resident_peak_bytes", "offload_bytes_written", "offload_bytes_read", "compression_ratio")
 
@@ -106,12 +107,13 @@ def build_cache(
     `placement` says which layers a tiered rung keeps on the device (default: none);
     `expected_tokens` (prompt + new tokens) lets `dynamic` allocate once instead of growing."""
     check_strategy(strategy)
+    rung = RUNGS[strategy]
     if strategy == "dynamic":
         cache = BudgetedDynamicCache(model.config, device_budget_bytes, expected_tokens)
         return CacheHandle(strategy, {"past_key_values": cache}, cache.stats, cache.close)
-    if strategy in TIER_OF:
-        tier = TIER_OF[strategy]
-        if tier == "disk" and offload_dir is None:
+    if rung.tier is not None:
+        tier = rung.tier
+        if rung.needs_offload_dir and offload_dir is None:
             raise ValueError("cache strategy tiered-disk needs the task's offload dir (cache.offload_root)")
         tiered = TieredCache(
             model.config,
@@ -126,7 +128,7 @@ def build_cache(
             placement=placement,
         )
         return CacheHandle(strategy, {"past_key_values": tiered}, tiered.stats, tiered.close)
-    if strategy in CUDA_ONLY and model.device.type != "cuda":
+    if rung.cuda_only and model.device.type != "cuda":
         raise ConfigError(
             f"cache.strategy {strategy!r} is transformers' own offloading, which needs a CUDA device; "
             f"this model runs on {model.device.type}: use tiered-host or tiered-disk instead"

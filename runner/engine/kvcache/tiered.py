@@ -30,12 +30,13 @@ from transformers.cache_utils import (
     get_layer_types_and_kwargs,
 )
 
-from jobs.kvplan import Placement, TierName
-from runner.kvcache.budget import ResidentMeter
-from runner.kvcache.io_thread import IOThread
-from runner.kvcache.layer_store import LayerStore, Resident, Traffic
-from runner.kvcache.resident import GrowingLayer, allocated_bytes
-from runner.kvcache.tiers import DiskTier, HostTier, Tier
+from jobs.kvplan import Placement
+from jobs.rungs import TierName
+from runner.engine.kvcache.budget import ResidentMeter
+from runner.engine.kvcache.io_thread import IOThread
+from runner.engine.kvcache.layer_store import LayerStore, Resident, Traffic
+from runner.engine.kvcache.resident import GrowingLayer, allocated_bytes
+from runner.engine.kvcache.tiers import DiskTier, HostTier, Tier
 from storage.kvblocks import BlockCodec, Compression
 
 _WINDOWED = ("sliding_attention", "chunked_attention")
