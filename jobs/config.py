@@ -121,6 +121,27 @@ class WorkersConfig(_Section):
         return v
 
 
+AUTO_MAX_SEQUENCES = 16
+"""`batch.max_sequences: auto`: as many as the device budget holds, up to this many."""
+
+
+class BatchConfig(_Section):
+    # sequences (documents, map chunks, merge passes) sharing a worker's decode steps; the worker also
+    # keeps that many tasks in flight, and admits a sequence only while the batch's KV fits the budget
+    max_sequences: int | Literal["auto"] = "auto"
+
+    @field_validator("max_sequences")
+    @classmethod
+    def _positive(cls, v: int | str) -> int | str:
+        if v != "auto" and v <= 0:
+            raise ValueError("must be a positive number of sequences or 'auto'")
+        return v
+
+    @property
+    def sequences(self) -> int:
+        return AUTO_MAX_SEQUENCES if self.max_sequences == "auto" else self.max_sequences
+
+
 class CheckpointConfig(_Section):
     flush_every: int = Field(32, gt=0)
     flush_interval_s: float = Field(5.0, gt=0)
@@ -135,6 +156,7 @@ class JobConfig(_Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     summarize: SummarizeConfig = Field(default_factory=SummarizeConfig)
     cache: CacheConfig = Field(default_factory=CacheConfig)
+    batch: BatchConfig = Field(default_factory=BatchConfig)
     retry: RetryConfig = Field(default_factory=RetryConfig)
     workers: WorkersConfig = Field(default_factory=WorkersConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)

@@ -122,6 +122,12 @@ class Placement:
         streamed layer's old tokens come in and its new one goes out; resident layers move nothing."""
         return len(self.streamed_layers) * (cached_tokens + 1) * self.layer_token_bytes
 
+    @property
+    def device_bytes(self) -> int:
+        """Device memory the plan holds at full length: resident layers and the streaming working set."""
+        working_set = min(len(self.streamed_layers), 2)
+        return (len(self.resident_layers) + working_set) * self.tokens * self.layer_token_bytes
+
     def describe(self) -> str:
         """One line for the result row, e.g. "resident 15/30 layers, host 15"."""
         parts = [f"resident {len(self.resident_layers)}/{len(self.full_attention_layers)} layers"]
@@ -130,6 +136,16 @@ class Placement:
         if self.windowed_layers:
             parts.append(f"{self.windowed_layers} sliding-window resident")
         return ", ".join(parts)
+
+
+def device_kv_bytes(shape: KVShape, rung: str, tokens: int, placement: Placement | None) -> int:
+    """Device memory one sequence's KV takes at its full length (`tokens`) on `rung`: what a worker's
+    batch admission adds up against the device budget."""
+    if RUNGS[rung].home == "device":
+        return kv_bytes(shape, tokens)
+    if placement is not None:
+        return placement.device_bytes
+    return min(shape.num_layers, 2) * tokens * shape.layer_token_bytes()  # the layer computing, the next
 
 
 def _spread(layers: tuple[int, ...], k: int) -> tuple[int, ...]:

@@ -73,6 +73,10 @@ RESULT_SCHEMA = pa.schema(
         ("offload_bytes_read", pa.int64()),
         ("compression_ratio", pa.float64()),
         ("kv_placement", pa.string()),  # tiered rungs: "resident 15/30 layers, host 15"; null on other rungs
+        # mean sequences sharing the task's decode steps, and the share of padded positions in them (0:
+        # each sequence attends to its own length)
+        ("batch_size", pa.float64()),
+        ("padding_share", pa.float64()),
         ("worker", pa.string()),
         ("model", pa.string()),
         ("finished_at", pa.float64()),

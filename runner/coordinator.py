@@ -54,6 +54,9 @@ EXIT_NO_WORKERS = 4
 EXIT_INTERRUPTED = 130
 #: How long a restarted worker may take to come back (process start + model load), not task time.
 WORKER_RESTART_TIMEOUT_S = 300.0
+#: A task whose worker was lost this often while other tasks shared it runs alone from then on, and
+#: only then do losses count as its own attempts: a poison document must not use up its batch-mates'.
+BATCH_CRASHES_BEFORE_ALONE = 2
 
 
 class TransientFailure(Exception):
@@ -81,6 +84,8 @@ class _TaskRun:
     fallbacks: list[str] = field(default_factory=list)
     queue_wait_s: float | None = None
     slow_alerted: bool = False
+    batch_crashes: int = 0  # worker losses while batch-mates were in flight: not counted as its attempts
+    alone: bool = False  # after BATCH_CRASHES_BEFORE_ALONE of those, it runs with no batch-mates
 
 
 class _WorkQueue:
@@ -153,6 +158,8 @@ class Coordinator:
         self.metrics = BatchMetrics(job_id)
         self.worker_slots: dict[Any, str] = {}
         self._queued_at = time.time()
+        self._in_flight: dict[Any, int] = {}  # per actor: tasks it runs now
+        self._deaths: dict[Any, int] = {}  # per actor: losses seen, so N tasks of one loss count it once
 
     # -- events and results ---------------------------------------------------------------
     def _event(self, run: _TaskRun, state: TaskState, worker: str = "", error_type: str | None = None,
@@ -202,26 +209,50 @@ class Coordinator:
         slot = self.worker_slots.get(actor, "worker")
         self.alerts.task_started(run.task.task_id, run.task.doc_id, run.task.n_chars, slot)
         self.metrics.set_running(self.alerts.active())
-        ref = actor.run.remote(dataclasses.asdict(run.task), run.attempt, run.context_tokens)
+        with self._record_lock:
+            self._in_flight[actor] = self._in_flight.get(actor, 0) + 1
+            shared = self._in_flight[actor] > 1
+            deaths_before = self._deaths.get(actor, 0)
+        ref = actor.run.remote(dataclasses.asdict(run.task), run.attempt, run.context_tokens, run.alone)
         try:
             outcome = ray.get(ref, timeout=self.cfg.retry.task_timeout_s)
         except GetTimeoutError:
             ray.kill(actor, no_restart=False)  # a hung worker is restarted, with a fresh model
-            self._worker_restarted(slot, "TimeoutError", run.task.doc_id)
+            self._worker_lost(actor, slot, "TimeoutError", run, deaths_before, shared)
             raise WorkerLost(
                 "TimeoutError", f"no result within retry.task_timeout_s={self.cfg.retry.task_timeout_s}s"
             ) from None
         except RayActorError as e:
             if self.stop.is_set():
                 raise Interrupted() from None
-            self._worker_restarted(slot, "WorkerDied", run.task.doc_id)
+            self._worker_lost(actor, slot, "WorkerDied", run, deaths_before, shared)
             raise WorkerLost("WorkerDied", f"worker process died: {e}") from None
         finally:
+            with self._record_lock:
+                self._in_flight[actor] -= 1
             run.slow_alerted = self.alerts.task_stopped(run.task.task_id)
             self.metrics.set_running(self.alerts.active())
         if outcome.get("failure_class") == FailureClass.TRANSIENT:
             raise TransientFailure(outcome["error_type"], outcome["error"])
         return outcome
+
+    def _worker_lost(self, actor: Any, slot: str, reason: str, run: _TaskRun, deaths_before: int,
+                     shared: bool) -> None:
+        """Count one loss once, however many of its tasks see it; a loss with batch-mates in flight
+        is not held against this task until it has run alone."""
+        with self._record_lock:
+            first_to_see = self._deaths.get(actor, 0) == deaths_before
+            if first_to_see:
+                self._deaths[actor] = deaths_before + 1
+            shared = shared or self._in_flight.get(actor, 0) > 1
+        if first_to_see:
+            self._worker_restarted(slot, reason, run.task.doc_id)
+        if shared and not run.alone:
+            run.tries_at_context -= 1
+            run.batch_crashes += 1
+            run.alone = run.batch_crashes >= BATCH_CRASHES_BEFORE_ALONE
+            self.log.warning("task_lost_in_batch", task_id=run.task.task_id, doc_id=run.task.doc_id,
+                             losses=run.batch_crashes, runs_alone_next=run.alone)
 
     def _worker_restarted(self, slot: str, reason: str, doc_id: str) -> None:
         self.alerts.worker_restarted(slot, reason, doc_id)
@@ -317,9 +348,12 @@ class Coordinator:
         resources = ray.cluster_resources()
         gpus = self.cfg.workers.gpus_per_worker if resources.get("GPU", 0) > 0 else 0
         # SPREAD: one worker per node before any node gets a second, so a lost node costs the fewest
+        # max_concurrency: each task in flight runs in an actor thread of its own, and the worker's
+        # scheduler batches their sequences
         remote_cls = ray.remote(SummaryWorker).options(
             num_cpus=self.cfg.workers.cpus_per_worker, num_gpus=gpus,
             max_restarts=-1, max_task_retries=0, scheduling_strategy="SPREAD",
+            max_concurrency=self.cfg.batch.sequences,
         )
         threads = max(1, int(self.cfg.workers.cpus_per_worker))
         config = self.cfg.model_dump(mode="json")
@@ -385,8 +419,9 @@ class Coordinator:
         errors: list[BaseException] = []
         with self.alerts.watching(), NodeSweeper(self.offload_root, self.log), \
                 BatchProgress(self.console, total, already_done, len(actors), self.alerts.active) as progress:
+            # as many tasks in flight per worker as it batches sequences, so its batch stays full
             threads = [threading.Thread(target=self._drive, args=(a, work, progress, errors), daemon=True)
-                       for a in actors]
+                       for a in actors for _ in range(self.cfg.batch.sequences)]
             for t in threads:
                 t.start()
             while any(t.is_alive() for t in threads) and not self.stop.is_set():

@@ -1,9 +1,8 @@
 """Memory at each stage of a task: after model load, after prefill, peak while decoding (device and host).
 
 Operators size batches by where memory goes, so the worker records it per stage instead of one
-task-wide peak. The stage boundary comes from the model itself: a forward pre-hook sees prefill
-steps (several tokens a call, chunked prefill included) and decode steps (one token a call), so
-nothing in the generation loop has to report to it.
+task-wide peak. The scheduler knows each stage's boundary (it runs every prefill and decode step),
+so it records them for every task whose sequences it runs.
 """
 
 from __future__ import annotations
@@ -42,84 +41,38 @@ def _max(a: float | None, b: float | None) -> float | None:
     return b if a is None else a if b is None else max(a, b)
 
 
-def _step_tokens(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
-    ids = kwargs.get("input_ids")
-    if ids is None and args:
-        ids = args[0]
-    if ids is None:
-        return kwargs["inputs_embeds"].shape[1]
-    return ids.shape[-1]
+@dataclass
+class StageMemory:
+    """Per-task memory by stage, taken by the scheduler that runs the task's passes: after each prefill,
+    and at each decode step (the peak). On CUDA the device figure is torch's allocation at that moment:
+    sequences share the device, so a peak counter would mix in their batch-mates' transients."""
 
-
-class StageProbe:
-    """Per-task memory figures, taken while the model generates; a context manager around one task.
-
-    On CUDA it resets torch's peak counter when decoding starts (to get the decode peak) and folds
-    every reading into `device_peak_bytes`, so the task-wide peak survives the resets.
-    """
-
-    def __init__(self, model: torch.nn.Module, device: torch.device) -> None:
-        self.model = model
-        self.device = device
-        self.cuda = device.type == "cuda"
-        self.prefill_host_rss_bytes: int | None = None
-        self.prefill_device_bytes: int | None = None
-        self.decode_peak_host_rss_bytes: int | None = None
-        self.decode_peak_device_bytes: int | None = None
-        self.device_peak_bytes: int | None = None
-        self.host_used_fraction: float | None = None  # highest reading while the task ran
-        self.device_used_fraction: float | None = None
-        self._decoding = False
-        self._prefilling = False  # prefill steps seen since the last decode step
-        self._hook: Any = None
-
-    def __enter__(self) -> "StageProbe":
-        if self.cuda:
-            torch.cuda.reset_peak_memory_stats(self.device)
-        self._hook = self.model.register_forward_pre_hook(self._before_forward, with_kwargs=True)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._hook.remove()
-        if self._decoding:
-            self._decode_ended()
-        elif self._prefilling:  # a one-token answer: generate() stopped right after prefill
-            self._prefill_ended()
-        self._decoding = self._prefilling = False
-        if self.cuda:
-            self.device_peak_bytes = _max(self.device_peak_bytes, torch.cuda.max_memory_allocated(self.device))
-
-    def _before_forward(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if _step_tokens(args, kwargs) > 1:  # a prefill step: a new pass begins, or a prefill chunk
-            if self._decoding:
-                self._decode_ended()
-            self._decoding, self._prefilling = False, True
-            return
-        if not self._decoding:
-            self._decoding, self._prefilling = True, False
-            self._prefill_ended()
-        rss = psutil.Process().memory_info().rss
-        self.decode_peak_host_rss_bytes = int(_max(self.decode_peak_host_rss_bytes, rss))
+    prefill_host_rss_bytes: int | None = None
+    prefill_device_bytes: int | None = None
+    decode_peak_host_rss_bytes: int | None = None
+    decode_peak_device_bytes: int | None = None
+    host_used_fraction: float | None = None  # highest reading while the task ran
+    device_used_fraction: float | None = None
 
     def _observe(self, snap: MemorySnapshot) -> None:
         self.host_used_fraction = _max(self.host_used_fraction, snap.host_used_fraction)
         self.device_used_fraction = _max(self.device_used_fraction, snap.device_used_fraction)
 
-    def _prefill_ended(self) -> None:
-        snap = memory_snapshot(self.device)
+    def prefill_done(self, snap: MemorySnapshot) -> None:
         self._observe(snap)
-        self.prefill_host_rss_bytes = int(_max(self.prefill_host_rss_bytes, snap.host_rss_bytes))
-        if self.cuda:
-            self.prefill_device_bytes = int(_max(self.prefill_device_bytes, snap.device_bytes))
-            self.device_peak_bytes = _max(self.device_peak_bytes, torch.cuda.max_memory_allocated(self.device))
-            torch.cuda.reset_peak_memory_stats(self.device)
+        self.prefill_host_rss_bytes = _max(self.prefill_host_rss_bytes, snap.host_rss_bytes)
+        self.prefill_device_bytes = _max(self.prefill_device_bytes, snap.device_bytes)
 
-    def _decode_ended(self) -> None:
-        self._observe(memory_snapshot(self.device))
-        if self.cuda:
-            peak = torch.cuda.max_memory_allocated(self.device)
-            self.decode_peak_device_bytes = int(_max(self.decode_peak_device_bytes, peak))
-            self.device_peak_bytes = _max(self.device_peak_bytes, peak)
+    def decode_step(self, host_rss_bytes: int, device_bytes: int | None) -> None:
+        self.decode_peak_host_rss_bytes = _max(self.decode_peak_host_rss_bytes, host_rss_bytes)
+        self.decode_peak_device_bytes = _max(self.decode_peak_device_bytes, device_bytes)
+
+    def decode_done(self, snap: MemorySnapshot) -> None:
+        self._observe(snap)
+
+    @property
+    def device_peak_bytes(self) -> int | None:
+        return _max(self.prefill_device_bytes, self.decode_peak_device_bytes)
 
     def row_fields(self) -> dict[str, Any]:
         """The result row's per-stage memory columns."""

@@ -2,11 +2,14 @@
 
 A document longer than the context is split (jobs.chunking) into token-budgeted chunks on
 paragraph/sentence boundaries; each chunk is summarised, then neighbouring summaries are joined in
-groups that fit one pass and summarised again, until one summary remains.
+groups that fit one pass and summarised again, until one summary remains. The passes of one level
+(every chunk; every merge group of a round) are handed over together, so the worker's scheduler
+decodes them side by side.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -17,7 +20,8 @@ from runner.engine.models import LoadedModel
 #: Re-tokenising a chunk inside the chat template can merge tokens differently at its edges.
 _EDGE_MARGIN_TOKENS = 8
 
-GenerateFn = Callable[[list[int], int], Generation]
+GenerateFn = Callable[[list[list[int]], int], list[Generation]]
+"""Generate for several prompts at once (each with the same number of new tokens), in their order."""
 
 
 @dataclass
@@ -38,15 +42,37 @@ class Summary:
         decoded = sum(max(p.output_tokens - 1, 0) for p in self.passes)
         return decoded / decode_s if decode_s > 0 else 0.0
 
+    @property
+    def batch_size(self) -> float:
+        """Mean sequences sharing this document's decode steps (each pass weighted by its steps)."""
+        steps = sum(max(p.output_tokens - 1, 0) for p in self.passes)
+        if not steps:
+            return 1.0
+        return sum(p.batch_size * max(p.output_tokens - 1, 0) for p in self.passes) / steps
+
 
 class Summarizer:
     def __init__(self, loaded: LoadedModel, overlap_tokens: int) -> None:
         self.tokenizer = loaded.tokenizer
         self.overlap_tokens = overlap_tokens
+        # a fast tokenizer sets its truncation state per call, and two threads at once fail ("Already
+        # borrowed"): the tasks in flight in one worker take turns
+        self._tokenizing = threading.Lock()
+
+    def _encode(self, text: str, **kwargs: object) -> dict:
+        with self._tokenizing:
+            return self.tokenizer(text, add_special_tokens=False, **kwargs)
+
+    def _decode(self, tokens: list[int]) -> str:
+        with self._tokenizing:
+            return self.tokenizer.decode(tokens, skip_special_tokens=True).strip()
 
     def prompt_ids(self, instruction: str, document: str) -> list[int]:
         """The model's chat template when it has one, else instruction and document as plain text."""
-        content = f"{instruction}\n\n{document}"
+        with self._tokenizing:
+            return self._prompt_ids(f"{instruction}\n\n{document}")
+
+    def _prompt_ids(self, content: str) -> list[int]:
         if self.tokenizer.chat_template:
             return list(
                 self.tokenizer.apply_chat_template(
@@ -68,23 +94,21 @@ class Summarizer:
     ) -> Summary:
         overhead = len(self.prompt_ids(instruction, "")) + _EDGE_MARGIN_TOKENS
         budget = summary_budget(context_tokens, overhead, max_new_tokens)
-        encoded = self.tokenizer(text, return_offsets_mapping=True, add_special_tokens=False)
+        encoded = self._encode(text, return_offsets_mapping=True)
         chunks = plan_chunks(text, encoded["offset_mapping"], budget, self.overlap_tokens)
         summary = Summary(text="", input_tokens=len(encoded["input_ids"]), output_tokens=0, chunks=len(chunks))
 
-        def summarise(document: str) -> tuple[str, int]:
-            gen = generate(self.prompt_ids(instruction, document), max_new_tokens)
-            summary.passes.append(gen)
-            return self.tokenizer.decode(gen.tokens, skip_special_tokens=True).strip(), gen.output_tokens
+        def summarise(documents: list[str]) -> list[tuple[str, int]]:
+            generations = generate([self.prompt_ids(instruction, d) for d in documents], max_new_tokens)
+            summary.passes.extend(generations)
+            return [(self._decode(g.tokens), g.output_tokens) for g in generations]
 
-        parts = [summarise(chunk.text) for chunk in chunks]
-        separator_tokens = len(self.tokenizer(SUMMARY_SEPARATOR, add_special_tokens=False)["input_ids"])
+        parts = summarise([chunk.text for chunk in chunks])
+        separator_tokens = len(self._encode(SUMMARY_SEPARATOR)["input_ids"])
         while len(parts) > 1:
-            counts = [len(self.tokenizer(p, add_special_tokens=False)["input_ids"]) for p, _ in parts]
+            counts = [len(self._encode(p)["input_ids"]) for p, _ in parts]
             groups = group_for_merge(counts, budget, separator_tokens)
-            parts = [
-                parts[g.start] if len(g) == 1 else summarise(SUMMARY_SEPARATOR.join(parts[i][0] for i in g))
-                for g in groups
-            ]
+            merged = iter(summarise([SUMMARY_SEPARATOR.join(parts[i][0] for i in g) for g in groups if len(g) > 1]))
+            parts = [parts[g.start] if len(g) == 1 else next(merged) for g in groups]
         summary.text, summary.output_tokens = parts[0]
         return summary

@@ -1,8 +1,12 @@
-"""The worker: holds one model and summarises one task at a time (a Ray actor in a batch).
+"""The worker: holds one model and summarises several tasks at once (a Ray actor in a batch).
 
-It owns the cache ladder: a task starts on the first rung the planner says fits, and a device OOM
-(real, from the budget guard, or a full offload disk) moves it to the next rung at once. What is
-left (transient errors, shorter contexts) is the coordinator's business, so the worker reports a
+Each task runs in a thread of its own (the actor takes `batch.max_sequences` calls at a time); its
+passes go to the worker's one `BatchScheduler`, which decodes the sequences of every task in flight
+together. A task runs in three stages: build its request (read the document, settings and
+overrides), find the first cache rung that runs it, and produce its outcome. The worker owns the
+cache ladder: a task starts on the first rung the planner says fits, and a device OOM (real, from
+the budget guard, or a full offload disk) moves it to the next rung at once. What is left
+(transient errors, shorter contexts) is the coordinator's business, so the worker reports a
 failure's class instead of retrying it.
 """
 
@@ -26,15 +30,16 @@ from jobs.chunking import ContextTooSmallError
 from jobs.config import JobConfig
 from jobs.documents import DocumentError, load_task_text
 from jobs.faults import FaultRule, fault_for
-from jobs.kvplan import Placement, estimated_tokens, kv_bytes, plan_placement, plan_rungs
+from jobs.kvplan import Placement, device_kv_bytes, estimated_tokens, kv_bytes, plan_placement, plan_rungs
 from jobs.manifest import Task
 from jobs.policy import FailureClass, cache_fallback_note
 from jobs.rungs import RUNGS
-from runner.engine.generation import Generation, generate_once
+from runner.engine.generation import Generation
 from runner.engine.kvcache import build_cache, kv_shape, resolve_budgets
 from runner.engine.models import load_model
-from runner.engine.probes import StageProbe, memory_snapshot
-from runner.engine.summarize import Summarizer
+from runner.engine.probes import StageMemory, memory_snapshot
+from runner.engine.scheduler import BatchScheduler, PassRequest
+from runner.engine.summarize import Summarizer, Summary
 from storage.scratch import ScratchSpaceError, check_free_space, ensure_offload_root, sweep_orphans, task_scratch
 
 
@@ -105,6 +110,20 @@ def _is_memory_error(e: BaseException) -> bool:
     )
 
 
+@dataclass(frozen=True)
+class TaskRequest:
+    """What one task asks of the model: the first stage of `SummaryWorker.run`."""
+
+    task: Task
+    attempt: int
+    context_tokens: int
+    text: str
+    max_new_tokens: int
+    instruction: str
+    alone: bool
+    """Run its sequences with no batch-mates (the coordinator suspects it of crashing batches)."""
+
+
 def _fire(fault: str | None, task: Task, rung: str) -> None:
     """Injected faults raise what the real failure raises, where it would raise it."""
     if fault is None:
@@ -145,6 +164,8 @@ class SummaryWorker:
         self.summarizer = Summarizer(self.loaded, self.cfg.summarize.chunk_overlap_tokens)
         self.kv_shape = kv_shape(self.loaded.model.config, self.loaded.dtype)
         self.device_budget, self.host_budget = resolve_budgets(self.cfg.cache, self.loaded.device)
+        self.scheduler = BatchScheduler(self.loaded, self.cfg.summarize, self.cfg.cache.prefill,
+                                        self.cfg.batch.sequences, self.device_budget, _is_memory_error)
 
     def info(self) -> dict[str, Any]:
         return {
@@ -153,12 +174,51 @@ class SummaryWorker:
             "model": self.loaded.name,
             "load_s": self.loaded.load_s,
             "swept_dirs": len(self.swept),
+            "max_sequences": self.cfg.batch.sequences,
         }
 
-    def _rungs(self, task: Task, context_tokens: int, max_new_tokens: int) -> list[str]:
+    def batch_figures(self) -> dict[str, int]:
+        """How the scheduler has batched so far (largest decode batch, memory splits)."""
+        return {"most_rows": self.scheduler.most_rows, "splits": self.scheduler.splits,
+                "max_sequences": self.scheduler.max_sequences}
+
+    def run(self, task_data: dict[str, Any], attempt: int, context_tokens: int, alone: bool = False
+            ) -> dict[str, Any]:
+        """Summarise one task; returns an outcome dict (never raises for an expected failure)."""
+        started = time.perf_counter()
+        outcome: dict[str, Any] = {"worker": self.name, "model": self.loaded.name, "fallbacks": []}
+        try:
+            request = self._request(Task(**task_data), attempt, context_tokens, alone)
+        except DocumentError as e:
+            return outcome | _failure(FailureClass.INPUT, type(e).__name__, str(e), started)
+        memory = StageMemory()
+        with _PeakRss() as rss:
+            outcome |= self._first_rung_that_runs(request, memory, outcome["fallbacks"], started)
+        outcome.update(
+            memory.row_fields(),
+            peak_host_rss_bytes=max(rss.peak, memory.decode_peak_host_rss_bytes or 0),
+            peak_device_bytes=memory.device_peak_bytes,
+            load_host_rss_bytes=self.after_load.host_rss_bytes,
+            load_device_bytes=self.after_load.device_bytes,
+            host_used_fraction=memory.host_used_fraction,  # for the coordinator's memory alert
+            device_used_fraction=memory.device_used_fraction,
+            wall_s=time.perf_counter() - started,
+        )
+        return outcome
+
+    # -- stage 1: the request ------------------------------------------------------------------
+    def _request(self, task: Task, attempt: int, context_tokens: int, alone: bool) -> TaskRequest:
+        return TaskRequest(
+            task=task, attempt=attempt, context_tokens=context_tokens, text=load_task_text(task),
+            max_new_tokens=int(task.overrides.get("max_new_tokens", self.cfg.summarize.max_new_tokens)),
+            instruction=str(task.overrides.get("prompt", self.cfg.summarize.prompt)), alone=alone,
+        )
+
+    # -- stage 2: the first rung that runs it --------------------------------------------------
+    def _rungs(self, request: TaskRequest) -> list[str]:
         if self.cfg.cache.strategy != "auto":
             return [self.cfg.cache.strategy]
-        tokens = estimated_tokens(task.n_chars, max_new_tokens, context_tokens)
+        tokens = estimated_tokens(request.task.n_chars, request.max_new_tokens, request.context_tokens)
         return plan_rungs(
             self.cfg.cache.ladder,
             kv_bytes(self.kv_shape, tokens),
@@ -166,6 +226,26 @@ class SummaryWorker:
             self.host_budget,
             self.loaded.device.type == "cpu",
         )
+
+    def _first_rung_that_runs(self, request: TaskRequest, memory: StageMemory, fallbacks: list[str],
+                              started: float) -> dict[str, Any]:
+        rungs = self._rungs(request)
+        last_error = ("OutOfMemoryError", "no cache rung fits the budgets")  # when the ladder is empty
+        for i, rung in enumerate(rungs):
+            totals = _CacheTotals()
+            try:
+                return _done(rung, self._summarize_on(rung, request, memory, totals), totals)
+            except ContextTooSmallError as e:
+                return _failure(FailureClass.INPUT, type(e).__name__, str(e), started)
+            except Exception as e:  # noqa: BLE001 - classified below, reported to the coordinator
+                if not _is_memory_error(e):
+                    return _failure(FailureClass.TRANSIENT, type(e).__name__, str(e), started)
+                # only what the result needs: the exception's frames would keep the failed cache alive
+                last_error = (type(e).__name__, str(e))
+            # out of the handler, so the failed rung's exception and everything it held are gone
+            self._release_memory()
+            fallbacks.append(cache_fallback_note(rung, rungs[i + 1] if i + 1 < len(rungs) else None, last_error[0]))
+        return _failure(FailureClass.MEMORY, *last_error, started)
 
     def _placement(self, rung: str, tokens: int) -> Placement | None:
         """On a tiered rung, which layers of this pass stay on the device. None (every layer streamed)
@@ -180,116 +260,87 @@ class SummaryWorker:
             self.cfg.cache.block_tokens, device_is_cpu=self.loaded.device.type == "cpu",
         )
 
-    def _summarize_on(
-        self, rung: str, task: Task, attempt: int, text: str, context_tokens: int,
-        max_new_tokens: int, instruction: str, totals: _CacheTotals,
-    ) -> Any:
+    def _summarize_on(self, rung: str, request: TaskRequest, memory: StageMemory, totals: _CacheTotals) -> Summary:
+        task = request.task
         with ExitStack() as stack:
             offload_dir: Path | None = None
             if RUNGS[rung].needs_offload_dir:
-                check_free_space(self.offload_root, kv_bytes(self.kv_shape, context_tokens))
+                check_free_space(self.offload_root, kv_bytes(self.kv_shape, request.context_tokens))
                 offload_dir = stack.enter_context(
-                    task_scratch(self.offload_root, self.job_id, task.task_id, attempt)
+                    task_scratch(self.offload_root, self.job_id, task.task_id, request.attempt)
                 )
 
-            def generate(prompt_ids: list[int], max_new: int) -> Generation:
+            def pass_request(prompt_ids: list[int], max_new: int) -> PassRequest:
                 pass_dir = offload_dir / f"pass-{totals.passes}" if offload_dir else None
+                totals.passes += 1
                 tokens = len(prompt_ids) + max_new
                 placement = self._placement(rung, tokens)
-                handle = build_cache(
-                    rung, self.loaded.model, self.cfg.cache, pass_dir, self.device_budget, self.host_budget,
-                    placement, expected_tokens=tokens,
+                totals.add_placement(placement)
+                return PassRequest(
+                    prompt_ids, max_new,
+                    make_cache=lambda: build_cache(rung, self.loaded.model, self.cfg.cache, pass_dir,
+                                                   self.device_budget, self.host_budget, placement,
+                                                   expected_tokens=tokens),
+                    device_bytes=device_kv_bytes(self.kv_shape, rung, tokens, placement),
+                    memory=memory, alone=request.alone,
                 )
-                try:
-                    gen = generate_once(
-                        self.loaded, prompt_ids, max_new, self.cfg.summarize, handle.generate_kwargs,
-                        self.cfg.cache.prefill,
-                    )
-                    # an injected failure strikes mid-task, with this pass's KV blocks in the scratch dir
-                    _fire(fault_for(self.faults, task.doc_id, attempt, rung, context_tokens), task, rung)
-                    totals.add(handle.stats())
-                    totals.add_placement(placement)
-                finally:
-                    handle.close()
-                totals.passes += 1
-                return gen
 
-            return self.summarizer.summarize(text, instruction, max_new_tokens, context_tokens, generate)
+            def generate(prompts: list[list[int]], max_new: int) -> list[Generation]:
+                futures = [self.scheduler.submit(pass_request(ids, max_new)) for ids in prompts]
+                generations, errors = [], []
+                for future in futures:  # every pass ends before the scratch dir goes
+                    try:
+                        result = future.result()
+                    except Exception as e:  # noqa: BLE001 - the first one is raised below
+                        errors.append(e)
+                        continue
+                    totals.add(result.cache_stats)
+                    generations.append(result.generation)
+                if errors:
+                    raise errors[0]
+                # an injected failure strikes mid-task, with the task's scratch dir in place
+                _fire(fault_for(self.faults, task.doc_id, request.attempt, rung, request.context_tokens), task, rung)
+                return generations
 
-    def run(self, task_data: dict[str, Any], attempt: int, context_tokens: int) -> dict[str, Any]:
-        """Summarise one task; returns an outcome dict (never raises for an expected failure)."""
-        task = Task(**task_data)
-        started = time.perf_counter()
-        outcome: dict[str, Any] = {"worker": self.name, "model": self.loaded.name, "fallbacks": []}
-        try:
-            text = load_task_text(task)
-        except DocumentError as e:
-            return outcome | self._failure(FailureClass.INPUT, e, started)
-        max_new = int(task.overrides.get("max_new_tokens", self.cfg.summarize.max_new_tokens))
-        instruction = str(task.overrides.get("prompt", self.cfg.summarize.prompt))
-        rungs = self._rungs(task, context_tokens, max_new)
-        last_error: BaseException | None = None
-        with _PeakRss() as rss, StageProbe(self.loaded.model, self.loaded.device) as probe:
-            for i, rung in enumerate(rungs):
-                totals = _CacheTotals()
-                try:
-                    summary = self._summarize_on(
-                        rung, task, attempt, text, context_tokens, max_new, instruction, totals
-                    )
-                except ContextTooSmallError as e:
-                    return outcome | self._failure(FailureClass.INPUT, e, started)
-                except Exception as e:  # noqa: BLE001 - classified below, reported to the coordinator
-                    if not _is_memory_error(e):
-                        return outcome | self._failure(FailureClass.TRANSIENT, e, started)
-                    last_error = e
-                    self._release_memory()
-                    next_rung = rungs[i + 1] if i + 1 < len(rungs) else None
-                    outcome["fallbacks"].append(cache_fallback_note(rung, next_rung, type(e).__name__))
-                    continue
-                outcome.update(
-                    status="done",
-                    summary=summary.text,
-                    input_tokens=summary.input_tokens,
-                    output_tokens=summary.output_tokens,
-                    chunks=summary.chunks,
-                    cache_strategy=rung,
-                    ttft_s=summary.ttft_s,
-                    decode_tokens_per_s=summary.decode_tokens_per_s,
-                    prefill_s=sum(p.ttft_s for p in summary.passes),
-                    decode_s=sum(p.decode_s for p in summary.passes),
-                    kv_bytes=totals.kv_bytes,
-                    kv_resident_peak_bytes=totals.kv_resident_peak_bytes,
-                    offload_bytes_written=totals.offload_bytes_written,
-                    offload_bytes_read=totals.offload_bytes_read,
-                    compression_ratio=totals.compression_ratio,
-                    kv_placement=totals.placement.describe() if totals.placement else None,
-                )
-                break
-        outcome.update(
-            probe.row_fields(),
-            peak_host_rss_bytes=max(rss.peak, probe.decode_peak_host_rss_bytes or 0),
-            peak_device_bytes=probe.device_peak_bytes,
-            load_host_rss_bytes=self.after_load.host_rss_bytes,
-            load_device_bytes=self.after_load.device_bytes,
-            host_used_fraction=probe.host_used_fraction,  # for the coordinator's memory alert
-            device_used_fraction=probe.device_used_fraction,
-        )
-        outcome["wall_s"] = time.perf_counter() - started
-        if outcome.get("status") == "done":
-            return outcome
-        assert last_error is not None
-        return outcome | self._failure(FailureClass.MEMORY, last_error, started)
-
-    def _failure(self, cls: FailureClass, e: BaseException, started: float) -> dict[str, Any]:
-        return {
-            "status": "failed",
-            "failure_class": cls.value,
-            "error_type": type(e).__name__,
-            "error": str(e),
-            "wall_s": time.perf_counter() - started,
-        }
+            return self.summarizer.summarize(
+                request.text, request.instruction, request.max_new_tokens, request.context_tokens, generate
+            )
 
     def _release_memory(self) -> None:
         gc.collect()
         if self.loaded.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+# -- stage 3: the outcome ------------------------------------------------------------------------
+def _done(rung: str, summary: Summary, totals: _CacheTotals) -> dict[str, Any]:
+    return {
+        "status": "done",
+        "summary": summary.text,
+        "input_tokens": summary.input_tokens,
+        "output_tokens": summary.output_tokens,
+        "chunks": summary.chunks,
+        "cache_strategy": rung,
+        "ttft_s": summary.ttft_s,
+        "decode_tokens_per_s": summary.decode_tokens_per_s,
+        "prefill_s": sum(p.ttft_s for p in summary.passes),
+        "decode_s": sum(p.decode_s for p in summary.passes),
+        "batch_size": summary.batch_size,
+        "padding_share": 0.0,  # ragged decode steps: every row attends to its own length, nothing is padded
+        "kv_bytes": totals.kv_bytes,
+        "kv_resident_peak_bytes": totals.kv_resident_peak_bytes,
+        "offload_bytes_written": totals.offload_bytes_written,
+        "offload_bytes_read": totals.offload_bytes_read,
+        "compression_ratio": totals.compression_ratio,
+        "kv_placement": totals.placement.describe() if totals.placement else None,
+    }
+
+
+def _failure(cls: FailureClass, error_type: str, error: str, started: float) -> dict[str, Any]:
+    return {
+        "status": "failed",
+        "failure_class": cls.value,
+        "error_type": error_type,
+        "error": error,
+        "wall_s": time.perf_counter() - started,
+    }
