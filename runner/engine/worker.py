@@ -35,7 +35,7 @@ from jobs.manifest import Task
 from jobs.policy import FailureClass, cache_fallback_note
 from jobs.rungs import RUNGS
 from runner.engine.generation import Generation
-from runner.engine.kvcache import build_cache, kv_shape, resolve_budgets
+from runner.engine.kvcache import ResidentMeter, build_cache, kv_shape, resolve_budgets
 from runner.engine.models import load_model
 from runner.engine.probes import StageMemory, memory_snapshot
 from runner.engine.scheduler import BatchScheduler, PassRequest
@@ -164,6 +164,8 @@ class SummaryWorker:
         self.summarizer = Summarizer(self.loaded, self.cfg.summarize.chunk_overlap_tokens)
         self.kv_shape = kv_shape(self.loaded.model.config, self.loaded.dtype)
         self.device_budget, self.host_budget = resolve_budgets(self.cfg.cache, self.loaded.device)
+        # one meter of the device for every cache of the sequences batched here
+        self.device_pool = ResidentMeter(self.device_budget, "the batch's resident device", "cache.device_kv_budget_bytes")
         self.scheduler = BatchScheduler(self.loaded, self.cfg.summarize, self.cfg.cache.prefill,
                                         self.cfg.batch.sequences, self.device_budget, _is_memory_error)
 
@@ -280,7 +282,7 @@ class SummaryWorker:
                     prompt_ids, max_new,
                     make_cache=lambda: build_cache(rung, self.loaded.model, self.cfg.cache, pass_dir,
                                                    self.device_budget, self.host_budget, placement,
-                                                   expected_tokens=tokens),
+                                                   expected_tokens=tokens, device_pool=self.device_pool),
                     device_bytes=device_kv_bytes(self.kv_shape, rung, tokens, placement),
                     memory=memory, alone=request.alone,
                 )

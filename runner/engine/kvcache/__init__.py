@@ -1,6 +1,6 @@
 """KV cache strategies: transformers' own caches (budget-guarded) and our tiered host/disk cache."""
 
-from runner.engine.kvcache.budget import KVBudgetExceeded
+from runner.engine.kvcache.budget import KVBudgetExceeded, ResidentMeter
 from runner.engine.kvcache.dynamic import BudgetedDynamicCache
 from runner.engine.kvcache.resident import GrowingLayer
 from runner.engine.kvcache.strategies import CacheHandle, build_cache, kv_shape, resolve_budgets
@@ -11,6 +11,7 @@ __all__ = [
     "CacheHandle",
     "GrowingLayer",
     "KVBudgetExceeded",
+    "ResidentMeter",
     "TieredCache",
     "build_cache",
     "kv_shape",

@@ -17,12 +17,18 @@ class KVBudgetExceeded(torch.OutOfMemoryError):
 
 
 class ResidentMeter:
-    """Bytes a cache holds in one memory, by slot (a layer, a prefetch), with the peak and a limit."""
+    """Bytes a cache holds in one memory, by slot (a layer, a prefetch), with the peak and a limit.
 
-    def __init__(self, budget_bytes: int | None, what: str, config_key: str) -> None:
+    With a `pool` (the worker's meter of the device, shared by every cache of the sequences it batches),
+    each hold also counts against the pool's budget, so the batch as a whole stays within the device
+    budget, not just each cache alone."""
+
+    def __init__(self, budget_bytes: int | None, what: str, config_key: str,
+                 pool: "ResidentMeter | None" = None) -> None:
         self.budget_bytes = budget_bytes
         self.what = what
         self.config_key = config_key
+        self.pool = pool
         self._slots: dict[Hashable, int] = {}
         self.total = 0
         self.peak = 0
@@ -35,9 +41,18 @@ class ResidentMeter:
                 f"{self.what} KV would reach {total:,} bytes, over the budget of {self.budget_bytes:,} bytes "
                 f"({self.config_key}); the next cache rung (or a shorter context) is needed"
             )
+        if self.pool is not None:
+            self.pool.hold((id(self), slot), nbytes)
         self._slots[slot] = nbytes
         self.total = total
         self.peak = max(self.peak, total)
 
     def drop(self, slot: Hashable) -> None:
         self.total -= self._slots.pop(slot, 0)
+        if self.pool is not None:
+            self.pool.drop((id(self), slot))
+
+    def release(self) -> None:
+        """Give every slot back (the cache is closed), to the pool too."""
+        for slot in list(self._slots):
+            self.drop(slot)

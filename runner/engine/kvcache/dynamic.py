@@ -22,13 +22,14 @@ class BudgetedDynamicCache(DynamicCache):
     """`expected_tokens` (prompt + new tokens, when known) is allocated at once: no growth, no slack."""
 
     def __init__(
-        self, config: PretrainedConfig, device_budget_bytes: int | None = None, expected_tokens: int | None = None
+        self, config: PretrainedConfig, device_budget_bytes: int | None = None, expected_tokens: int | None = None,
+        device_pool: ResidentMeter | None = None,
     ) -> None:
         super().__init__(config=config)
         self.expected_tokens = expected_tokens
         # DynamicCache maps "full_attention" to exactly DynamicLayer; subclasses (sliding, hybrid) stay
         self.layers = [GrowingLayer() if type(layer) is DynamicLayer else layer for layer in self.layers]
-        self.meter = ResidentMeter(device_budget_bytes, "resident device", "cache.device_kv_budget_bytes")
+        self.meter = ResidentMeter(device_budget_bytes, "resident device", "cache.device_kv_budget_bytes", device_pool)
         self.kv = ResidentMeter(None, "valid KV", "")  # the tokens themselves, one slot a layer: `kv_bytes`
 
     def _held_bytes(self, layers: list[Any] | None = None) -> int:
@@ -98,5 +99,6 @@ class BudgetedDynamicCache(DynamicCache):
         }
 
     def close(self) -> None:
-        """Nothing to release beyond the tensors themselves (kept for the CacheHandle protocol)."""
+        """Give its room in the worker's device pool back; the tensors go with the cache."""
+        self.meter.release()
 

@@ -21,6 +21,7 @@ from transformers.cache_utils import get_layer_types_and_kwargs
 from jobs.config import CacheConfig, ConfigError
 from jobs.kvplan import KVShape, Placement, check_strategy
 from jobs.rungs import RUNGS
+from runner.engine.kvcache.budget import ResidentMeter
 from runner.engine.kvcache.dynamic import BudgetedDynamicCache
 from runner.engine.kvcache.tiered import TieredCache
 
@@ -102,14 +103,16 @@ def build_cache(
     host_budget_bytes: int | None = None,
     placement: Placement | None = None,
     expected_tokens: int | None = None,
+    device_pool: ResidentMeter | None = None,
 ) -> CacheHandle:
     """A fresh cache for one generate() call; `offload_dir` is the task's scratch dir (disk tier);
     `placement` says which layers a tiered rung keeps on the device (default: none);
-    `expected_tokens` (prompt + new tokens) lets `dynamic` allocate once instead of growing."""
+    `expected_tokens` (prompt + new tokens) lets `dynamic` allocate once instead of growing;
+    `device_pool` is the worker's device meter, which every cache of a batch counts against."""
     check_strategy(strategy)
     rung = RUNGS[strategy]
     if strategy == "dynamic":
-        cache = BudgetedDynamicCache(model.config, device_budget_bytes, expected_tokens)
+        cache = BudgetedDynamicCache(model.config, device_budget_bytes, expected_tokens, device_pool)
         return CacheHandle(strategy, {"past_key_values": cache}, cache.stats, cache.close)
     if rung.tier is not None:
         tier = rung.tier
@@ -126,6 +129,7 @@ def build_cache(
             device_budget_bytes=device_budget_bytes,
             host_budget_bytes=host_budget_bytes,
             placement=placement,
+            device_pool=device_pool,
         )
         return CacheHandle(strategy, {"past_key_values": tiered}, tiered.stats, tiered.close)
     if rung.cuda_only and model.device.type != "cuda":

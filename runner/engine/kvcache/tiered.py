@@ -237,13 +237,14 @@ class TieredCache(Cache):
         device_budget_bytes: int | None = None,
         host_budget_bytes: int | None = None,
         placement: Placement | None = None,
+        device_pool: ResidentMeter | None = None,
     ) -> None:
         if block_tokens <= 0:
             raise ValueError(f"block_tokens must be positive, got {block_tokens}")
         self.shared = _Shared(
             _make_tier(tier, offload_dir, BlockCodec(compression, zstd_level, shuffle)),
             block_tokens,
-            ResidentMeter(device_budget_bytes, "resident device", "cache.device_kv_budget_bytes"),
+            ResidentMeter(device_budget_bytes, "resident device", "cache.device_kv_budget_bytes", device_pool),
             ResidentMeter(host_budget_bytes, "host RAM", "cache.host_kv_budget_bytes"),
         )
         self.placement = placement
@@ -356,6 +357,7 @@ class TieredCache(Cache):
             return
         self._closed = True
         self.shared.close()  # waits for the IO thread's running job; queued reads are cancelled
+        self.shared.device_meter.release()
 
     def __enter__(self) -> "TieredCache":
         return self
