@@ -1,20 +1,22 @@
-"""The coordinator: runs a job's open tasks on a pool of Ray worker actors and checkpoints every step.
+"""The coordinator: runs a job's open tasks on the worker pool and checkpoints every step.
 
-One thread per actor takes the longest open task next (long documents must not straggle at the
-end). Each task runs under a tenacity policy for transient failures (I/O error, worker died,
-timeout); a task whose worker died or hung goes back to the front of the shared queue, so any
-worker (on any node) takes it while the lost one restarts. When a context size keeps failing, or
-the worker's cache ladder is exhausted, the task is tried again with a shorter context. A result
-row in results/ is the only "done" record, so a coordinator killed at any instant loses at most
-the tasks in flight.
+Each worker gets `batch.max_sequences` tasks at a time (one feeding thread each; the worker batches
+their sequences), the longest open task first (long documents must not straggle at the end). Each
+task runs under one tenacity policy for transient failures (I/O error, worker died, timeout); a
+task whose worker died or hung goes back to the front of the shared queue, so any worker (on any
+node) takes it while the lost one restarts. A loss while batch-mates shared the worker is not held
+against a task until it has run alone. When a context size keeps failing, or the worker's cache
+ladder is exhausted, the task is tried again with a shorter context. A result row in results/ is
+the only "done" record, so a coordinator killed at any instant loses at most the tasks in flight.
+
+Ray lives in the pool (runner/pool.py), the recording of events and results in the recorder
+(runner/recorder.py); this module keeps the work queue and the retry loop.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import itertools
-import json
 import os
 import signal
 import threading
@@ -23,8 +25,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import ray
-from ray.exceptions import GetTimeoutError, RayActorError
 from rich.console import Console
 from tenacity import (
     RetryCallState,
@@ -33,18 +33,26 @@ from tenacity import (
     retry_if_not_exception_type,
     wait_exponential,
 )
+from tenacity.stop import stop_base
 
-from jobs.config import JobConfig
+from jobs.config import JobConfig, RetryConfig
 from jobs.faults import FaultRule
 from jobs.manifest import Task
 from jobs.policy import FailureClass, context_fallback_note, shorter_context
-from jobs.schema import RESULT_SCHEMA, TaskState, empty_row
-from runner.engine.worker import SummaryWorker
 from runner.node_sweeper import NodeSweeper
 from runner.observe.alerts import AlertMonitor
 from runner.observe.joblog import JobLog
 from runner.observe.metrics import BatchMetrics
 from runner.observe.progress import BatchProgress
+from runner.pool import (
+    WORKER_RESTART_TIMEOUT_S,
+    PoolStopped,
+    TransientFailure,
+    Worker,
+    WorkerLost,
+    WorkerPool,
+)
+from runner.recorder import TaskRecorder
 from storage.checkpoint import CheckpointLog
 from storage.jobdir import JobDir
 
@@ -52,23 +60,9 @@ EXIT_OK = 0
 EXIT_FAILED_TASKS = 3
 EXIT_NO_WORKERS = 4
 EXIT_INTERRUPTED = 130
-#: How long a restarted worker may take to come back (process start + model load), not task time.
-WORKER_RESTART_TIMEOUT_S = 300.0
 #: A task whose worker was lost this often while other tasks shared it runs alone from then on, and
 #: only then do losses count as its own attempts: a poison document must not use up its batch-mates'.
-BATCH_CRASHES_BEFORE_ALONE = 2
-
-
-class TransientFailure(Exception):
-    """A failure worth retrying with the same settings."""
-
-    def __init__(self, error_type: str, message: str) -> None:
-        super().__init__(message)
-        self.error_type = error_type
-
-
-class WorkerLost(TransientFailure):
-    """The worker died or hung: the task can run on any other worker while this one restarts."""
+BATCH_LOSSES_BEFORE_ALONE = 2
 
 
 class Interrupted(Exception):
@@ -76,7 +70,9 @@ class Interrupted(Exception):
 
 
 @dataclass
-class _TaskRun:
+class TaskRun:
+    """One task's progress through the batch: attempts, context size, fallbacks so far."""
+
     task: Task
     attempt: int = 0
     context_tokens: int = 0
@@ -84,22 +80,48 @@ class _TaskRun:
     fallbacks: list[str] = field(default_factory=list)
     queue_wait_s: float | None = None
     slow_alerted: bool = False
-    batch_crashes: int = 0  # worker losses while batch-mates were in flight: not counted as its attempts
-    alone: bool = False  # after BATCH_CRASHES_BEFORE_ALONE of those, it runs with no batch-mates
+    batch_losses: int = 0  # worker losses while batch-mates were in flight: not counted as its attempts
+    alone: bool = False  # after BATCH_LOSSES_BEFORE_ALONE of those, it runs with no batch-mates
 
 
-class _WorkQueue:
-    """Open tasks, longest first, shared by the workers' threads; a task handed back by a lost
-    worker goes in front. `take` waits while other threads still hold tasks they may hand back."""
+class attempts_at_context_reach(stop_base):  # noqa: N801 - named like tenacity's own stops
+    """Stop once the task has had `limit` attempts at its current context size, on any worker (a task
+    handed to another worker keeps its count; a shorter context starts a new one)."""
 
-    def __init__(self, runs: list[_TaskRun]) -> None:
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+
+    def __call__(self, retry_state: RetryCallState) -> bool:
+        run: TaskRun = retry_state.args[-1]
+        return run.tries_at_context >= self.limit
+
+
+def task_retrying(retry: RetryConfig, before_sleep: Any, sleep: Any) -> Retrying:
+    """The transient-failure policy, built once: exponential backoff, a lost worker never waited for
+    here (its task goes back to the queue), `retry.max_attempts` attempts per context size."""
+    return Retrying(
+        stop=attempts_at_context_reach(retry.max_attempts),
+        wait=wait_exponential(multiplier=retry.backoff_initial_s, min=retry.backoff_initial_s,
+                              max=retry.backoff_max_s),
+        retry=retry_if_exception_type(TransientFailure) & retry_if_not_exception_type(WorkerLost),
+        before_sleep=before_sleep,
+        sleep=sleep,
+        reraise=True,
+    )
+
+
+class WorkQueue:
+    """Open tasks, longest first, shared by the feeding threads; a task handed back by a lost worker
+    goes in front. `take` waits while other threads still hold tasks they may hand back."""
+
+    def __init__(self, runs: list[TaskRun]) -> None:
         self._order = itertools.count()
         self._heap = [(1, -run.task.n_chars, next(self._order), run) for run in runs]
         heapq.heapify(self._heap)
         self._held = 0
         self._changed = threading.Condition()
 
-    def take(self, stop: threading.Event) -> _TaskRun | None:
+    def take(self, stop: threading.Event) -> TaskRun | None:
         """The next task, or None once none is left and none can come back (or the batch stops)."""
         with self._changed:
             while not stop.is_set():
@@ -116,7 +138,7 @@ class _WorkQueue:
             self._held -= 1
             self._changed.notify_all()
 
-    def hand_back(self, run: _TaskRun) -> None:
+    def hand_back(self, run: TaskRun) -> None:
         with self._changed:
             heapq.heappush(self._heap, (0, -run.task.n_chars, next(self._order), run))
             self._held -= 1
@@ -132,165 +154,83 @@ class _WorkQueue:
             return len(self._heap)
 
 
-def _attempts_at_context_reach(limit: int, run: _TaskRun) -> Any:
-    """A tenacity stop that counts a task's attempts at its context size across workers."""
-    return lambda state: run.tries_at_context >= limit
-
-
 class Coordinator:
     def __init__(self, job: JobDir, job_id: str, config: JobConfig, offload_root: Path,
                  faults: list[FaultRule], console: Console) -> None:
-        self.job = job
-        self.job_id = job_id
         self.cfg = config
         self.offload_root = offload_root
-        self.faults = faults
         self.console = console
         self.stop = threading.Event()
         self.log = JobLog(job.log)
-        self.checkpoint = CheckpointLog(
-            job.path, flush_every=config.checkpoint.flush_every,
-            flush_interval_s=config.checkpoint.flush_interval_s,
-        )
-        self._record_lock = threading.RLock()
-        self._closed = False
         self.alerts = AlertMonitor(self.log, console)
-        self.metrics = BatchMetrics(job_id)
-        self.worker_slots: dict[Any, str] = {}
+        checkpoint = CheckpointLog(job.path, flush_every=config.checkpoint.flush_every,
+                                   flush_interval_s=config.checkpoint.flush_interval_s)
+        self.recorder = TaskRecorder(checkpoint, self.log, self.alerts, BatchMetrics(job_id), self.stop)
+        self.pool = WorkerPool(config, job_id, offload_root, faults)
+        self.retrying = task_retrying(config.retry, self._before_retry, self._sleep)
         self._queued_at = time.time()
-        self._in_flight: dict[Any, int] = {}  # per actor: tasks it runs now
-        self._deaths: dict[Any, int] = {}  # per actor: losses seen, so N tasks of one loss count it once
 
-    # -- events and results ---------------------------------------------------------------
-    def _event(self, run: _TaskRun, state: TaskState, worker: str = "", error_type: str | None = None,
-               error: str | None = None, cache_strategy: str | None = None) -> None:
-        with self._record_lock:
-            if self._closed:
-                return
-            self.checkpoint.add_event({
-                "task_id": run.task.task_id, "attempt": run.attempt, "state": state.value,
-                "ts": time.time(), "worker": worker, "error_type": error_type, "error": error,
-                "context_tokens": run.context_tokens, "cache_strategy": cache_strategy,
-            })
-
-    def _finish(self, run: _TaskRun, outcome: dict[str, Any], progress: BatchProgress) -> None:
-        row = empty_row(RESULT_SCHEMA)
-        row.update({k: v for k, v in outcome.items() if k in row})
-        row.update(
-            doc_id=run.task.doc_id, task_id=run.task.task_id, attempts=run.attempt,
-            context_tokens=run.context_tokens, fallbacks=run.fallbacks + outcome.get("fallbacks", []),
-            meta=json.dumps(run.task.meta), finished_at=time.time(), queue_wait_s=run.queue_wait_s,
-        )
-        with self._record_lock:
-            if self._closed or (self.stop.is_set() and row["status"] != "done"):
-                return
-            self.checkpoint.add_result(row)
-            self._event(run, TaskState(row["status"]), row.get("worker") or "",
-                        row.get("error_type"), row.get("error"), row.get("cache_strategy"))
-        level = self.log.info if row["status"] == "done" else self.log.warning
-        level("task_" + row["status"], task_id=run.task.task_id, doc_id=run.task.doc_id,
-              attempts=run.attempt, context_tokens=run.context_tokens, fallbacks=row["fallbacks"],
-              cache_strategy=row.get("cache_strategy"), error_type=row.get("error_type"),
-              error=row.get("error"))
-        self.alerts.task_finished(run.task.task_id, run.task.doc_id, run.task.n_chars, outcome, row["fallbacks"],
-                                  run.slow_alerted)
-        self.metrics.task_finished(row)
-        progress.record(row["status"], row.get("output_tokens") or 0, len(row["fallbacks"]))
-
-    # -- one task ---------------------------------------------------------------------------
-    def _call(self, actor: Any, run: _TaskRun) -> dict[str, Any]:
+    # -- one attempt ----------------------------------------------------------------------------
+    def _attempt(self, worker: Worker, run: TaskRun) -> dict[str, Any]:
         if self.stop.is_set():
             raise Interrupted()
         run.attempt += 1
         run.tries_at_context += 1
         if run.queue_wait_s is None:
             run.queue_wait_s = time.time() - self._queued_at
-        self._event(run, TaskState.RUNNING)
-        slot = self.worker_slots.get(actor, "worker")
-        self.alerts.task_started(run.task.task_id, run.task.doc_id, run.task.n_chars, slot)
-        self.metrics.set_running(self.alerts.active())
-        with self._record_lock:
-            self._in_flight[actor] = self._in_flight.get(actor, 0) + 1
-            shared = self._in_flight[actor] > 1
-            deaths_before = self._deaths.get(actor, 0)
-        ref = actor.run.remote(dataclasses.asdict(run.task), run.attempt, run.context_tokens, run.alone)
+        slot = self.pool.slot_name(worker)
+        self.recorder.started(run.task, run.attempt, run.context_tokens, slot)
         try:
-            outcome = ray.get(ref, timeout=self.cfg.retry.task_timeout_s)
-        except GetTimeoutError:
-            ray.kill(actor, no_restart=False)  # a hung worker is restarted, with a fresh model
-            self._worker_lost(actor, slot, "TimeoutError", run, deaths_before, shared)
-            raise WorkerLost(
-                "TimeoutError", f"no result within retry.task_timeout_s={self.cfg.retry.task_timeout_s}s"
-            ) from None
-        except RayActorError as e:
+            outcome = self.pool.run(worker, run.task, run.attempt, run.context_tokens, run.alone)
+        except PoolStopped:
+            raise Interrupted() from None
+        except WorkerLost as lost:
             if self.stop.is_set():
                 raise Interrupted() from None
-            self._worker_lost(actor, slot, "WorkerDied", run, deaths_before, shared)
-            raise WorkerLost("WorkerDied", f"worker process died: {e}") from None
+            self._lost(slot, run, lost)
+            raise
         finally:
-            with self._record_lock:
-                self._in_flight[actor] -= 1
-            run.slow_alerted = self.alerts.task_stopped(run.task.task_id)
-            self.metrics.set_running(self.alerts.active())
+            run.slow_alerted = self.recorder.stopped(run.task)
         if outcome.get("failure_class") == FailureClass.TRANSIENT:
             raise TransientFailure(outcome["error_type"], outcome["error"])
         return outcome
 
-    def _worker_lost(self, actor: Any, slot: str, reason: str, run: _TaskRun, deaths_before: int,
-                     shared: bool) -> None:
-        """Count one loss once, however many of its tasks see it; a loss with batch-mates in flight
-        is not held against this task until it has run alone."""
-        with self._record_lock:
-            first_to_see = self._deaths.get(actor, 0) == deaths_before
-            if first_to_see:
-                self._deaths[actor] = deaths_before + 1
-            shared = shared or self._in_flight.get(actor, 0) > 1
-        if first_to_see:
-            self._worker_restarted(slot, reason, run.task.doc_id)
-        if shared and not run.alone:
+    def _lost(self, slot: str, run: TaskRun, lost: WorkerLost) -> None:
+        if lost.first_to_see:  # one loss, however many tasks it ended
+            self.recorder.worker_lost(slot, lost.error_type, run.task.doc_id)
+        if lost.shared and not run.alone:
             run.tries_at_context -= 1
-            run.batch_crashes += 1
-            run.alone = run.batch_crashes >= BATCH_CRASHES_BEFORE_ALONE
+            run.batch_losses += 1
+            run.alone = run.batch_losses >= BATCH_LOSSES_BEFORE_ALONE
             self.log.warning("task_lost_in_batch", task_id=run.task.task_id, doc_id=run.task.doc_id,
-                             losses=run.batch_crashes, runs_alone_next=run.alone)
+                             losses=run.batch_losses, runs_alone_next=run.alone)
 
-    def _worker_restarted(self, slot: str, reason: str, doc_id: str) -> None:
-        self.alerts.worker_restarted(slot, reason, doc_id)
-        self.metrics.worker_restarted()
+    def _before_retry(self, state: RetryCallState) -> None:
+        run: TaskRun = state.args[-1]
+        err = state.outcome.exception() if state.outcome else None
+        self._note_retry(run, err, state.upcoming_sleep)
 
-    def _note_retry(self, run: _TaskRun, err: BaseException | None, sleep_s: float) -> None:
+    def _note_retry(self, run: TaskRun, err: BaseException | None, sleep_s: float) -> None:
         error_type = getattr(err, "error_type", type(err).__name__)
-        self._event(run, TaskState.RETRYING, error_type=error_type, error=str(err))
-        self.log.warning("task_retry", task_id=run.task.task_id, doc_id=run.task.doc_id,
-                         attempt=run.attempt, error_type=error_type, error=str(err), sleep_s=round(sleep_s, 3))
-
-    def _before_retry(self, run: _TaskRun) -> Any:
-        def hook(state: RetryCallState) -> None:
-            self._note_retry(run, state.outcome.exception() if state.outcome else None, state.upcoming_sleep)
-        return hook
+        self.recorder.retry(run.task, run.attempt, run.context_tokens, error_type, str(err), sleep_s)
 
     def _sleep(self, seconds: float) -> None:
         if self.stop.wait(seconds):
             raise Interrupted()
 
-    def _run_task(self, actor: Any, run: _TaskRun, progress: BatchProgress) -> tuple[bool, bool]:
+    # -- one task -------------------------------------------------------------------------------
+    def _finish(self, run: TaskRun, outcome: dict[str, Any]) -> None:
+        self.recorder.finish(run.task, run.attempt, run.context_tokens, run.fallbacks, run.queue_wait_s,
+                             run.slow_alerted, outcome)
+
+    def _run_task(self, worker: Worker, run: TaskRun) -> tuple[bool, bool]:
         """Runs `run` until it ends (finished: True) or its worker is lost and another worker must
         take it on (False); the second value says whether this worker was lost."""
-        task = run.task
         retry = self.cfg.retry
         while True:
             lost = False
-            retrying = Retrying(
-                stop=_attempts_at_context_reach(retry.max_attempts, run),
-                wait=wait_exponential(multiplier=retry.backoff_initial_s, min=retry.backoff_initial_s,
-                                      max=retry.backoff_max_s),
-                retry=retry_if_exception_type(TransientFailure) & retry_if_not_exception_type(WorkerLost),
-                before_sleep=self._before_retry(run),
-                sleep=self._sleep,
-                reraise=True,
-            )
             try:
-                outcome = retrying(self._call, actor, run)
+                outcome = self.retrying.copy()(self._attempt, worker, run)
             except TransientFailure as e:
                 lost = isinstance(e, WorkerLost)
                 if lost and run.tries_at_context < retry.max_attempts:
@@ -299,30 +239,32 @@ class Coordinator:
                 outcome = {"status": "failed", "failure_class": FailureClass.TRANSIENT.value,
                            "error_type": e.error_type, "error": str(e)}
             if outcome["status"] == "done" or outcome["failure_class"] == FailureClass.INPUT:
-                self._finish(run, outcome, progress)
+                self._finish(run, outcome)
                 return True, lost
             run.fallbacks.extend(outcome.get("fallbacks", []))
             outcome["fallbacks"] = []
-            smaller = shorter_context(run.context_tokens, retry.context_shrink,
-                                      self.cfg.summarize.min_context_tokens)
+            smaller = shorter_context(run.context_tokens, retry.context_shrink, self.cfg.summarize.min_context_tokens)
             if smaller is None:
-                self._finish(run, outcome, progress)
+                self._finish(run, outcome)
                 return True, lost
             run.fallbacks.append(context_fallback_note(run.context_tokens, smaller, outcome["error_type"]))
-            self.log.warning("context_fallback", task_id=task.task_id, doc_id=task.doc_id,
-                             from_tokens=run.context_tokens, to_tokens=smaller,
-                             error_type=outcome["error_type"], error=outcome["error"])
-            self._event(run, TaskState.RETRYING, error_type=outcome["error_type"], error=outcome["error"])
+            self.recorder.context_fallback(run.task, run.attempt, run.context_tokens, smaller,
+                                           outcome["error_type"], outcome["error"])
             run.context_tokens = smaller
             run.tries_at_context = 0
             if lost:  # the shorter context goes to whichever worker is free
                 return False, lost
 
-    def _drive(self, actor: Any, work: _WorkQueue, progress: BatchProgress,
-               errors: list[BaseException]) -> None:
-        while (run := work.take(self.stop)) is not None:
+    def _feed(self, worker: Worker, work: WorkQueue, errors: list[BaseException]) -> None:
+        """One of a worker's feeding threads: takes tasks until none is left (while its worker is down
+        after a loss, it waits for the worker rather than take a task the worker cannot run)."""
+        while True:
+            if self.pool.is_down(worker) and not self._await_restart(worker, until_drained=work):
+                return
+            if (run := work.take(self.stop)) is None:
+                return
             try:
-                finished, lost = self._run_task(actor, run, progress)
+                finished, lost = self._run_task(worker, run)
             except Interrupted:
                 work.finished()
                 return
@@ -333,74 +275,30 @@ class Coordinator:
                 return
             if not finished:
                 work.hand_back(run)  # another worker takes it now; this one waits for its restart
-                if not self._await_restart(actor, until_drained=work):
+                if not self._await_restart(worker, until_drained=work):
                     return
                 continue
             # a task that ended on a lost worker still holds the batch open until the worker is back:
             # its restart sweeps the dead process's scratch dir
-            restarted = self._await_restart(actor) if lost else True
+            restarted = self._await_restart(worker) if lost else True
             work.finished()
             if not restarted:
                 return
 
-    # -- the batch ----------------------------------------------------------------------------
-    def _start_workers(self, count: int) -> list[Any]:
-        resources = ray.cluster_resources()
-        gpus = self.cfg.workers.gpus_per_worker if resources.get("GPU", 0) > 0 else 0
-        # SPREAD: one worker per node before any node gets a second, so a lost node costs the fewest
-        # max_concurrency: each task in flight runs in an actor thread of its own, and the worker's
-        # scheduler batches their sequences
-        remote_cls = ray.remote(SummaryWorker).options(
-            num_cpus=self.cfg.workers.cpus_per_worker, num_gpus=gpus,
-            max_restarts=-1, max_task_retries=0, scheduling_strategy="SPREAD",
-            max_concurrency=self.cfg.batch.sequences,
-        )
-        threads = max(1, int(self.cfg.workers.cpus_per_worker))
-        config = self.cfg.model_dump(mode="json")
-        faults = [f.model_dump() for f in self.faults]
-        actors = [remote_cls.remote(config, self.job_id, str(self.offload_root), faults, threads)
-                  for _ in range(count)]
-        self.worker_slots = {actor: f"worker slot {i}" for i, actor in enumerate(actors)}
-        infos = ray.get([a.info.remote() for a in actors])
-        for info in infos:
-            self.log.info("worker_ready", **info)
-        return actors
+    def _await_restart(self, worker: Worker, until_drained: WorkQueue | None = None) -> bool:
+        def give_up() -> bool:
+            return self.stop.is_set() or (until_drained is not None and until_drained.drained())
 
-    def _await_restart(self, actor: Any, until_drained: _WorkQueue | None = None) -> bool:
-        """Wait until Ray has restarted a killed or crashed worker (its start sweeps the scratch dir the
-        dead process left; its next task must reach it, not the dying incarnation). False when it did
-        not come back in time (no capacity left for it), or the batch needs it no more."""
-        deadline = time.monotonic() + WORKER_RESTART_TIMEOUT_S
-        ready = actor.info.remote()
-        while not self.stop.is_set() and not (until_drained is not None and until_drained.drained()):
-            if time.monotonic() >= deadline:
-                self.log.warning("worker_restart_unfinished", worker=self.worker_slots.get(actor),
-                                 hint="no capacity left for it; a killed worker's scratch dir is swept "
-                                 "when its node comes back, or by `kvbatch clean` there")
-                return False
-            try:
-                ray.get(ready, timeout=1.0)
-                return True
-            except RayActorError:  # it reached the dying incarnation: ask the next one
-                time.sleep(0.1)
-                ready = actor.info.remote()
-            except GetTimeoutError:
-                pass
-        return False
+        back = self.pool.await_restart(worker, give_up)
+        if not back and not give_up():
+            self.log.warning("worker_restart_unfinished", worker=self.pool.slot_name(worker),
+                             hint="no capacity left for it; a killed worker's scratch dir is swept "
+                             "when its node comes back, or by `kvbatch clean` there")
+        return back
 
-    def worker_count(self, open_tasks: int) -> int:
-        if self.cfg.workers.count != "auto":
-            wanted = self.cfg.workers.count
-        else:
-            resources = ray.cluster_resources()
-            if resources.get("GPU", 0) > 0 and self.cfg.workers.gpus_per_worker > 0:
-                wanted = int(resources["GPU"] // self.cfg.workers.gpus_per_worker)
-            else:
-                wanted = int(resources.get("CPU", 1) // self.cfg.workers.cpus_per_worker)
-        return max(1, min(wanted, open_tasks))
-
+    # -- the batch ------------------------------------------------------------------------------
     def run(self, open_tasks: list[Task], already_done: int, total: int) -> int:
-        """Runs the open tasks to an end; returns the exit code (0, 3 or 130)."""
+        """Runs the open tasks to an end; returns the exit code (0, 4 or 130)."""
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
             return self._run(open_tasks, already_done, total)
@@ -411,27 +309,31 @@ class Coordinator:
 
     def _run(self, open_tasks: list[Task], already_done: int, total: int) -> int:
         context = self.cfg.summarize.context_tokens
-        work = _WorkQueue([_TaskRun(task=task, context_tokens=context) for task in open_tasks])
-        count = self.worker_count(len(open_tasks))
-        self.log.info("batch_start", open_tasks=len(open_tasks), workers=count)
-        actors = self._start_workers(count) if open_tasks else []
+        work = WorkQueue([TaskRun(task=task, context_tokens=context) for task in open_tasks])
+        count = self.pool.worker_count(len(open_tasks))
+        self.log.info("batch_start", open_tasks=len(open_tasks), workers=count,
+                      sequences_per_worker=self.cfg.batch.sequences)
+        for info in self.pool.start(count) if open_tasks else []:
+            self.log.info("worker_ready", **info)
         self._queued_at = time.time()  # queue wait counts from here: waiting for a free worker
         errors: list[BaseException] = []
+        workers = self.pool.workers
         with self.alerts.watching(), NodeSweeper(self.offload_root, self.log), \
-                BatchProgress(self.console, total, already_done, len(actors), self.alerts.active) as progress:
+                BatchProgress(self.console, total, already_done, len(workers), self.alerts.active) as progress:
+            self.recorder.progress = progress
             # as many tasks in flight per worker as it batches sequences, so its batch stays full
-            threads = [threading.Thread(target=self._drive, args=(a, work, progress, errors), daemon=True)
-                       for a in actors for _ in range(self.cfg.batch.sequences)]
+            threads = [threading.Thread(target=self._feed, args=(w, work, errors), daemon=True)
+                       for w in workers for _ in range(self.cfg.batch.sequences)]
             for t in threads:
                 t.start()
             while any(t.is_alive() for t in threads) and not self.stop.is_set():
                 for t in threads:
                     t.join(timeout=0.2)
             if self.stop.is_set():
-                self._abandon_in_flight(actors, threads)
-        with self._record_lock:
-            self._closed = True
-            self.checkpoint.close()
+                self.pool.kill_all()  # ends every pending call at once, so no thread outlives the batch
+                for t in threads:
+                    t.join(timeout=30)
+        self.recorder.close()
         if errors:
             raise errors[0]
         if self.stop.is_set():
@@ -444,13 +346,6 @@ class Coordinator:
             return EXIT_NO_WORKERS
         self.log.info("batch_end")
         return EXIT_OK
-
-    def _abandon_in_flight(self, actors: list[Any], threads: list[threading.Thread]) -> None:
-        """Killing the actors ends every pending ray.get at once, so no thread outlives the batch."""
-        for actor in actors:
-            ray.kill(actor, no_restart=True)
-        for t in threads:
-            t.join(timeout=30)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         if self.stop.is_set():

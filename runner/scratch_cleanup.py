@@ -9,7 +9,12 @@ from rich.console import Console
 
 from storage.jobdir import JobDir, read_job
 from storage.location import Where
-from storage.scratch import OFFLOAD_ROOT_ENV, ScratchError, default_offload_root, sweep_orphans
+from storage.scratch import (
+    OFFLOAD_ROOT_ENV,
+    ScratchError,
+    default_offload_root,
+    sweep_orphans,
+)
 
 
 def clean_scratch(job_dir: Where | None, offload_root: Path | None, console: Console) -> int:

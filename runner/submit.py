@@ -16,9 +16,23 @@ from jobs.manifest import Rejection, read_manifest, tasks_from_table, tasks_to_t
 from jobs.schema import RESULT_SCHEMA, TaskState, empty_row
 from runner import __version__
 from runner.cluster import ray_session
-from runner.coordinator import EXIT_FAILED_TASKS, EXIT_INTERRUPTED, EXIT_NO_WORKERS, EXIT_OK, Coordinator
+from runner.coordinator import (
+    EXIT_FAILED_TASKS,
+    EXIT_INTERRUPTED,
+    EXIT_NO_WORKERS,
+    EXIT_OK,
+    Coordinator,
+)
 from storage.checkpoint import CheckpointLog, JobState, compact, load_state
-from storage.jobdir import JobDir, JobInfo, create_job, new_job_id, read_job, read_manifest_table, update_job_config
+from storage.jobdir import (
+    JobDir,
+    JobInfo,
+    create_job,
+    new_job_id,
+    read_job,
+    read_manifest_table,
+    update_job_config,
+)
 from storage.lease import job_lock
 from storage.location import Where
 from storage.parts import CORRUPT_PART_ADVICE

@@ -48,8 +48,7 @@ def _alone(model: PreTrainedModel, prompt: list[int], new: int) -> list[int]:
 
 
 def _run(scheduler: BatchScheduler, model: PreTrainedModel, strategy: str, tmp_path: Path,
-         prompts: list[list[int]], new: list[int], pool: ResidentMeter | None = None,
-         alone: set[int] = frozenset()) -> list:
+         prompts: list[list[int]], new: list[int], pool: ResidentMeter | None = None) -> list:
     cfg = CacheConfig(block_tokens=8)
 
     def request(i: int) -> PassRequest:
@@ -58,7 +57,7 @@ def _run(scheduler: BatchScheduler, model: PreTrainedModel, strategy: str, tmp_p
             prompts[i], new[i],
             make_cache=lambda: build_cache(strategy, model, cfg, tmp_path / f"seq-{i}", None, None,
                                            expected_tokens=None if pool else tokens, device_pool=pool),
-            device_bytes=kv_bytes(kv_shape(model.config), tokens), memory=StageMemory(), alone=i in alone,
+            device_bytes=kv_bytes(kv_shape(model.config), tokens), memory=StageMemory(),
         )
 
     futures = [scheduler.submit(request(i)) for i in range(len(prompts))]
@@ -127,19 +126,6 @@ def test_admission_keeps_the_batch_within_the_device_budget(tokenizer, tmp_path:
         scheduler.close()
     assert scheduler.most_rows == 2 and scheduler.splits == 0
     assert [g.tokens for g in got] == [_alone(model, p, n) for p, n in zip(prompts, NEW[:4])]
-
-
-def test_a_sequence_asked_to_run_alone_has_no_batch_mates(tokenizer, tmp_path: Path) -> None:
-    model = _model("llama-gqa")
-    prompts = [_prompt(n)[0].tolist() for n in LENGTHS]
-    scheduler = BatchScheduler(_loaded(model, tokenizer), SummarizeConfig(), "auto", 4, BIG, _is_memory_error)
-    try:
-        got = _run(scheduler, model, "dynamic", tmp_path, prompts, NEW, alone={2})
-    finally:
-        scheduler.close()
-    assert got[2].batch_size == 1.0
-    assert max(g.batch_size for i, g in enumerate(got) if i != 2) > 1
-    assert [g.tokens for g in got] == [_alone(model, p, n) for p, n in zip(prompts, NEW)]
 
 
 def test_a_sequence_whose_cache_fails_fails_alone(tokenizer, tmp_path: Path) -> None:

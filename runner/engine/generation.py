@@ -21,7 +21,11 @@ from transformers.cache_utils import Cache
 from transformers.generation.streamers import BaseStreamer
 
 from jobs.config import PrefillMode, SummarizeConfig
-from runner.engine.kvcache.layer_major import choose_prefill, layer_major_prefill, prefilled
+from runner.engine.kvcache.layer_major import (
+    choose_prefill,
+    layer_major_prefill,
+    prefilled,
+)
 from runner.engine.models import LoadedModel
 
 

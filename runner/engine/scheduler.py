@@ -10,7 +10,7 @@ sequences' device KV (each at its full length, prompt + new tokens) must fit. A 
 step with several sequences splits the batch (every sequence of it starts again, at most half as
 many at a time from then on) before any task is told, so only a sequence that runs out of memory
 alone moves its task down the cache ladder. Any other error in one sequence's cache fails that
-sequence only. A sequence asked to run `alone` waits for the batch to drain and keeps it empty.
+sequence only.
 """
 
 from __future__ import annotations
@@ -47,8 +47,6 @@ class PassRequest:
     """Device memory its KV takes at full length (prompt + new tokens): what admission sums."""
     memory: StageMemory = field(default_factory=StageMemory)
     """The task's per-stage memory figures, updated as this sequence runs."""
-    alone: bool = False
-    """Run with no batch-mates (a task suspected of crashing its batches)."""
 
 
 @dataclass(frozen=True)
@@ -145,11 +143,11 @@ class BatchScheduler:
 
     def _admissible(self) -> _Queued | None:
         """The next sequence that may join now (caller holds the lock), taken off the queue."""
-        if not self._pending or any(s.request.alone for s in self._active):
+        if not self._pending:
             return None
         head = self._pending[0]
         if self._active:
-            if head.request.alone or len(self._active) >= self.max_sequences:
+            if len(self._active) >= self.max_sequences:
                 return None
             used = sum(s.request.device_bytes for s in self._active)
             if used + head.request.device_bytes > self.device_budget:

@@ -13,7 +13,12 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from jobs.chunking import SUMMARY_SEPARATOR, group_for_merge, plan_chunks, summary_budget
+from jobs.chunking import (
+    SUMMARY_SEPARATOR,
+    group_for_merge,
+    plan_chunks,
+    summary_budget,
+)
 from runner.engine.generation import Generation
 from runner.engine.models import LoadedModel
 

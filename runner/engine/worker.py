@@ -30,7 +30,14 @@ from jobs.chunking import ContextTooSmallError
 from jobs.config import JobConfig
 from jobs.documents import DocumentError, load_task_text
 from jobs.faults import FaultRule, fault_for
-from jobs.kvplan import Placement, device_kv_bytes, estimated_tokens, kv_bytes, plan_placement, plan_rungs
+from jobs.kvplan import (
+    Placement,
+    device_kv_bytes,
+    estimated_tokens,
+    kv_bytes,
+    plan_placement,
+    plan_rungs,
+)
 from jobs.manifest import Task
 from jobs.policy import FailureClass, cache_fallback_note
 from jobs.rungs import RUNGS
@@ -40,7 +47,13 @@ from runner.engine.models import load_model
 from runner.engine.probes import StageMemory, memory_snapshot
 from runner.engine.scheduler import BatchScheduler, PassRequest
 from runner.engine.summarize import Summarizer, Summary
-from storage.scratch import ScratchSpaceError, check_free_space, ensure_offload_root, sweep_orphans, task_scratch
+from storage.scratch import (
+    ScratchSpaceError,
+    check_free_space,
+    ensure_offload_root,
+    sweep_orphans,
+    task_scratch,
+)
 
 
 class _PeakRss:
@@ -120,8 +133,6 @@ class TaskRequest:
     text: str
     max_new_tokens: int
     instruction: str
-    alone: bool
-    """Run its sequences with no batch-mates (the coordinator suspects it of crashing batches)."""
 
 
 def _fire(fault: str | None, task: Task, rung: str) -> None:
@@ -184,13 +195,12 @@ class SummaryWorker:
         return {"most_rows": self.scheduler.most_rows, "splits": self.scheduler.splits,
                 "max_sequences": self.scheduler.max_sequences}
 
-    def run(self, task_data: dict[str, Any], attempt: int, context_tokens: int, alone: bool = False
-            ) -> dict[str, Any]:
+    def run(self, task_data: dict[str, Any], attempt: int, context_tokens: int) -> dict[str, Any]:
         """Summarise one task; returns an outcome dict (never raises for an expected failure)."""
         started = time.perf_counter()
         outcome: dict[str, Any] = {"worker": self.name, "model": self.loaded.name, "fallbacks": []}
         try:
-            request = self._request(Task(**task_data), attempt, context_tokens, alone)
+            request = self._request(Task(**task_data), attempt, context_tokens)
         except DocumentError as e:
             return outcome | _failure(FailureClass.INPUT, type(e).__name__, str(e), started)
         memory = StageMemory()
@@ -209,11 +219,11 @@ class SummaryWorker:
         return outcome
 
     # -- stage 1: the request ------------------------------------------------------------------
-    def _request(self, task: Task, attempt: int, context_tokens: int, alone: bool) -> TaskRequest:
+    def _request(self, task: Task, attempt: int, context_tokens: int) -> TaskRequest:
         return TaskRequest(
             task=task, attempt=attempt, context_tokens=context_tokens, text=load_task_text(task),
             max_new_tokens=int(task.overrides.get("max_new_tokens", self.cfg.summarize.max_new_tokens)),
-            instruction=str(task.overrides.get("prompt", self.cfg.summarize.prompt)), alone=alone,
+            instruction=str(task.overrides.get("prompt", self.cfg.summarize.prompt)),
         )
 
     # -- stage 2: the first rung that runs it --------------------------------------------------
@@ -284,7 +294,7 @@ class SummaryWorker:
                                                    self.device_budget, self.host_budget, placement,
                                                    expected_tokens=tokens, device_pool=self.device_pool),
                     device_bytes=device_kv_bytes(self.kv_shape, rung, tokens, placement),
-                    memory=memory, alone=request.alone,
+                    memory=memory,
                 )
 
             def generate(prompts: list[list[int]], max_new: int) -> list[Generation]:

@@ -13,7 +13,13 @@ import time
 from collections.abc import Callable
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+)
 
 INTERVAL_ENV = "KVBATCH_PROGRESS_INTERVAL_S"
 DEFAULT_PLAIN_INTERVAL_S = 10.0

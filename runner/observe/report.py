@@ -107,6 +107,9 @@ def render_report(job_dir: Where) -> str:
         ["latest run", f"{format_duration(status['run_elapsed_s'])}, "
                        f"{status['throughput_docs_per_s'] * 60:.2f} docs/min, {status['tokens_per_s']:.1f} tok/s"],
         ["fallbacks", f"{status['fallbacks']['total']} in {status['fallbacks']['tasks']} task(s)"],
+        ["batch occupancy", "n/a" if status["batch"]["mean_sequences"] is None else
+         f"{status['batch']['mean_sequences']:.1f} sequences per decode step, "
+         f"{status['batch']['padding_share']:.0%} padding"],
         ["alerts", len(alerts)],
     ]
     failures = [[r["doc_id"], r["status"], r["error_type"], r["error"], r["attempts"],

@@ -57,6 +57,15 @@ def _fallback_kinds(fallbacks: list[list[str] | None]) -> dict[str, int]:
     return dict(Counter(note.split(":", 1)[0] for notes in fallbacks for note in notes or []))
 
 
+def _batch_occupancy(done_rows: pa.Table) -> dict[str, float | None]:
+    """Mean sequences sharing a document's decode steps, and the padded share of them (older parts: null)."""
+    def mean(column: str) -> float | None:
+        values = [v for v in done_rows[column].to_pylist() if v is not None] if column in done_rows.schema.names else []
+        return sum(values) / len(values) if values else None
+
+    return {"mean_sequences": mean("batch_size"), "padding_share": mean("padding_share")}
+
+
 def job_status(job_dir: Where, slowest: int = 5) -> dict[str, Any]:
     """The figures `status` shows; also the documented keys of `status --json`."""
     job = JobDir(job_dir)
@@ -119,6 +128,7 @@ def job_status(job_dir: Where, slowest: int = 5) -> dict[str, Any]:
         "output_tokens": pc.sum(done_rows["output_tokens"]).as_py() or 0,
         "eta_s": eta,
         "strategies": dict(Counter(s for s in done_rows["cache_strategy"].to_pylist() if s)),
+        "batch": _batch_occupancy(done_rows),
         "fallbacks": {"tasks": sum(1 for fs in fallback_lists if fs),
                       "total": sum(len(fs or []) for fs in fallback_lists),
                       "by_kind": _fallback_kinds(fallback_lists)},
@@ -146,6 +156,10 @@ def print_status(status: dict[str, Any], console: Console) -> None:
         f"elapsed {format_duration(status['run_elapsed_s'])}, ETA {format_duration(status['eta_s'])}; "
         f"fallbacks {fb['total']} in {fb['tasks']} task(s)", highlight=False, soft_wrap=True,
     )
+    batch = status["batch"]
+    if batch["mean_sequences"] is not None:
+        console.print(f"batch occupancy: {batch['mean_sequences']:.1f} sequences per decode step on average, "
+                      f"{batch['padding_share']:.0%} padding", highlight=False, soft_wrap=True)
     if status["strategies"]:
         console.print("cache strategies: " + ", ".join(f"{k} {v}" for k, v in status["strategies"].items()),
                       highlight=False, soft_wrap=True)

@@ -3,7 +3,12 @@
 from runner.engine.kvcache.budget import KVBudgetExceeded, ResidentMeter
 from runner.engine.kvcache.dynamic import BudgetedDynamicCache
 from runner.engine.kvcache.resident import GrowingLayer
-from runner.engine.kvcache.strategies import CacheHandle, build_cache, kv_shape, resolve_budgets
+from runner.engine.kvcache.strategies import (
+    CacheHandle,
+    build_cache,
+    kv_shape,
+    resolve_budgets,
+)
 from runner.engine.kvcache.tiered import TieredCache
 
 __all__ = [
