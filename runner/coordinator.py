@@ -36,7 +36,7 @@ from tenacity import (
 
 from jobs.config import JobConfig
 from jobs.faults import FaultRule
-from jobs.manifest import Task
+from jobs.task import Task
 from jobs.policy import FailureClass, context_fallback_note, shorter_context
 from jobs.schema import RESULT_SCHEMA, TaskState, empty_row
 from runner.alerts import AlertMonitor
@@ -173,6 +173,7 @@ class Coordinator:
             doc_id=run.task.doc_id, task_id=run.task.task_id, attempts=run.attempt,
             context_tokens=run.context_tokens, fallbacks=run.fallbacks + outcome.get("fallbacks", []),
             meta=json.dumps(run.task.meta), finished_at=time.time(), queue_wait_s=run.queue_wait_s,
+            source_format=run.task.source_format, encoding=run.task.encoding, n_chars=run.task.n_chars,
         )
         with self._record_lock:
             if self._closed or (self.stop.is_set() and row["status"] != "done"):

@@ -27,7 +27,7 @@ from jobs.chunking import ContextTooSmallError
 from jobs.documents import DocumentError, load_task_text
 from jobs.faults import FaultRule, fault_for
 from jobs.kvplan import TIER_OF, Placement, kv_bytes, plan_placement, plan_rungs
-from jobs.manifest import Task
+from jobs.task import Task
 from jobs.policy import FailureClass, cache_fallback_note
 from runner.generation import Generation, generate_once
 from runner.kvcache import build_cache, kv_shape, resolve_budgets
