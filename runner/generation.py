@@ -77,6 +77,7 @@ def generate_once(
             prefill_chunk_size=chunk_size or None,
             pad_token_id=loaded.tokenizer.pad_token_id,
             streamer=clock,
+            **settings.generation,  # GenerationConfig fields checked at submit (runner/preflight.py)
             **cache_kwargs,
         )
     end = time.perf_counter()
