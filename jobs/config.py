@@ -44,6 +44,9 @@ class SummarizeConfig(_Section):
     prefill_chunk_size: int = Field(512, ge=0)
     do_sample: bool = False
     seed: int = 0
+    # transformers GenerationConfig fields passed to generate(), e.g. repetition_penalty: 1.15;
+    # checked against transformers at submit (runner/preflight.py)
+    generation: dict[str, Any] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _sizes_consistent(self) -> "SummarizeConfig":

@@ -1,10 +1,11 @@
-"""Reading one document's text from disk, refusing anything that is not a UTF-8 text file.
+"""Reading one document from disk or shared storage and extracting its text (jobs.extract).
 
 Documents come from user manifests, so every path is hostile until proven otherwise: the size
 limit is checked before a byte is read, only regular files are opened (a FIFO would block
 forever, a device would never end), and `documents_root` is enforced on the path *after*
 symlinks and `..` are resolved, so neither can be used to escape it. A document named by a storage
 URI (s3://, gs://, file://) is read through pyarrow's filesystems under the same size and text rules.
+The size limit applies to the file as read (decompressed for `.gz`), not to the text extracted from it.
 """
 
 from __future__ import annotations
@@ -15,14 +16,13 @@ import os
 import stat
 import zlib
 from pathlib import Path
-from typing import TYPE_CHECKING, BinaryIO
+from typing import BinaryIO
 
 import pyarrow.fs as pafs
 
+from jobs.extract import ExtractError, Extracted, clean_text, extract
+from jobs.task import Task
 from jobs.uris import filesystem_of, is_uri
-
-if TYPE_CHECKING:
-    from jobs.manifest import Task
 
 
 class DocumentError(ValueError):
@@ -38,14 +38,15 @@ def text_sha256(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
-def check_text(what: str, text: str) -> None:
-    """Refuse text no summary can be made of; shared by inline texts and files."""
-    if "\x00" in text:
-        raise DocumentError(
-            f"{what} contains NUL characters, so it is binary or UTF-16, not text: give a UTF-8 text document"
-        )
+def check_text(what: str, text: str) -> str:
+    """The text cleaned of stray control characters; refuses binary and empty text (inline texts and files)."""
+    try:
+        text = clean_text(text)
+    except ExtractError as e:
+        raise DocumentError(f"{what} {e}") from None
     if not text.strip():
         raise DocumentError(f"{what} is empty (or only whitespace): give a document with some text")
+    return text
 
 
 def check_size(what: str, size: int, max_bytes: int) -> None:
@@ -100,21 +101,7 @@ def _read_limited(stream: BinaryIO, path: Path | str, max_bytes: int, compressed
     return data
 
 
-def _decode(data: bytes, path: Path | str) -> str:
-    if b"\x00" in data:
-        raise DocumentError(
-            f"file {path} contains NUL bytes, so it is binary or UTF-16, not text: give a UTF-8 text file"
-        )
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise DocumentError(
-            f"file {path} is not valid UTF-8 (byte 0x{data[e.start]:02x} at offset {e.start}): "
-            "convert it to UTF-8, e.g. iconv -f latin1 -t utf-8"
-        ) from None
-
-
-def read_document_text(path: Path, max_bytes: int, documents_root: Path | None) -> str:
+def read_document(path: Path, max_bytes: int, documents_root: Path | None) -> Extracted:
     """The text of the document at `path` (absolute; `.gz` decompressed), or DocumentError saying why not.
 
     `documents_root` must already be resolved (no symlinks) when given.
@@ -151,19 +138,23 @@ def check_size_before_reading(name: Path | str, size: int, max_bytes: int) -> No
         check_size(f"file {name}", size, max_bytes)
 
 
-def _text_of(raw: BinaryIO, name: Path | str, max_bytes: int) -> str:
+def _text_of(raw: BinaryIO, name: Path | str, max_bytes: int) -> Extracted:
     """The checked text of an open document (`.gz` decompressed), read no further than the limit."""
     if str(name).endswith(".gz"):
         with gzip.GzipFile(fileobj=raw, mode="rb") as stream:
             data = _read_limited(stream, name, max_bytes, compressed=True)
     else:
         data = _read_limited(raw, name, max_bytes, compressed=False)
-    text = _decode(data, name)
-    check_text(f"file {name}", text)
-    return text
+    try:
+        extracted = extract(data, str(name))
+    except ExtractError as e:
+        raise DocumentError(f"file {name} {e}") from None
+    if not extracted.text.strip():
+        raise DocumentError(f"file {name} is empty (or only whitespace): give a document with some text")
+    return extracted
 
 
-def read_uri_document_text(uri: str, max_bytes: int) -> str:
+def read_uri_document(uri: str, max_bytes: int) -> Extracted:
     """The text of a document on shared storage (s3://, gs://, file://)."""
     try:
         fs, path = filesystem_of(uri)
@@ -189,9 +180,9 @@ def load_task_text(task: Task) -> str:
     try:
         # The path was resolved and checked against documents_root at submit; its exact size is known.
         text = (
-            read_uri_document_text(path, max_bytes=task.n_bytes) if isinstance(path, str)
-            else read_document_text(path, max_bytes=task.n_bytes, documents_root=None)
-        )
+            read_uri_document(path, max_bytes=task.n_bytes) if isinstance(path, str)
+            else read_document(path, max_bytes=task.n_bytes, documents_root=None)
+        ).text
     except DocumentTooLarge:
         raise DocumentError(
             f"document {task.doc_id!r} ({path}) changed since the job was submitted (it is now larger "

@@ -28,12 +28,14 @@ from jobs.documents import (
     DocumentError,
     check_size,
     check_text,
-    read_document_text,
-    read_uri_document_text,
+    read_document,
+    read_uri_document,
     resolve_document_path,
     text_sha256,
 )
+from jobs.extract import Extracted
 from jobs.schema import MANIFEST_SCHEMA
+from jobs.task import Task
 from jobs.uris import is_uri
 
 #: Manifest fields with a meaning; every other field is metadata passed through to the results.
@@ -46,19 +48,6 @@ _SUFFIXES_HELP = ".jsonl, .ndjson, .json, .csv or .parquet (.gz allowed except f
 
 class ManifestError(ValueError):
     """The manifest file itself is unusable; nothing can start (exit 2)."""
-
-
-@dataclass(frozen=True)
-class Task:
-    task_id: str
-    doc_id: str
-    source_type: str  # "text" | "path"
-    source: str  # the text itself, or the resolved absolute path
-    n_chars: int
-    n_bytes: int  # UTF-8 bytes of the text (decompressed for .gz files)
-    sha256: str  # of the UTF-8 text; a path task's file is checked against it before it runs
-    overrides: dict  # max_new_tokens: int, prompt: str (only those given)
-    meta: dict  # every other manifest field, passed through to the results
 
 
 @dataclass(frozen=True)
@@ -186,6 +175,7 @@ class _Validator:
     documents_root: Path | None
     row_unit: str  # "line", "row" or "item", as messages call a row of this manifest
     seen_ids: dict[str, tuple[int, str]]  # NFC-normalised id -> (row, id as given)
+    uri_base: str | None = None  # the folder URI of a manifest read from shared storage
 
     def task(self, record: _Record) -> Task:
         if record.fields is None:
@@ -195,7 +185,7 @@ class _Validator:
         try:
             self._claim_id(doc_id, record.row)
             overrides = _overrides(fields)
-            source_type, source, text = self._document(fields)
+            source_type, source, document = self._document(fields)
         except _RowRejected as e:
             raise _RowRejected(e.problem, doc_id) from None
         return Task(
@@ -203,11 +193,13 @@ class _Validator:
             doc_id=doc_id,
             source_type=source_type,
             source=source,
-            n_chars=len(text),
-            n_bytes=len(text.encode("utf-8")),
-            sha256=text_sha256(text),
+            n_chars=len(document.text),
+            n_bytes=document.n_bytes,
+            sha256=text_sha256(document.text),
             overrides=overrides,
             meta=_metadata(fields),
+            source_format=document.source_format,
+            encoding=document.encoding,
         )
 
     def _claim_id(self, doc_id: str, row: int) -> None:
@@ -221,7 +213,7 @@ class _Validator:
             )
         self.seen_ids[key] = (row, doc_id)
 
-    def _document(self, fields: dict[str, Any]) -> tuple[str, str, str]:
+    def _document(self, fields: dict[str, Any]) -> tuple[str, str, Extracted]:
         text, path = fields.get("text"), fields.get("path")
         if text is not None and path is not None:
             raise _RowRejected("has both 'text' and 'path': give exactly one of them")
@@ -229,22 +221,24 @@ class _Validator:
             raise _RowRejected("has neither 'text' nor 'path': give the document inline as 'text' or as a file 'path'")
         try:
             if text is not None:
-                text = _inline_text(text)
-                check_text("'text'", text)
-                check_size("'text'", len(text.encode("utf-8")), self.max_bytes)
-                return "text", text, text
+                text = check_text("'text'", _inline_text(text))
+                n_bytes = len(text.encode("utf-8"))
+                check_size("'text'", n_bytes, self.max_bytes)
+                return "text", text, Extracted(text, "text", None, n_bytes)
             if not isinstance(path, str) or not path.strip():
                 raise _RowRejected(f"'path' must be a non-empty string, got {_shown(path)}")
+            if self.uri_base is not None and not is_uri(path) and not path.startswith("/"):
+                path = f"{self.uri_base}/{path}"  # relative to a manifest on shared storage: beside it there
             if is_uri(path):
                 if self.documents_root is not None:
                     raise DocumentError(
                         f"is a storage URI, but input.documents_root ({self.documents_root}) only allows "
                         "files under it: unset documents_root to read documents from shared storage"
                     )
-                return "path", path, read_uri_document_text(path, self.max_bytes)
+                return "path", path, read_uri_document(path, self.max_bytes)
             # Relative paths are relative to the manifest, not to wherever kvbatch was started.
             resolved = resolve_document_path(self.manifest_dir / Path(path).expanduser(), self.documents_root)
-            return "path", str(resolved), read_document_text(resolved, self.max_bytes, self.documents_root)
+            return "path", str(resolved), read_document(resolved, self.max_bytes, self.documents_root)
         except DocumentError as e:
             raise _RowRejected(str(e) if text is not None else f"'path' {_shown(path)}: {e}") from None
 
@@ -443,8 +437,14 @@ def _documents_root(input_cfg: InputConfig) -> Path | None:
     return root
 
 
-def read_manifest(path: Path, input_cfg: InputConfig) -> tuple[list[Task], list[Rejection]]:
-    """Every runnable task of the manifest, and every row that will not run with its reason."""
+def read_manifest(
+    path: Path, input_cfg: InputConfig, uri_base: str | None = None
+) -> tuple[list[Task], list[Rejection]]:
+    """Every runnable task of the manifest, and every row that will not run with its reason.
+
+    `uri_base`: the manifest is a local copy of one on shared storage, in that folder; relative
+    document paths are read from there.
+    """
     path = Path(path)
     if not path.is_file():
         raise ManifestError(f"manifest {path} does not exist or is not a file: check the path")
@@ -458,6 +458,7 @@ def read_manifest(path: Path, input_cfg: InputConfig) -> tuple[list[Task], list[
             documents_root=_documents_root(input_cfg),
             row_unit=_ROW_UNITS[fmt],
             seen_ids={},
+            uri_base=uri_base,
         )
         for record in _records(path, fmt, input_cfg.max_document_bytes):
             try:
@@ -493,6 +494,8 @@ def tasks_to_table(tasks: list[Task]) -> pa.Table:
                 "sha256": t.sha256,
                 "overrides": _to_json(t.overrides),
                 "meta": _to_json(t.meta),
+                "source_format": t.source_format,
+                "encoding": t.encoding,
             }
             for t in tasks
         ],
@@ -501,10 +504,11 @@ def tasks_to_table(tasks: list[Task]) -> pa.Table:
 
 
 def tasks_from_table(table: pa.Table) -> list[Task]:
-    missing = [name for name in MANIFEST_SCHEMA.names if name not in table.column_names]
+    optional = ("source_format", "encoding")  # absent from manifests written before document formats
+    missing = [name for name in MANIFEST_SCHEMA.names if name not in table.column_names and name not in optional]
     if missing:
         raise ManifestError(
             f"normalised manifest lacks column(s) {', '.join(missing)}: the job folder is damaged, submit the job again"
         )
-    rows = table.select(MANIFEST_SCHEMA.names).to_pylist()
+    rows = table.select([name for name in MANIFEST_SCHEMA.names if name in table.column_names]).to_pylist()
     return [Task(**{**r, "overrides": json.loads(r["overrides"]), "meta": json.loads(r["meta"])}) for r in rows]

@@ -30,6 +30,9 @@ MANIFEST_SCHEMA = pa.schema(
         ("sha256", pa.string()),
         ("overrides", pa.string()),  # JSON object: max_new_tokens, prompt
         ("meta", pa.string()),  # JSON object: every other manifest field
+        # added with document formats; null in manifests written before (pq.read_table fills them)
+        ("source_format", pa.string()),  # pdf, html, docx, markdown, rst, text
+        ("encoding", pa.string()),  # of a text file; null for inline text, PDF and DOCX
     ]
 )
 
@@ -92,6 +95,10 @@ RESULT_SCHEMA = pa.schema(
         ("decode_peak_device_bytes", pa.int64()),
         ("decode_peak_host_rss_bytes", pa.int64()),
         ("meta", pa.string()),  # JSON of the manifest's metadata; expanded into columns on export
+        # what the model was given: the document's format, its text encoding, the extracted text's length
+        ("source_format", pa.string()),
+        ("encoding", pa.string()),
+        ("n_chars", pa.int64()),
     ]
 )
 

@@ -42,17 +42,20 @@ def _run(fn, *args) -> None:  # noqa: ANN001 - thin wrapper shared by the comman
 
 @app.command()
 def submit(
-    manifest: Annotated[Path, typer.Argument(help="JSONL, CSV or Parquet manifest of documents")],
+    source: Annotated[str, typer.Argument(
+        help="JSONL, CSV or Parquet manifest, or a folder of documents (id = path in the folder); "
+             "local, or s3://, gs://, file:// on shared storage")],
+    glob: Annotated[Optional[str], typer.Option("--glob", help="with a folder: only files whose relative path matches, e.g. '*.pdf'")] = None,
     config: Annotated[Optional[Path], typer.Option("-c", "--config", help="YAML config")] = None,
     job_dir: Annotated[Optional[str], typer.Option("-j", "--job-dir", help=JOB_DIR_HELP + " (default runs/<job-id>)")] = None,
     set_: SetOption = [],
     address: AddressOption = None,
     strict: Annotated[bool, typer.Option("--strict", help="any rejected manifest row stops everything (exit 2)")] = False,
 ) -> None:
-    """Validate the manifest, create the job folder and run every task to an end."""
+    """Validate the manifest (or list the folder), create the job folder and run every task to an end."""
     from runner.submit import submit as run_submit
 
-    _run(run_submit, manifest, config, job_dir, set_, address, strict, console)
+    _run(run_submit, source, glob, config, job_dir, set_, address, strict, console)
 
 
 @app.command()
@@ -90,6 +93,7 @@ def results(
     output: Annotated[Optional[Path], typer.Option("-o", "--output", help="file to write (default stdout)")] = None,
     fmt: Annotated[Optional[str], typer.Option("--format", help="jsonl, csv or parquet (default: from -o, else jsonl)")] = None,
     errors_only: Annotated[bool, typer.Option("--errors", help="only failed and rejected documents")] = False,
+    with_text: Annotated[bool, typer.Option("--with-text", help="add a text column: the extracted text each model was given")] = False,
 ) -> None:
     """Export one row per document."""
     from storage.export import export_results, format_for
@@ -97,7 +101,7 @@ def results(
     def export() -> int:
         if fmt not in (None, "jsonl", "csv", "parquet"):
             raise ConfigError(f"--format {fmt}: choose jsonl, csv or parquet")
-        n = export_results(job_dir, output, format_for(output, fmt), errors_only)
+        n = export_results(job_dir, output, format_for(output, fmt), errors_only, with_text)
         if output is not None:
             errors.print(f"{n} row(s) -> {output}")
         return 0

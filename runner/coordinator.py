@@ -37,7 +37,7 @@ from tenacity.stop import stop_base
 
 from jobs.config import JobConfig, RetryConfig
 from jobs.faults import FaultRule
-from jobs.manifest import Task
+from jobs.task import Task
 from jobs.policy import FailureClass, context_fallback_note, shorter_context
 from runner.node_sweeper import NodeSweeper
 from runner.observe.alerts import AlertMonitor

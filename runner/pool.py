@@ -22,7 +22,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 
 from jobs.config import JobConfig
 from jobs.faults import FaultRule
-from jobs.manifest import Task
+from jobs.task import Task
 from runner.engine.worker import SummaryWorker
 
 #: How long a restarted worker may take to come back (process start + model load), not task time.

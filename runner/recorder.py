@@ -13,7 +13,7 @@ import threading
 import time
 from typing import Any
 
-from jobs.manifest import Task
+from jobs.task import Task
 from jobs.schema import RESULT_SCHEMA, TaskState, empty_row
 from runner.observe.alerts import AlertMonitor
 from runner.observe.joblog import JobLog
@@ -81,6 +81,7 @@ class TaskRecorder:
             doc_id=task.doc_id, task_id=task.task_id, attempts=attempt, context_tokens=context_tokens,
             fallbacks=fallbacks + outcome.get("fallbacks", []), meta=json.dumps(task.meta),
             finished_at=time.time(), queue_wait_s=queue_wait_s,
+            source_format=task.source_format, encoding=task.encoding, n_chars=task.n_chars,
         )
         with self._lock:
             if self._closed or (self._stopping.is_set() and row["status"] != "done"):

@@ -1,10 +1,11 @@
-"""`submit` and `resume`: from a manifest (or a job folder) to a finished, checkpointed batch."""
+"""`submit` and `resume`: from a manifest or a folder of documents (or a job folder) to a finished batch."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import tempfile
 import time
 from pathlib import Path
 
@@ -12,27 +13,16 @@ from rich.console import Console
 
 from jobs.config import JobConfig, apply_overrides, config_from_dict, load_config
 from jobs.faults import FAULTS_ENV, parse_faults
-from jobs.manifest import Rejection, read_manifest, tasks_from_table, tasks_to_table
+from jobs.manifest import ManifestError, Rejection, read_manifest, tasks_from_table, tasks_to_table
 from jobs.schema import RESULT_SCHEMA, TaskState, empty_row
+from jobs.task import Task
 from runner import __version__
 from runner.cluster import ray_session
-from runner.coordinator import (
-    EXIT_FAILED_TASKS,
-    EXIT_INTERRUPTED,
-    EXIT_NO_WORKERS,
-    EXIT_OK,
-    Coordinator,
-)
+from runner.coordinator import EXIT_FAILED_TASKS, EXIT_INTERRUPTED, EXIT_NO_WORKERS, EXIT_OK, Coordinator
+from runner.preflight import check_settings
 from storage.checkpoint import CheckpointLog, JobState, compact, load_state
-from storage.jobdir import (
-    JobDir,
-    JobInfo,
-    create_job,
-    new_job_id,
-    read_job,
-    read_manifest_table,
-    update_job_config,
-)
+from storage.inputs import FOLDER_MANIFEST_NAME, StagedManifest, stage_input
+from storage.jobdir import JobDir, JobInfo, create_job, new_job_id, read_job, read_manifest_table, update_job_config
 from storage.lease import job_lock
 from storage.location import Where
 from storage.parts import CORRUPT_PART_ADVICE
@@ -69,22 +59,40 @@ def report_rejections(console: Console, rejections: list[Rejection], limit: int 
         console.print(f"  ... and {len(rejections) - limit} more")
 
 
-def submit(manifest: Path, config_path: Path | None, job_dir: Where | None, overrides: list[str],
-           address: str | None, strict: bool, console: Console) -> int:
+def _read_staged(staged: StagedManifest, config: JobConfig) -> tuple[list[Task], list[Rejection]]:
+    try:
+        return read_manifest(staged.path, config.input, staged.uri_base)
+    except ManifestError as e:  # name the manifest as the user gave it, not its local copy
+        raise ManifestError(str(e).replace(str(staged.path), staged.shown)) from None
+
+
+def submit(source: str, pattern: str | None, config_path: Path | None, job_dir: Where | None,
+           overrides: list[str], address: str | None, strict: bool, console: Console) -> int:
+    """`source`: a manifest or a folder of documents, local or on shared storage; `pattern`: --glob."""
     job_id = new_job_id()
     job = JobDir(job_dir or Path("runs") / job_id)
     console.print(f"job {job_id} -> {job.path}")
     config = load_config(config_path, overrides)
-    tasks, rejections = read_manifest(manifest, config.input)
-    report_rejections(console, rejections)
-    if strict and rejections:
-        console.print("[red]--strict: nothing was started; fix the rows above and submit again")
-        return EXIT_USAGE
-    info = JobInfo(
-        job_id=job_id, created=time.time(), version=__version__, config=config.model_dump(mode="json"),
-        manifest_path=str(manifest.resolve()), manifest_sha256=_sha256_of(manifest),
-    )
-    create_job(job, info, tasks_to_table(tasks))
+    check_settings(config)
+    with tempfile.TemporaryDirectory(prefix="kvbatch-manifest-") as workdir:
+        staged = stage_input(source, pattern, Path(workdir), job.path.local_path if job.path.is_local else None)
+        tasks, rejections = _read_staged(staged, config)
+        report_rejections(console, rejections)
+        if strict and rejections:
+            console.print("[red]--strict: nothing was started; fix the rows above and submit again")
+            return EXIT_USAGE
+        if staged.from_folder:
+            manifest_path = str(job.path / FOLDER_MANIFEST_NAME)
+            console.print(f"{len(tasks) + len(rejections)} document(s) in {source} -> {manifest_path}")
+        else:
+            manifest_path = staged.shown if staged.uri_base is not None else str(staged.path.resolve())
+        info = JobInfo(
+            job_id=job_id, created=time.time(), version=__version__, config=config.model_dump(mode="json"),
+            manifest_path=manifest_path, manifest_sha256=_sha256_of(staged.path),
+        )
+        create_job(job, info, tasks_to_table(tasks))
+        if staged.from_folder:
+            (job.path / FOLDER_MANIFEST_NAME).write_bytes_atomic(staged.path.read_bytes(), f".{FOLDER_MANIFEST_NAME}.tmp")
     with CheckpointLog(job.path) as log:
         for rejection in rejections:
             log.add_result(_rejection_row(rejection))
@@ -96,6 +104,7 @@ def resume(job_dir: Where, retry_failed: bool, overrides: list[str], address: st
     job = JobDir(job_dir)
     info = read_job(job)
     config = config_from_dict(apply_overrides(info.config, overrides), f"{job.job_json} with --set")
+    check_settings(config)
     if overrides:
         update_job_config(job, config.model_dump(mode="json"))
     console.print(f"job {info.job_id} <- {job.path}")

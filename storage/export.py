@@ -12,8 +12,11 @@ import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
+from jobs.documents import DocumentError, load_task_text
+from jobs.manifest import tasks_from_table
 from jobs.schema import TaskState
 from storage.checkpoint import load_state
+from storage.jobdir import JobDir, read_manifest_table
 from storage.location import Where
 
 ExportFormat = Literal["jsonl", "csv", "parquet"]
@@ -28,11 +31,31 @@ def format_for(path: Path | None, requested: str | None) -> ExportFormat:
     return "jsonl"
 
 
-def results_table(job_dir: Where, errors_only: bool) -> pa.Table:
-    """Deduplicated results; `errors_only` keeps failed and rejected documents."""
+def _texts(job_dir: Where, task_ids: list[str]) -> list[str | None]:
+    """The text each task's model was given, extracted again (and checked against its fingerprint).
+
+    Null for a rejected row, and for a document that changed or vanished since (said on stderr).
+    """
+    tasks = {t.task_id: t for t in tasks_from_table(read_manifest_table(JobDir(job_dir)))}
+    texts: list[str | None] = []
+    for task_id in task_ids:
+        text = None
+        if task_id in tasks:
+            try:
+                text = load_task_text(tasks[task_id])
+            except DocumentError as e:
+                sys.stderr.write(f"no text for task {task_id}: {e}\n")
+        texts.append(text)
+    return texts
+
+
+def results_table(job_dir: Where, errors_only: bool, with_text: bool = False) -> pa.Table:
+    """Deduplicated results; `errors_only` keeps failed and rejected documents; `with_text` adds a `text` column."""
     table = load_state(job_dir).results
     if errors_only:
         table = table.filter(pc.not_equal(table["status"], TaskState.DONE.value))
+    if with_text:
+        table = table.append_column("text", pa.array(_texts(job_dir, table["task_id"].to_pylist()), pa.string()))
     metas = [json.loads(m) if m else {} for m in table["meta"].to_pylist()]
     table = table.drop_columns(["meta"])
     for key in sorted({k for m in metas for k in m}):
@@ -44,9 +67,10 @@ def results_table(job_dir: Where, errors_only: bool) -> pa.Table:
     return table
 
 
-def export_results(job_dir: Where, out: Path | None, fmt: ExportFormat, errors_only: bool) -> int:
+def export_results(job_dir: Where, out: Path | None, fmt: ExportFormat, errors_only: bool,
+                   with_text: bool = False) -> int:
     """Writes the rows to `out` (stdout when None; not for parquet); returns the row count."""
-    table = results_table(job_dir, errors_only)
+    table = results_table(job_dir, errors_only, with_text)
     if fmt == "parquet":
         if out is None:
             raise ValueError("parquet output needs a file: add -o results.parquet")

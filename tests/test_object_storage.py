@@ -16,8 +16,8 @@ import time
 from collections.abc import Iterator
 
 import pytest
-from conftest import LICENSES, TINY_CONFIG, done_summaries, kvbatch, license_manifest, wait_for, write_jsonl
 
+from conftest import LICENSES, TINY_CONFIG, done_summaries, export_rows, kvbatch, license_manifest, wait_for, write_jsonl
 from jobs.schema import RESULT_SCHEMA, TaskState, empty_row
 from jobs.uris import filesystem_of
 from storage.checkpoint import CheckpointLog, compact, load_state
@@ -136,3 +136,31 @@ def test_a_batch_on_s3_killed_and_resumed_from_the_uri_gives_the_local_results(s
     assert done_summaries(job) == expected
     assert not Location.of(f"{job}/.lock").exists()
     assert load_state(job).results.num_rows == len(DOCS)
+
+
+def test_a_folder_on_s3_is_submitted_with_glob_and_a_manifest_uri_reads_documents_beside_it(s3, tmp_path) -> None:
+    from test_formats import ACCEPTED, make_collection
+
+    documents, _ = filesystem_of(s3)
+    local = make_collection(tmp_path / "docs")
+    for name in ("lease.pdf", "memo-cp1252.txt", "notes/release.md", "scan.pdf", ".hidden.txt"):
+        with documents.open_output_stream(f"{BUCKET}/collection/{name}") as out:
+            out.write((local / name).read_bytes())
+    job = tmp_path / "job"
+    # its own local Ray: the workers read the documents from S3 with this environment's credentials
+    proc = kvbatch("submit", f"{s3}/collection/", "--glob", "*.pdf", "-c", str(TINY_CONFIG), "-j", str(job), check=0)
+    assert "2 document(s) in s3://" in proc.stdout
+    rows = {r["doc_id"]: r for r in export_rows(job, "--with-text")}
+    assert {d: r["status"] for d, r in rows.items()} == {"lease.pdf": "done", "scan.pdf": "rejected"}
+    assert rows["lease.pdf"]["text"] == ACCEPTED["lease.pdf"][1]
+
+    manifest = [{"id": "memo", "path": "memo-cp1252.txt"}, {"id": "notes", "path": "notes/release.md"},
+                {"id": "gone", "path": "nope.txt"}]
+    with documents.open_output_stream(f"{BUCKET}/collection/manifest.jsonl") as out:
+        out.write("".join(json.dumps(r) + "\n" for r in manifest).encode())
+    proc = kvbatch("submit", f"{s3}/collection/manifest.jsonl", "--strict", "-c", str(TINY_CONFIG),
+                   "-j", str(tmp_path / "strict"), check=2)
+    out = " ".join(proc.stdout.split())
+    assert "1 manifest row(s) rejected" in out and f"{s3}/collection/nope.txt does not exist" in out
+    proc = kvbatch("submit", f"{s3}/nothing-here.jsonl", "-c", str(TINY_CONFIG), "-j", str(tmp_path / "x"), check=2)
+    assert f"manifest {s3}/nothing-here.jsonl does not exist" in proc.stderr

@@ -89,6 +89,7 @@ def generate_once(
             prefill_chunk_size=chunk_size or None,
             pad_token_id=loaded.tokenizer.pad_token_id,
             streamer=clock,
+            **settings.generation,  # GenerationConfig fields checked at submit (runner/preflight.py)
             **cache_kwargs,
         )
     end = time.perf_counter()
@@ -133,7 +134,7 @@ class TokenPicker:
                  max_new_tokens: int) -> None:
         config = copy.deepcopy(model.generation_config)
         config.update(do_sample=settings.do_sample, max_new_tokens=max_new_tokens,
-                      **dict(getattr(settings, "generation", None) or {}))
+                      **settings.generation)
         self.do_sample = settings.do_sample
         self.processors = model._get_logits_processor(
             generation_config=config, input_ids_seq_length=len(prompt_ids), device=model.device, model_kwargs={}

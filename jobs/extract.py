@@ -1,0 +1,190 @@
+"""From a document file's bytes to the text a model reads: PDF, HTML, DOCX, or text in any common encoding.
+
+Pure (bytes in, text out, no I/O) and deterministic, so the text extracted at submit time and the
+text a worker extracts again later have the same fingerprint. Each format goes through a well-kept
+library (pypdf, trafilatura, python-docx, charset-normalizer), imported only when a file of its
+format is met, so importing this module stays cheap.
+
+Binary is told from text by the share of control bytes, as `file` and git do (git: any NUL; `file`:
+any byte outside its text set). Both are stricter than real collections allow: GNU info manuals
+hold a few NULs and \\x1f node markers (up to 3 % of the bytes), while binary formats and compressed
+data hold 10 % or more. So a file under MAX_CONTROL_SHARE is text whose stray control characters
+are removed, and a file over it is refused as binary.
+"""
+
+from __future__ import annotations
+
+import codecs
+import io
+import re
+import zipfile
+from dataclasses import dataclass
+from pathlib import PurePosixPath
+
+
+class ExtractError(ValueError):
+    """No text can be had from these bytes; the message (to follow the file's name) says why and what to do."""
+
+
+@dataclass(frozen=True)
+class Extracted:
+    text: str
+    source_format: str  # pdf, docx, html, markdown, rst, text
+    encoding: str | None  # Python's name of the text encoding; None for PDF and DOCX (binary containers)
+    n_bytes: int  # of the bytes the text came from
+
+
+#: Above this share of control bytes a file is binary, below it stray control characters are cleaned.
+MAX_CONTROL_SHARE = 0.05
+
+#: Bytes outside `file`'s text set: C0 controls but BEL, BS, TAB, LF, VT, FF, CR and ESC; and DEL.
+_CONTROL_BYTES = bytes([*range(0x00, 0x07), *range(0x0E, 0x1B), *range(0x1C, 0x20), 0x7F])
+#: Characters removed from extracted text: every C0/C1 control but TAB, LF, FF and CR.
+_STRAY_CONTROLS = re.compile("[\x00-\x08\x0b\x0e-\x1f\x7f-\x9f]")
+
+#: The legacy encodings a real collection holds. Searching every code page instead makes short texts
+#: come out as EBCDIC or Urdu (charset-normalizer reads "Caf\xe9" as cp037).
+LEGACY_ENCODINGS = (
+    "cp1252", "cp1250", "cp1251", "cp1253", "cp1254", "cp1255", "cp1256", "cp1257", "cp1258",
+    "latin_1", "iso8859_2", "iso8859_5", "iso8859_7", "iso8859_15", "koi8_r", "cp866", "mac_roman",
+    "shift_jis", "euc_jp", "gb18030", "big5", "euc_kr",
+)
+_UNICODE_BOMS = (codecs.BOM_UTF32_LE, codecs.BOM_UTF32_BE, codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)
+
+_FORMAT_OF_SUFFIX = {
+    ".pdf": "pdf", ".docx": "docx", ".html": "html", ".htm": "html", ".xhtml": "html",
+    ".md": "markdown", ".markdown": "markdown", ".rst": "rst",
+}
+SUPPORTED = "text (any common encoding), Markdown, reStructuredText, HTML, PDF with a text layer or DOCX"
+
+
+def extract(data: bytes, name: str) -> Extracted:
+    """The text of a document file named `name` (a `.gz` already decompressed and still in the name)."""
+    fmt = detect_format(data, name)
+    if fmt == "pdf":
+        return Extracted(_clean(_pdf_text(data)), fmt, None, len(data))
+    if fmt == "docx":
+        return Extracted(_clean(_docx_text(data)), fmt, None, len(data))
+    text, encoding = decode(data)
+    if fmt == "html":
+        text = _html_text(text)
+    return Extracted(_clean(text), fmt, encoding, len(data))
+
+
+def detect_format(data: bytes, name: str) -> str:
+    """By magic bytes first (a PDF is a PDF whatever its name), then by extension."""
+    suffix = PurePosixPath(name.lower().removesuffix(".gz")).suffix
+    by_suffix = _FORMAT_OF_SUFFIX.get(suffix)
+    if data.startswith(b"%PDF-") or (by_suffix == "pdf" and b"%PDF-" in data[:1024]):  # readers allow 1 KiB of junk
+        return "pdf"
+    if by_suffix == "pdf":
+        raise ExtractError(f"is named {suffix} but is not a PDF (no %PDF- header): give the real file")
+    if data.startswith(b"PK\x03\x04"):
+        if _is_docx(data):
+            return "docx"
+        raise ExtractError(f"is a ZIP archive, not a document (supported: {SUPPORTED}): unpack it first")
+    if by_suffix == "docx":
+        raise ExtractError(f"is named {suffix} but is not a DOCX (a ZIP archive): give the real file")
+    if by_suffix is None and data.lstrip()[:512].lower().startswith((b"<!doctype html", b"<html")):
+        return "html"
+    return by_suffix or "text"
+
+
+def decode(data: bytes) -> tuple[str, str]:
+    """Text and the encoding it was in: UTF-8, UTF-16/32 with a byte-order mark, else a legacy encoding."""
+    from charset_normalizer import from_bytes
+
+    if data.startswith(_UNICODE_BOMS):
+        best = from_bytes(data).best()  # the byte-order mark names the encoding
+    else:
+        refuse_binary(data)
+        try:
+            return data.decode("utf-8-sig"), "utf-8"
+        except UnicodeDecodeError:
+            best = from_bytes(data, cp_isolation=list(LEGACY_ENCODINGS)).best()
+    if best is None:
+        raise ExtractError(
+            "fits no text encoding (UTF-8, UTF-16 with a byte-order mark, or a legacy one such as "
+            f"Windows-1252 or Shift-JIS), so it is binary: give a {SUPPORTED} file"
+        )
+    return str(best), codecs.lookup(best.encoding).name
+
+
+def refuse_binary(data: bytes) -> None:
+    """Refuse bytes whose share of control bytes only binary data has."""
+    controls = len(data) - len(data.translate(None, _CONTROL_BYTES))
+    if data and controls / len(data) > MAX_CONTROL_SHARE:
+        raise ExtractError(
+            f"is binary: {controls} of its {len(data)} bytes ({100 * controls / len(data):.1f} %) are control "
+            f"bytes such as NUL, over the {100 * MAX_CONTROL_SHARE:.0f} % a text file may hold (it may also be "
+            f"UTF-16 without a byte-order mark): give a {SUPPORTED} file"
+        )
+
+
+def clean_text(text: str) -> str:
+    """Inline text under the same rule as files: a few stray control characters removed, binary refused."""
+    refuse_binary(text.encode("utf-8", "surrogatepass"))
+    return _clean(text)
+
+
+def _clean(text: str) -> str:
+    return _STRAY_CONTROLS.sub("", text)
+
+
+def _is_docx(data: bytes) -> bool:
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            return "word/document.xml" in archive.namelist()
+    except (zipfile.BadZipFile, OSError, ValueError):
+        return False
+
+
+def _pdf_text(data: bytes) -> str:
+    """Text per page in reading order, pages separated by a blank line."""
+    from pypdf import PdfReader
+
+    try:
+        reader = PdfReader(io.BytesIO(data))
+        if reader.is_encrypted and not reader.decrypt(""):  # an empty user password opens many "protected" PDFs
+            raise ExtractError(
+                "is an encrypted PDF that needs a password: decrypt it (e.g. qpdf --decrypt "
+                "--password=PASSWORD in.pdf out.pdf) and give the decrypted copy"
+            )
+        pages = [page.extract_text() or "" for page in reader.pages]
+    except ExtractError:
+        raise
+    except Exception as e:  # noqa: BLE001 - pypdf raises many types (PdfReadError, KeyError, ...) on damaged files
+        raise ExtractError(f"is not a readable PDF ({type(e).__name__}: {e}): repair or re-export it") from None
+    if not any(page.strip() for page in pages):
+        raise ExtractError(
+            f"is a PDF with {len(pages)} page(s) but no text layer (a scanned document?): "
+            "run OCR on it first (e.g. ocrmypdf in.pdf out.pdf) and give the result"
+        )
+    return "\n\n".join(page.strip() for page in pages if page.strip())
+
+
+def _docx_text(data: bytes) -> str:
+    """Paragraphs and tables of the body in document order; a table row's cells separated by tabs."""
+    from docx import Document
+    from docx.table import Table
+
+    try:
+        blocks = []
+        for block in Document(io.BytesIO(data)).iter_inner_content():
+            if isinstance(block, Table):
+                blocks.extend("\t".join(cell.text for cell in row.cells) for row in block.rows)
+            else:
+                blocks.append(block.text)
+    except Exception as e:  # noqa: BLE001 - python-docx raises KeyError, lxml and zip errors on damaged files
+        raise ExtractError(f"is not a readable DOCX ({type(e).__name__}: {e}): repair or re-save it") from None
+    return "\n".join(blocks)
+
+
+def _html_text(html: str) -> str:
+    """The page's main text: no navigation, scripts, styles or footers."""
+    import trafilatura
+
+    text = trafilatura.extract(html, include_comments=False, include_tables=True)
+    if not text:
+        raise ExtractError("is an HTML page in which no main text was found: give a page with an article or body text")
+    return text

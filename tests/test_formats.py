@@ -1,0 +1,254 @@
+"""Real document collections: files made at test time by their own libraries (fpdf2, pypdf, python-docx),
+and GNU info manuals shipped by the OS; each summarised with the right text or rejected with a reason."""
+
+from __future__ import annotations
+
+import gzip
+import io
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import pyarrow.parquet as pq
+
+from conftest import TINY_CONFIG, export_rows, kvbatch, write_jsonl
+from jobs.config import InputConfig
+from jobs.documents import load_task_text
+from jobs.extract import MAX_CONTROL_SHARE
+from jobs.manifest import read_manifest
+
+PAGE_1 = "Page one. The tenant pays the rent on the first day of every month."
+PAGE_2 = "Page two. The landlord repairs the roof within thirty days of a written notice."
+ARTICLE = (
+    "The water supply to Elm Street will be interrupted on Tuesday from 9 am to 3 pm while the main pipe is replaced.",
+    "Residents should store drinking water in advance. Tankers will be parked at the corner of Elm Street and Oak Avenue.",
+)
+HTML = f"""<!DOCTYPE html><html><head><title>Notice</title>
+<script>var tracking = "SCRIPT_SECRET"; document.write("tracker");</script><style>.menu {{ color: red }}</style></head>
+<body><nav><ul><li><a href="/">Home</a></li><li><a href="/about">About us</a></li><li><a href="/c">Contact</a></li></ul></nav>
+<main><article><h1>Water supply interruption</h1><p>{ARTICLE[0]}</p><p>{ARTICLE[1]}</p></article></main>
+<footer>Copyright 2024 City Council. Privacy policy.</footer></body></html>"""
+LATIN1 = "Le café de la gare était fermé à cause de la grève. Les élèves ont mangé des crêpes près du théâtre.\n"
+CP1252 = "\u201cThe memo\u201d \u2014 it\u2019s the manager\u2019s note about the \u20ac5 fee for late returns.\n" * 3
+STRAY = "The committee met on Monday.\x00 It approved the budget for the new library\x1f and the park.\n" * 4
+DOCX_PARAGRAPHS = ("Minutes of the board meeting", "The board approved the merger with Acme Ltd.")
+MARKDOWN = "# Release notes\n\n- Faster start-up\n- **Fixed** the crash on empty files\n"
+
+
+def _pdf(pages: list[str]) -> bytes:
+    from fpdf import FPDF
+
+    pdf = FPDF()
+    pdf.set_font("helvetica", size=12)
+    for text in pages:
+        pdf.add_page()
+        pdf.multi_cell(0, 10, text)
+    return bytes(pdf.output())
+
+
+def _scanned_pdf() -> bytes:
+    """A page with a drawing and no text layer, as a scanner's PDF has."""
+    from fpdf import FPDF
+
+    pdf = FPDF()
+    pdf.add_page()
+    pdf.rect(20, 20, 100, 60, style="F")
+    return bytes(pdf.output())
+
+
+def _encrypted_pdf() -> bytes:
+    from pypdf import PdfReader, PdfWriter
+
+    writer = PdfWriter(clone_from=PdfReader(io.BytesIO(_pdf(["A secret contract."]))))
+    writer.encrypt(user_password="secret", algorithm="AES-256")
+    out = io.BytesIO()
+    writer.write(out)
+    return out.getvalue()
+
+
+def _docx() -> bytes:
+    import docx
+
+    document = docx.Document()
+    document.add_heading(DOCX_PARAGRAPHS[0], level=1)
+    document.add_paragraph(DOCX_PARAGRAPHS[1])
+    table = document.add_table(rows=1, cols=2)
+    table.rows[0].cells[0].text, table.rows[0].cells[1].text = "Votes for", "7"
+    out = io.BytesIO()
+    document.save(out)
+    return out.getvalue()
+
+
+def _info_manual() -> Path | None:
+    """A GNU info manual from the OS: its index nodes hold NULs and every node starts with \\x1f."""
+    found = sorted(Path("/usr/share/info").glob("*.info.gz"))
+    return next((p for p in found if b"\x00" in gzip.decompress(p.read_bytes())), None)
+
+
+#: file name -> (format, the text the model must get, or None) for the accepted files
+ACCEPTED = {
+    "lease.pdf": ("pdf", f"{PAGE_1}\n\n{PAGE_2}"),
+    "notice.html": ("html", None),  # main text checked below
+    "minutes.docx": ("docx", f"{DOCX_PARAGRAPHS[0]}\n{DOCX_PARAGRAPHS[1]}\nVotes for\t7"),
+    "notes/release.md": ("markdown", MARKDOWN),
+    "french-latin1.txt": ("text", LATIN1),
+    "memo-cp1252.txt": ("text", CP1252),
+    "stray-nul.txt": ("text", STRAY.replace("\x00", "").replace("\x1f", "")),
+}
+#: file name -> what its rejection says
+REJECTED = {
+    "scan.pdf": "no text layer (a scanned document?)",
+    "locked.pdf": "is an encrypted PDF that needs a password",
+    "program.bin": "is binary:",
+}
+
+
+def make_collection(folder: Path) -> Path:
+    """A folder mixing the formats a real collection holds, good and bad."""
+    (folder / "notes").mkdir(parents=True)
+    files = {
+        "lease.pdf": _pdf([PAGE_1, PAGE_2]),
+        "notice.html": HTML.encode("utf-8"),
+        "minutes.docx": _docx(),
+        "notes/release.md": MARKDOWN.encode("utf-8"),
+        "french-latin1.txt": LATIN1.encode("latin-1"),
+        "memo-cp1252.txt": CP1252.encode("cp1252"),
+        "stray-nul.txt": STRAY.encode("utf-8"),
+        "scan.pdf": _scanned_pdf(),
+        "locked.pdf": _encrypted_pdf(),
+        "program.bin": Path(shutil.which("ls") or "/bin/ls").read_bytes(),  # a real executable
+        ".hidden.txt": b"left out of folder listings",
+    }
+    for name, data in files.items():
+        (folder / name).write_bytes(data)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def collection(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_collection(tmp_path_factory.mktemp("collection") / "docs")
+
+
+def _read(collection: Path, tmp_path: Path, names: list[str]):
+    manifest = write_jsonl(tmp_path / "m.jsonl", [{"id": n, "path": str(collection / n)} for n in names])
+    return read_manifest(manifest, InputConfig())
+
+
+def test_each_format_gives_the_text_a_reader_sees(collection: Path, tmp_path: Path) -> None:
+    tasks, rejections = _read(collection, tmp_path, list(ACCEPTED))
+    assert rejections == []
+    by_id = {t.doc_id: t for t in tasks}
+    for name, (fmt, expected) in ACCEPTED.items():
+        task = by_id[name]
+        text = load_task_text(task)  # extracted again, as a worker does, and checked against the fingerprint
+        assert task.source_format == fmt, name
+        assert task.n_chars == len(text) and task.n_bytes == (collection / name).stat().st_size
+        if expected is not None:
+            assert text == expected, name
+    html = load_task_text(by_id["notice.html"])
+    assert all(sentence in html for sentence in ARTICLE)
+    assert not any(junk in html for junk in ("SCRIPT_SECRET", "tracker", "About us", "color: red", "Privacy policy"))
+
+
+def test_legacy_encodings_are_detected_and_recorded(collection: Path, tmp_path: Path) -> None:
+    tasks, _ = _read(collection, tmp_path, ["french-latin1.txt", "memo-cp1252.txt", "notes/release.md", "lease.pdf"])
+    encodings = {t.doc_id: t.encoding for t in tasks}
+    # Latin-1 and Windows-1252 agree on every letter of the French text; either name is right
+    assert encodings["french-latin1.txt"] in ("cp1252", "iso8859-1", "iso8859-15", "cp1250")
+    # the curly quotes are bytes 0x93/0x94/0x92, C1 controls in Latin-1: only a Windows code page reads them
+    assert encodings["memo-cp1252.txt"] in ("cp1252", "cp1250")
+    assert encodings["notes/release.md"] == "utf-8" and encodings["lease.pdf"] is None
+
+
+def test_unreadable_files_are_rejected_with_the_reason(collection: Path, tmp_path: Path) -> None:
+    tasks, rejections = _read(collection, tmp_path, list(REJECTED))
+    assert tasks == []
+    reasons = {r.doc_id: r.reason for r in rejections}
+    for name, reason in REJECTED.items():
+        assert reason in reasons[name], reasons[name]
+    assert "ocrmypdf" in reasons["scan.pdf"] and "qpdf --decrypt" in reasons["locked.pdf"]
+    assert f"over the {100 * MAX_CONTROL_SHARE:.0f} % a text file may hold" in reasons["program.bin"]
+
+
+def test_a_gnu_info_manual_with_nul_bytes_is_read_as_text(tmp_path: Path) -> None:
+    manual = _info_manual()
+    if manual is None:
+        pytest.skip("no GNU info manual with NUL bytes in /usr/share/info on this machine")
+    tasks, rejections = read_manifest(write_jsonl(tmp_path / "m.jsonl", [{"id": "info", "path": str(manual)}]), InputConfig())
+    assert rejections == [], rejections
+    text = load_task_text(tasks[0])
+    assert "\x00" not in text and "\x1f" not in text and tasks[0].source_format == "text"
+    assert len(text) > 0.95 * len(gzip.decompress(manual.read_bytes()).decode("utf-8"))
+
+
+def test_inline_text_with_a_stray_control_character_is_cleaned(tmp_path: Path) -> None:
+    manifest = write_jsonl(tmp_path / "m.jsonl", [{"id": "a", "text": "A long enough sentence about the\x07 annual report."}])
+    tasks, rejections = read_manifest(manifest, InputConfig())
+    assert rejections == [] and tasks[0].source == "A long enough sentence about the annual report."
+
+
+def test_a_file_named_pdf_that_is_not_one_is_rejected(tmp_path: Path) -> None:
+    (tmp_path / "fake.pdf").write_text("just text")
+    _, rejections = read_manifest(write_jsonl(tmp_path / "m.jsonl", [{"id": "f", "path": "fake.pdf"}]), InputConfig())
+    assert "is named .pdf but is not a PDF" in rejections[0].reason
+
+
+def test_a_utf16_file_with_a_byte_order_mark_is_decoded(tmp_path: Path) -> None:
+    (tmp_path / "u.txt").write_text("Hello there, wörld.", encoding="utf-16")
+    tasks, _ = read_manifest(write_jsonl(tmp_path / "m.jsonl", [{"id": "u", "path": "u.txt"}]), InputConfig())
+    assert load_task_text(tasks[0]) == "Hello there, wörld." and tasks[0].encoding == "utf-16"
+
+
+# ---------------------------------------------------------------- the whole CLI on a folder
+
+
+def test_submit_a_folder_resume_and_export_the_text(collection: Path, tmp_path: Path, ray_address: str) -> None:
+    """`kvbatch submit DIR` on the mixed folder; one document fails by an injected error, `resume
+    --retry-failed` finishes it; `results --with-text` shows exactly what each model was given."""
+    job = tmp_path / "job"
+    faults = json.dumps([{"doc": "lease.pdf", "fault": "error"}])
+    proc = kvbatch("submit", str(collection), "-c", str(TINY_CONFIG), "-j", str(job), "--address", ray_address,
+                   "--set", "retry.max_attempts=1", env={"KVBATCH_FAULTS": faults}, check=3)  # 3: a document failed
+    assert f"{len(ACCEPTED) + len(REJECTED)} document(s) in {collection}" in " ".join(proc.stdout.split())
+    listed = [json.loads(line) for line in (job / "input-manifest.jsonl").read_text().splitlines()]
+    assert sorted(r["id"] for r in listed) == sorted([*ACCEPTED, *REJECTED])  # id = relative path; .hidden.txt left out
+    assert json.loads((job / "job.json").read_text())["manifest"]["path"] == str(job / "input-manifest.jsonl")
+    assert {r["doc_id"]: r["status"] for r in export_rows(job)}["lease.pdf"] == "failed"
+
+    kvbatch("resume", str(job), "--retry-failed", "--address", ray_address, check=0)
+    rows = {r["doc_id"]: r for r in export_rows(job, "--with-text")}
+    assert {d for d, r in rows.items() if r["status"] == "done"} == set(ACCEPTED)
+    assert {d for d, r in rows.items() if r["status"] == "rejected"} == set(REJECTED)
+    for name, (fmt, expected) in ACCEPTED.items():
+        row = rows[name]
+        assert row["source_format"] == fmt and row["summary"] and row["n_chars"] == len(row["text"])
+        if expected is not None:
+            assert row["text"] == expected, name
+    assert rows["memo-cp1252.txt"]["encoding"] in ("cp1252", "cp1250") and rows["lease.pdf"]["encoding"] is None
+    for name, reason in REJECTED.items():
+        assert reason in rows[name]["error"] and rows[name]["text"] is None
+
+
+def test_submit_a_folder_with_glob(collection: Path, tmp_path: Path, ray_address: str) -> None:
+    job = tmp_path / "job"
+    kvbatch("submit", str(collection), "--glob", "*.pdf", "-c", str(TINY_CONFIG), "-j", str(job),
+            "--address", ray_address, check=0)
+    rows = {r["doc_id"]: r["status"] for r in export_rows(job)}
+    assert rows == {"lease.pdf": "done", "scan.pdf": "rejected", "locked.pdf": "rejected"}
+    proc = kvbatch("submit", str(collection), "--glob", "*.odt", "-c", str(TINY_CONFIG), "-j", str(tmp_path / "none"), check=2)
+    assert "has no documents matching --glob '*.odt'" in proc.stderr
+
+
+def test_results_read_parts_written_before_the_format_columns(collection: Path, tmp_path: Path, ray_address: str) -> None:
+    """A job whose result parts predate source_format, encoding and n_chars exports them as null."""
+    job = tmp_path / "job"
+    manifest = write_jsonl(tmp_path / "m.jsonl", [{"id": "n", "text": "A note about the quarterly figures."}])
+    kvbatch("submit", str(manifest), "-c", str(TINY_CONFIG), "-j", str(job), "--address", ray_address, check=0)
+    for part in (job / "results").glob("part-*.parquet"):
+        pq.write_table(pq.read_table(part).drop_columns(["source_format", "encoding", "n_chars"]), part)
+    manifest_table = pq.read_table(job / "manifest.parquet").drop_columns(["source_format", "encoding"])
+    pq.write_table(manifest_table, job / "manifest.parquet")
+    (row,) = export_rows(job, "--with-text")
+    assert row["status"] == "done" and row["source_format"] is None and row["n_chars"] is None
+    assert row["text"] == "A note about the quarterly figures."
