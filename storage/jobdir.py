@@ -17,6 +17,7 @@ import pyarrow.parquet as pq
 
 from jobs.schema import MANIFEST_SCHEMA
 from storage.location import Location, Where
+from storage.parts import list_parts
 
 
 class JobDirError(RuntimeError):
@@ -127,6 +128,15 @@ def read_job(job: JobDir) -> JobInfo:
             f"{job.job_json} is damaged ({type(e).__name__}: {e}); restore it from a backup, or export "
             f"what is done with `kvbatch results {job.path}` and submit the rest as a new job"
         ) from None
+
+
+def check_job_folder(job: JobDir) -> None:
+    """Raise JobDirError unless `job` holds a job: a job.json, or the results of one whose job.json is lost."""
+    if job.job_json.exists() or list_parts(job.results):
+        return
+    if not job.path.is_dir():
+        raise JobDirError(f"{job.path} is not a job folder (it does not exist): check the path")
+    raise JobDirError(f"{job.path} is not a job folder (it has no job.json and no results/): check the path")
 
 
 def update_job_config(job: JobDir, config: dict[str, Any]) -> None:
