@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 
 import pyarrow as pa
-
 from rich.console import Console
 
 from jobs.config import JobConfig, apply_overrides, config_from_dict, load_config
