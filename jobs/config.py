@@ -166,10 +166,16 @@ class JobConfig(_Section):
     input: InputConfig = Field(default_factory=InputConfig)
 
 
+def _key_name(loc: tuple[Any, ...]) -> str:
+    """A dotted key as messages show it: control characters escaped (repr), so it stays on one line."""
+    key = ".".join(str(p) for p in loc)
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in key)
+
+
 def _describe(err: ValidationError, source: str) -> str:
     lines = [f"invalid config ({source}):"]
     for e in err.errors():
-        key = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        key = _key_name(e["loc"]) or "(top level)"
         if e["type"] == "extra_forbidden":
             lines.append(f"  unknown key '{key}': remove it or check its spelling")
         else:

@@ -13,6 +13,7 @@ import gzip
 import io
 import json
 import math
+import re
 import unicodedata
 import zlib
 from collections.abc import Iterator
@@ -113,6 +114,14 @@ def _doc_id(value: Any) -> str:
     return doc_id
 
 
+def _id_or_none(value: Any) -> str | None:
+    """The id to name a rejected row by, when it has a usable one."""
+    try:
+        return _doc_id(value)
+    except _RowRejected:
+        return None
+
+
 def _positive_int(name: str, value: Any) -> int:
     if isinstance(value, float) and value.is_integer():
         value = int(value)
@@ -139,6 +148,46 @@ def _overrides(fields: dict[str, Any]) -> dict[str, Any]:
 
 def _metadata(fields: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in fields.items() if k not in RESERVED_FIELDS}
+
+
+#: Half of a UTF-16 pair on its own: JSON can spell it (\ud800), UTF-8 cannot store it.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _first_surrogate(value: Any) -> str | None:
+    """The first lone surrogate in a string, or in the keys and values of nested metadata."""
+    if isinstance(value, str):
+        found = _SURROGATE.search(value)
+        return found.group() if found else None
+    if isinstance(value, dict):
+        items: list[Any] = [*value.keys(), *value.values()]
+    elif isinstance(value, list):
+        items = value
+    else:
+        return None
+    return next((found for item in items if (found := _first_surrogate(item)) is not None), None)
+
+
+def _repaired(value: Any) -> Any:
+    """`value` with every lone surrogate replaced by U+FFFD, so what a rejection keeps can be stored."""
+    if isinstance(value, str):
+        return _SURROGATE.sub("\ufffd", value)
+    if isinstance(value, dict):
+        return {_repaired(k): _repaired(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_repaired(v) for v in value]
+    return value
+
+
+def _check_surrogates(fields: dict[str, Any]) -> None:
+    for key, value in fields.items():
+        found = _first_surrogate(key) or _first_surrogate(value)
+        if found is not None:
+            field = f"'{key}'" if key in RESERVED_FIELDS else f"metadata {_shown(key)}"
+            raise _RowRejected(
+                f"{field} contains a lone UTF-16 surrogate ({found!r}, an invalid \\uXXXX escape, common in "
+                "scraped text) that UTF-8 cannot store: fix the escape or replace it with U+FFFD"
+            )
 
 
 def _inline_text(value: Any) -> str:
@@ -181,6 +230,10 @@ class _Validator:
         if record.fields is None:
             raise _RowRejected(record.problem or "cannot be parsed")
         fields = record.fields
+        try:
+            _check_surrogates(fields)
+        except _RowRejected as e:
+            raise _RowRejected(e.problem, _id_or_none(_repaired(fields.get("id")))) from None
         doc_id = _doc_id(fields.get("id"))
         try:
             self._claim_id(doc_id, record.row)
@@ -349,11 +402,13 @@ def _csv_records(stream: BinaryIO, max_field_chars: int) -> Iterator[_Record]:
     row = 1
     while True:
         row += 1
+        first_line = reader.line_num + 1
         try:
             values = next(reader)
         except StopIteration:
             return
         except csv.Error as e:
+            _refuse_if_rows_merged(first_line, reader.line_num, str(e))
             yield _Record(row, None, f"is not valid CSV ({e}, line {reader.line_num}): check the quoting")
             continue
         if not values:
@@ -362,11 +417,22 @@ def _csv_records(stream: BinaryIO, max_field_chars: int) -> Iterator[_Record]:
         if any(_has_surrogates(v) for v in values):
             yield _Record(row, None, "is not valid UTF-8: save the manifest as UTF-8")
         elif len(values) != len(header):
+            _refuse_if_rows_merged(first_line, reader.line_num, f"{len(values)} fields, the header has {len(header)}")
             yield _Record(row, None, f"has {len(values)} fields but the header has {len(header)}: check the commas and quoting")
         else:
             fields = dict(zip(header, values))
             # CSV cannot tell an empty cell from a missing value; for the reserved fields it means absent.
             yield _Record(row, {k: (None if k in RESERVED_FIELDS and v == "" else v) for k, v in fields.items()})
+
+
+def _refuse_if_rows_merged(first_line: int, last_line: int, problem: str) -> None:
+    """A broken record over several lines may hold rows a stray quote swallowed: which ones is unknowable."""
+    if last_line > first_line:
+        raise ManifestError(
+            f"line {first_line}: a quote opened on this line is not closed where a field ends ({problem}), so "
+            f"lines {first_line}-{last_line} cannot be told apart into rows: close the quote, or double a quote "
+            'that belongs to the text ("")'
+        )
 
 
 def _has_surrogates(value: str) -> bool:
@@ -466,7 +532,7 @@ def read_manifest(
             except _RowRejected as e:
                 where = f"{path.name} {validator.row_unit} {record.row}"
                 where += f" (id {e.doc_id!r})" if e.doc_id is not None else ""
-                meta = _metadata(record.fields) if record.fields is not None else {}
+                meta = _repaired(_metadata(record.fields)) if record.fields is not None else {}
                 rejections.append(Rejection(record.row, e.doc_id, f"{where}: {e.problem}", meta))
     except ManifestError as e:
         raise ManifestError(f"manifest {path} {e}") from None

@@ -13,6 +13,7 @@ from rich.console import Console
 from jobs.config import ConfigError
 from jobs.manifest import ManifestError
 from storage.jobdir import JobDirError
+from storage.location import StorageError
 from storage.lock import JobLockedError
 from storage.scratch import ScratchError
 
@@ -23,7 +24,7 @@ errors = Console(stderr=True, soft_wrap=True)
 
 EXIT_USAGE = 2
 #: Errors the user fixes: a clear message and exit 2, never a traceback.
-USER_ERRORS = (ConfigError, ManifestError, JobDirError, JobLockedError, ScratchError)
+USER_ERRORS = (ConfigError, ManifestError, JobDirError, JobLockedError, ScratchError, StorageError)
 
 SetOption = Annotated[list[str], typer.Option("--set", help="dotted config key=value, e.g. cache.strategy=tiered-disk")]
 JOB_DIR_HELP = "job folder: a path, or s3://bucket/prefix, gs://bucket/prefix, file:///path on shared storage"

@@ -9,6 +9,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import pyarrow as pa
 from rich.console import Console
 
 from jobs.config import JobConfig, apply_overrides, config_from_dict, load_config
@@ -20,9 +21,11 @@ from runner import __version__
 from runner.cluster import ray_session
 from runner.coordinator import EXIT_FAILED_TASKS, EXIT_INTERRUPTED, EXIT_NO_WORKERS, EXIT_OK, Coordinator
 from runner.preflight import check_settings
-from storage.checkpoint import CheckpointLog, JobState, compact, load_state
+from storage.checkpoint import JobState, compact, load_state
 from storage.inputs import FOLDER_MANIFEST_NAME, StagedManifest, stage_input
-from storage.jobdir import JobDir, JobInfo, create_job, new_job_id, read_job, read_manifest_table, update_job_config
+from storage.jobdir import (
+    JobDir, JobInfo, check_job_folder, create_job, new_job_id, read_job, read_manifest_table, update_job_config,
+)
 from storage.lease import job_lock
 from storage.location import Where
 from storage.parts import CORRUPT_PART_ADVICE
@@ -90,57 +93,61 @@ def submit(source: str, pattern: str | None, config_path: Path | None, job_dir: 
             job_id=job_id, created=time.time(), version=__version__, config=config.model_dump(mode="json"),
             manifest_path=manifest_path, manifest_sha256=_sha256_of(staged.path),
         )
-        create_job(job, info, tasks_to_table(tasks))
-        if staged.from_folder:
-            (job.path / FOLDER_MANIFEST_NAME).write_bytes_atomic(staged.path.read_bytes(), f".{FOLDER_MANIFEST_NAME}.tmp")
-    with CheckpointLog(job.path) as log:
-        for rejection in rejections:
-            log.add_result(_rejection_row(rejection))
-    return _execute(job, info, config, address, retry_failed=False, console=console)
+        rejected = pa.Table.from_pylist([_rejection_row(r) for r in rejections], schema=RESULT_SCHEMA)
+        job.path.makedirs()
+        # the lock first: a second submit to the same folder refuses instead of writing over this one
+        with job_lock(job.lock):
+            if staged.from_folder:
+                (job.path / FOLDER_MANIFEST_NAME).write_bytes_atomic(staged.path.read_bytes(),
+                                                                     f".{FOLDER_MANIFEST_NAME}.tmp")
+            create_job(job, info, tasks_to_table(tasks), rejected)
+            return _execute(job, info, config, address, retry_failed=False, console=console)
 
 
 def resume(job_dir: Where, retry_failed: bool, overrides: list[str], address: str | None,
            console: Console) -> int:
     job = JobDir(job_dir)
-    info = read_job(job)
-    config = config_from_dict(apply_overrides(info.config, overrides), f"{job.job_json} with --set")
-    check_settings(config)
-    if overrides:
-        update_job_config(job, config.model_dump(mode="json"))
-    console.print(f"job {info.job_id} <- {job.path}")
-    return _execute(job, info, config, address, retry_failed, console)
+    check_job_folder(job)
+    with job_lock(job.lock):  # job.json is the running coordinator's until this is held
+        info = read_job(job)
+        config = config_from_dict(apply_overrides(info.config, overrides), f"{job.job_json} with --set")
+        check_settings(config)
+        if overrides:
+            update_job_config(job, config.model_dump(mode="json"))
+        console.print(f"job {info.job_id} <- {job.path}")
+        return _execute(job, info, config, address, retry_failed, console)
 
 
 def _execute(job: JobDir, info: JobInfo, config: JobConfig, address: str | None, retry_failed: bool,
              console: Console) -> int:
+    """Run the job's open tasks; the caller holds the job lock."""
     faults = parse_faults(os.environ.get(FAULTS_ENV))
     offload_root = Path(config.cache.offload_root) if config.cache.offload_root else default_offload_root(job.path)
-    with job_lock(job.lock):
-        tasks = tasks_from_table(read_manifest_table(job))
-        state = load_state(job.path)
-        for part in state.corrupt:
-            console.print(f"[yellow]skipped a damaged checkpoint part: {part}")
-        if state.corrupt:
-            console.print(f"  {CORRUPT_PART_ADVICE}", highlight=False)
-        finished = state.done_task_ids | state.rejected_task_ids
-        if not retry_failed:
-            finished |= state.failed_task_ids
-        open_tasks = [t for t in tasks if t.task_id not in finished]
-        total = len(tasks) + len(state.rejected_task_ids)
-        console.print(
-            f"{len(tasks)} task(s): {len(tasks) - len(open_tasks)} already finished, {len(open_tasks)} to run"
-        )
-        code = EXIT_OK
-        if open_tasks:
-            with ray_session(address):
-                coordinator = Coordinator(job, info.job_id, config, offload_root, faults, console)
-                code = coordinator.run(open_tasks, total - len(open_tasks), total)
-        if code in (EXIT_INTERRUPTED, EXIT_NO_WORKERS):
-            what = "interrupted" if code == EXIT_INTERRUPTED else "stopped without workers"
-            console.print(f"[yellow]{what}; continue with: kvbatch resume {job.path}")
-            return code
-        compact(job.path)
-        state = load_state(job.path)
+    tasks = tasks_from_table(read_manifest_table(job))
+    state = load_state(job.path)
+    for part in state.corrupt:
+        console.print(f"[yellow]skipped a damaged checkpoint part: {part}")
+    if state.corrupt:
+        console.print(f"  {CORRUPT_PART_ADVICE}", highlight=False)
+    finished = state.done_task_ids | state.rejected_task_ids
+    if not retry_failed:
+        finished |= state.failed_task_ids
+    open_tasks = [t for t in tasks if t.task_id not in finished]
+    total = len(tasks) + len(state.rejected_task_ids)
+    console.print(
+        f"{len(tasks)} task(s): {len(tasks) - len(open_tasks)} already finished, {len(open_tasks)} to run"
+    )
+    code = EXIT_OK
+    if open_tasks:
+        with ray_session(address):
+            coordinator = Coordinator(job, info.job_id, config, offload_root, faults, console)
+            code = coordinator.run(open_tasks, total - len(open_tasks), total)
+    if code in (EXIT_INTERRUPTED, EXIT_NO_WORKERS):
+        what = "interrupted" if code == EXIT_INTERRUPTED else "stopped without workers"
+        console.print(f"[yellow]{what}; continue with: kvbatch resume {job.path}")
+        return code
+    compact(job.path)
+    state = load_state(job.path)
     return _final_report(job, state, console)
 
 

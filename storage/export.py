@@ -5,18 +5,19 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 
+from jobs.config import ConfigError
 from jobs.documents import DocumentError, load_task_text
 from jobs.manifest import tasks_from_table
 from jobs.schema import TaskState
 from storage.checkpoint import load_state
-from storage.jobdir import JobDir, read_manifest_table
+from storage.jobdir import JobDir, check_job_folder, read_manifest_table
 from storage.location import Where
 
 ExportFormat = Literal["jsonl", "csv", "parquet"]
@@ -49,8 +50,52 @@ def _texts(job_dir: Where, task_ids: list[str]) -> list[str | None]:
     return texts
 
 
-def results_table(job_dir: Where, errors_only: bool, with_text: bool = False) -> pa.Table:
-    """Deduplicated results; `errors_only` keeps failed and rejected documents; `with_text` adds a `text` column."""
+INT64 = (-(2**63), 2**63 - 1)
+FLOAT_EXACT_INT = 2**53  # larger integers would change value as floats
+
+
+def _as_text(value: Any) -> str | None:
+    return value if value is None or isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+
+
+def metadata_column(values: list[Any]) -> pa.Array:
+    """One metadata key's values: typed when they share a type Arrow holds exactly, else as text.
+
+    Manifests are ragged (`"team": "legal"` on one row, `5` on the next; ids above 2^63), and every
+    export format must take them; JSON text keeps what a typed column cannot.
+    """
+    kinds = {type(v) for v in values if v is not None}
+    ints = [v for v in values if type(v) is int]
+    if kinds <= {str} or kinds == {bool}:
+        return pa.array(values)
+    if kinds == {int} and all(INT64[0] <= v <= INT64[1] for v in ints):
+        return pa.array(values, pa.int64())
+    if kinds == {int, float} and all(abs(v) <= FLOAT_EXACT_INT for v in ints):
+        return pa.array([None if v is None else float(v) for v in values], pa.float64())
+    if kinds == {float}:
+        return pa.array(values, pa.float64())
+    return pa.array([_as_text(v) for v in values], pa.string())
+
+
+def metadata_names(keys: list[str], result_columns: list[str]) -> dict[str, str]:
+    """Column name per metadata key: its own unless a result column (or another key) has it, then `meta_`-prefixed."""
+    taken = set(result_columns) | set(keys)
+    names = {key: key for key in keys if key not in result_columns}
+    for key in keys:
+        if key not in names:
+            name = f"meta_{key}"
+            while name in taken:
+                name = f"meta_{name}"
+            names[key] = name
+            taken.add(name)
+    return names
+
+
+def _results_and_metadata(job_dir: Where, errors_only: bool, with_text: bool
+                          ) -> tuple[pa.Table, list[dict[str, Any]], dict[str, str]]:
+    """Deduplicated result rows without their metadata (`with_text`: plus the text each model was given);
+    each row's metadata; its column names."""
+    check_job_folder(JobDir(job_dir))
     table = load_state(job_dir).results
     if errors_only:
         table = table.filter(pc.not_equal(table["status"], TaskState.DONE.value))
@@ -58,24 +103,43 @@ def results_table(job_dir: Where, errors_only: bool, with_text: bool = False) ->
         table = table.append_column("text", pa.array(_texts(job_dir, table["task_id"].to_pylist()), pa.string()))
     metas = [json.loads(m) if m else {} for m in table["meta"].to_pylist()]
     table = table.drop_columns(["meta"])
-    for key in sorted({k for m in metas for k in m}):
-        name = key if key not in table.column_names else f"meta_{key}"
-        values = [m.get(key) for m in metas]
-        if any(isinstance(v, (dict, list)) for v in values):
-            values = [json.dumps(v) if v is not None else None for v in values]
-        table = table.append_column(name, pa.array(values))
+    return table, metas, metadata_names(sorted({k for m in metas for k in m}), table.column_names)
+
+
+def results_table(job_dir: Where, errors_only: bool, with_text: bool = False) -> pa.Table:
+    """Deduplicated results; `errors_only` keeps failed and rejected documents; `with_text` adds a `text` column."""
+    table, metas, names = _results_and_metadata(job_dir, errors_only, with_text)
+    for key, name in names.items():
+        table = table.append_column(name, metadata_column([m.get(key) for m in metas]))
     return table
+
+
+def _jsonl(job_dir: Where, errors_only: bool, with_text: bool) -> tuple[str, int]:
+    """JSON lines keep every metadata value as the manifest gave it (mixed types, big integers)."""
+    table, metas, names = _results_and_metadata(job_dir, errors_only, with_text)
+    lines = []
+    for row, meta in zip(table.to_pylist(), metas):
+        row.update((name, meta.get(key)) for key, name in names.items())
+        lines.append(json.dumps(row, ensure_ascii=False) + "\n")
+    return "".join(lines), table.num_rows
 
 
 def export_results(job_dir: Where, out: Path | None, fmt: ExportFormat, errors_only: bool,
                    with_text: bool = False) -> int:
     """Writes the rows to `out` (stdout when None; not for parquet); returns the row count."""
+    if fmt == "jsonl":
+        lines, n = _jsonl(job_dir, errors_only, with_text)
+        if out is None:
+            sys.stdout.write(lines)
+        else:
+            out.write_text(lines, encoding="utf-8")
+        return n
     table = results_table(job_dir, errors_only, with_text)
     if fmt == "parquet":
         if out is None:
-            raise ValueError("parquet output needs a file: add -o results.parquet")
+            raise ConfigError("parquet output needs a file: add -o results.parquet")
         pq.write_table(table, out)
-    elif fmt == "csv":
+    else:
         flat = table.set_column(
             table.schema.get_field_index("fallbacks"), "fallbacks",
             pa.array([";".join(v or []) for v in table["fallbacks"].to_pylist()]),
@@ -86,10 +150,4 @@ def export_results(job_dir: Where, out: Path | None, fmt: ExportFormat, errors_o
             sys.stdout.write(sink.getvalue().to_pybytes().decode())
         else:
             pacsv.write_csv(flat, out)
-    else:
-        lines = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in table.to_pylist())
-        if out is None:
-            sys.stdout.write(lines)
-        else:
-            out.write_text(lines, encoding="utf-8")
     return table.num_rows

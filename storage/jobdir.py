@@ -17,6 +17,7 @@ import pyarrow.parquet as pq
 
 from jobs.schema import MANIFEST_SCHEMA
 from storage.location import Location, Where
+from storage.parts import list_parts, write_part
 
 
 class JobDirError(RuntimeError):
@@ -83,15 +84,31 @@ def _write_json(target: Location, payload: dict[str, Any]) -> None:
     target.write_bytes_atomic(json.dumps(payload, indent=2).encode(), _temp_name(target))
 
 
-def create_job(job: JobDir, info: JobInfo, manifest_table: pa.Table) -> None:
-    """Create the folder with its job.json and manifest.parquet; refuses a folder that holds a job."""
+def create_job(job: JobDir, info: JobInfo, manifest_table: pa.Table, rejected: pa.Table) -> None:
+    """Create the job's files; call with the job lock held. Refuses a folder that holds (part of) a job.
+
+    The rejected rows' results part and manifest.parquet are published before job.json: a job.json
+    is the promise that everything the manifest said is in the folder, so a crash at any instant
+    loses no row.
+    """
     if job.job_json.exists():
         raise JobDirError(
             f"{job.path} already holds a job ({job.job_json}); "
             f"continue it with `kvbatch resume {job.path}` or choose another -j JOB_DIR"
         )
+    leftovers = [f.name for f in (job.manifest,) if f.exists()] + [
+        f"{folder.name}/" for folder in (job.results, job.events) if list_parts(folder)
+    ]
+    if leftovers:
+        raise JobDirError(
+            f"{job.path} holds part of a job that was never fully created, or one whose job.json is lost "
+            f"({', '.join(leftovers)} but no job.json): export what it holds with `kvbatch results {job.path}` "
+            "if you need it, then remove the folder or choose another -j JOB_DIR"
+        )
     for folder in (job.path, job.events, job.results):
         folder.makedirs()
+    if rejected.num_rows:
+        write_part(job.results, rejected)
     table = manifest_table.cast(MANIFEST_SCHEMA)
     job.manifest.write_atomic(lambda handle: pq.write_table(table, handle), _temp_name(job.manifest))
     payload = {
@@ -127,6 +144,15 @@ def read_job(job: JobDir) -> JobInfo:
             f"{job.job_json} is damaged ({type(e).__name__}: {e}); restore it from a backup, or export "
             f"what is done with `kvbatch results {job.path}` and submit the rest as a new job"
         ) from None
+
+
+def check_job_folder(job: JobDir) -> None:
+    """Raise JobDirError unless `job` holds a job: a job.json, or the results of one whose job.json is lost."""
+    if job.job_json.exists() or list_parts(job.results):
+        return
+    if not job.path.is_dir():
+        raise JobDirError(f"{job.path} is not a job folder (it does not exist): check the path")
+    raise JobDirError(f"{job.path} is not a job folder (it has no job.json and no results/): check the path")
 
 
 def update_job_config(job: JobDir, config: dict[str, Any]) -> None:

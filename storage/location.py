@@ -10,14 +10,55 @@ the folder is fsynced after. On an object store a write goes to a temporary key 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, Union
 
 import pyarrow.fs as pafs
 
-from jobs.uris import filesystem_of, is_uri
+from jobs.uris import S3_ENDPOINT_ENV, filesystem_of, is_uri
+
+
+class StorageError(OSError):
+    """A storage problem the user fixes (no bucket, credentials, permission, endpoint); the message,
+    one line, names the URI and the fix."""
+
+
+_CREDENTIAL_SOURCES = ("AWS_ACCESS_KEY_ID", "AWS_PROFILE", "AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+                       "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "GOOGLE_APPLICATION_CREDENTIALS")
+#: Error spellings of pyarrow (AWS SDK), botocore and GCS, and what the user does about each.
+_USER_FIXABLE = (
+    (re.compile(r"NO_SUCH_BUCKET|NoSuchBucket|bucket does not exist", re.I), "missing bucket"),
+    (re.compile(r"ACCESS_DENIED|AccessDenied|INVALID_ACCESS_KEY_ID|InvalidAccessKeyId|SIGNATURE_DOES_NOT_MATCH|"
+                r"SignatureDoesNotMatch|EXPIRED_TOKEN|ExpiredToken|HTTP status 40[13]|PermissionDenied|"
+                r"Unable to locate credentials|NoCredentialsError", re.I), "access denied"),
+    (re.compile(r"NETWORK_CONNECTION|Could not connect|Couldn't resolve host|Could not resolve host|"
+                r"Connection refused|EndpointConnectionError|curlCode: (6|7|28)\b", re.I), "unreachable"),
+)
+
+
+def storage_error(uri: str, error: BaseException) -> StorageError | None:
+    """The one-line StorageError for `error` on `uri` when the user can fix its cause, else None."""
+    text = str(error)
+    kind = next((kind for pattern, kind in _USER_FIXABLE if pattern.search(text)), None)
+    if kind == "missing bucket":
+        bucket = uri.split("://", 1)[-1].split("/", 1)[0]
+        return StorageError(f"{uri}: bucket {bucket} does not exist: create it, or fix the bucket name in the URI")
+    if kind == "access denied":
+        found = "" if any(os.environ.get(k) for k in _CREDENTIAL_SOURCES) else " (none are set in this environment)"
+        return StorageError(
+            f"{uri}: access denied: check the credentials{found} (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
+            "or AWS_PROFILE) and that they have permission to read and write this bucket"
+        )
+    if kind == "unreachable":
+        endpoint = next((os.environ[k] for k in S3_ENDPOINT_ENV if os.environ.get(k)), None)
+        where = f"the storage endpoint {endpoint}" if endpoint else "the storage service"
+        return StorageError(f"{uri}: cannot reach {where}: check the network, or the endpoint setting (AWS_ENDPOINT_URL)")
+    return None
+
 
 
 def fsync_directory(directory: Path) -> None:
@@ -46,6 +87,8 @@ class Location:
             try:
                 fs, path = filesystem_of(text)
             except (OSError, ValueError) as e:
+                if isinstance(e, OSError) and (fixable := storage_error(text, e)) is not None:
+                    raise fixable from None
                 raise ValueError(f"{text}: not a usable storage URI ({e})") from None
             return Location(fs, path.rstrip("/"), text.rstrip("/"))
         return Location(pafs.LocalFileSystem(), str(Path(text).absolute()), text)
@@ -75,10 +118,24 @@ class Location:
     def __str__(self) -> str:
         return self.uri
 
+    @contextmanager
+    def _user_errors(self) -> Iterator[None]:
+        """Storage errors the user can fix become one-line StorageErrors (other errors pass unchanged)."""
+        try:
+            yield
+        except (FileNotFoundError, StorageError):
+            raise
+        except OSError as e:
+            fixable = None if self.is_local else storage_error(self.uri, e)
+            if fixable is None:
+                raise
+            raise fixable from e
+
     # --- reading ------------------------------------------------------------------------------
 
     def _info(self) -> pafs.FileInfo:
-        return self.fs.get_file_info(self.path)
+        with self._user_errors():
+            return self.fs.get_file_info(self.path)
 
     def exists(self) -> bool:
         return self._info().type != pafs.FileType.NotFound
@@ -94,19 +151,22 @@ class Location:
         return info.size
 
     def read_bytes(self) -> bytes:
-        with self.fs.open_input_stream(self.path) as stream:
+        with self._user_errors(), self.fs.open_input_stream(self.path) as stream:
             return stream.read()
 
     def open_input(self) -> pafs.NativeFile:  # type: ignore[name-defined]
         """A seekable reader (what Parquet needs)."""
-        return self.fs.open_input_file(self.path)
+        with self._user_errors():
+            return self.fs.open_input_file(self.path)
 
     def files(self, prefix: str = "", suffix: str = "") -> list["Location"]:
         """Files directly in this folder whose names match, sorted by name; none if it is missing."""
         selector = pafs.FileSelector(self.path, allow_not_found=True)
+        with self._user_errors():
+            infos = self.fs.get_file_info(selector)
         names = sorted(
             info.base_name
-            for info in self.fs.get_file_info(selector)
+            for info in infos
             if info.type == pafs.FileType.File and info.base_name.startswith(prefix)
             and info.base_name.endswith(suffix)
         )
@@ -122,7 +182,8 @@ class Location:
     def delete(self) -> None:
         """Remove the file if it is there."""
         try:
-            self.fs.delete_file(self.path)
+            with self._user_errors():
+                self.fs.delete_file(self.path)
         except FileNotFoundError:
             pass
 
@@ -141,11 +202,15 @@ class Location:
                 os.rename(temp.path, self.path)
                 fsync_directory(Path(self.path).parent)
             else:
-                with self.fs.open_output_stream(temp.path) as stream:
-                    write(stream)
-                self.fs.move(temp.path, self.path)
+                with self._user_errors():
+                    with self.fs.open_output_stream(temp.path) as stream:
+                        write(stream)
+                    self.fs.move(temp.path, self.path)
         except BaseException:
-            temp.delete()
+            try:
+                temp.delete()
+            except OSError:  # the store that failed the write may fail this too: the write's error is what counts
+                pass
             raise
 
     def write_bytes_atomic(self, data: bytes, temp_name: str) -> None:

@@ -7,16 +7,18 @@ from __future__ import annotations
 import json
 import os
 import resource
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import yaml
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from jobs.config import ConfigError, InputConfig, config_from_dict
 from jobs.manifest import read_manifest
-from tests.conftest import TINY_CONFIG, export_rows, kvbatch, write_jsonl
+from tests.conftest import REPO, TINY_CONFIG, export_rows, kvbatch, write_jsonl
 
 SMALL_INPUT = InputConfig(max_document_bytes=4096)
 
@@ -57,6 +59,7 @@ def _nest(dotted: str, value: object) -> dict:
 
 @settings(max_examples=200, deadline=None)
 @given(items=st.lists(st.tuples(config_keys, json_values), max_size=4))
+@example(items=[("model", {"\x1e\x1e": 0})])  # a draw that once split the message: \x1e ends a line
 def test_random_configs_are_valid_or_a_config_error_naming_the_key(items: list[tuple[str, object]]) -> None:
     data: dict = {}
     for key, value in items:
@@ -73,6 +76,25 @@ def test_random_configs_are_valid_or_a_config_error_naming_the_key(items: list[t
         assert message.startswith("invalid config (hypothesis):")
         named = [line.split(":")[0].strip() for line in message.splitlines()[1:]]
         assert named and all(n for n in named)
+
+
+def test_a_config_key_with_control_characters_is_named_escaped_on_one_line() -> None:
+    with pytest.raises(ConfigError) as error:
+        config_from_dict({"model": {"\x1e\x1e": 0, "ok\nkey": 1}, "cache": {"strategy": 5}}, "test")
+    lines = str(error.value).splitlines()
+    assert len(lines) == 4, lines
+    assert "unknown key 'model.\\x1e\\x1e'" in lines[1] + lines[2] and "unknown key 'model.ok\\nkey'" in lines[1] + lines[2]
+    assert lines[3].startswith("  cache.strategy: ")
+
+
+def test_property_tests_are_derandomized_when_ci_is_set() -> None:
+    code = "import tests.conftest; from hypothesis import settings; print(settings.default.derandomize)"
+    without_ci = {k: v for k, v in os.environ.items() if k != "CI"}
+    for env, expected in (({**without_ci, "CI": "1"}, "True"), (without_ci, "False")):
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                              cwd=REPO, env=env)
+        assert proc.stdout.strip() == expected, proc.stderr
+    assert "export CI=1" in (REPO / ".ci" / "run").read_text()  # CI runs the suite with the profile on
 
 
 @pytest.mark.parametrize(

@@ -40,43 +40,76 @@ def _host_snapshot() -> tuple[int, int, int]:
     return process.memory_info().rss, process.num_fds(), threading.active_count()
 
 
-def soak(tmp_path: Path) -> dict:
-    """100 tasks in one worker of this process: what each left behind, and where they ran."""
+def _alternate_faults(tasks: list) -> list[dict]:
+    """Every other task fails on purpose, alternately out of memory on every rung and with an I/O error."""
+    return [{"doc": t.doc_id, "fault": "oom" if i % 4 == 1 else "io"} for i, t in enumerate(tasks) if i % 2]
+
+
+def soak(tmp_path: Path, order: str = "longest-first") -> dict:
+    """Tasks in one worker of this process: what each left behind, and where they ran.
+
+    longest-first: 100 tasks as the coordinator dispatches them (the first sets the working set).
+    shortest-first: 50 tasks from the shortest to the longest, run twice (100 runs), with faults on
+    alternate tasks: the first pass grows the working set to the longest task's, so any growth over
+    the second pass is what tasks leave behind, failed ones included.
+    """
     config = load_config(TINY_CONFIG, ["cache.ladder=[dynamic, tiered-disk]", f"cache.device_kv_budget_bytes={DEVICE_KV_BUDGET}"])
     tasks, rejections = read_manifest(write_jsonl(tmp_path / "m.jsonl", _varied_documents(N_TASKS)), config.input)
     assert not rejections and len(tasks) == N_TASKS
-    worker = SummaryWorker(config.model_dump(mode="json"), "soak", str(tmp_path / "offload"), threads=1)
+    if order == "longest-first":
+        runs, faults = sorted(tasks, key=lambda t: t.n_chars, reverse=True), []
+    else:
+        ladder = sorted(tasks, key=lambda t: t.n_chars)[::2]
+        runs, faults = ladder + ladder, _alternate_faults(ladder)
+    worker = SummaryWorker(config.model_dump(mode="json"), "soak", str(tmp_path / "offload"), faults=faults, threads=1)
     context = config.summarize.context_tokens
-    snapshots, strategies = [], set()
-    # longest first, as the coordinator dispatches: the first task sets the working set a worker keeps
-    for task in sorted(tasks, key=lambda t: t.n_chars, reverse=True):
+    snapshots, strategies, outcomes = [], set(), []
+    for task in runs:
         outcome = worker.run(dataclasses.asdict(task), attempt=1, context_tokens=context)
-        assert outcome["status"] == "done", outcome
-        strategies.add(outcome["cache_strategy"])
+        outcomes.append([task.doc_id, outcome["status"], outcome.get("error_type")])
+        strategies.add(outcome.get("cache_strategy"))
         snapshots.append(_host_snapshot())
     leftovers = [str(p) for p in (tmp_path / "offload").rglob("*") if p.name != ROOT_MARKER]
-    return {"snapshots": snapshots, "strategies": sorted(strategies), "leftovers": leftovers}
+    return {"snapshots": snapshots, "strategies": sorted(s for s in strategies if s), "leftovers": leftovers,
+            "outcomes": outcomes, "faults": {f["doc"]: f["fault"] for f in faults}}
 
 
 SOAK_PROCESS = """
 import json, sys
 from pathlib import Path
 from tests.test_hardening_soak import soak
-print(json.dumps(soak(Path(sys.argv[1]))), flush=True)
+print(json.dumps(soak(Path(sys.argv[1]), sys.argv[2])), flush=True)
 """
+
+
+def _no_growth(snapshots: list, reference_rss: int) -> None:
+    first_rss, first_fds, first_threads = snapshots[0]
+    worst = max(rss for rss, _, _ in snapshots)
+    assert worst <= reference_rss * (1 + RSS_TOLERANCE), (
+        f"host RSS grew from {reference_rss} to {worst} "
+        f"(+{(worst - reference_rss) / reference_rss:.1%}, allowed {RSS_TOLERANCE:.0%})"
+    )
+    assert max(fds for _, fds, _ in snapshots) <= first_fds, [fds for _, fds, _ in snapshots]
+    assert max(threads for _, _, threads in snapshots) <= first_threads, [t for _, _, t in snapshots]
 
 
 def test_hundred_tasks_in_one_worker_release_memory_files_and_threads(tmp_path: Path) -> None:
     # a process of its own, as a worker has: the allocator state other tests left must not count
-    found = json.loads(Child(SOAK_PROCESS, str(tmp_path)).read_line(timeout_s=900))
+    found = json.loads(Child(SOAK_PROCESS, str(tmp_path), "longest-first").read_line(timeout_s=900))
     snapshots = found["snapshots"]
     assert found["strategies"] == ["dynamic", "tiered-disk"]  # both the device and the offload path soaked
-    first_rss, first_fds, first_threads = snapshots[0]
-    worst = max(rss for rss, _, _ in snapshots)
-    assert worst <= first_rss * (1 + RSS_TOLERANCE), (
-        f"host RSS grew from {first_rss} after the first task to {worst} "
-        f"(+{(worst - first_rss) / first_rss:.1%}, allowed {RSS_TOLERANCE:.0%})"
-    )
-    assert max(fds for _, fds, _ in snapshots) <= first_fds, [fds for _, fds, _ in snapshots]
-    assert max(threads for _, _, threads in snapshots) <= first_threads, [t for _, _, t in snapshots]
+    assert {status for _, status, _ in found["outcomes"]} == {"done"}
+    _no_growth(snapshots, reference_rss=snapshots[0][0])
     assert not found["leftovers"]  # every task's scratch dir was removed
+
+
+def test_shortest_first_with_failures_on_alternate_tasks_leaves_nothing_behind(tmp_path: Path) -> None:
+    found = json.loads(Child(SOAK_PROCESS, str(tmp_path), "shortest-first").read_line(timeout_s=900))
+    snapshots, outcomes, faults = found["snapshots"], found["outcomes"], found["faults"]
+    assert found["strategies"] == ["dynamic", "tiered-disk"]
+    expected = {None: ("done", None), "oom": ("failed", "OutOfMemoryError"), "io": ("failed", "OSError")}
+    assert [tuple(o[1:]) for o in outcomes] == [expected[faults.get(doc)] for doc, _, _ in outcomes]
+    assert {"oom", "io"} == set(faults.values())
+    first_pass = snapshots[: len(snapshots) // 2]
+    _no_growth(snapshots, reference_rss=max(rss for rss, _, _ in first_pass))
+    assert not found["leftovers"]  # failed tasks' scratch dirs were removed too
