@@ -122,7 +122,7 @@ def make_task_dir(root: Path, job: str, name: str, owner: dict | None) -> Path:
 def test_pid_reuse_ownerless_and_other_host_dirs(tmp_path: Path) -> None:
     root = ensure_offload_root(tmp_path / "kv")
     me = ProcessOwner.current()
-    reused = make_task_dir(root, "j", "t1.1", {**me.to_dict(), "start_time": me.start_time - 500})
+    reused = make_task_dir(root, "j", "t1.1", {**me.to_dict(), "start_ticks": me.start_ticks - 500})
     other_host = make_task_dir(root, "j", "t2.1", {**me.to_dict(), "host": "some-other-node"})
     fresh_ownerless = make_task_dir(root, "j", "t3.1", None)
     old_ownerless = make_task_dir(root, "j", "t4.1", None)
