@@ -40,6 +40,7 @@ from jobs.manifest import Task
 from jobs.policy import FailureClass, context_fallback_note, shorter_context
 from jobs.schema import RESULT_SCHEMA, TaskState, empty_row
 from runner.alerts import AlertMonitor
+from runner.cluster import kill_and_wait
 from runner.joblog import JobLog
 from runner.metrics import BatchMetrics
 from runner.node_sweeper import NodeSweeper
@@ -411,9 +412,12 @@ class Coordinator:
         return EXIT_OK
 
     def _abandon_in_flight(self, actors: list[Any], threads: list[threading.Thread]) -> None:
-        """Killing the actors ends every pending ray.get at once, so no thread outlives the batch."""
-        for actor in actors:
-            ray.kill(actor, no_restart=True)
+        """Killing the actors ends every pending ray.get at once, so no thread outlives the batch; the
+        batch's last sweep runs once their processes are gone, so it removes their task dirs."""
+        still_alive = kill_and_wait(actors)
+        if still_alive:
+            self.log.warning("workers_not_gone", processes=still_alive,
+                             hint="their scratch dirs stay until `kvbatch clean` runs after they exit")
         for t in threads:
             t.join(timeout=30)
 
