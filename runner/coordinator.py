@@ -47,11 +47,15 @@ from runner.node_sweeper import NodeSweeper
 from runner.progress import BatchProgress
 from runner.worker import SummaryWorker
 from storage.checkpoint import CheckpointLog
+from storage.lease import LeaseLostError
 from storage.jobdir import JobDir
+from storage.lock import HeldLock
+from storage.location import no_fence
 
 EXIT_OK = 0
 EXIT_FAILED_TASKS = 3
 EXIT_NO_WORKERS = 4
+EXIT_LEASE_LOST = 5
 EXIT_INTERRUPTED = 130
 #: How long a restarted worker may take to come back (process start + model load), not task time.
 WORKER_RESTART_TIMEOUT_S = 300.0
@@ -135,18 +139,22 @@ def _attempts_at_context_reach(limit: int, run: _TaskRun) -> Any:
 
 class Coordinator:
     def __init__(self, job: JobDir, job_id: str, config: JobConfig, offload_root: Path,
-                 faults: list[FaultRule], console: Console) -> None:
+                 faults: list[FaultRule], console: Console, lock: HeldLock | None = None) -> None:
+        """`lock` is the job lock held for this run: every write into the job folder is fenced with
+        it, and the batch stops once it is lost (a lease another coordinator took over)."""
         self.job = job
+        self.lock = lock
+        fence = lock.check if lock is not None else no_fence
         self.job_id = job_id
         self.cfg = config
         self.offload_root = offload_root
         self.faults = faults
         self.console = console
         self.stop = threading.Event()
-        self.log = JobLog(job.log)
+        self.log = JobLog(job.log, fence)
         self.checkpoint = CheckpointLog(
             job.path, flush_every=config.checkpoint.flush_every,
-            flush_interval_s=config.checkpoint.flush_interval_s,
+            flush_interval_s=config.checkpoint.flush_interval_s, fence=fence,
         )
         self._record_lock = threading.RLock()
         self._closed = False
@@ -393,11 +401,26 @@ class Coordinator:
             while any(t.is_alive() for t in threads) and not self.stop.is_set():
                 for t in threads:
                     t.join(timeout=0.2)
+                if self.lock is not None and self.lock.lost:
+                    self.stop.set()
             if self.stop.is_set():
                 self._abandon_in_flight(actors, threads)
         with self._record_lock:
             self._closed = True
-            self.checkpoint.close()
+            try:
+                self.checkpoint.close()
+            except LeaseLostError as e:
+                errors.append(e)
+        lease_lost = next((e for e in errors if isinstance(e, LeaseLostError)), None)
+        if lease_lost is None and self.lock is not None and self.lock.lost:
+            try:
+                self.lock.check()
+            except LeaseLostError as e:
+                lease_lost = e
+        if lease_lost is not None:
+            self.log.warning("lease_lost", error=str(lease_lost))
+            self.console.print(f"[red]{lease_lost}")
+            return EXIT_LEASE_LOST
         if errors:
             raise errors[0]
         if self.stop.is_set():

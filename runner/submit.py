@@ -16,10 +16,12 @@ from jobs.manifest import Rejection, read_manifest, tasks_from_table, tasks_to_t
 from jobs.schema import RESULT_SCHEMA, TaskState, empty_row
 from runner import __version__
 from runner.cluster import ray_session
-from runner.coordinator import EXIT_FAILED_TASKS, EXIT_INTERRUPTED, EXIT_NO_WORKERS, EXIT_OK, Coordinator
+from runner.coordinator import (
+    EXIT_FAILED_TASKS, EXIT_INTERRUPTED, EXIT_LEASE_LOST, EXIT_NO_WORKERS, EXIT_OK, Coordinator,
+)
 from storage.checkpoint import CheckpointLog, JobState, compact, load_state
 from storage.jobdir import JobDir, JobInfo, create_job, new_job_id, read_job, read_manifest_table, update_job_config
-from storage.lease import job_lock
+from storage.lease import LeaseLostError, job_lock
 from storage.location import Where
 from storage.parts import CORRUPT_PART_ADVICE
 from storage.scratch import default_offload_root
@@ -92,7 +94,7 @@ def _execute(job: JobDir, info: JobInfo, config: JobConfig, address: str | None,
              console: Console) -> int:
     faults = parse_faults(os.environ.get(FAULTS_ENV))
     offload_root = Path(config.cache.offload_root) if config.cache.offload_root else default_offload_root(job.path)
-    with job_lock(job.lock):
+    with job_lock(job.lock) as lock:
         tasks = tasks_from_table(read_manifest_table(job))
         state = load_state(job.path)
         for part in state.corrupt:
@@ -110,13 +112,19 @@ def _execute(job: JobDir, info: JobInfo, config: JobConfig, address: str | None,
         code = EXIT_OK
         if open_tasks:
             with ray_session(address):
-                coordinator = Coordinator(job, info.job_id, config, offload_root, faults, console)
+                coordinator = Coordinator(job, info.job_id, config, offload_root, faults, console, lock)
                 code = coordinator.run(open_tasks, total - len(open_tasks), total)
         if code in (EXIT_INTERRUPTED, EXIT_NO_WORKERS):
             what = "interrupted" if code == EXIT_INTERRUPTED else "stopped without workers"
             console.print(f"[yellow]{what}; continue with: kvbatch resume {job.path}")
             return code
-        compact(job.path)
+        if code == EXIT_LEASE_LOST:
+            return code
+        try:
+            compact(job.path, lock.check)
+        except LeaseLostError as e:
+            console.print(f"[red]{e}")
+            return EXIT_LEASE_LOST
         state = load_state(job.path)
     return _final_report(job, state, console)
 
