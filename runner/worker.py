@@ -231,10 +231,13 @@ class SummaryWorker:
         max_new = int(task.overrides.get("max_new_tokens", self.cfg.summarize.max_new_tokens))
         instruction = str(task.overrides.get("prompt", self.cfg.summarize.prompt))
         rungs = self._rungs(task, context_tokens, max_new)
-        last_error: BaseException | None = None
+        # (type name, message) only: the exception's traceback holds the failed rung's cache alive
+        last_error: tuple[str, str] | None = None
         with _PeakRss() as rss, StageProbe(self.loaded.model, self.loaded.device) as probe:
             for i, rung in enumerate(rungs):
                 totals = _CacheTotals()
+                if last_error is not None:
+                    self._release_memory()  # outside the except block: its frames are gone by now
                 try:
                     summary = self._summarize_on(
                         rung, task, attempt, text, context_tokens, max_new, instruction, totals
@@ -244,8 +247,7 @@ class SummaryWorker:
                 except Exception as e:  # noqa: BLE001 - classified below, reported to the coordinator
                     if not _is_memory_error(e):
                         return outcome | self._failure(FailureClass.TRANSIENT, e, started)
-                    last_error = e
-                    self._release_memory()
+                    last_error = (type(e).__name__, str(e))
                     next_rung = rungs[i + 1] if i + 1 < len(rungs) else None
                     outcome["fallbacks"].append(cache_fallback_note(rung, next_rung, type(e).__name__))
                     continue
@@ -281,14 +283,17 @@ class SummaryWorker:
         if outcome.get("status") == "done":
             return outcome
         assert last_error is not None
+        self._release_memory()  # the shorter context the coordinator tries next starts from a clean slate
         return outcome | self._failure(FailureClass.MEMORY, last_error, started)
 
-    def _failure(self, cls: FailureClass, e: BaseException, started: float) -> dict[str, Any]:
+    def _failure(self, cls: FailureClass, e: BaseException | tuple[str, str], started: float) -> dict[str, Any]:
+        """A failed outcome from an exception, or from the (type name, message) kept of one."""
+        error_type, error = e if isinstance(e, tuple) else (type(e).__name__, str(e))
         return {
             "status": "failed",
             "failure_class": cls.value,
-            "error_type": type(e).__name__,
-            "error": str(e),
+            "error_type": error_type,
+            "error": error,
             "wall_s": time.perf_counter() - started,
         }
 
