@@ -1,4 +1,5 @@
-"""Joining or starting Ray: a local instance binds to localhost only, without the dashboard."""
+"""Joining or starting Ray (a local instance binds to localhost only, without the dashboard), and
+stopping actors for good."""
 
 from __future__ import annotations
 
@@ -6,9 +7,12 @@ import logging
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import ray
 from ray._private import ray_constants
+from ray._private import state as ray_state
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 #: Off: Ray resolves "127.0.0.1" to the loopback address instead of the machine's reachable IP.
 _CLUSTER_MODE_ENV = ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR
@@ -56,3 +60,55 @@ def ray_session(address: str | None) -> Iterator[dict[str, float]]:
         yield ray.cluster_resources()
     finally:
         ray.shutdown()
+
+
+#: How long a killed worker may take to exit (a CUDA context can take seconds to tear down).
+ACTOR_EXIT_TIMEOUT_S = 60.0
+
+
+def _actor_process(actor: Any) -> tuple[str, int] | None:
+    """(node id, pid) of the actor's current process, from the GCS actor table; None when unknown."""
+    info = ray_state.actors(actor_id=actor._actor_id.hex())
+    if not info or not info.get("Pid") or info.get("State") == "DEAD":
+        return None
+    return info["Address"]["NodeID"], int(info["Pid"])
+
+
+def _wait_for_exit(pids: list[int], timeout_s: float) -> list[int]:
+    """On the node where it runs: wait until these processes are gone; returns those still alive."""
+    import psutil
+
+    procs = []
+    for pid in pids:
+        try:
+            procs.append(psutil.Process(pid))
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=timeout_s)
+    return [p.pid for p in alive if p.status() != psutil.STATUS_ZOMBIE]
+
+
+def kill_and_wait(actors: list[Any], timeout_s: float = ACTOR_EXIT_TIMEOUT_S) -> list[str]:
+    """Kill the actors for good and return once their processes have exited (`ray.kill` only asks).
+
+    What a killed worker leaves (its task's scratch dir) is only an orphan, and swept, once its
+    process is gone. Returns "pid P on node N" for each process still alive after `timeout_s`.
+    """
+    processes = [_actor_process(actor) for actor in actors]
+    for actor in actors:
+        ray.kill(actor, no_restart=True)
+    by_node: dict[str, list[int]] = {}
+    for node_pid in filter(None, processes):
+        by_node.setdefault(node_pid[0], []).append(node_pid[1])
+    waiter = ray.remote(num_cpus=0, max_retries=0)(_wait_for_exit)
+    pending = {
+        node: waiter.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(pids, timeout_s)
+        for node, pids in by_node.items()
+    }
+    left = []
+    for node, ref in pending.items():
+        try:
+            left += [f"pid {pid} on node {node}" for pid in ray.get(ref, timeout=timeout_s + 30)]
+        except Exception as e:  # a node lost meanwhile took its processes with it
+            left += [f"pids {by_node[node]} on node {node} (not checked: {type(e).__name__})"]
+    return left

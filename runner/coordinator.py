@@ -55,10 +55,14 @@ from runner.pool import (
 from runner.recorder import TaskRecorder
 from storage.checkpoint import CheckpointLog
 from storage.jobdir import JobDir
+from storage.lease import LeaseLostError
+from storage.lock import HeldLock
+from storage.location import no_fence
 
 EXIT_OK = 0
 EXIT_FAILED_TASKS = 3
 EXIT_NO_WORKERS = 4
+EXIT_LEASE_LOST = 5
 EXIT_INTERRUPTED = 130
 #: A task whose worker was lost this often while other tasks shared it runs alone from then on, and
 #: only then do losses count as its own attempts: a poison document must not use up its batch-mates'.
@@ -156,15 +160,19 @@ class WorkQueue:
 
 class Coordinator:
     def __init__(self, job: JobDir, job_id: str, config: JobConfig, offload_root: Path,
-                 faults: list[FaultRule], console: Console) -> None:
+                 faults: list[FaultRule], console: Console, lock: HeldLock | None = None) -> None:
+        """`lock` is the job lock held for this run: every write into the job folder is fenced with
+        it, and the batch stops once it is lost (a lease another coordinator took over)."""
         self.cfg = config
         self.offload_root = offload_root
         self.console = console
+        self.lock = lock
+        fence = lock.check if lock is not None else no_fence
         self.stop = threading.Event()
-        self.log = JobLog(job.log)
+        self.log = JobLog(job.log, fence)
         self.alerts = AlertMonitor(self.log, console)
         checkpoint = CheckpointLog(job.path, flush_every=config.checkpoint.flush_every,
-                                   flush_interval_s=config.checkpoint.flush_interval_s)
+                                   flush_interval_s=config.checkpoint.flush_interval_s, fence=fence)
         self.recorder = TaskRecorder(checkpoint, self.log, self.alerts, BatchMetrics(job_id), self.stop)
         self.pool = WorkerPool(config, job_id, offload_root, faults)
         self.retrying = task_retrying(config.retry, self._before_retry, self._sleep)
@@ -329,11 +337,18 @@ class Coordinator:
             while any(t.is_alive() for t in threads) and not self.stop.is_set():
                 for t in threads:
                     t.join(timeout=0.2)
+                if self.lock is not None and self.lock.lost:
+                    self.stop.set()
             if self.stop.is_set():
-                self.pool.kill_all()  # ends every pending call at once, so no thread outlives the batch
-                for t in threads:
-                    t.join(timeout=30)
-        self.recorder.close()
+                self._abandon_in_flight(threads)
+        try:
+            self.recorder.close()
+        except LeaseLostError as e:
+            errors.append(e)
+        if (lease_lost := self._lease_lost(errors)) is not None:
+            self.log.warning("lease_lost", error=str(lease_lost))
+            self.console.print(f"[red]{lease_lost}")
+            return EXIT_LEASE_LOST
         if errors:
             raise errors[0]
         if self.stop.is_set():
@@ -346,6 +361,25 @@ class Coordinator:
             return EXIT_NO_WORKERS
         self.log.info("batch_end")
         return EXIT_OK
+
+    def _abandon_in_flight(self, threads: list[threading.Thread]) -> None:
+        """Killing the workers ends every pending call at once, so no thread outlives the batch; the
+        batch's last sweep runs once their processes are gone, so it removes their task dirs."""
+        still_alive = self.pool.kill_all()
+        if still_alive:
+            self.log.warning("workers_not_gone", processes=still_alive,
+                             hint="their scratch dirs stay until `kvbatch clean` runs after they exit")
+        for t in threads:
+            t.join(timeout=30)
+
+    def _lease_lost(self, errors: list[BaseException]) -> LeaseLostError | None:
+        lost = next((e for e in errors if isinstance(e, LeaseLostError)), None)
+        if lost is None and self.lock is not None and self.lock.lost:
+            try:
+                self.lock.check()
+            except LeaseLostError as e:
+                lost = e
+        return lost
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         if self.stop.is_set():

@@ -1,4 +1,4 @@
-"""The public KV-cache API for people who call transformers themselves (`from runner.kvcache import
+"""The public KV-cache API for people who call transformers themselves (`from runner.engine.kvcache import
 TieredCache`); the caches live in runner/engine/kvcache/."""
 
 from runner.engine.kvcache import (

@@ -23,6 +23,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from jobs.config import JobConfig
 from jobs.faults import FaultRule
 from jobs.task import Task
+from runner.cluster import kill_and_wait
 from runner.engine.worker import SummaryWorker
 
 #: How long a restarted worker may take to come back (process start + model load), not task time.
@@ -184,8 +185,8 @@ class WorkerPool:
             ready = worker.info.remote()
         return False
 
-    def kill_all(self) -> None:
-        """Ends every pending call at once (they raise `PoolStopped`)."""
+    def kill_all(self) -> list[str]:
+        """Ends every pending call at once (they raise `PoolStopped`) and returns once the workers'
+        processes are gone, naming any still alive after the wait."""
         self._killed = True
-        for worker in self.workers:
-            ray.kill(worker, no_restart=True)
+        return kill_and_wait(self.workers)

@@ -19,14 +19,17 @@ from jobs.schema import RESULT_SCHEMA, TaskState, empty_row
 from jobs.task import Task
 from runner import __version__
 from runner.cluster import ray_session
-from runner.coordinator import EXIT_FAILED_TASKS, EXIT_INTERRUPTED, EXIT_NO_WORKERS, EXIT_OK, Coordinator
+from runner.coordinator import (
+    EXIT_FAILED_TASKS, EXIT_INTERRUPTED, EXIT_LEASE_LOST, EXIT_NO_WORKERS, EXIT_OK, Coordinator,
+)
 from runner.preflight import check_settings
 from storage.checkpoint import JobState, compact, load_state
 from storage.inputs import FOLDER_MANIFEST_NAME, StagedManifest, stage_input
 from storage.jobdir import (
     JobDir, JobInfo, check_job_folder, create_job, new_job_id, read_job, read_manifest_table, update_job_config,
 )
-from storage.lease import job_lock
+from storage.lease import LeaseLostError, job_lock
+from storage.lock import HeldLock
 from storage.location import Where
 from storage.parts import CORRUPT_PART_ADVICE
 from storage.scratch import default_offload_root
@@ -96,31 +99,31 @@ def submit(source: str, pattern: str | None, config_path: Path | None, job_dir: 
         rejected = pa.Table.from_pylist([_rejection_row(r) for r in rejections], schema=RESULT_SCHEMA)
         job.path.makedirs()
         # the lock first: a second submit to the same folder refuses instead of writing over this one
-        with job_lock(job.lock):
+        with job_lock(job.lock) as lock:
             if staged.from_folder:
                 (job.path / FOLDER_MANIFEST_NAME).write_bytes_atomic(staged.path.read_bytes(),
                                                                      f".{FOLDER_MANIFEST_NAME}.tmp")
             create_job(job, info, tasks_to_table(tasks), rejected)
-            return _execute(job, info, config, address, retry_failed=False, console=console)
+            return _execute(job, info, config, address, retry_failed=False, console=console, lock=lock)
 
 
 def resume(job_dir: Where, retry_failed: bool, overrides: list[str], address: str | None,
            console: Console) -> int:
     job = JobDir(job_dir)
     check_job_folder(job)
-    with job_lock(job.lock):  # job.json is the running coordinator's until this is held
+    with job_lock(job.lock) as lock:  # job.json is the running coordinator's until this is held
         info = read_job(job)
         config = config_from_dict(apply_overrides(info.config, overrides), f"{job.job_json} with --set")
         check_settings(config)
         if overrides:
             update_job_config(job, config.model_dump(mode="json"))
         console.print(f"job {info.job_id} <- {job.path}")
-        return _execute(job, info, config, address, retry_failed, console)
+        return _execute(job, info, config, address, retry_failed, console, lock)
 
 
 def _execute(job: JobDir, info: JobInfo, config: JobConfig, address: str | None, retry_failed: bool,
-             console: Console) -> int:
-    """Run the job's open tasks; the caller holds the job lock."""
+             console: Console, lock: HeldLock) -> int:
+    """Run the job's open tasks under the job lock the caller holds (every write is fenced with it)."""
     faults = parse_faults(os.environ.get(FAULTS_ENV))
     offload_root = Path(config.cache.offload_root) if config.cache.offload_root else default_offload_root(job.path)
     tasks = tasks_from_table(read_manifest_table(job))
@@ -140,13 +143,19 @@ def _execute(job: JobDir, info: JobInfo, config: JobConfig, address: str | None,
     code = EXIT_OK
     if open_tasks:
         with ray_session(address):
-            coordinator = Coordinator(job, info.job_id, config, offload_root, faults, console)
+            coordinator = Coordinator(job, info.job_id, config, offload_root, faults, console, lock)
             code = coordinator.run(open_tasks, total - len(open_tasks), total)
     if code in (EXIT_INTERRUPTED, EXIT_NO_WORKERS):
         what = "interrupted" if code == EXIT_INTERRUPTED else "stopped without workers"
         console.print(f"[yellow]{what}; continue with: kvbatch resume {job.path}")
         return code
-    compact(job.path)
+    if code == EXIT_LEASE_LOST:
+        return code
+    try:
+        compact(job.path, lock.check)
+    except LeaseLostError as e:
+        console.print(f"[red]{e}")
+        return EXIT_LEASE_LOST
     state = load_state(job.path)
     return _final_report(job, state, console)
 

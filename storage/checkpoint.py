@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from jobs.schema import EVENT_SCHEMA, RESULT_SCHEMA, TaskState
-from storage.location import Location, Where
+from storage.location import Fence, Location, Where, no_fence
 from storage.parts import CorruptPart, list_temp_files, merge_parts, read_parts, replace_parts, write_part
 
 logger = logging.getLogger(__name__)
@@ -43,8 +43,9 @@ def _row_label(row: dict[str, Any]) -> str:
 class _Stream:
     """One directory of parts (events or results) and the rows not yet published to it."""
 
-    def __init__(self, directory: Location, schema: pa.Schema) -> None:
+    def __init__(self, directory: Location, schema: pa.Schema, fence: Fence) -> None:
         self.directory = directory
+        self.fence = fence
         self.schema = schema
         self.columns = frozenset(schema.names)
         self.pending: list[dict[str, Any]] = []
@@ -77,7 +78,7 @@ class _Stream:
             return
         table, rejected = self._convert_pending()
         if table.num_rows:
-            self.unmerged.append((write_part(self.directory, table), table))
+            self.unmerged.append((write_part(self.directory, table, fence=self.fence), table))
         self.pending = []
         if rejected:
             raise CheckpointRowError(
@@ -88,7 +89,7 @@ class _Stream:
     def merge_if_due(self, merge_every: int) -> None:
         if len(self.unmerged) >= merge_every:
             merged = pa.concat_tables([table for _, table in self.unmerged])
-            replace_parts(self.directory, merged, [path for path, _ in self.unmerged])
+            replace_parts(self.directory, merged, [path for path, _ in self.unmerged], self.fence)
             self.unmerged = []
 
 
@@ -101,7 +102,9 @@ class CheckpointLog:
         flush_every: int = 32,
         flush_interval_s: float = 5.0,
         merge_every: int = DEFAULT_MERGE_EVERY,
+        fence: Fence = no_fence,
     ) -> None:
+        """`fence` is called before every publish (the job lock's check)."""
         if flush_every < 1 or flush_interval_s <= 0 or merge_every < 2:
             raise ValueError(
                 f"checkpoint settings must be flush_every >= 1, flush_interval_s > 0, merge_every >= 2; "
@@ -111,8 +114,8 @@ class CheckpointLog:
         self.flush_interval_s = flush_interval_s
         self.merge_every = merge_every
         job_dir = Location.of(job_dir)
-        self._results = _Stream(job_dir / RESULTS_DIR, RESULT_SCHEMA)
-        self._events = _Stream(job_dir / EVENTS_DIR, EVENT_SCHEMA)
+        self._results = _Stream(job_dir / RESULTS_DIR, RESULT_SCHEMA, fence)
+        self._events = _Stream(job_dir / EVENTS_DIR, EVENT_SCHEMA, fence)
         self._lock = threading.Condition()
         self._oldest_pending: float | None = None
         self._closed = False
@@ -256,7 +259,7 @@ def load_state(job_dir: Where) -> JobState:
     )
 
 
-def compact(job_dir: Where) -> None:
+def compact(job_dir: Where, fence: Fence = no_fence) -> None:
     """Merge each of events/ and results/ into one part; call with the job lock held, log closed.
 
     Every row is kept (deduplication is load_state's job). Temporary files left by crashed writers
@@ -264,6 +267,7 @@ def compact(job_dir: Where) -> None:
     """
     job_dir = Location.of(job_dir)
     for directory, schema in ((job_dir / RESULTS_DIR, RESULT_SCHEMA), (job_dir / EVENTS_DIR, EVENT_SCHEMA)):
-        merge_parts(directory, schema)
+        merge_parts(directory, schema, fence)
+        fence()
         for leftover in list_temp_files(directory):
             leftover.delete()

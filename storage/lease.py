@@ -1,15 +1,27 @@
-"""The job lock on shared object storage: a lease record the holder keeps renewing.
+"""The job lock on object storage: a lease object written only under a condition, and kept renewed.
 
-Object stores have no flock, so `.lock` holds the owner, a random token and an expiry time; the
-coordinator rewrites it every `ttl_s / 3`. A record that expired, or whose owner is a dead process
-on this host, is taken over. After writing its record a taker reads it back a moment later: when two
-raced, the later write wins and the other backs off with the usual "in use" error.
+Object stores have no flock. The lease `.lock` is created with `If-None-Match: *` (exactly one of
+any number of racing coordinators creates it) and every later write is `If-Match: <ETag>` of the
+version the writer last saw, so a renewal or a takeover never overwrites a version it did not see.
+
+Expiry compares no clocks across machines. A would-be taker that finds the lease held by a process
+on another host (or one it cannot judge) watches the lease's ETag on its own clock: a change means
+the holder is renewing (refused at once); a full TTL without a change means the holder stopped, and
+it takes over that exact version. The holder, in turn, counts its lease valid for less than a TTL
+after it *sent* its last successful renewal (on CLOCK_BOOTTIME, which also runs while a machine is
+suspended), so it stops writing before any taker can start. Every part publish, compaction and
+job.log upload first calls `check()` (the fence); a holder that lost the lease (a renewal refused,
+or no renewal for too long: paused, partitioned) raises LeaseLostError there and writes nothing.
+
+A holder on this host whose process is verifiably gone is taken over at once; one that is alive
+here is refused at once. A storage error while reading the lease is an error, never "no lease".
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import secrets
 import threading
 import time
@@ -21,71 +33,276 @@ from storage.owner import OwnerLiveness, ProcessOwner
 logger = logging.getLogger(__name__)
 
 LEASE_TTL_S = 60.0
-"""How long a record outlives a coordinator that stopped renewing it (killed, or its machine lost)."""
-_SETTLE_S = 0.5
-"""How long a taker waits before reading its record back, so a racing write has landed."""
+"""How long a lease outlives a coordinator that stopped renewing it (killed, paused, its machine lost)."""
+LEASE_TTL_ENV = "KVBATCH_LEASE_TTL_S"
+#: A holder renews this often (in TTLs): several tries fit in its validity.
+_RENEW_EVERY = 0.2
+#: A holder counts its lease valid this long (in TTLs) after sending its last successful renewal:
+#: the margin covers clock-rate differences between the holder and a taker.
+_VALID_FOR = 0.8
+_READ_TRIES = 5
 
 
-def job_lock(path: Where, ttl_s: float = LEASE_TTL_S) -> HeldLock:
-    """The lock kind the job folder's storage supports: flock on a local disk, a lease elsewhere."""
+class LeaseLostError(JobLockedError):
+    """This coordinator no longer holds the job lease: another one took it over."""
+
+
+class LeaseStorageError(OSError):
+    """The lease object could not be read or written (not a refusal: the store did not answer)."""
+
+
+def _clock() -> float:
+    """Seconds on a clock no wall-clock step moves and that keeps counting through a suspend."""
+    return time.clock_gettime(getattr(time, "CLOCK_BOOTTIME", time.CLOCK_MONOTONIC))
+
+
+def job_lock(path: Where, ttl_s: float | None = None) -> HeldLock:
+    """The lock kind the job folder's storage supports: flock on a local disk, a lease on S3."""
     location = Location.of(path)
-    return JobLock(location) if location.is_local else JobLease(location, ttl_s)
+    if location.is_local:
+        return JobLock(location)
+    if ttl_s is None:
+        ttl_s = float(os.environ.get(LEASE_TTL_ENV) or LEASE_TTL_S)
+    return JobLease(location, ttl_s)
+
+
+class _S3Object:
+    """One S3 object that is only ever written under a condition (boto3: pyarrow sends no If-Match)."""
+
+    def __init__(self, location: Location) -> None:
+        import boto3
+        from botocore.config import Config
+
+        if not location.uri.startswith("s3://"):
+            raise JobLockedError(
+                f"{location.parent} cannot be locked: a job folder on object storage needs conditional "
+                f"writes (If-None-Match / If-Match), which kvbatch uses on s3:// only. Use an s3:// URI "
+                f"(any S3-compatible store), or a local or NFS folder"
+            )
+        self.uri = location.uri
+        self.bucket, self.key = location.path.split("/", 1)
+        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or None
+        region = getattr(location.fs, "region", None) or None
+        self._client = boto3.client(
+            "s3", endpoint_url=endpoint, region_name=region,
+            config=Config(retries={"max_attempts": 3, "mode": "standard"}, connect_timeout=5, read_timeout=15),
+        )
+
+    def _failed(self, action: str, exc: Exception) -> LeaseStorageError:
+        return LeaseStorageError(f"could not {action} the job lease {self.uri}: {type(exc).__name__}: {exc}")
+
+    @staticmethod
+    def _refused(exc: Exception) -> bool:
+        """The condition did not hold (412), a concurrent conditional write won (409), or no object (404)."""
+        from botocore.exceptions import ClientError
+
+        return isinstance(exc, ClientError) and exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") in (
+            404, 409, 412)
+
+    def _put(self, body: bytes, **condition: str) -> str | None:
+        try:
+            return self._client.put_object(Bucket=self.bucket, Key=self.key, Body=body, **condition)["ETag"]
+        except Exception as exc:  # noqa: BLE001 - botocore raises several unrelated types
+            if self._refused(exc):
+                return None
+            raise self._failed("write", exc) from None
+
+    def create(self, body: bytes) -> str | None:
+        """The new version's ETag, or None when the object exists."""
+        return self._put(body, IfNoneMatch="*")
+
+    def replace(self, body: bytes, etag: str) -> str | None:
+        """The new version's ETag, or None when the object is no longer version `etag`."""
+        return self._put(body, IfMatch=etag)
+
+    def read(self) -> tuple[bytes, str] | None:
+        """(content, ETag), or None when there is no lease object."""
+        try:
+            answer = self._client.get_object(Bucket=self.bucket, Key=self.key)
+            return answer["Body"].read(), answer["ETag"]
+        except Exception as exc:  # noqa: BLE001
+            if self._refused(exc):
+                return None
+            raise self._failed("read", exc) from None
+
+    def etag(self) -> str | None:
+        try:
+            return self._client.head_object(Bucket=self.bucket, Key=self.key)["ETag"]
+        except Exception as exc:  # noqa: BLE001
+            if self._refused(exc):
+                return None
+            raise self._failed("read", exc) from None
+
+    def delete(self, etag: str) -> None:
+        """Remove version `etag` (nothing happens when the object has changed since)."""
+        try:
+            self._client.delete_object(Bucket=self.bucket, Key=self.key, IfMatch=etag)
+        except Exception as exc:  # noqa: BLE001
+            if not self._refused(exc):
+                raise self._failed("remove", exc) from None
 
 
 class JobLease(HeldLock):
     def __init__(self, path: Where, ttl_s: float = LEASE_TTL_S) -> None:
         super().__init__(path)
+        if ttl_s <= 0:
+            raise ValueError(f"a lease TTL must be > 0 s, got {ttl_s}")
         self.ttl_s = ttl_s
+        self._store = _S3Object(self.location)
         self._token = secrets.token_hex(8)
+        self._seq = 0
+        self._etag: str | None = None
+        self._valid_until = 0.0
+        self._lost: str | None = None  # why, once lost
         self._stop = threading.Event()
+        self._guard = threading.Lock()
         self._renewer: threading.Thread | None = None
 
-    def _read(self) -> tuple[dict, ProcessOwner | None]:
-        """The record and the owner it names (empty and None when there is none or it is torn)."""
-        try:
-            raw = self.location.read_bytes()
-            return json.loads(raw), parse_owner(raw)
-        except (OSError, ValueError):
-            return {}, None
+    # -- what is written -------------------------------------------------------------------
+    def _record(self) -> bytes:
+        self._seq += 1
+        now = time.time()
+        return json.dumps({
+            **ProcessOwner.current().to_dict(), "token": self._token, "seq": self._seq, "ttl_s": self.ttl_s,
+            # wall-clock times are for people and `status`; no decision compares them
+            "renewed_at": now, "expires": now + self.ttl_s,
+        }).encode()
 
-    def _write(self) -> None:
-        record = {**ProcessOwner.current().to_dict(), "token": self._token, "expires": time.time() + self.ttl_s}
-        self.location.write_bytes_atomic(json.dumps(record).encode(), f".lock.{self._token}.tmp")
+    def _took(self, etag: str, sent: float) -> None:
+        self._etag = etag
+        self._valid_until = sent + self.ttl_s * _VALID_FOR
+
+    # -- taking it ---------------------------------------------------------------------------
+    def _read(self) -> tuple[bytes, str] | None:
+        """The lease's content and version; retried, and a persistent error raised, never 'no lease'."""
+        for attempt in range(_READ_TRIES):
+            try:
+                return self._store.read()
+            except LeaseStorageError:
+                if attempt + 1 == _READ_TRIES:
+                    raise
+                time.sleep(min(2.0, 0.1 * 2**attempt))
+        raise AssertionError("unreachable")
+
+    def _watch(self, etag: str, ttl_s: float) -> str:
+        """Watch version `etag` for a full TTL on this machine's clock: 'changed', 'gone' or 'still'."""
+        deadline = _clock() + ttl_s
+        poll_s = min(2.0, max(0.05, ttl_s / 20))
+        while (left := deadline - _clock()) > 0:
+            time.sleep(min(poll_s, left))
+            try:
+                now = self._store.etag()
+            except LeaseStorageError:
+                continue  # the takeover below is conditional on `etag`: a missed look cannot mislead it
+            if now is None:
+                return "gone"
+            if now != etag:
+                return "changed"
+        return "still"
 
     def acquire(self) -> None:
-        """Take the lease or raise JobLockedError naming the holder."""
-        record, previous = self._read()
-        if previous is not None:
-            expired = float(record.get("expires", 0)) < time.time()
-            gone = previous.liveness() in (OwnerLiveness.DEAD, OwnerLiveness.PID_REUSED)
-            if not expired and not gone:
-                raise JobLockedError(self._refusal(previous) + f" (its lease runs until {time.ctime(record['expires'])})")
-            why = "its lease expired" if expired else None
-            self.takeover_message = self._takeover(previous, why)
-        self._write()
-        time.sleep(_SETTLE_S)
-        mine, holder = self._read()
-        if mine.get("token") != self._token:
-            raise JobLockedError(self._refusal(holder))
-        if self.takeover_message:
+        """Take the lease or raise JobLockedError naming the holder (LeaseStorageError when the
+        store cannot be read: not knowing is never taken for 'free')."""
+        for _ in range(10):
+            sent = _clock()
+            created = self._store.create(self._record())
+            if created is not None:
+                self._took(created, sent)
+                break
+            current = self._read()
+            if current is None:
+                continue  # released between our create and our read: try again
+            raw, etag = current
+            holder = parse_owner(raw)
+            try:
+                ttl_s = float(json.loads(raw).get("ttl_s") or self.ttl_s)
+            except (ValueError, AttributeError, TypeError):
+                ttl_s = self.ttl_s
+            liveness = holder.liveness() if holder else None
+            if liveness == OwnerLiveness.ALIVE:
+                raise JobLockedError(self._refusal(holder))
+            if liveness in (OwnerLiveness.DEAD, OwnerLiveness.PID_REUSED):
+                why = None
+            else:
+                logger.warning("job lease %s is held by %s: waiting up to %.0f s for it to be renewed",
+                               self.location, holder.describe() if holder else "an unreadable record", ttl_s)
+                seen = self._watch(etag, ttl_s)
+                if seen == "gone":
+                    continue
+                if seen == "changed":
+                    raise JobLockedError(self._refusal(holder) + " (it keeps renewing its lease)")
+                why = f"its lease expired (not renewed for {ttl_s:g} s)"
+            sent = _clock()
+            taken = self._store.replace(self._record(), etag)
+            if taken is None:  # renewed, released or taken by another taker meanwhile
+                raise JobLockedError(self._refusal(holder))
+            self._took(taken, sent)
+            self.takeover_message = (
+                self._takeover(holder, why) if holder else f"took over lease {self.location} of an unreadable record"
+            )
             logger.warning(self.takeover_message)
+            break
+        else:
+            raise JobLockedError(f"{self._refusal(None)} (its lease keeps appearing and disappearing)")
         self._renewer = threading.Thread(target=self._renew, name="job-lease", daemon=True)
         self._renewer.start()
 
+    # -- holding it --------------------------------------------------------------------------
+    def _lose(self, why: str) -> None:
+        with self._guard:
+            if self._lost is None:
+                self._lost = why
+                logger.error("lost the job lease %s: %s", self.location, why)
+
     def _renew(self) -> None:
-        while not self._stop.wait(self.ttl_s / 3):
+        interval = self.ttl_s * _RENEW_EVERY
+        while not self._stop.wait(interval):
+            with self._guard:
+                if self._lost is not None:
+                    return
+                etag = self._etag
+            sent = _clock()
+            if sent > self._valid_until:  # paused or cut off longer than our validity: a taker may hold it
+                self._lose(f"no renewal for over {self.ttl_s * _VALID_FOR:.0f} s (this process was paused "
+                           f"or could not reach the store)")
+                return
             try:
-                self._write()
-            except OSError:  # storage hiccup: the next round tries again, well before expiry
-                logger.warning("could not renew the job lease %s", self.location, exc_info=True)
+                renewed = self._store.replace(self._record(), etag)
+            except LeaseStorageError:
+                logger.warning("could not renew the job lease %s; trying again", self.location, exc_info=True)
+                interval = self.ttl_s * _RENEW_EVERY / 4
+                continue
+            interval = self.ttl_s * _RENEW_EVERY
+            if renewed is None:
+                self._lose("another coordinator took it over")
+                return
+            with self._guard:
+                self._took(renewed, sent)
+
+    @property
+    def lost(self) -> str | None:
+        """Why the lease was lost, or None while it is held."""
+        if self._lost is None and self._renewer is not None and _clock() > self._valid_until:
+            self._lose(f"no renewal for over {self.ttl_s * _VALID_FOR:.0f} s (this process was paused or "
+                       f"could not reach the store)")
+        return self._lost
+
+    def check(self) -> None:
+        why = self.lost
+        if why is not None:
+            raise LeaseLostError(
+                f"this coordinator lost the job lease of {self.location.parent} ({why}); it wrote nothing "
+                f"since. Another coordinator runs the job now: check with `kvbatch status {self.location.parent}`, "
+                f"and run `kvbatch resume {self.location.parent}` if it is no longer running"
+            )
 
     def release(self) -> None:
-        """Stop renewing and remove the record if it is still ours."""
+        """Stop renewing and remove the lease if it is still this version (never a taker's)."""
         if self._renewer is None:
             return
         self._stop.set()
         self._renewer.join()
         self._renewer = None
-        record, _ = self._read()
-        if record.get("token") == self._token:
-            self.location.delete()
+        if self._lost is None and self._etag is not None:
+            self._store.delete(self._etag)
+

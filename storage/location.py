@@ -61,6 +61,15 @@ def storage_error(uri: str, error: BaseException) -> StorageError | None:
 
 
 
+Fence = Callable[[], None]
+"""Called before each step that makes a write visible; raises when this writer may no longer write
+(a coordinator that lost its job lease)."""
+
+
+def no_fence() -> None:
+    """The fence of a writer that cannot lose its right to write."""
+
+
 def fsync_directory(directory: Path) -> None:
     """Make renames and unlinks in `directory` durable."""
     fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
@@ -187,11 +196,13 @@ class Location:
         except FileNotFoundError:
             pass
 
-    def write_atomic(self, write: Callable[[BinaryIO], None], temp_name: str) -> None:
+    def write_atomic(self, write: Callable[[BinaryIO], None], temp_name: str, fence: Fence = no_fence) -> None:
         """Publish what `write` writes as this file, whole or not at all.
 
         `temp_name` (a sibling name readers never list) holds the bytes until they are complete.
+        `fence` is called before anything is written and again just before the publishing rename.
         """
+        fence()
         temp = self.parent / temp_name
         try:
             if self.is_local:
@@ -199,12 +210,14 @@ class Location:
                     write(handle)
                     handle.flush()
                     os.fsync(handle.fileno())
+                fence()
                 os.rename(temp.path, self.path)
                 fsync_directory(Path(self.path).parent)
             else:
                 with self._user_errors():
                     with self.fs.open_output_stream(temp.path) as stream:
                         write(stream)
+                    fence()
                     self.fs.move(temp.path, self.path)
         except BaseException:
             try:
@@ -213,8 +226,8 @@ class Location:
                 pass
             raise
 
-    def write_bytes_atomic(self, data: bytes, temp_name: str) -> None:
-        self.write_atomic(lambda handle: handle.write(data), temp_name)
+    def write_bytes_atomic(self, data: bytes, temp_name: str, fence: Fence = no_fence) -> None:
+        self.write_atomic(lambda handle: handle.write(data), temp_name, fence)
 
 
 Where = Union[Location, str, os.PathLike]

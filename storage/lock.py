@@ -79,6 +79,14 @@ class HeldLock(ABC):
     def release(self) -> None:
         """Give the lock up (nothing to do when it is not held)."""
 
+    @property
+    def lost(self) -> str | None:
+        """Why the lock was lost while held, or None (a lease can be lost; a flock cannot)."""
+        return None
+
+    def check(self) -> None:
+        """The fence: every publish into the job folder calls this first; raises once the lock is lost."""
+
     def _refusal(self, holder: ProcessOwner | None) -> str:
         who = holder.describe() if holder else "another process"
         return (

@@ -1,35 +1,70 @@
-"""Who owns a lock or a scratch dir: host, pid and process start time.
+"""Who owns a lock or a scratch dir: host, pid and when the process started, in a clock-free form.
 
 A pid alone is not an identity: pids are reused, so a dead owner's pid may belong to an unrelated
-process later. Host + pid + start time identifies one process for its whole life, which is what
-lets a stale lock or an orphaned scratch dir be reclaimed without ever touching a live owner's.
+process later. Host + pid + start identifies one process for its whole life, which is what lets a
+stale lock or an orphaned scratch dir be reclaimed without ever touching a live owner's.
+
+The start is compared as the kernel records it: clock ticks since boot (`/proc/<pid>/stat` field
+22) within one boot (`/proc/sys/kernel/random/boot_id`). Neither moves when the wall clock is
+stepped (NTP, VM resume), whereas a wall-clock start time (psutil's `create_time`, which adds the
+boot time the kernel derives from the current clock) shifts with every step, and a 1 s shift would
+make a live owner look like a reused pid. `start_time` (wall clock) is kept for people and for
+records written where /proc is not available.
 """
 
 from __future__ import annotations
 
 import socket
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from enum import StrEnum
+from pathlib import Path
 from typing import Any
 
 import psutil
 
-#: psutil derives start times from clock ticks (1/100 s); two readings of one process agree within this.
+#: For records without clock ticks only: psutil's start times are 1/100 s; two readings agree within this.
 _START_TIME_TOLERANCE_S = 0.05
+_PROC = Path("/proc")
 
 
 class OwnerLiveness(StrEnum):
     ALIVE = "alive"
-    DEAD = "dead"  # no process with that pid on this host
+    DEAD = "dead"  # no process with that pid on this host (or the host rebooted since)
     PID_REUSED = "pid reused"  # the pid now belongs to a process started at another time
     OTHER_HOST = "other host"  # cannot be checked from here: treated as alive by every caller
+
+
+def boot_id() -> str | None:
+    """This boot's random id (Linux); None where the kernel does not offer one."""
+    try:
+        return (_PROC / "sys/kernel/random/boot_id").read_text().strip() or None
+    except OSError:
+        return None
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    """/proc/<pid>/stat after the command name (which may hold spaces and parentheses); None when
+    there is no such process."""
+    try:
+        raw = (_PROC / str(pid) / "stat").read_bytes()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    return raw[raw.rindex(b")") + 2:].decode().split()
+
+
+def start_ticks(pid: int) -> int | None:
+    """When `pid` started, in clock ticks since boot; None when it does not exist or /proc is absent."""
+    fields = _stat_fields(pid)
+    return int(fields[19]) if fields else None  # field 22 of the line; fields[0] is field 3 (state)
 
 
 @dataclass(frozen=True)
 class ProcessOwner:
     host: str
     pid: int
-    start_time: float
+    start_time: float = field(compare=False)  # wall clock, moves with clock steps: for messages
+    start_ticks: int | None = None
+    boot_id: str | None = None
 
     @classmethod
     def current(cls) -> ProcessOwner:
@@ -37,14 +72,21 @@ class ProcessOwner:
 
     @classmethod
     def of_pid(cls, pid: int) -> ProcessOwner:
-        return cls(host=socket.gethostname(), pid=pid, start_time=psutil.Process(pid).create_time())
+        started = psutil.Process(pid).create_time()
+        ticks = start_ticks(pid)
+        return cls(host=socket.gethostname(), pid=pid, start_time=started, start_ticks=ticks,
+                   boot_id=boot_id() if ticks is not None else None)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ProcessOwner:
         """Parse the fields written by `to_dict`; raises ValueError naming what is missing or wrong."""
         try:
-            return cls(host=str(data["host"]), pid=int(data["pid"]), start_time=float(data["start_time"]))
-        except (KeyError, TypeError, ValueError) as exc:
+            ticks, boot = data.get("start_ticks"), data.get("boot_id")
+            return cls(
+                host=str(data["host"]), pid=int(data["pid"]), start_time=float(data["start_time"]),
+                start_ticks=None if ticks is None else int(ticks), boot_id=None if boot is None else str(boot),
+            )
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ValueError(f"owner record needs host, pid and start_time, got {data!r}") from exc
 
     def to_dict(self) -> dict[str, Any]:
@@ -53,10 +95,27 @@ class ProcessOwner:
     def liveness(self) -> OwnerLiveness:
         if self.host != socket.gethostname():
             return OwnerLiveness.OTHER_HOST
+        current_boot = boot_id()
+        if self.start_ticks is not None and self.boot_id is not None and current_boot is not None:
+            return self._liveness_by_ticks(current_boot)
+        return self._liveness_by_wall_clock()
+
+    def _liveness_by_ticks(self, current_boot: str) -> OwnerLiveness:
+        if self.boot_id != current_boot:  # every process of an earlier boot is gone
+            return OwnerLiveness.DEAD
+        fields = _stat_fields(self.pid)
+        if fields is None or fields[0] in ("Z", "X"):  # zombie: killed, not yet reaped by its parent
+            return OwnerLiveness.DEAD
+        if int(fields[19]) != self.start_ticks:
+            return OwnerLiveness.PID_REUSED
+        return OwnerLiveness.ALIVE
+
+    def _liveness_by_wall_clock(self) -> OwnerLiveness:
+        """For records written without ticks (older kvbatch, no /proc): a clock step can fool this."""
         try:
             process = psutil.Process(self.pid)
             started = process.create_time()
-            if process.status() == psutil.STATUS_ZOMBIE:  # killed, not yet reaped by its parent
+            if process.status() == psutil.STATUS_ZOMBIE:
                 return OwnerLiveness.DEAD
         except psutil.NoSuchProcess:
             return OwnerLiveness.DEAD

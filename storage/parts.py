@@ -25,7 +25,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from jobs.schema import KEY_COLUMNS
-from storage.location import Location, Where, fsync_directory
+from storage.location import Fence, Location, Where, fsync_directory, no_fence
 
 PART_PREFIX, PART_SUFFIX = "part-", ".parquet"
 TEMP_PREFIX = ".tmp-"
@@ -67,11 +67,11 @@ def _next_part_name() -> str:
     return f"part-{stamp:020d}-{seq:08d}-{os.getpid()}-{secrets.token_hex(3)}.parquet"
 
 
-def write_part(directory: Where, table: pa.Table, replaces: Sequence[str] = ()) -> Location:
+def write_part(directory: Where, table: pa.Table, replaces: Sequence[str] = (), fence: Fence = no_fence) -> Location:
     """Publish `table` as a new part in `directory` (created if missing) and return where it is.
 
     `replaces` names parts in the same directory whose rows this part contains (a merge); readers
-    skip those while both exist.
+    skip those while both exist. `fence` is called before the part is written and published.
     """
     directory = Location.of(directory)
     directory.makedirs()
@@ -81,7 +81,7 @@ def write_part(directory: Where, table: pa.Table, replaces: Sequence[str] = ()) 
         metadata[_REPLACES_KEY] = json.dumps(sorted(replaces)).encode()
         table = table.replace_schema_metadata(metadata)
     final = directory / name
-    final.write_atomic(lambda handle: pq.write_table(table, handle), f"{TEMP_PREFIX}{name}")
+    final.write_atomic(lambda handle: pq.write_table(table, handle), f"{TEMP_PREFIX}{name}", fence)
     return final
 
 
@@ -199,13 +199,14 @@ def read_parts(directory: Where, schema: pa.Schema) -> tuple[pa.Table, list[Corr
     return parts.concat(schema), parts.corrupt
 
 
-def replace_parts(directory: Where, merged: pa.Table, obsolete: Sequence[Location]) -> Location:
+def replace_parts(directory: Where, merged: pa.Table, obsolete: Sequence[Location], fence: Fence = no_fence) -> Location:
     """Publish `merged` (the rows of `obsolete`, in order), then delete `obsolete`.
 
     If the process dies in between, the obsolete parts are superseded (skipped by readers) and the
     next merge deletes them.
     """
-    part = write_part(directory, merged, replaces=[path.name for path in obsolete])
+    part = write_part(directory, merged, replaces=[path.name for path in obsolete], fence=fence)
+    fence()
     _remove(obsolete)
     return part
 
@@ -217,7 +218,7 @@ def _remove(paths: Sequence[Location]) -> None:
         fsync_directory(paths[0].local_path.parent)
 
 
-def merge_parts(directory: Where, schema: pa.Schema) -> Location | None:
+def merge_parts(directory: Where, schema: pa.Schema, fence: Fence = no_fence) -> Location | None:
     """Replace all of `directory`'s parts by one, keeping every row and its order.
 
     Corrupt parts are left where they are, so they keep being reported until someone looks at
@@ -225,6 +226,7 @@ def merge_parts(directory: Where, schema: pa.Schema) -> Location | None:
     """
     parts = scan_parts(directory, schema)
     if len(parts.tables) <= 1:
+        fence()
         _remove(parts.superseded)
         return None
-    return replace_parts(directory, parts.concat(schema), [path for path, _ in parts.tables] + parts.superseded)
+    return replace_parts(directory, parts.concat(schema), [path for path, _ in parts.tables] + parts.superseded, fence)

@@ -1,10 +1,12 @@
 """Per-task scratch dirs: `<offload_root>/<job_id>/<task_id>.<attempt>/`, one per task attempt.
 
-Each dir holds an owner file (host, pid, process start time, job id) and the task's KV blocks. It
-is removed when the task's block ends, however it ends; a dir whose owner process died (SIGKILL,
-OOM killer, power loss) is swept later by `sweep_orphans`. Sweeping only ever deletes
-`<job_id>/<task_id>.<attempt>` dirs under a root that carries the kvbatch marker file, whose
-owner on this host is verifiably gone, and never follows a symlink.
+Each dir holds an owner file (host, pid, process start, job id) and the task's KV blocks. It is
+removed when the task's block ends, however it ends; a dir whose owner process died (SIGKILL, OOM
+killer, power loss) is swept later by `sweep_orphans`. Sweeping only ever deletes
+`<job_id>/t<digits>.<attempt>` dirs that carry kvbatch's owner file naming that job, whose owner
+on this host is verifiably gone, under a root that carries the kvbatch marker file and that only
+this user can write. It walks and deletes through directory file descriptors opened with
+O_NOFOLLOW, so a folder swapped for a symlink while the sweep runs is never followed.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import os
 import re
 import shutil
 import socket
-import tempfile
+import stat
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -35,7 +37,10 @@ RESERVE_BYTES_MAX = 256 * 2**20
 RESERVE_FRACTION = 0.05
 
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}")
-_TASK_DIR_NAME = re.compile(r"(?P<task_id>.+)\.(?P<attempt>\d+)")
+#: Task ids are `t` and the manifest row (`jobs.manifest.task_id_for_row`); a folder such as `v1.2` is not a task dir.
+_TASK_ID = re.compile(r"t\d{1,20}")
+_TASK_DIR_NAME = re.compile(r"t\d{1,20}\.\d{1,20}")
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 class ScratchError(RuntimeError):
@@ -65,8 +70,9 @@ class SweptDir:
 
 
 def default_offload_root(job_dir: Where) -> Path:
-    """$KVBATCH_OFFLOAD_ROOT when set, else JOB_DIR/scratch/kvbatch (a job folder on shared
-    storage: the system temp dir's kvbatch-offload, as scratch must be node-local).
+    """$KVBATCH_OFFLOAD_ROOT when set, else JOB_DIR/scratch/kvbatch; for a job folder on shared
+    storage (scratch must be node-local) a private per-user folder, $XDG_CACHE_HOME/kvbatch/offload
+    (~/.cache/kvbatch/offload), created with mode 0700: never a predictable name in a shared /tmp.
 
     The fallback keeps the scratch on the job folder's disk and goes away with the job folder; for
     KV offload, point the variable (or `cache.offload_root`) at a node-local NVMe folder such as
@@ -76,7 +82,10 @@ def default_offload_root(job_dir: Where) -> Path:
     if configured:
         return Path(configured)
     job = Location.of(job_dir)
-    return job.local_path / "scratch" / "kvbatch" if job.is_local else Path(tempfile.gettempdir()) / "kvbatch-offload"
+    if job.is_local:
+        return job.local_path / "scratch" / "kvbatch"
+    cache_home = os.environ.get("XDG_CACHE_HOME", "").strip()
+    return (Path(cache_home) if os.path.isabs(cache_home) else Path.home() / ".cache") / "kvbatch" / "offload"
 
 
 def _check_not_filesystem_root(offload_root: Path) -> Path:
@@ -97,10 +106,27 @@ def _not_a_kvbatch_root(offload_root: Path) -> UnsafeOffloadRootError:
     )
 
 
+def _check_private(offload_root: Path, info: os.stat_result) -> None:
+    """A root someone else can write is one where they can plant dirs (or symlinks) for us to delete."""
+    if info.st_uid != os.geteuid():
+        raise UnsafeOffloadRootError(
+            f"offload root {offload_root} belongs to uid {info.st_uid}, not to this user (uid {os.geteuid()}); "
+            f"kvbatch only uses and deletes inside its own folders. Point cache.offload_root "
+            f"(or ${OFFLOAD_ROOT_ENV}) at a folder of your own"
+        )
+    if info.st_mode & 0o022:
+        raise UnsafeOffloadRootError(
+            f"offload root {offload_root} is writable by group or others (mode {info.st_mode & 0o777:o}); "
+            f"run `chmod go-w {offload_root}` or point cache.offload_root at a private folder"
+        )
+
+
 def ensure_offload_root(offload_root: Path) -> Path:
-    """Create (or adopt, when empty) the root and its marker; refuse '/' and foreign folders."""
+    """Create (or adopt, when empty or marked) the root and its marker; refuse '/', foreign folders
+    and folders that are not this user's alone."""
     root = _check_not_filesystem_root(offload_root)
-    root.mkdir(parents=True, exist_ok=True)
+    root.mkdir(mode=0o700, parents=True, exist_ok=True)
+    _check_private(offload_root, os.stat(root))
     marker = root / ROOT_MARKER
     if not marker.is_file():
         # another worker may have just marked the root and started a task: re-check before refusing
@@ -146,6 +172,8 @@ def task_scratch(offload_root: Path, job_id: str, task_id: str, attempt: int) ->
     """A fresh dir for one task attempt, removed when the block ends however it ends."""
     _check_name("job id", job_id)
     _check_name("task id", task_id)
+    if not _TASK_ID.fullmatch(task_id):
+        raise ScratchError(f"task id {task_id!r} cannot name a scratch dir: task ids are 't' and digits")
     if attempt < 0:
         raise ScratchError(f"attempt must be >= 0, got {attempt} for task {task_id}")
     root = ensure_offload_root(offload_root)
@@ -163,39 +191,115 @@ def task_scratch(offload_root: Path, job_id: str, task_id: str, attempt: int) ->
             pass
 
 
-def _tree_bytes(path: Path) -> int:
+def _open_dir(name: str | Path, dir_fd: int | None = None) -> int | None:
+    """An fd of the real directory `name` (in `dir_fd`); None for a symlink, a file or nothing."""
+    try:
+        return os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+    except OSError:  # ELOOP/ENOTDIR for a symlink or a file, ENOENT when removed meanwhile
+        return None
+
+
+def _subdir_names(dir_fd: int) -> list[str]:
+    """Names of the real subdirectories (never symlinks) in the directory `dir_fd`."""
+    names = []
+    for name in os.listdir(dir_fd):
+        try:
+            if stat.S_ISDIR(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
+                names.append(name)
+        except FileNotFoundError:
+            pass
+    return names
+
+
+def _tree_bytes(dir_fd: int) -> int:
     total = 0
-    for folder, _, files in os.walk(path, followlinks=False):
+    for _, _, files, folder_fd in os.fwalk(".", dir_fd=dir_fd, follow_symlinks=False):
         for name in files:
             try:
-                total += os.lstat(os.path.join(folder, name)).st_size
+                total += os.stat(name, dir_fd=folder_fd, follow_symlinks=False).st_size
             except FileNotFoundError:
                 pass
     return total
 
 
-def _orphan_reason(task_dir: Path) -> tuple[str, str] | None:
-    """(owner, reason) when the dir's owner is gone, None when it is (or may be) alive."""
+def _read_owner(task_fd: int) -> dict | None:
+    """The owner record in the task dir `task_fd`; None when it has no owner file (a symlink is none)."""
     try:
-        owner = ProcessOwner.from_dict(json.loads((task_dir / OWNER_FILE).read_text()))
-    except (OSError, ValueError):
+        fd = os.open(OWNER_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=task_fd)
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return {}  # there, but not a file we can read: not ours to judge
+    with os.fdopen(fd, "rb") as handle:
         try:
-            age = time.time() - task_dir.lstat().st_mtime
-        except FileNotFoundError:  # removed by its owner meanwhile
+            record = json.loads(handle.read(65536))
+        except ValueError:
+            return {}
+    return record if isinstance(record, dict) else {}
+
+
+def _orphan_reason(task_fd: int, job_id: str) -> tuple[str, str] | None:
+    """(owner, reason) when the dir's owner is gone, None when it is (or may be) alive, or when
+    the dir is not verifiably kvbatch's."""
+    record = _read_owner(task_fd)
+    if record is None:
+        # the remains of a crash between mkdir and publishing the owner file hold nothing else
+        if set(os.listdir(task_fd)) - {f"{OWNER_FILE}.tmp"}:
             return None
+        age = time.time() - os.fstat(task_fd).st_mtime
         if age < OWNERLESS_GRACE_S:
             return None
-        return "unknown", f"no readable owner file for {age:.0f} s"
+        return "unknown", f"no owner file for {age:.0f} s"
+    if record.get("job_id") != job_id:
+        return None  # not an owner file kvbatch wrote for this job folder
+    try:
+        owner = ProcessOwner.from_dict(record)
+    except ValueError:
+        return None
     liveness = owner.liveness()
     if liveness in (OwnerLiveness.ALIVE, OwnerLiveness.OTHER_HOST):
         return None
     return owner.describe(), f"owner process {liveness.value}"
 
 
-def _real_subdirs(folder: Path) -> Iterator[os.DirEntry]:
-    """Subdirectories that are not symlinks (which are never followed or removed)."""
-    with os.scandir(folder) as entries:
-        yield from [entry for entry in entries if entry.is_dir(follow_symlinks=False)]
+def _sweep_task_dir(job_fd: int, name: str, path: Path, job_id: str) -> SweptDir | None:
+    """Remove the orphaned task dir `name` of the job dir `job_fd`; None when it is not one."""
+    task_fd = _open_dir(name, job_fd)
+    if task_fd is None:
+        return None
+    try:
+        orphan = _orphan_reason(task_fd, job_id)
+        if orphan is None:
+            return None
+        size = _tree_bytes(task_fd)
+        judged = os.fstat(task_fd)
+    finally:
+        os.close(task_fd)
+    try:  # the entry must still be the directory that was judged
+        if not os.path.samestat(judged, os.stat(name, dir_fd=job_fd, follow_symlinks=False)):
+            return None
+    except FileNotFoundError:
+        return None
+    shutil.rmtree(name, dir_fd=job_fd, ignore_errors=True)  # fd-based: refuses a symlink, never follows one
+    return SweptDir(path, job_id, orphan[0], orphan[1], size)
+
+
+def _open_root(offload_root: Path, root: Path) -> int:
+    root_fd = _open_dir(root)
+    if root_fd is None:
+        raise _not_a_kvbatch_root(offload_root)
+    try:
+        try:
+            marked = stat.S_ISREG(os.stat(ROOT_MARKER, dir_fd=root_fd, follow_symlinks=False).st_mode)
+        except FileNotFoundError:
+            marked = False
+        if not marked:
+            raise _not_a_kvbatch_root(offload_root)
+        _check_private(offload_root, os.fstat(root_fd))
+    except BaseException:
+        os.close(root_fd)
+        raise
+    return root_fd
 
 
 def sweep_orphans(offload_root: Path, job_id: str | None = None) -> list[SweptDir]:
@@ -203,27 +307,28 @@ def sweep_orphans(offload_root: Path, job_id: str | None = None) -> list[SweptDi
     root = _check_not_filesystem_root(offload_root)
     if not root.exists():
         return []
-    if not (root / ROOT_MARKER).is_file():
-        raise _not_a_kvbatch_root(offload_root)
+    root_fd = _open_root(offload_root, root)
     swept: list[SweptDir] = []
-    for job_entry in _real_subdirs(root):
-        if job_id is not None and job_entry.name != job_id:
-            continue
-        job_dir = Path(job_entry.path)
-        for task_entry in _real_subdirs(job_dir):
-            task_dir = Path(task_entry.path)
-            if not _TASK_DIR_NAME.fullmatch(task_entry.name):
+    try:
+        for job_name in _subdir_names(root_fd):
+            if job_id is not None and job_name != job_id:
                 continue
-            orphan = _orphan_reason(task_dir)
-            if orphan is None:
+            job_fd = _open_dir(job_name, root_fd)
+            if job_fd is None:
                 continue
-            size = _tree_bytes(task_dir)
-            shutil.rmtree(task_dir, ignore_errors=True)
-            swept.append(SweptDir(task_dir, job_entry.name, orphan[0], orphan[1], size))
-        try:
-            job_dir.rmdir()
-        except OSError:
-            pass
+            try:
+                for task_name in _subdir_names(job_fd):
+                    if _TASK_DIR_NAME.fullmatch(task_name):
+                        done = _sweep_task_dir(job_fd, task_name, root / job_name / task_name, job_name)
+                        swept += [done] if done else []
+            finally:
+                os.close(job_fd)
+            try:
+                os.rmdir(job_name, dir_fd=root_fd)  # only succeeds when the job has no dir left
+            except OSError:
+                pass
+    finally:
+        os.close(root_fd)
     return swept
 
 

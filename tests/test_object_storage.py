@@ -8,20 +8,28 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 
+import pyarrow.fs as pafs
+import pyarrow as pa
 import pytest
 
-from conftest import LICENSES, TINY_CONFIG, done_summaries, export_rows, kvbatch, license_manifest, wait_for, write_jsonl
+from conftest import LICENSES, REPO, TINY_CONFIG, done_summaries, export_rows, kvbatch, license_manifest, wait_for, write_jsonl
+from jobs.config import load_config
+from jobs.manifest import read_manifest, tasks_to_table
 from jobs.schema import RESULT_SCHEMA, TaskState, empty_row
 from jobs.uris import filesystem_of
 from storage.checkpoint import CheckpointLog, compact, load_state
-from storage.lease import JobLease, job_lock
+from storage.jobdir import JobDir, JobInfo, create_job, new_job_id
+from storage.lease import LEASE_TTL_ENV, JobLease, LeaseLostError, job_lock
 from storage.location import Location
 from storage.lock import JobLockedError
 from storage.parts import TEMP_PREFIX, list_parts, list_temp_files
@@ -86,7 +94,7 @@ def test_checkpoint_parts_on_s3_publish_whole_and_unpublished_keys_are_ignored(s
     assert load_state(job).done_task_ids == {"t-a", "t-b", "t-c"}
 
 
-def test_the_lease_on_s3_admits_one_coordinator_and_takes_over_an_expired_one(s3: str) -> None:
+def test_the_lease_on_s3_admits_one_coordinator_and_takes_over_one_that_stopped_renewing(s3: str) -> None:
     lock = Location.of(f"{s3}/lease-job/.lock")
     held = job_lock(lock)
     assert isinstance(held, JobLease)
@@ -94,14 +102,127 @@ def test_the_lease_on_s3_admits_one_coordinator_and_takes_over_an_expired_one(s3
         with pytest.raises(JobLockedError, match="in use by a running coordinator"):
             JobLease(lock).acquire()
     assert not lock.exists(), "release removes the record"
-    dead = {"host": "lost-node", "pid": 1, "start_time": 0.0, "token": "x", "expires": time.time() - 1}
-    lock.write_bytes_atomic(json.dumps(dead).encode(), ".lock.tmp")
-    with JobLease(lock) as taken:
+    # a record whose clock says it is still valid for an hour, from a machine that stopped renewing it:
+    # no clock is compared; a full TTL without a change on the taker's own clock is what counts
+    stopped = {"host": "lost-node", "pid": 1, "start_time": 0.0, "token": "x", "expires": time.time() + 3600}
+    lock.write_bytes_atomic(json.dumps(stopped).encode(), ".lock.tmp")
+    started = time.monotonic()
+    with JobLease(lock, ttl_s=1.0) as taken:
+        assert time.monotonic() - started >= 1.0, "the taker watched the lease for a full TTL first"
         assert "pid 1 on host lost-node" in taken.takeover_message and "lease expired" in taken.takeover_message
-    alive_elsewhere = {**dead, "expires": time.time() + 60}
-    lock.write_bytes_atomic(json.dumps(alive_elsewhere).encode(), ".lock.tmp")
-    with pytest.raises(JobLockedError, match="lost-node"):
-        JobLease(lock).acquire()
+
+
+def test_a_lease_renewed_from_another_host_is_refused_whatever_its_clock_says(s3: str) -> None:
+    lock = Location.of(f"{s3}/renewed-job/.lock")
+    stop = threading.Event()
+
+    def renew_elsewhere() -> None:  # a coordinator on another machine, whose wall clock is a day behind
+        seq = 0
+        while not stop.is_set():
+            seq += 1
+            record = {"host": "other-node", "pid": 7, "start_time": 0.0, "token": "y", "seq": seq,
+                      "expires": time.time() - 86400}
+            lock.write_bytes_atomic(json.dumps(record).encode(), f".lock.{seq}.tmp")
+            stop.wait(0.2)
+
+    renewer = threading.Thread(target=renew_elsewhere)
+    renewer.start()
+    try:
+        while not lock.exists():
+            time.sleep(0.05)
+        with pytest.raises(JobLockedError, match="other-node.*keeps renewing"):
+            JobLease(lock, ttl_s=2.0).acquire()
+    finally:
+        stop.set()
+        renewer.join()
+
+
+def test_a_lease_renewal_refused_by_the_store_stops_every_write(s3: str, tmp_path) -> None:
+    """A holder whose lease was taken (its If-Match renewal fails) raises at the fence, publishes nothing."""
+    job = Location.of(f"{s3}/fenced-job")
+    with JobLease(job / ".lock", ttl_s=1.0) as lease:
+        log = CheckpointLog(job, flush_every=1, fence=lease.check)
+        log.add_result(_result("a"))
+        taker_record = {"host": "other-node", "pid": 7, "start_time": 0.0, "token": "z"}
+        (job / ".lock").write_bytes_atomic(json.dumps(taker_record).encode(), ".lock.taker.tmp")
+        deadline = time.monotonic() + 10
+        while lease.lost is None:
+            assert time.monotonic() < deadline, "the renewal never noticed the takeover"
+            time.sleep(0.05)
+        with pytest.raises(LeaseLostError, match="another coordinator took it over"):
+            log.add_result(_result("b"))
+        with pytest.raises(LeaseLostError):
+            compact(job, lease.check)
+    assert json.loads((job / ".lock").read_bytes())["token"] == "z", "the lost lease's release left the taker's record"
+    assert load_state(job).done_task_ids == {"t-a"} and len(list_parts(job / "results")) == 1
+
+
+def _create_job(uri: str, tmp_path, names: list[str], *overrides: str) -> None:
+    """A job folder with open tasks and no coordinator: what `submit` leaves just before it runs."""
+    config = load_config(TINY_CONFIG, ["workers.count=1", "checkpoint.flush_every=1", *overrides])
+    manifest = write_jsonl(tmp_path / f"{abs(hash(uri))}.jsonl",
+                           [{"id": n.lower(), "text": (LICENSES / n).read_text()} for n in names])
+    tasks, _ = read_manifest(manifest, config.input)
+    info = JobInfo(job_id=new_job_id(), created=time.time(), version="test", config=config.model_dump(mode="json"),
+                   manifest_path=str(manifest), manifest_sha256="0" * 64)
+    create_job(JobDir(uri), info, tasks_to_table(tasks), pa.Table.from_pylist([], schema=RESULT_SCHEMA))
+
+
+def _coordinator_on(host: str, *args: str, ttl_s: float) -> subprocess.Popen:
+    """`kvbatch ARGS` in a UTS namespace whose host name is `host`: a coordinator on another machine,
+    as far as every host check is concerned (same bucket, same Ray)."""
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "-u", "true"]).returncode != 0:
+        pytest.skip("needs `unshare -u` (root or user namespaces) to run a coordinator under another host name")
+    command = f"hostname {host} && exec {sys.executable} -m runner " + " ".join(shlex.quote(a) for a in args)
+    return subprocess.Popen(["unshare", "-u", "sh", "-c", command], cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, LEASE_TTL_ENV: str(ttl_s)})
+
+
+def _keys(uri: str) -> dict[str, int]:
+    """Every object under the job prefix, with its size: what a coordinator wrote."""
+    fs, path = filesystem_of(uri)
+    return {info.path: info.size for info in fs.get_file_info(pafs.FileSelector(path, recursive=True))
+            if info.type == pafs.FileType.File}
+
+
+def test_two_coordinators_started_together_one_runs_and_the_other_exits_clearly(s3, ray_address, tmp_path) -> None:
+    job = f"{s3}/jobs/together"
+    _create_job(job, tmp_path, DOCS)
+    procs = {host: _coordinator_on(host, "resume", job, "--address", ray_address, ttl_s=4.0)
+             for host in ("node-a", "node-b")}
+    outcomes = {host: (proc.wait(timeout=600), proc.stdout.read() + proc.stderr.read()) for host, proc in procs.items()}
+    codes = sorted(code for code, _ in outcomes.values())
+    assert codes == [0, 2], outcomes
+    [(winner, _)] = [(h, o) for h, (c, o) in outcomes.items() if c == 0]
+    [(loser_output)] = [o for c, o in outcomes.values() if c == 2]
+    assert "is in use by a running coordinator" in loser_output and f"on host {winner}" in loser_output
+    assert "Traceback" not in loser_output
+    assert set(done_summaries(job)) == {n.lower() for n in DOCS}
+    assert not Location.of(f"{job}/.lock").exists()
+
+
+def test_a_paused_holder_whose_lease_is_taken_writes_nothing_after_it_resumes(s3, ray_address, tmp_path) -> None:
+    job = f"{s3}/jobs/paused"
+    _create_job(job, tmp_path, DOCS)
+    paused = _coordinator_on("node-a", "resume", job, "--address", ray_address, ttl_s=3.0)
+    try:
+        reached = wait_for(lambda: len(list_parts(f"{job}/results")) >= 1, paused, poll=0.05)
+        assert reached, paused.communicate()
+        paused.send_signal(signal.SIGSTOP)
+        taker = kvbatch("resume", job, "--address", ray_address, env={LEASE_TTL_ENV: "3"}, check=0)
+        assert "took over stale lock" in taker.stdout + taker.stderr and "not renewed for 3 s" in taker.stdout + taker.stderr
+        written_by_taker = _keys(job)
+        summaries = done_summaries(job)
+        paused.send_signal(signal.SIGCONT)
+        out, err = paused.communicate(timeout=300)
+    finally:
+        paused.send_signal(signal.SIGCONT)
+        paused.kill()
+    assert paused.returncode == 5, out + err
+    assert "lost the job lease" in out + err and "wrote nothing since" in out + err
+    assert _keys(job) == written_by_taker, "the paused coordinator wrote after its lease was taken"
+    assert done_summaries(job) == summaries and set(summaries) == {n.lower() for n in DOCS}
+    assert load_state(job).results.num_rows == len(DOCS)
 
 
 def test_a_batch_on_s3_killed_and_resumed_from_the_uri_gives_the_local_results(s3, ray_address, tmp_path) -> None:

@@ -114,15 +114,15 @@ def test_sigkilled_owner_is_swept_and_live_owner_survives(tmp_path: Path) -> Non
 def make_task_dir(root: Path, job: str, name: str, owner: dict | None) -> Path:
     task_dir = root / job / name
     task_dir.mkdir(parents=True)
-    if owner is not None:
-        (task_dir / OWNER_FILE).write_text(json.dumps(owner))
+    if owner is not None:  # kvbatch's owner file always names the job its dir belongs to
+        (task_dir / OWNER_FILE).write_text(json.dumps({"job_id": job, **owner}))
     return task_dir
 
 
 def test_pid_reuse_ownerless_and_other_host_dirs(tmp_path: Path) -> None:
     root = ensure_offload_root(tmp_path / "kv")
     me = ProcessOwner.current()
-    reused = make_task_dir(root, "j", "t1.1", {**me.to_dict(), "start_time": me.start_time - 500})
+    reused = make_task_dir(root, "j", "t1.1", {**me.to_dict(), "start_ticks": me.start_ticks - 500})
     other_host = make_task_dir(root, "j", "t2.1", {**me.to_dict(), "host": "some-other-node"})
     fresh_ownerless = make_task_dir(root, "j", "t3.1", None)
     old_ownerless = make_task_dir(root, "j", "t4.1", None)
@@ -133,7 +133,7 @@ def test_pid_reuse_ownerless_and_other_host_dirs(tmp_path: Path) -> None:
 
     assert swept.keys() == {reused, old_ownerless}
     assert swept[reused] == "owner process pid reused"
-    assert "no readable owner file" in swept[old_ownerless]
+    assert "no owner file" in swept[old_ownerless]
     assert other_host.exists() and fresh_ownerless.exists()
 
 
@@ -242,3 +242,86 @@ def test_small_filesystem_guard_and_enospc_cleanup(small_filesystem: Path) -> No
     assert shutil.disk_usage(small_filesystem).free >= free_at_start - 64 * 1024
     with task_scratch(root, "job1", "t1", 2) as retry:  # the next attempt has the space again
         (retry / "block-0").write_bytes(b"k" * 2**20)
+
+
+DEAD = {"host": socket.gethostname(), "pid": 2**22 + 1, "start_time": 1.0}  # above pid_max: never alive
+
+
+def test_a_job_folder_swapped_for_a_symlink_mid_sweep_is_never_followed(tmp_path: Path, monkeypatch) -> None:
+    root = ensure_offload_root(tmp_path / "kv")
+    orphan = make_task_dir(root, "j", "t1.1", DEAD)
+    victim = tmp_path / "precious"
+    (victim / "t1.1").mkdir(parents=True)
+    (victim / "t1.1" / "data").write_text("keep me")
+    swapped = []
+    real_liveness = ProcessOwner.liveness
+
+    def liveness_then_swap(owner: ProcessOwner):
+        """A writer of the root swaps the job folder for a symlink once the sweep has judged the dir."""
+        result = real_liveness(owner)
+        if not swapped:
+            (root / "j").rename(root / "j-moved")
+            (root / "j").symlink_to(victim)
+            swapped.append(True)
+        return result
+
+    monkeypatch.setattr(ProcessOwner, "liveness", liveness_then_swap)
+    swept = sweep_orphans(root)
+
+    assert swapped, "the swap happened between judging the dir and deleting it"
+    assert (victim / "t1.1" / "data").read_text() == "keep me"
+    assert [s.path for s in swept] == [orphan] and not (root / "j-moved" / "t1.1").exists()
+    assert (root / "j").is_symlink()
+
+
+def test_only_task_dirs_with_kvbatchs_owner_file_are_swept(tmp_path: Path) -> None:
+    root = ensure_offload_root(tmp_path / "kv")
+    version_folder = make_task_dir(root, "j", "v1.2", DEAD)  # an ordinary folder name with a dot and digits
+    other_job = make_task_dir(root, "j", "t2.1", {**DEAD, "job_id": "another-job"})
+    foreign_owner_file = make_task_dir(root, "j", "t3.1", None)
+    (foreign_owner_file / OWNER_FILE).write_text('{"hello": "world"}')
+    user_files = make_task_dir(root, "j", "t4.1", None)
+    (user_files / "thesis.tex").write_text("years of work")
+    crash_remains = make_task_dir(root, "j", "t5.1", None)
+    (crash_remains / f"{OWNER_FILE}.tmp").write_text("{")
+    ours = make_task_dir(root, "j", "t6.1", DEAD)
+    long_ago = time.time() - OWNERLESS_GRACE_S - 60
+    for folder in (version_folder, other_job, foreign_owner_file, user_files, crash_remains, ours):
+        os.utime(folder, (long_ago, long_ago))
+
+    swept = {s.path for s in sweep_orphans(root)}
+
+    assert swept == {crash_remains, ours}
+    assert (version_folder / OWNER_FILE).exists() and (user_files / "thesis.tex").exists()
+    assert other_job.exists() and foreign_owner_file.exists()
+
+
+def test_a_marked_root_is_adopted_only_when_it_is_this_users_alone(tmp_path: Path) -> None:
+    shared = ensure_offload_root(tmp_path / "shared")
+    os.chmod(shared, 0o777)
+    with pytest.raises(UnsafeOffloadRootError, match=r"writable by group or others \(mode 777\).*chmod go-w"):
+        ensure_offload_root(shared)
+    with pytest.raises(UnsafeOffloadRootError, match="writable by group or others"):
+        sweep_orphans(shared)
+    os.chmod(shared, 0o755)
+    assert ensure_offload_root(shared) == shared
+
+    if os.geteuid() == 0:
+        foreign = ensure_offload_root(tmp_path / "foreign")
+        os.chown(foreign, 65534, 65534)
+    else:
+        foreign = Path("/usr")  # a folder of another user (root) on every Linux machine
+    with pytest.raises(UnsafeOffloadRootError, match="not to this user"):
+        ensure_offload_root(foreign)
+
+
+def test_the_default_root_of_a_job_on_object_storage_is_private_to_the_user(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.delenv(OFFLOAD_ROOT_ENV, raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    root = default_offload_root("s3://bucket/jobs/j1?region=us-east-1")
+    assert root == tmp_path / "home" / ".cache" / "kvbatch" / "offload"
+    ensure_offload_root(root)
+    assert root.stat().st_mode & 0o777 == 0o700
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert default_offload_root("s3://bucket/jobs/j1?region=us-east-1") == tmp_path / "xdg" / "kvbatch" / "offload"

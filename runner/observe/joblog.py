@@ -9,7 +9,8 @@ import threading
 import time
 from typing import Any
 
-from storage.location import Location, Where
+from storage.lock import JobLockedError
+from storage.location import Fence, Location, Where, no_fence
 
 OBJECT_LOG_UPLOAD_S = 5.0
 """On object storage (no appends) job.log is rewritten whole, at most this often and at close."""
@@ -29,9 +30,10 @@ class _JsonLines(logging.Formatter):
 class _ObjectLogHandler(logging.Handler):
     """Keeps the log's lines and rewrites the object; a crash loses at most the last few seconds."""
 
-    def __init__(self, location: Location) -> None:
+    def __init__(self, location: Location, fence: Fence) -> None:
         super().__init__()
         self.location = location
+        self.fence = fence
         self._text = location.read_bytes().decode("utf-8", errors="replace") if location.exists() else ""
         self._uploaded_at = 0.0
         self._dirty = False
@@ -45,7 +47,11 @@ class _ObjectLogHandler(logging.Handler):
                 self._upload()
 
     def _upload(self) -> None:
-        self.location.write_bytes_atomic(self._text.encode(), f".job.log.{secrets.token_hex(4)}.tmp")
+        try:
+            self.location.write_bytes_atomic(self._text.encode(), f".job.log.{secrets.token_hex(4)}.tmp", self.fence)
+        except JobLockedError:  # the job lease was lost: the log is the new holder's to write now
+            self._dirty = False
+            return
         self._uploaded_at = time.monotonic()
         self._dirty = False
 
@@ -59,14 +65,15 @@ class _ObjectLogHandler(logging.Handler):
 class JobLog:
     """Appends events to JOB_DIR/job.log; warnings are echoed to the console by the caller."""
 
-    def __init__(self, path: Where) -> None:
+    def __init__(self, path: Where, fence: Fence = no_fence) -> None:
+        """`fence`: on object storage, called before each rewrite of the log (the job lock's check)."""
         location = Location.of(path)
         self._logger = logging.getLogger(f"kvbatch.job.{location}")
         self._logger.propagate = False
         self._logger.setLevel(logging.INFO)
         self._handler: logging.Handler = (
             logging.FileHandler(location.local_path, encoding="utf-8") if location.is_local
-            else _ObjectLogHandler(location)
+            else _ObjectLogHandler(location, fence)
         )
         self._handler.setFormatter(_JsonLines())
         self._logger.addHandler(self._handler)
