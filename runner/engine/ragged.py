@@ -86,3 +86,15 @@ def ragged_step(model: PreTrainedModel) -> Iterator[None]:
         yield
     finally:
         config._attn_implementation = own
+
+
+def decode_step(model: PreTrainedModel, last_tokens: Sequence[int], positions: Sequence[int],
+                caches: Sequence[Cache]) -> torch.Tensor:
+    """One decode step for several sequences (each its last token, at its own position, with its own
+    cache): the next-token logits, [rows, vocab] in float32."""
+    ids = torch.tensor([[token] for token in last_tokens], device=model.device)  # [rows, 1]
+    position_ids = torch.tensor([[p] for p in positions], device=model.device)  # [rows, 1]
+    with torch.inference_mode(), ragged_step(model):
+        out = model(input_ids=ids, position_ids=position_ids, past_key_values=SequenceBatch(caches),
+                    use_cache=True, logits_to_keep=1)
+    return out.logits[:, -1, :].float()

@@ -30,7 +30,7 @@ from runner.engine.generation import Generation, TokenPicker, generate_once, pre
 from runner.engine.kvcache import CacheHandle
 from runner.engine.models import LoadedModel
 from runner.engine.probes import StageMemory, memory_snapshot
-from runner.engine.ragged import RowFailed, SequenceBatch, ragged_step
+from runner.engine.ragged import RowFailed, decode_step
 
 CacheFactory = Callable[[], CacheHandle]
 MemoryErrorTest = Callable[[BaseException], bool]
@@ -204,13 +204,9 @@ class BatchScheduler:
         """One decode step over every joined sequence."""
         rows = list(self._active)
         device = self.loaded.device
-        ids = torch.tensor([[s.tokens[-1]] for s in rows], device=device)  # [rows, 1]
-        positions = torch.tensor([[s.position] for s in rows], device=device)  # [rows, 1]
-        batch = SequenceBatch([s.handle.generate_kwargs["past_key_values"] for s in rows])
         try:
-            with torch.inference_mode(), ragged_step(self.loaded.model):
-                out = self.loaded.model(input_ids=ids, position_ids=positions, past_key_values=batch,
-                                        use_cache=True, logits_to_keep=1)
+            logits = decode_step(self.loaded.model, [s.tokens[-1] for s in rows], [s.position for s in rows],
+                                 [s.handle.generate_kwargs["past_key_values"] for s in rows])  # [rows, vocab]
         except RowFailed as e:
             error = e.__cause__ or e
             if self.is_memory_error(error) and len(rows) > 1:
@@ -228,7 +224,6 @@ class BatchScheduler:
                     self._active.remove(seq)
                     self._fail_sequence(seq, e)
             return
-        logits = out.logits[:, -1, :].float()  # [rows, vocab]
         self.most_rows = max(self.most_rows, len(rows))
         rss = self._process.memory_info().rss
         device_bytes = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
