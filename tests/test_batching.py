@@ -97,6 +97,24 @@ def test_sampling_with_a_seed_does_not_depend_on_the_batch(tokenizer, tmp_path: 
     assert runs[1] != [_alone(model, p, n) for p, n in zip(prompts, NEW)]  # it did sample
 
 
+def test_generation_settings_choose_the_tokens_as_generate_does(tokenizer, tmp_path: Path) -> None:
+    """`summarize.generation` fields (logits processors) act on each sequence over its own tokens."""
+    model = _model("llama-gqa")
+    extra = {"repetition_penalty": 1.3, "no_repeat_ngram_size": 2}
+    prompts = [_prompt(n)[0].tolist() for n in LENGTHS]
+    settings = SummarizeConfig(generation=extra)
+    scheduler = BatchScheduler(_loaded(model, tokenizer), settings, "auto", 4, BIG, _is_memory_error)
+    try:
+        got = [g.tokens for g in _run(scheduler, model, "dynamic", tmp_path, prompts, NEW)]
+    finally:
+        scheduler.close()
+    with torch.no_grad():
+        expected = [model.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, **extra)[0, len(p):].tolist()
+                    for p, n in zip(prompts, NEW)]
+    assert got == expected and scheduler.most_rows == 4
+    assert expected != [_alone(model, p, n) for p, n in zip(prompts, NEW)]  # the settings changed the tokens
+
+
 def test_a_batch_that_runs_out_of_memory_splits_and_every_sequence_finishes(tokenizer, tmp_path: Path) -> None:
     """The worker's device pool holds about two sequences; admission lets four in (its budget is
     larger), so a decode step passes the pool's budget: the batch splits, nobody fails."""

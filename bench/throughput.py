@@ -1,0 +1,317 @@
+"""Batching in the worker: documents per hour and decode tokens/s by `batch.max_sequences`, side by side.
+
+Sections (all in one run, so the ratios share the machine's state):
+- docs: 16 real documents (licence texts cut to 500-1,800 tokens, plus two of 4,000 and 6,000 that
+  need map-reduce at context_tokens=2048), 120 new tokens, SmolLM2-135M fp32, through the real
+  `kvbatch submit` on one local Ray, for max_sequences 1, 2, 4, 8, 16 and two layouts of the two
+  cores: 2 workers x 1 thread and 1 worker x 2 threads. Docs/hour and output tokens/s are taken
+  over the batch phase (last worker ready -> last result, from job.log and the results), and every
+  summary is compared with the same layout's max_sequences=1 run.
+- anchors: what a user writes without kvbatch, on the same documents (the two long ones cut to fit
+  the context, as a plain loop must): a batch-1 `model.generate` loop (transformers' default cache),
+  and transformers' own continuous batching (`generate_batch`), with the share of documents whose
+  tokens equal the loop's.
+- decode: decode tokens/s of kvbatch's batched decode step alone, 8 prompts of ~1,060 and of ~3,000
+  tokens, one at a time vs all 8 together (prefill excluded), and whether the tokens agree.
+
+Run: python bench/throughput.py [--sections docs,anchors,decode] [--sequences 1,2,4,8,16]
+     [--layouts 2x1,1x2] [--device cuda]   (cuda: an 8B-shaped random Llama, see --help)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pyarrow.parquet as pq  # noqa: E402
+import torch  # noqa: E402
+from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig  # noqa: E402
+from transformers.generation.streamers import BaseStreamer  # noqa: E402
+
+from jobs.config import ModelConfig, SummarizeConfig, load_config  # noqa: E402
+from runner.engine.generation import prefill  # noqa: E402
+from runner.engine.kvcache import BudgetedDynamicCache, TieredCache  # noqa: E402
+from runner.engine.models import LoadedModel, load_model  # noqa: E402
+from runner.engine.ragged import decode_step  # noqa: E402
+from runner.observe.joblog import read_log  # noqa: E402
+
+LICENSES = Path("/usr/share/common-licenses")
+# (file, tokens): 14 documents that fit one pass at context 2048, and two that need map-reduce
+DOCUMENTS = [("BSD", 500), ("CC0-1.0", 1500), ("Artistic", 1300), ("LGPL-3", 1650), ("Apache-2.0", 1800),
+             ("GPL-1", 1700), ("MPL-2.0", 1400), ("GPL-2", 1200), ("LGPL-2.1", 1000), ("GFDL-1.2", 900),
+             ("GFDL-1.3", 800), ("MPL-1.1", 700), ("LGPL-2", 600), ("GPL-3", 500), ("GPL-3", 6000),
+             ("LGPL-2.1", 4000)]
+NEW_TOKENS = 120
+CONTEXT = 2048
+
+
+@dataclass
+class DocsRun:
+    layout: str
+    sequences: int
+    batch_s: float
+    docs: int
+    output_tokens: int
+    mean_batch: float
+    summaries: dict[str, str]
+
+    @property
+    def docs_per_hour(self) -> float:
+        return self.docs / self.batch_s * 3600
+
+
+def documents(loaded: LoadedModel) -> list[dict[str, str]]:
+    """Real texts cut to their token length (BSD is short: it is repeated to reach its length)."""
+    rows = []
+    for i, (name, tokens) in enumerate(DOCUMENTS):
+        ids: list[int] = []
+        text = (LICENSES / name).read_text(encoding="utf-8")
+        while len(ids) < tokens:
+            ids += loaded.tokenizer(text, add_special_tokens=False).input_ids
+        rows.append({"id": f"{i:02d}-{name.lower()}", "text": loaded.tokenizer.decode(ids[:tokens])})
+    return rows
+
+
+# -- docs: the real CLI ----------------------------------------------------------------------------
+def run_kvbatch(manifest: Path, address: str, workdir: Path, layout: str, sequences: int) -> DocsRun:
+    workers, threads = (int(x) for x in layout.split("x"))
+    job = workdir / f"job-{layout}-{sequences}"
+    settings = [f"summarize.max_new_tokens={NEW_TOKENS}", f"summarize.context_tokens={CONTEXT}",
+                "summarize.min_context_tokens=1024", "model.dtype=float32", f"batch.max_sequences={sequences}",
+                f"workers.count={workers}", f"workers.cpus_per_worker={threads}"]
+    command = [sys.executable, "-m", "runner", "submit", str(manifest), "-c", str(REPO / "configs/default.yaml"),
+               "-j", str(job), "--address", address, *(a for s in settings for a in ("--set", s))]
+    proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"kvbatch submit failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    results = pq.read_table(job / "results").to_pylist()
+    ready = max(e["ts"] for e in read_log(job / "job.log") if e.get("event") == "worker_ready")
+    batch_s = max(r["finished_at"] for r in results) - ready
+    steps = sum(max(r["output_tokens"] - 1, 0) for r in results)
+    mean_batch = sum(r["batch_size"] * max(r["output_tokens"] - 1, 0) for r in results) / max(steps, 1)
+    return DocsRun(layout, sequences, batch_s, len(results), sum(r["output_tokens"] for r in results), mean_batch,
+                   {r["doc_id"]: r["summary"] for r in results})
+
+
+def docs_section(loaded: LoadedModel, args: argparse.Namespace) -> None:
+    import ray
+
+    from runner.cluster import init_local_ray
+
+    rows = documents(loaded)
+    init_local_ray(num_cpus=2, log_to_driver=False)
+    address = ray.get_runtime_context().gcs_address
+    runs: list[DocsRun] = []
+    with tempfile.TemporaryDirectory(prefix="kvbench-throughput-") as tmp:
+        manifest = Path(tmp) / "docs.jsonl"
+        manifest.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+        for layout in args.layouts.split(","):
+            for sequences in (int(s) for s in args.sequences.split(",")):
+                run = run_kvbatch(manifest, address, Path(tmp), layout, sequences)
+                runs.append(run)
+                print(f"  {layout} (workers x threads), max_sequences {sequences}: {run.docs_per_hour:.0f} docs/h",
+                      flush=True)
+    ray.shutdown()
+    print(f"\n{'layout':>7} {'max_seq':>7} {'batch s':>8} {'docs/h':>7} {'x seq=1':>7} {'out tok/s':>9} "
+          f"{'mean batch':>10} {'same':>5}")
+    for run in runs:
+        base = next(r for r in runs if r.layout == run.layout and r.sequences == min(
+            x.sequences for x in runs if x.layout == run.layout))
+        print(f"{run.layout:>7} {run.sequences:>7} {run.batch_s:>8.1f} {run.docs_per_hour:>7.0f} "
+              f"{run.docs_per_hour / base.docs_per_hour:>7.2f} {run.output_tokens / run.batch_s:>9.1f} "
+              f"{run.mean_batch:>10.2f} {str(run.summaries == base.summaries):>5}")
+    best = max(runs, key=lambda r: r.docs_per_hour)
+    print(f"\nbest: {best.layout} with max_sequences {best.sequences}; summaries identical across every run: "
+          f"{all(r.summaries == runs[0].summaries for r in runs)}")
+
+
+# -- anchors: plain transformers -------------------------------------------------------------------
+class _FirstToken(BaseStreamer):
+    def __init__(self) -> None:
+        self.calls = 0
+        self.first_at: float | None = None
+
+    def put(self, value: torch.Tensor) -> None:
+        self.calls += 1
+        if self.calls == 2:
+            self.first_at = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+def plain_prompts(loaded: LoadedModel, rows: list[dict[str, str]]) -> list[list[int]]:
+    """What a plain loop sends: the chat template around the document, cut to fit the context."""
+    cfg = load_config(REPO / "configs/default.yaml")
+    prompts = []
+    for row in rows:
+        ids = loaded.tokenizer(row["text"], add_special_tokens=False).input_ids
+        keep = CONTEXT - NEW_TOKENS - 64
+        text = loaded.tokenizer.decode(ids[:keep])
+        prompts.append(list(loaded.tokenizer.apply_chat_template(
+            [{"role": "user", "content": f"{cfg.summarize.prompt}\n\n{text}"}], add_generation_prompt=True,
+            tokenize=True, return_dict=False)))
+    return prompts
+
+
+def anchors_section(loaded: LoadedModel, args: argparse.Namespace) -> None:
+    model, tokenizer = loaded.model, loaded.tokenizer
+    prompts = plain_prompts(loaded, documents(loaded))
+    loop_tokens, decode_s, decoded = [], 0.0, 0
+    start = time.perf_counter()
+    for ids in prompts:
+        clock = _FirstToken()
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                                 pad_token_id=tokenizer.pad_token_id, streamer=clock)
+        new = out[0, len(ids):].tolist()
+        loop_tokens.append(new)
+        decode_s += time.perf_counter() - (clock.first_at or t0)
+        decoded += max(len(new) - 1, 0)
+    loop_s = time.perf_counter() - start
+    config = GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=model.generation_config.eos_token_id,
+                              pad_token_id=tokenizer.pad_token_id)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        outputs = model.generate_batch(inputs=prompts, generation_config=config, progress_bar=False)
+    batch_s = time.perf_counter() - start
+    by_prompt = {tuple(o.prompt_ids): list(o.generated_tokens) for o in outputs.values()}
+    agree = sum(by_prompt.get(tuple(p)) == t for p, t in zip(prompts, loop_tokens))
+    n, out_tokens = len(prompts), sum(len(t) for t in loop_tokens)
+    print(f"{'anchor':<36} {'s':>7} {'docs/h':>7} {'out tok/s':>9} {'decode tok/s':>12}")
+    print(f"{'plain generate loop, batch 1':<36} {loop_s:>7.1f} {n / loop_s * 3600:>7.0f} {out_tokens / loop_s:>9.1f} "
+          f"{decoded / decode_s:>12.1f}")
+    print(f"{'transformers generate_batch':<36} {batch_s:>7.1f} {n / batch_s * 3600:>7.0f} "
+          f"{sum(len(t) for t in by_prompt.values()) / batch_s:>9.1f} {'n/a':>12}")
+    print(f"generate_batch tokens equal to the loop's for {agree}/{n} documents")
+
+
+# -- decode: the batched step alone ----------------------------------------------------------------
+def _prefilled(loaded: LoadedModel, prompts: list[list[int]], tier: str | None) -> tuple[list, list[int]]:
+    settings = SummarizeConfig(prefill_chunk_size=512)
+    caches, first = [], []
+    for ids in prompts:
+        cache = (BudgetedDynamicCache(loaded.model.config, None, len(ids) + 64) if tier is None
+                 else TieredCache(loaded.model.config, tier=tier))
+        first.append(int(prefill(loaded, ids, settings, cache, "auto").argmax()))
+        caches.append(cache)
+    return caches, first
+
+
+def decode_rate(loaded: LoadedModel, prompts: list[list[int]], rows: int, steps: int, tier: str | None = None
+                ) -> tuple[float, list[list[int]]]:
+    """Decode tokens/s with `rows` sequences per step (greedy), prefill excluded; and the tokens."""
+    caches, tokens = _prefilled(loaded, prompts, tier)
+    out = [[t] for t in tokens]
+    positions = [len(p) for p in prompts]
+    elapsed = 0.0
+    for start in range(0, len(prompts), rows):
+        group = list(range(start, min(start + rows, len(prompts))))
+        if loaded.device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            logits = decode_step(loaded.model, [out[i][-1] for i in group], [positions[i] for i in group],
+                                 [caches[i] for i in group])
+            for row, i in enumerate(group):
+                out[i].append(int(logits[row].argmax()))
+                positions[i] += 1
+        if loaded.device.type == "cuda":
+            torch.cuda.synchronize()
+        elapsed += time.perf_counter() - t0
+    for cache in caches:
+        cache.close()
+    return len(prompts) * steps / elapsed, out
+
+
+def decode_section(loaded: LoadedModel, args: argparse.Namespace) -> None:
+    rows = documents(loaded)
+    ids = [loaded.tokenizer(r["text"], add_special_tokens=False).input_ids for r in rows]
+    pool = [t for doc in ids for t in doc]
+    print(f"{'prompt tokens':>13} {'batch':>5} {'decode tok/s':>12} {'x batch 1':>9} {'same tokens':>11}")
+    for length in (1060, 3000):
+        prompts = [pool[i * 997 % (len(pool) - length):][:length] for i in range(8)]
+        alone, alone_tokens = decode_rate(loaded, prompts, 1, args.decode_steps)
+        for width in (1, 2, 4, 8):
+            rate, tokens = (alone, alone_tokens) if width == 1 else decode_rate(loaded, prompts, width, args.decode_steps)
+            same = sum(a == b for a, b in zip(tokens, alone_tokens))
+            print(f"{length:>13} {width:>5} {rate:>12.1f} {rate / alone:>9.2f} {same:>9}/8", flush=True)
+
+
+# -- cuda: an 8B-shaped model ------------------------------------------------------------------------
+def cuda_section(args: argparse.Namespace) -> None:
+    """A random Llama with Llama-3-8B's shape (no download), bf16: decode tok/s by batch at 8k prompts,
+    then tiered-host at 32k against transformers' `offloaded` cache."""
+    config = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072,
+                         rope_theta=500000.0, attn_implementation="sdpa")
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    tokenizer = load_model(ModelConfig(name="builtin:tiny-random")).tokenizer
+    loaded = LoadedModel(model, tokenizer, "llama-3-8b-shape", torch.device("cuda"), torch.bfloat16, 0.0)
+    generator = torch.Generator().manual_seed(0)
+    widths = [int(w) for w in args.cuda_sequences.split(",")]
+    prompts = [torch.randint(0, 32000, (args.cuda_prompt,), generator=generator).tolist() for _ in range(max(widths))]
+    alone, alone_tokens = decode_rate(loaded, prompts[:1], 1, args.decode_steps)
+    print(f"{'prompt':>7} {'batch':>5} {'decode tok/s':>12} {'x batch 1':>9} {'agree w/ alone':>14}")
+    for width in widths:
+        rate, tokens = decode_rate(loaded, prompts[:width], width, args.decode_steps)
+        print(f"{args.cuda_prompt:>7} {width:>5} {rate:>12.1f} {rate / alone:>9.2f} "
+              f"{'n/a' if width > 1 else str(tokens == alone_tokens):>14}", flush=True)
+    long_prompt = torch.randint(0, 32000, (32768,), generator=generator).tolist()
+    for name, kwargs in (("tiered-host", {"past_key_values": TieredCache(config, tier="host")}),
+                         ("offloaded", {"cache_implementation": "offloaded"})):
+        clock = _FirstToken()
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(torch.tensor([long_prompt], device="cuda"), max_new_tokens=16, do_sample=False,
+                                 prefill_chunk_size=2048, streamer=clock, **kwargs)
+        torch.cuda.synchronize()
+        end = time.perf_counter()
+        steps = out.shape[1] - len(long_prompt) - 1
+        print(f"32k prompt, {name:<12}: prefill {clock.first_at - t0:6.1f} s, decode "
+              f"{steps / (end - clock.first_at):6.2f} tok/s, peak {torch.cuda.max_memory_allocated() / 2**30:5.1f} GiB",
+              flush=True)
+        torch.cuda.reset_peak_memory_stats()
+
+
+SECTIONS = {"docs": docs_section, "anchors": anchors_section, "decode": decode_section}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sections", default=",".join(SECTIONS))
+    parser.add_argument("--sequences", default="1,2,4,8,16")
+    parser.add_argument("--layouts", default="2x1,1x2", help="workers x torch threads per worker")
+    parser.add_argument("--decode-steps", type=int, default=32)
+    parser.add_argument("--device", default="cpu", help="cuda: the 8B-shaped decode and 32k offload sections")
+    parser.add_argument("--cuda-sequences", default="1,2,4,8,16,32")
+    parser.add_argument("--cuda-prompt", type=int, default=8192)
+    args = parser.parse_args()
+    if args.device == "cuda":
+        cuda_section(args)
+        return
+    torch.set_num_threads(2)
+    loaded = load_model(ModelConfig(name="builtin:smollm2-135m", dtype="float32", device="cpu"))
+    print(f"SmolLM2-135M fp32 on {loaded.device}, {torch.get_num_threads()} torch threads in this process; "
+          f"{NEW_TOKENS} new tokens, context {CONTEXT}")
+    for section in args.sections.split(","):
+        print(f"\n## {section}\n", flush=True)
+        SECTIONS[section](loaded, args)
+
+
+if __name__ == "__main__":
+    main()
