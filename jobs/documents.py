@@ -20,7 +20,7 @@ from typing import BinaryIO
 
 import pyarrow.fs as pafs
 
-from jobs.extract import ExtractError, Extracted, clean_text, extract
+from jobs.extract import Extracted, ExtractError, clean_text, extract
 from jobs.task import Task
 from jobs.uris import filesystem_of, is_uri
 

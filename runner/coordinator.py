@@ -37,8 +37,9 @@ from tenacity.stop import stop_base
 
 from jobs.config import JobConfig, RetryConfig
 from jobs.faults import FaultRule
-from jobs.task import Task
+from jobs.outcome import TaskOutcome
 from jobs.policy import FailureClass, context_fallback_note, shorter_context
+from jobs.task import Task
 from runner.node_sweeper import NodeSweeper
 from runner.observe.alerts import AlertMonitor
 from runner.observe.joblog import JobLog
@@ -56,8 +57,8 @@ from runner.recorder import TaskRecorder
 from storage.checkpoint import CheckpointLog
 from storage.jobdir import JobDir
 from storage.lease import LeaseLostError
-from storage.lock import HeldLock
 from storage.location import no_fence
+from storage.lock import HeldLock
 
 EXIT_OK = 0
 EXIT_FAILED_TASKS = 3
@@ -179,7 +180,7 @@ class Coordinator:
         self._queued_at = time.time()
 
     # -- one attempt ----------------------------------------------------------------------------
-    def _attempt(self, worker: Worker, run: TaskRun) -> dict[str, Any]:
+    def _attempt(self, worker: Worker, run: TaskRun) -> TaskOutcome:
         if self.stop.is_set():
             raise Interrupted()
         run.attempt += 1
@@ -227,7 +228,7 @@ class Coordinator:
             raise Interrupted()
 
     # -- one task -------------------------------------------------------------------------------
-    def _finish(self, run: TaskRun, outcome: dict[str, Any]) -> None:
+    def _finish(self, run: TaskRun, outcome: TaskOutcome) -> None:
         self.recorder.finish(run.task, run.attempt, run.context_tokens, run.fallbacks, run.queue_wait_s,
                              run.slow_alerted, outcome)
 
@@ -244,13 +245,13 @@ class Coordinator:
                 if lost and run.tries_at_context < retry.max_attempts:
                     self._note_retry(run, e, 0.0)
                     return False, lost
-                outcome = {"status": "failed", "failure_class": FailureClass.TRANSIENT.value,
-                           "error_type": e.error_type, "error": str(e)}
+                outcome = TaskOutcome(status="failed", failure_class=FailureClass.TRANSIENT.value,
+                                      error_type=e.error_type, error=str(e))
             if outcome["status"] == "done" or outcome["failure_class"] == FailureClass.INPUT:
                 self._finish(run, outcome)
                 return True, lost
             run.fallbacks.extend(outcome.get("fallbacks", []))
-            outcome["fallbacks"] = []
+            outcome = TaskOutcome(outcome, fallbacks=[])  # a copy: its cache moves are in run.fallbacks now
             smaller = shorter_context(run.context_tokens, retry.context_shrink, self.cfg.summarize.min_context_tokens)
             if smaller is None:
                 self._finish(run, outcome)

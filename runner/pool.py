@@ -22,6 +22,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 
 from jobs.config import JobConfig
 from jobs.faults import FaultRule
+from jobs.outcome import TaskOutcome
 from jobs.task import Task
 from runner.cluster import kill_and_wait
 from runner.engine.worker import SummaryWorker
@@ -115,7 +116,7 @@ class WorkerPool:
         """Lost and not yet back: a call now would reach the dying process, or wait for the new one."""
         return self._slots[worker].down
 
-    def run(self, worker: Worker, task: Task, attempt: int, context_tokens: int, alone: bool) -> dict[str, Any]:
+    def run(self, worker: Worker, task: Task, attempt: int, context_tokens: int, alone: bool) -> TaskOutcome:
         """The worker's outcome for one attempt; raises `WorkerLost` when its process died or hung.
         `alone`: wait until nothing else runs on the worker and keep it so, so that a loss now is
         this task's own."""

@@ -11,10 +11,10 @@ from __future__ import annotations
 import json
 import threading
 import time
-from typing import Any
 
-from jobs.task import Task
+from jobs.outcome import TaskOutcome
 from jobs.schema import RESULT_SCHEMA, TaskState, empty_row
+from jobs.task import Task
 from runner.observe.alerts import AlertMonitor
 from runner.observe.joblog import JobLog
 from runner.observe.metrics import BatchMetrics
@@ -73,7 +73,7 @@ class TaskRecorder:
         self.metrics.worker_restarted()
 
     def finish(self, task: Task, attempt: int, context_tokens: int, fallbacks: list[str],
-               queue_wait_s: float | None, slow_alerted: bool, outcome: dict[str, Any]) -> None:
+               queue_wait_s: float | None, slow_alerted: bool, outcome: TaskOutcome) -> None:
         """The task's result row: the one record that says it ended."""
         row = empty_row(RESULT_SCHEMA)
         row.update({k: v for k, v in outcome.items() if k in row})

@@ -20,17 +20,29 @@ from jobs.task import Task
 from runner import __version__
 from runner.cluster import ray_session
 from runner.coordinator import (
-    EXIT_FAILED_TASKS, EXIT_INTERRUPTED, EXIT_LEASE_LOST, EXIT_NO_WORKERS, EXIT_OK, Coordinator,
+    EXIT_FAILED_TASKS,
+    EXIT_INTERRUPTED,
+    EXIT_LEASE_LOST,
+    EXIT_NO_WORKERS,
+    EXIT_OK,
+    Coordinator,
 )
 from runner.preflight import check_settings
 from storage.checkpoint import JobState, compact, load_state
 from storage.inputs import FOLDER_MANIFEST_NAME, StagedManifest, stage_input
 from storage.jobdir import (
-    JobDir, JobInfo, check_job_folder, create_job, new_job_id, read_job, read_manifest_table, update_job_config,
+    JobDir,
+    JobInfo,
+    check_job_folder,
+    create_job,
+    new_job_id,
+    read_job,
+    read_manifest_table,
+    update_job_config,
 )
 from storage.lease import LeaseLostError, job_lock
-from storage.lock import HeldLock
 from storage.location import Where
+from storage.lock import HeldLock
 from storage.parts import CORRUPT_PART_ADVICE
 from storage.scratch import default_offload_root
 

@@ -26,6 +26,7 @@ import psutil
 import torch
 
 from jobs.config import PrefillMode, SummarizeConfig
+from jobs.outcome import CacheStats
 from runner.engine.generation import Generation, TokenPicker, generate_once, prefill
 from runner.engine.kvcache import CacheHandle
 from runner.engine.models import LoadedModel
@@ -52,7 +53,7 @@ class PassRequest:
 @dataclass(frozen=True)
 class PassResult:
     generation: Generation
-    cache_stats: dict[str, object]
+    cache_stats: CacheStats
 
 
 @dataclass

@@ -38,9 +38,10 @@ from jobs.kvplan import (
     plan_placement,
     plan_rungs,
 )
-from jobs.task import Task
+from jobs.outcome import CacheStats, TaskOutcome
 from jobs.policy import FailureClass, cache_fallback_note
 from jobs.rungs import RUNGS
+from jobs.task import Task
 from runner.engine.generation import Generation
 from runner.engine.kvcache import ResidentMeter, build_cache, kv_shape, resolve_budgets
 from runner.engine.models import load_model
@@ -99,7 +100,7 @@ class _CacheTotals:
         ):
             self.placement = placement
 
-    def add(self, stats: dict[str, Any]) -> None:
+    def add(self, stats: CacheStats) -> None:
         self.kv_bytes = max(self.kv_bytes, stats.get("kv_bytes") or 0)
         self.kv_resident_peak_bytes = max(
             self.kv_resident_peak_bytes, stats.get("kv_resident_peak_bytes") or 0
@@ -195,10 +196,10 @@ class SummaryWorker:
         return {"most_rows": self.scheduler.most_rows, "splits": self.scheduler.splits,
                 "max_sequences": self.scheduler.max_sequences}
 
-    def run(self, task_data: dict[str, Any], attempt: int, context_tokens: int) -> dict[str, Any]:
+    def run(self, task_data: dict[str, Any], attempt: int, context_tokens: int) -> TaskOutcome:
         """Summarise one task; returns an outcome dict (never raises for an expected failure)."""
         started = time.perf_counter()
-        outcome: dict[str, Any] = {"worker": self.name, "model": self.loaded.name, "fallbacks": []}
+        outcome = TaskOutcome(worker=self.name, model=self.loaded.name, fallbacks=[])
         try:
             request = self._request(Task(**task_data), attempt, context_tokens)
         except DocumentError as e:
@@ -240,7 +241,7 @@ class SummaryWorker:
         )
 
     def _first_rung_that_runs(self, request: TaskRequest, memory: StageMemory, fallbacks: list[str],
-                              started: float) -> dict[str, Any]:
+                              started: float) -> TaskOutcome:
         rungs = self._rungs(request)
         last_error = ("OutOfMemoryError", "no cache rung fits the budgets")  # when the ladder is empty
         for i, rung in enumerate(rungs):
@@ -325,7 +326,7 @@ class SummaryWorker:
 
 
 # -- stage 3: the outcome ------------------------------------------------------------------------
-def _done(rung: str, summary: Summary, totals: _CacheTotals) -> dict[str, Any]:
+def _done(rung: str, summary: Summary, totals: _CacheTotals) -> TaskOutcome:
     return {
         "status": "done",
         "summary": summary.text,
@@ -348,7 +349,7 @@ def _done(rung: str, summary: Summary, totals: _CacheTotals) -> dict[str, Any]:
     }
 
 
-def _failure(cls: FailureClass, error_type: str, error: str, started: float) -> dict[str, Any]:
+def _failure(cls: FailureClass, error_type: str, error: str, started: float) -> TaskOutcome:
     return {
         "status": "failed",
         "failure_class": cls.value,

@@ -30,6 +30,7 @@ import psutil
 from rich.console import Console
 from rich.markup import escape
 
+from jobs.outcome import TaskOutcome
 from runner.observe.joblog import JobLog
 
 MEMORY_FRACTION_ENV = "KVBATCH_ALERT_MEMORY_FRACTION"
@@ -193,7 +194,7 @@ class AlertMonitor:
             run = self.rules.task_stopped(task_id)
         return bool(run and run.alerted)
 
-    def task_finished(self, task_id: str, doc_id: str, n_chars: int, outcome: dict[str, Any],
+    def task_finished(self, task_id: str, doc_id: str, n_chars: int, outcome: TaskOutcome,
                       fallbacks: list[str], slow_alerted: bool) -> None:
         where = outcome.get("worker") or "a worker"
         with self._lock:

@@ -9,8 +9,8 @@ import threading
 import time
 from typing import Any
 
-from storage.lock import JobLockedError
 from storage.location import Fence, Location, Where, no_fence
+from storage.lock import JobLockedError
 
 OBJECT_LOG_UPLOAD_S = 5.0
 """On object storage (no appends) job.log is rewritten whole, at most this often and at close."""

@@ -20,12 +20,11 @@ from transformers.cache_utils import get_layer_types_and_kwargs
 
 from jobs.config import CacheConfig, ConfigError
 from jobs.kvplan import KVShape, Placement, check_strategy
+from jobs.outcome import CacheStats
 from jobs.rungs import RUNGS
 from runner.engine.kvcache.budget import ResidentMeter
 from runner.engine.kvcache.dynamic import BudgetedDynamicCache
 from runner.engine.kvcache.tiered import TieredCache
-
-STAT_KEYS = ("kv_bytes", "kv_resident_peak_bytes", "offload_bytes_written", "offload_bytes_read", "compression_ratio")
 
 CUDA_SAFETY_MARGIN = 0.10
 """Share of a GPU's memory left for activations and the allocator when the device budget is auto."""
@@ -43,10 +42,10 @@ class CacheHandle:
     _stats: Callable[[], dict[str, Any]] = field(repr=False)
     _close: Callable[[], None] = field(repr=False)
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> CacheStats:
         """The result row's cache columns (None where the strategy cannot tell)."""
         raw = self._stats()
-        return {key: raw.get(key) for key in STAT_KEYS}
+        return CacheStats(**{key: raw.get(key) for key in CacheStats.__annotations__})
 
     def close(self) -> None:
         self._close()
