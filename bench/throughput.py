@@ -38,10 +38,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pyarrow.parquet as pq  # noqa: E402
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig  # noqa: E402
-from transformers.generation.streamers import BaseStreamer  # noqa: E402
 
 from jobs.config import ModelConfig, SummarizeConfig, load_config  # noqa: E402
-from runner.engine.generation import prefill  # noqa: E402
+from runner.engine.generation import TokenClock, prefill  # noqa: E402
 from runner.engine.kvcache import BudgetedDynamicCache, TieredCache  # noqa: E402
 from runner.engine.models import LoadedModel, load_model  # noqa: E402
 from runner.engine.ragged import decode_step  # noqa: E402
@@ -138,20 +137,6 @@ def docs_section(loaded: LoadedModel, args: argparse.Namespace) -> None:
 
 
 # -- anchors: plain transformers -------------------------------------------------------------------
-class _FirstToken(BaseStreamer):
-    def __init__(self) -> None:
-        self.calls = 0
-        self.first_at: float | None = None
-
-    def put(self, value: torch.Tensor) -> None:
-        self.calls += 1
-        if self.calls == 2:
-            self.first_at = time.perf_counter()
-
-    def end(self) -> None:
-        pass
-
-
 def plain_prompts(loaded: LoadedModel, rows: list[dict[str, str]]) -> list[list[int]]:
     """What a plain loop sends: the chat template around the document, cut to fit the context."""
     cfg = load_config(REPO / "configs/default.yaml")
@@ -172,14 +157,14 @@ def anchors_section(loaded: LoadedModel, args: argparse.Namespace) -> None:
     loop_tokens, decode_s, decoded = [], 0.0, 0
     start = time.perf_counter()
     for ids in prompts:
-        clock = _FirstToken()
+        clock = TokenClock()
         t0 = time.perf_counter()
         with torch.inference_mode():
             out = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
                                  pad_token_id=tokenizer.pad_token_id, streamer=clock)
         new = out[0, len(ids):].tolist()
         loop_tokens.append(new)
-        decode_s += time.perf_counter() - (clock.first_at or t0)
+        decode_s += time.perf_counter() - (clock.first_token_at or t0)
         decoded += max(len(new) - 1, 0)
     loop_s = time.perf_counter() - start
     config = GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=model.generation_config.eos_token_id,
@@ -274,7 +259,7 @@ def cuda_section(args: argparse.Namespace) -> None:
     long_prompt = torch.randint(0, 32000, (32768,), generator=generator).tolist()
     for name, kwargs in (("tiered-host", {"past_key_values": TieredCache(config, tier="host")}),
                          ("offloaded", {"cache_implementation": "offloaded"})):
-        clock = _FirstToken()
+        clock = TokenClock()
         t0 = time.perf_counter()
         with torch.inference_mode():
             out = model.generate(torch.tensor([long_prompt], device="cuda"), max_new_tokens=16, do_sample=False,
@@ -282,8 +267,8 @@ def cuda_section(args: argparse.Namespace) -> None:
         torch.cuda.synchronize()
         end = time.perf_counter()
         steps = out.shape[1] - len(long_prompt) - 1
-        print(f"32k prompt, {name:<12}: prefill {clock.first_at - t0:6.1f} s, decode "
-              f"{steps / (end - clock.first_at):6.2f} tok/s, peak {torch.cuda.max_memory_allocated() / 2**30:5.1f} GiB",
+        print(f"32k prompt, {name:<12}: prefill {clock.first_token_at - t0:6.1f} s, decode "
+              f"{steps / (end - clock.first_token_at):6.2f} tok/s, peak {torch.cuda.max_memory_allocated() / 2**30:5.1f} GiB",
               flush=True)
         torch.cuda.reset_peak_memory_stats()
 

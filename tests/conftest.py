@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -41,6 +42,13 @@ def ray_address() -> Iterator[str]:
         yield ray.get_runtime_context().gcs_address
     finally:
         ray.shutdown()
+
+
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on now (for a test server)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def kvbatch(*args: str, env: dict[str, str] | None = None, timeout: float = 600,

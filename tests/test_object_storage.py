@@ -18,11 +18,22 @@ import threading
 import time
 from collections.abc import Iterator
 
-import pyarrow.fs as pafs
 import pyarrow as pa
+import pyarrow.fs as pafs
 import pytest
+from conftest import (
+    LICENSES,
+    REPO,
+    TINY_CONFIG,
+    done_summaries,
+    export_rows,
+    free_port,
+    kvbatch,
+    license_manifest,
+    wait_for,
+    write_jsonl,
+)
 
-from conftest import LICENSES, REPO, TINY_CONFIG, done_summaries, export_rows, kvbatch, license_manifest, wait_for, write_jsonl
 from jobs.config import load_config
 from jobs.manifest import read_manifest, tasks_to_table
 from jobs.schema import RESULT_SCHEMA, TaskState, empty_row
@@ -38,16 +49,10 @@ DOCS = ["GPL-2", "LGPL-2.1", "Apache-2.0", "MPL-2.0", "Artistic", "BSD"]
 BUCKET = "kvbatch-test"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def s3() -> Iterator[str]:
     """`s3://BUCKET` on a moto server this module starts; the AWS variables point every process at it."""
-    port = _free_port()
+    port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing",

@@ -15,15 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import TINY_CONFIG, kvbatch, write_jsonl
+from tests.conftest import TINY_CONFIG, free_port, kvbatch, write_jsonl
 
 BUCKET = "kvbatch-locked"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +28,7 @@ def s3() -> Iterator[dict]:
     import boto3
 
     # setup below makes 7 requests without authentication; every later one is checked
-    port = _free_port()
+    port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                               env={**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "7"},
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -101,7 +95,7 @@ def test_submit_to_s3_that_cannot_be_written_is_one_line_naming_uri_and_fix(s3, 
 
 
 def test_an_unreachable_endpoint_is_one_line_naming_it(tmp_path) -> None:
-    endpoint = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
+    endpoint = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     line = _one_line_error(_submit(tmp_path, "s3://any-bucket/jobs/j1", _env(endpoint, ("k", "s"))))
     assert "s3://any-bucket/jobs/j1" in line and "cannot reach" in line and endpoint in line
 

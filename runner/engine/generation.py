@@ -43,7 +43,7 @@ class Generation:
         return len(self.tokens)
 
 
-class _TokenClock(BaseStreamer):
+class TokenClock(BaseStreamer):
     """generate() calls put() once with the prompt, then once per new token."""
 
     def __init__(self) -> None:
@@ -76,7 +76,7 @@ def generate_once(
     layer_major = choose_prefill(prefill, loaded.model, cache, len(prompt_ids), chunk_size) == "layer-major"
     if settings.do_sample:
         torch.manual_seed(settings.seed)
-    clock = _TokenClock()
+    clock = TokenClock()
     with torch.inference_mode(), ExitStack() as stack:
         if layer_major:  # generate() takes the filled cache and the last token's logits, and decodes
             output = layer_major_prefill(loaded.model, input_ids, attention_mask, cache, chunk_size)

@@ -191,11 +191,6 @@ class SummaryWorker:
             "max_sequences": self.cfg.batch.sequences,
         }
 
-    def batch_figures(self) -> dict[str, int]:
-        """How the scheduler has batched so far (largest decode batch, memory splits)."""
-        return {"most_rows": self.scheduler.most_rows, "splits": self.scheduler.splits,
-                "max_sequences": self.scheduler.max_sequences}
-
     def run(self, task_data: dict[str, Any], attempt: int, context_tokens: int) -> TaskOutcome:
         """Summarise one task; returns an outcome dict (never raises for an expected failure)."""
         started = time.perf_counter()
