@@ -3,9 +3,11 @@
 At the largest of --contexts, side by side in one run: everything resident (`dynamic`), everything
 streamed (a tiered cache without a placement), and device budgets of 25 %, 50 % and 75 % of the
 cache planned by `jobs.kvplan.plan_placement`, on tiered-host and tiered-disk. For each: bytes
-moved per decode step (MiB, and over the planned streamed share of the cache: 1.00 = exactly the
-overflow), decode tokens/s and its ratio to dynamic's, resident KV peak against the budget, and
-whether the tokens are dynamic's. Registered in bench/offload.py as the `placement` section:
+moved per decode step as planned (the plan's overflow) and as measured (what the cache's copies
+wrote, added up at the copy sites in runner/engine/kvcache: tier reads into the layer's buffers,
+new tokens into the RAM tail) side by side, their ratio, decode tokens/s and its ratio to
+dynamic's, resident KV peak against the budget, and whether the tokens are dynamic's. Registered
+in bench/offload.py as the `placement` section:
 
     python bench/offload.py --sections placement --threads 1 --new-tokens 16
 """
@@ -53,7 +55,7 @@ def _cases(shape: KVShape, tokens: int, block_tokens: int, device_is_cpu: bool) 
 
 
 def placement_section(loaded: LoadedModel, args: argparse.Namespace) -> None:
-    """Bytes moved per decode step against the planned overflow, speed, resident peak, identity."""
+    """Bytes moved per decode step, measured beside planned, speed, resident peak, identity."""
 
     shape = kv_shape(loaded.model.config, loaded.dtype)
     window = loaded.model.config.max_position_embeddings
@@ -76,20 +78,33 @@ def placement_section(loaded: LoadedModel, args: argparse.Namespace) -> None:
     dynamic = best[0]
     print(f"\n{len(prompt)}-token prompt + {args.new_tokens} new tokens: KV {end_kv / MiB:.1f} MiB at the end\n")
     print(f"{'strategy':<12} {'budget':<12} {'placement':<31} {'tok/s':>6} {'x dyn':>5} {'resident MiB':>12} "
-          f"{'budget MiB':>10} {'moved/step MiB':>14} {'streamed':>8} {'x overflow':>10} {'same':>5}")
+          f"{'budget MiB':>10} {'streamed':>8} {'planned MiB/step':>16} {'measured MiB/step':>17} "
+          f"{'measured/planned':>16} {'same':>5}")
     for i, case in enumerate(cases):
         run = best[i]
-        moved = run.stats.get("bytes_moved_per_decode_step")
+        measured = run.stats.get("bytes_moved_per_decode_step")
+        planned = _planned_per_step(case, shape, len(prompt), len(run.new_tokens) - 1)
         streamed = case.placement.streamed_share if case.placement else (0.0 if case.strategy == "dynamic" else 1.0)
-        overflow = streamed * end_kv
         describe = case.placement.describe() if case.placement else case.budget_label
         print(f"{case.strategy:<12} {case.budget_label:<12} {describe:<31} {1 / run.decode_step_s:>6.2f} "
               f"{dynamic.decode_step_s / run.decode_step_s:>5.2f} "
               f"{run.stats['kv_resident_peak_bytes'] / MiB:>12.1f} {fmt(case.budget and case.budget / MiB, 10, '.1f')} "
-              f"{fmt(moved and moved / MiB, 14, '.2f')} {streamed:>8.2f} "
-              f"{fmt(moved / overflow if moved and overflow else None, 10, '.3f')} "
+              f"{streamed:>8.2f} {planned / MiB:>16.2f} {fmt(measured / MiB if measured is not None else None, 17, '.2f')} "
+              f"{fmt(measured / planned if measured is not None and planned else None, 16, '.4f')} "
               f"{str(run.new_tokens == dynamic.new_tokens):>5}", flush=True)
-    print("\nmoved/step: device<->host bytes per decode step. streamed: planned share of the full-attention layers "
-          "streamed.\nx overflow: moved/step over (streamed x KV at the end); 1.00 = a step moves exactly the "
-          "overflow (a little\nless, as early steps find a shorter cache). resident: KV peak on the device, "
-          "within the budget.")
+    print("\nstreamed: planned share of the full-attention layers streamed. planned: the plan's bytes per decode "
+          "step (its streamed layers'\nold tokens in, new token out; Placement.moved_per_decode_step, or the whole "
+          "KV when everything is streamed), over the steps\nthis run made. measured: the bytes the cache's copies "
+          "wrote for the decode steps (tier -> layer buffers, new token -> RAM\ntail), added up where they happen; "
+          "n/a for dynamic, which copies nothing off the device. resident: KV peak on the\ndevice, within the budget.")
+
+
+def _planned_per_step(case: Case, shape: KVShape, prompt: int, steps: int) -> float:
+    """What the plan says a decode step moves, averaged over `steps` steps after a `prompt`-token
+    prefill (step s starts with prompt + s - 1 cached tokens)."""
+    if case.strategy == "dynamic" or steps <= 0:
+        return 0.0
+    cached = range(prompt, prompt + steps)
+    if case.placement is None:  # everything streamed: each step brings the whole cache in, the new token out
+        return sum(kv_bytes(shape, tokens + 1) for tokens in cached) / steps
+    return sum(case.placement.moved_per_decode_step(tokens) for tokens in cached) / steps

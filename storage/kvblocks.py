@@ -187,6 +187,16 @@ class _LayerFile:
         os.fdatasync(self.fd)
         os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
+    def drop_cached_range(self, offset: int, length: int) -> None:
+        """Forget the cached pages of one block just read (widened to whole pages), mapped or not, so
+        its next read goes to the device again. Only clean pages go: blocks are flushed when written."""
+        start = offset - offset % mmap.PAGESIZE
+        end = min(-(-(offset + length) // mmap.PAGESIZE) * mmap.PAGESIZE, self.size)
+        mapped_end = min(end, len(self._map)) if self._map is not None else start
+        if mapped_end > start:  # unmap them first: fadvise cannot drop mapped pages
+            self._map.madvise(mmap.MADV_DONTNEED, start, mapped_end - start)  # type: ignore[union-attr]
+        os.posix_fadvise(self.fd, start, end - start, os.POSIX_FADV_DONTNEED)
+
     def close(self) -> None:
         self._map = None
         os.close(self.fd)
@@ -210,6 +220,7 @@ class KVBlockStore:
         self.bytes_read = 0
         self.read_s = 0.0  # time spent reading and decoding blocks, on whichever thread read them
         self._drop_page_cache = False
+        self._drop_after_reads = False
 
     def drop_page_cache_after_writes(self) -> None:
         """Opt-in for benchmarks of the storage-bound case: after each block is written its file is
@@ -217,6 +228,12 @@ class KVBlockStore:
         if not hasattr(os, "posix_fadvise"):
             raise KVBlockError("dropping the page cache needs os.posix_fadvise, which this platform lacks")
         self._drop_page_cache = True
+
+    def keep_page_cache_cold(self) -> None:
+        """Opt-in for benchmarks of a cache larger than RAM: blocks leave the page cache once written
+        and again after every read, so each decode step reads its blocks from the device."""
+        self.drop_page_cache_after_writes()
+        self._drop_after_reads = True
 
     def _file(self, layer: int) -> _LayerFile:
         if layer not in self._files:
@@ -236,10 +253,16 @@ class KVBlockStore:
 
     def _payload(self, ref: BlockRef) -> bytes | memoryview:
         file = self._file(ref.layer)
-        self.bytes_read += ref.stored_bytes
         if self.codec.compression == "none":
-            return file.view(ref.offset, ref.stored_bytes)
-        return file.read(ref.offset, ref.stored_bytes)
+            payload: bytes | memoryview = file.view(ref.offset, ref.stored_bytes)
+        else:
+            payload = file.read(ref.offset, ref.stored_bytes)
+        self.bytes_read += len(payload)  # what the read or the mapping handed over
+        return payload
+
+    def _after_read(self, ref: BlockRef) -> None:
+        if self._drop_after_reads:
+            self._file(ref.layer).drop_cached_range(ref.offset, ref.stored_bytes)
 
     def _check_size(self, ref: BlockRef, nbytes: int) -> None:
         if nbytes != ref.raw_bytes:
@@ -249,19 +272,26 @@ class KVBlockStore:
             )
 
     def read(self, ref: BlockRef, dtype: np.dtype) -> np.ndarray:
-        """The block's values as a flat array (a view of the mapping for `none`)."""
+        """The block's values as a flat array (a view of the mapping for `none`, unless reads are
+        kept cold: then a copy, as the mapped pages are dropped)."""
         start = time.perf_counter()
         values = self.codec.decode(self._payload(ref), dtype)
         self._check_size(ref, values.nbytes)
+        if self._drop_after_reads and self.codec.compression == "none":
+            values = values.copy()
+        self._after_read(ref)
         self.read_s += time.perf_counter() - start
         return values
 
-    def read_into(self, ref: BlockRef, out: np.ndarray) -> None:
-        """Decode the block straight into `out`, which has the shape it was appended with."""
+    def read_into(self, ref: BlockRef, out: np.ndarray) -> int:
+        """Decode the block straight into `out`, which has the shape it was appended with; returns
+        the bytes written into `out`."""
         start = time.perf_counter()
         self._check_size(ref, out.nbytes)
         self.codec.decode_into(self._payload(ref), out)
+        self._after_read(ref)
         self.read_s += time.perf_counter() - start
+        return out.nbytes
 
     def truncate(self, ref: BlockRef) -> None:
         """Drop `ref` and every block appended after it in the same layer."""

@@ -194,22 +194,65 @@ def test_placement_with_three_beams(tier: TierName, tmp_path: Path) -> None:
     _check_same(_model8("llama"), tier, 2, tmp_path, _prompt(29), batch=3, num_beams=3, max_new_tokens=10)
 
 
+TOKEN = 2 * 2 * 8 * 4  # the 8-layer Llama's K and V of one token in one layer: 2 KV heads of 8 fp32
+
+
 @pytest.mark.parametrize("tier", ["host", "disk"])
 @pytest.mark.parametrize("resident", [0, 2, 5, 8])
-def test_bytes_moved_per_decode_step_are_the_plans_overflow(resident: int, tier: TierName, tmp_path: Path) -> None:
+def test_bytes_copied_per_decode_step_are_the_plans_overflow(resident: int, tier: TierName, tmp_path: Path) -> None:
+    """The traffic counters add up what the copies wrote (tiers.py, layer_store.py), not the plan's
+    formula; here they must come out at the figure worked out by hand, and at the plan's."""
     model = _model8("llama")
     placement, budget = _planned(model, tier, resident, PROMPT + NEW)
     with _cache(model, tier, placement, tmp_path, budget) as cache:
         _generate(model, cache, _prompt(PROMPT), max_new_tokens=NEW)
         stats = cache.stats()
-    # the first new token comes from the prefill; decode step s starts with PROMPT + s - 1 cached tokens
+    streamed = 8 - resident
+    # the first new token comes from the prefill; decode step s starts with PROMPT + s - 1 cached
+    # tokens, brings them in for every streamed layer and takes its one new token out
     steps = range(1, NEW)
     assert stats["decode_steps"] == len(steps)
-    planned = sum(placement.moved_per_decode_step(PROMPT + s - 1) for s in steps) / len(steps)
-    assert stats["bytes_moved_per_decode_step"] == planned
+    by_hand = sum(streamed * (PROMPT + s) * TOKEN for s in steps) / len(steps)
+    assert stats["bytes_moved_per_decode_step"] == by_hand
+    assert by_hand == sum(placement.moved_per_decode_step(PROMPT + s - 1) for s in steps) / len(steps)
     # resident layers never leave the device: only the streamed layers' tokens were copied off it, once
-    cached = PROMPT + NEW - 1
-    assert stats["device_to_host_bytes"] == len(placement.streamed_layers) * cached * placement.layer_token_bytes
+    assert stats["device_to_host_bytes"] == streamed * (PROMPT + NEW - 1) * TOKEN
+    # every read copied in what the steps used, plus the first streamed layer once more: after the
+    # last step it is prefetched for a step that never comes (the prefill, one chunk, reads nothing)
+    wasted_prefetch = (PROMPT + NEW - 1) * TOKEN if streamed else 0
+    assert stats["host_to_device_bytes"] == sum(streamed * (PROMPT + s - 1) * TOKEN for s in steps) + wasted_prefetch
+
+
+@pytest.mark.parametrize("compression", ["none", "zstd"])
+def test_disk_reads_are_counted_where_the_block_files_are_read(compression: str, tmp_path: Path) -> None:
+    """Every streamed layer in block files: the store counts the bytes its reads returned, the layer
+    store what decoding wrote into the device buffers, the process's read syscalls agree (zstd)."""
+    model = _model8("llama")
+    tokens = PROMPT + NEW
+    placement, budget = _planned(model, "disk", 3, tokens, host_budget=5 * BLOCK * TOKEN)  # room for the tails only
+    assert len(placement.disk_layers) == 5
+    with TieredCache(model.config, tier="disk", offload_dir=tmp_path / "kv", block_tokens=BLOCK,
+                     compression=compression, device_budget_bytes=budget, placement=placement) as cache:
+        rchar_before = _rchar()
+        _generate(model, cache, _prompt(PROMPT), max_new_tokens=NEW)
+        rchar = _rchar() - rchar_before
+        stats = cache.stats()
+    steps = range(1, NEW)
+    assert stats["bytes_moved_per_decode_step"] == sum(5 * (PROMPT + s) * TOKEN for s in steps) / len(steps)
+    # a read of a layer holding n tokens reads its sealed blocks (n // BLOCK of them) from the files
+    sealed = [5 * ((PROMPT + s - 1) // BLOCK) for s in steps] + [(tokens - 1) // BLOCK]  # + the wasted prefetch
+    raw = sum(sealed) * BLOCK * TOKEN
+    if compression == "none":
+        assert stats["offload_bytes_read"] == raw
+    else:
+        assert 0 < stats["offload_bytes_read"] < raw
+        assert rchar >= stats["offload_bytes_read"]  # the preads (the tokenizer-free run reads nothing else)
+
+
+def _rchar() -> int:
+    """Bytes this process has read through read syscalls so far (/proc/self/io)."""
+    with open("/proc/self/io") as io:
+        return next(int(line.split()[1]) for line in io if line.startswith("rchar:"))
 
 
 def test_half_resident_moves_half_of_what_streaming_everything_moves(tmp_path: Path) -> None:

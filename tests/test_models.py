@@ -17,6 +17,7 @@ from runner.engine.models import (
     LoadedModel,
     ModelLoadError,
     builtin_cache_dir,
+    builtin_model_dir,
     load_model,
     resolve_device,
 )
@@ -238,11 +239,12 @@ def test_concurrent_first_loads_convert_once(tmp_path: Path) -> None:
 def test_smollm2_loads_from_its_cache_and_answers_in_english() -> None:
     cfg = ModelConfig(name="builtin:smollm2-135m")
     load_model(cfg)  # converts on a cold cache
-    converted = models._smollm2_model_dir()
+    converted = builtin_model_dir(cfg.name)  # what code loading the same weights without kvbatch opens
     assert converted.parent == builtin_cache_dir()
     assert (converted / "model.safetensors").is_file() and (converted / "tokenizer.json").is_file()
 
     loaded = load_model(cfg)
+    assert loaded.model.name_or_path == str(converted)
     assert loaded.model.config.num_hidden_layers == 30
     assert loaded.model.config.num_key_value_heads == 3
     assert {p.dtype for p in loaded.model.parameters()} == {loaded.dtype}
@@ -250,6 +252,11 @@ def test_smollm2_loads_from_its_cache_and_answers_in_english() -> None:
     answer = _chat_answer(loaded, "What is the capital of France?", max_new_tokens=24)
     assert "Paris" in answer, answer
     assert _is_plain_english(answer), answer
+
+
+def test_only_a_converted_builtin_has_a_model_folder() -> None:
+    with pytest.raises(ModelLoadError, match="tiny-random' has no converted folder"):
+        builtin_model_dir("builtin:tiny-random")
 
 
 def test_plain_english_check_rejects_a_random_model() -> None:

@@ -77,6 +77,15 @@ def builtin_cache_dir() -> Path:
     return Path(cache_home) / "kvbatch" / "models"
 
 
+def builtin_model_dir(name: str) -> Path:
+    """The local safetensors folder (model and tokenizer) a converted builtin is loaded from,
+    converting it first if needed: for code that loads the very same weights without kvbatch, such
+    as the plain-transformers baseline of bench/runner_overhead.py. tiny-random has no folder."""
+    if name != BUILTIN_PREFIX + SMOLLM2:
+        raise ModelLoadError(f"'{name}' has no converted folder: only {BUILTIN_PREFIX}{SMOLLM2} is converted")
+    return _smollm2_model_dir()
+
+
 def resolve_device(spec: str) -> torch.device:
     """``auto`` -> the first CUDA device when there is one, else the CPU; otherwise a torch device string."""
     import torch

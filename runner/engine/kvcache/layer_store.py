@@ -19,7 +19,8 @@ from runner.engine.kvcache.tiers import Tier
 
 @dataclass
 class Traffic:
-    """Bytes moved between the device and host RAM, and how much of it the decode steps took."""
+    """Bytes moved between the device and host RAM, and how much of it the decode steps took: each
+    figure is the sum of the bytes written by the copies themselves, counted where they happen."""
 
     device_to_host: int = 0
     host_to_device: int = 0
@@ -42,6 +43,7 @@ class Resident:
     keys: torch.Tensor
     values: torch.Tensor
     length: int
+    copied_bytes: int = 0  # what the copies that filled the buffers wrote (old tokens in, from the tier)
 
     @property
     def capacity(self) -> int:
@@ -111,24 +113,26 @@ class LayerStore:
         self._copies_done = event
         return event
 
-    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Copy only the new tokens off the device, sealing each tail that fills up."""
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> int:
+        """Copy only the new tokens off the device, sealing each tail that fills up; returns the
+        bytes the copies wrote."""
         new = keys.shape[-2]
-        done = 0
+        done = copied = 0
         while done < new:
             if self.tail_keys is None:
                 self.tail_keys, self.tail_values = self._new_tail()
             n = min(new - done, self.block_tokens - self.tail_len)
             window = slice(self.tail_len, self.tail_len + n)
-            self.tail_keys[:, :, window].copy_(keys[:, :, done : done + n], non_blocking=self.pinned)
-            self.tail_values[:, :, window].copy_(values[:, :, done : done + n], non_blocking=self.pinned)
+            copied += _copy(self.tail_keys[:, :, window], keys[:, :, done : done + n], self.pinned)
+            copied += _copy(self.tail_values[:, :, window], values[:, :, done : done + n], self.pinned)
             self.tail_len += n
             done += n
             if self.tail_len == self.block_tokens:
                 self._seal_tail()
         self.seq_len += new
-        self.traffic.device_to_host += keys.nbytes + values.nbytes
+        self.traffic.device_to_host += copied
         self._mark_copies()
+        return copied
 
     def _seal_tail(self) -> None:
         keys, values, copies_done = self.tail_keys, self.tail_values, self._mark_copies()
@@ -174,20 +178,20 @@ class LayerStore:
         values = torch.empty(shape, dtype=self.dtype, device=self.device)
         if snap.copies_done is not None:
             snap.copies_done.synchronize()
+        copied = 0
         for i, block in enumerate(snap.blocks):
             window = slice(i * self.block_tokens, (i + 1) * self.block_tokens)
             if self.device.type == "cpu" and block.rows is None:
-                self.tier.load_into(block.payload.result(), keys[:, :, window], values[:, :, window])
+                copied += self.tier.load_into(block.payload.result(), keys[:, :, window], values[:, :, window])
                 continue
             block_keys, block_values = self._read_block(block)
-            keys[:, :, window].copy_(block_keys, non_blocking=True)
-            values[:, :, window].copy_(block_values, non_blocking=True)
+            copied += _copy(keys[:, :, window], block_keys) + _copy(values[:, :, window], block_values)
         if snap.tail_len:
             window = slice(snap.seq_len - snap.tail_len, snap.seq_len)
-            keys[:, :, window].copy_(snap.tail_keys[:, :, : snap.tail_len], non_blocking=True)
-            values[:, :, window].copy_(snap.tail_values[:, :, : snap.tail_len], non_blocking=True)
-        self.traffic.host_to_device += snap.seq_len * self.token_bytes
-        return Resident(keys, values, snap.seq_len)
+            copied += _copy(keys[:, :, window], snap.tail_keys[:, :, : snap.tail_len])
+            copied += _copy(values[:, :, window], snap.tail_values[:, :, : snap.tail_len])
+        self.traffic.host_to_device += copied
+        return Resident(keys, values, snap.seq_len, copied)
 
     # --- reshaping (callers settle any pending read of this layer first) -----------------------
 
@@ -231,3 +235,10 @@ class LayerStore:
             self.io.run(self.tier.discard_from, dropped.payload.result())
             del self.blocks[first_dropped:]
         self.seq_len = keep
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = True) -> int:
+    """Copy `src` into `dst` and return the bytes written: the traffic counters add these up, so
+    they report the copies made, not what a plan says should have been made."""
+    dst.copy_(src, non_blocking=non_blocking)
+    return dst.nbytes

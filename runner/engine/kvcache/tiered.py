@@ -106,7 +106,7 @@ class TieredLayer(CacheLayerMixin):
         waited_from = time.perf_counter()
         old = self._take_resident(extra_tokens=new)
         waited = time.perf_counter() - waited_from
-        self.store.append(key_states, value_states)
+        copied_out = self.store.append(key_states, value_states)
         self.shared.host_meter.hold(self.layer_idx, self.store.host_bytes)
         if old is None:
             keys, values = key_states, value_states
@@ -118,9 +118,8 @@ class TieredLayer(CacheLayerMixin):
             keys = torch.cat([old.keys[:, :, : old.length], key_states], dim=-2)
             values = torch.cat([old.values[:, :, : old.length], value_states], dim=-2)
         self.shared.device_meter.hold(self.layer_idx, keys.nbytes + values.nbytes)
-        if new == 1:  # a decode step: this layer's old tokens came in, its new ones went out
-            old_tokens = old.length if old is not None else 0
-            self.shared.traffic.decode_bytes += (old_tokens + new) * self.store.token_bytes
+        if new == 1:  # a decode step: what the copies that brought its old tokens in and took its new one out wrote
+            self.shared.traffic.decode_bytes += (old.copied_bytes if old is not None else 0) + copied_out
             self.shared.traffic.decode_wait_s += waited
         return keys, values
 

@@ -33,7 +33,7 @@ class Tier(Protocol):
 
     def seal(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> object: ...
     def load(self, payload: object, shape: torch.Size, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]: ...
-    def load_into(self, payload: object, keys: torch.Tensor, values: torch.Tensor) -> None: ...
+    def load_into(self, payload: object, keys: torch.Tensor, values: torch.Tensor) -> int: ...
     def discard_from(self, payload: object) -> None: ...
     def close(self) -> None: ...
 
@@ -49,10 +49,12 @@ class HostTier:
     def load(self, payload: object, shape: torch.Size, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         return payload  # type: ignore[return-value]
 
-    def load_into(self, payload: object, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def load_into(self, payload: object, keys: torch.Tensor, values: torch.Tensor) -> int:
+        """Copy the block into `keys` and `values`; returns the bytes written."""
         stored_keys, stored_values = payload  # type: ignore[misc]
         keys.copy_(stored_keys)
         values.copy_(stored_values)
+        return keys.nbytes + values.nbytes
 
     def discard_from(self, payload: object) -> None:
         pass
@@ -83,11 +85,11 @@ class DiskTier:
             _from_bits(self.store.read(value_ref, np_dtype), dtype, shape),
         )
 
-    def load_into(self, payload: object, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Decode straight into CPU windows of the layer's buffer: no intermediate copy."""
+    def load_into(self, payload: object, keys: torch.Tensor, values: torch.Tensor) -> int:
+        """Decode straight into CPU windows of the layer's buffer (no intermediate copy); returns the
+        bytes decoded into them."""
         key_ref, value_ref = payload  # type: ignore[misc]
-        self.store.read_into(key_ref, _bits(keys))
-        self.store.read_into(value_ref, _bits(values))
+        return self.store.read_into(key_ref, _bits(keys)) + self.store.read_into(value_ref, _bits(values))
 
     def discard_from(self, payload: object) -> None:
         key_ref: BlockRef = payload[0]  # type: ignore[index]
