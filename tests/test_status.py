@@ -30,7 +30,7 @@ SENTENCE = "The committee reviewed the quarterly figures and agreed to publish t
 DOCS = {name: SENTENCE * 19 for name in ("a", "b", "c", "d")} | {"bsd": SENTENCE * 17}
 DOCUMENTED_KEYS = {
     "job_id", "job_dir", "created", "coordinator", "total", "counts", "run_started", "run_elapsed_s",
-    "throughput_docs_per_s", "tokens_per_s", "output_tokens", "eta_s", "strategies", "fallbacks", "running",
+    "throughput_docs_per_s", "tokens_per_s", "output_tokens", "eta_s", "strategies", "batch", "fallbacks", "running",
     "slowest", "alerts", "corrupt_parts", "as_of",
 }
 
