@@ -179,7 +179,8 @@ def _lose_the_node_of_a_hung_task(cluster: LocalCluster, tmp_path: Path, *settin
     """Runs the batch, removes the node whose worker hangs on Apache-2.0, and returns the finished job."""
     job = tmp_path / "job"
     hang = json.dumps([{"doc": "apache-2.0", "fault": "hang", "attempts": [1]}])
-    proc = start_submit(manifest_of(tmp_path), job, cluster.address, *settings,
+    # one task per worker at a time, so the worker with no result is the one the hang pins
+    proc = start_submit(manifest_of(tmp_path), job, cluster.address, *settings, "--set", "batch.max_sequences=1",
                         "--set", "checkpoint.flush_every=1", env={"KVBATCH_FAULTS": hang})
     # the worker that took Apache-2.0 hangs on it; every other one publishes results
     def all_but_one_worker_published() -> bool:
