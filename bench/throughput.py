@@ -170,7 +170,7 @@ def anchors_section(loaded: LoadedModel, args: argparse.Namespace) -> None:
     config = GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=model.generation_config.eos_token_id,
                               pad_token_id=tokenizer.pad_token_id)
     start = time.perf_counter()
-    with torch.inference_mode():
+    with torch.no_grad():  # its generation thread makes tensors outside inference mode, which then refuses them
         outputs = model.generate_batch(inputs=prompts, generation_config=config, progress_bar=False)
     batch_s = time.perf_counter() - start
     by_prompt = {tuple(o.prompt_ids): list(o.generated_tokens) for o in outputs.values()}

@@ -330,9 +330,10 @@ class Coordinator:
         with self.alerts.watching(), NodeSweeper(self.offload_root, self.log), \
                 BatchProgress(self.console, total, already_done, len(workers), self.alerts.active) as progress:
             self.recorder.progress = progress
-            # as many tasks in flight per worker as it batches sequences, so its batch stays full
+            # as many tasks in flight per worker as it batches sequences, so its batch stays full; started
+            # round robin over the workers, so a short queue is shared out evenly, not all to the first
             threads = [threading.Thread(target=self._feed, args=(w, work, errors), daemon=True)
-                       for w in workers for _ in range(self.cfg.batch.sequences)]
+                       for _ in range(self.cfg.batch.sequences) for w in workers]
             for t in threads:
                 t.start()
             while any(t.is_alive() for t in threads) and not self.stop.is_set():

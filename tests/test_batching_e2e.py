@@ -79,3 +79,12 @@ def test_a_document_that_crashes_its_worker_does_not_use_up_its_batch_mates_atte
     assert any(e["doc_id"] == "bsd" and e["runs_alone_next"] for e in lost)
     # bsd's own attempts (alone) used up retry.max_attempts; its batch-mates' losses were not counted
     assert rows["bsd"]["attempts"] >= 2 + 2
+
+
+def test_a_short_queue_is_shared_out_over_every_worker(ray_address, tmp_path):
+    """Fewer tasks than batch slots: each worker still gets some (not every task to the first worker)."""
+    job = tmp_path / "job"
+    kvbatch("submit", str(license_manifest(tmp_path, DOCS[:4])), "-c", str(TINY_CONFIG), "-j", str(job),
+            "--address", ray_address, "--set", "workers.count=2", "--set", "batch.max_sequences=8", check=0)
+    rows = export_rows(job)
+    assert len(rows) == 4 and len({r["worker"] for r in rows}) == 2, [(r["doc_id"], r["worker"]) for r in rows]
