@@ -33,6 +33,7 @@ test-fast: venv
 	$(PY) -m pytest -q -m "not slow"
 
 bench: venv
+	$(PY) bench/throughput.py
 	$(PY) bench/runner_overhead.py
 	$(PY) bench/checkpoint.py
 	$(PY) bench/offload.py --threads 1
