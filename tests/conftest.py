@@ -51,6 +51,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_for_server(port: int, server: subprocess.Popen, timeout: float = 30) -> None:
+    """Returns once `server` accepts connections on `port` on loopback; fails if it exits or takes too long."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            assert time.monotonic() < deadline and server.poll() is None, "the test server did not start"
+            time.sleep(0.2)
+
+
 def kvbatch(*args: str, env: dict[str, str] | None = None, timeout: float = 600,
             check: int | None = None) -> subprocess.CompletedProcess[str]:
     """Runs the real CLI in a subprocess; `check` asserts its exit code."""

@@ -11,7 +11,6 @@ import os
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -31,6 +30,7 @@ from conftest import (
     kvbatch,
     license_manifest,
     wait_for,
+    wait_for_server,
     write_jsonl,
 )
 
@@ -61,14 +61,7 @@ def s3() -> Iterator[str]:
     for key, value in env.items():
         patch.setenv(key, value)
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                assert time.monotonic() < deadline and server.poll() is None, "moto server did not start"
-                time.sleep(0.2)
+        wait_for_server(port, server)
         filesystem_of(f"s3://{BUCKET}?allow_bucket_creation=true")[0].create_dir(BUCKET)
         yield f"s3://{BUCKET}"
     finally:

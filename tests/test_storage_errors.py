@@ -6,16 +6,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import TINY_CONFIG, free_port, kvbatch, write_jsonl
+from tests.conftest import TINY_CONFIG, free_port, kvbatch, wait_for_server, write_jsonl
 
 BUCKET = "kvbatch-locked"
 
@@ -34,14 +32,7 @@ def s3() -> Iterator[dict]:
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     endpoint = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                assert time.monotonic() < deadline and server.poll() is None, "moto server did not start"
-                time.sleep(0.2)
+        wait_for_server(port, server)
         kw = {"endpoint_url": endpoint, "region_name": "us-east-1", "aws_access_key_id": "setup",
               "aws_secret_access_key": "setup"}
         boto3.client("s3", **kw).create_bucket(Bucket=BUCKET)
