@@ -136,11 +136,11 @@ import sys, time
 from storage.location import Location
 real = Location.write_atomic
 when = sys.argv[1]
-def write_atomic(self, write, temp_name):
+def write_atomic(self, write, temp_name, *fence):
     if self.name == "job.json" and when == "before":
         print("pausing before job.json", flush=True)
         time.sleep(600)
-    real(self, write, temp_name)
+    real(self, write, temp_name, *fence)
     if self.name == "job.json" and when == "after":
         print("paused after job.json", flush=True)
         time.sleep(600)
