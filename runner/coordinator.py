@@ -205,8 +205,8 @@ class Coordinator:
         return outcome
 
     def _lost(self, slot: str, run: TaskRun, lost: WorkerLost) -> None:
-        if lost.first_to_see:  # one loss, however many tasks it ended
-            self.recorder.worker_lost(slot, lost.error_type, run.task.doc_id)
+        if lost.first_to_see:  # one loss, however many tasks it ended; a document is blamed only when it was alone
+            self.recorder.worker_lost(slot, lost.error_type, None if lost.shared else run.task.doc_id)
         if lost.shared and not run.alone:
             run.tries_at_context -= 1
             run.batch_losses += 1

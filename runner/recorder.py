@@ -68,7 +68,7 @@ class TaskRecorder:
                          to_tokens=to_tokens, error_type=error_type, error=error)
         self.event(task, attempt, from_tokens, TaskState.RETRYING, error_type=error_type, error=error)
 
-    def worker_lost(self, slot: str, reason: str, doc_id: str) -> None:
+    def worker_lost(self, slot: str, reason: str, doc_id: str | None) -> None:
         self.alerts.worker_restarted(slot, reason, doc_id)
         self.metrics.worker_restarted()
 

@@ -26,7 +26,7 @@ import secrets
 import threading
 import time
 
-from storage.location import Location, Where
+from storage.location import Location, Where, storage_error
 from storage.lock import HeldLock, JobLock, JobLockedError, parse_owner
 from storage.owner import OwnerLiveness, ProcessOwner
 
@@ -88,16 +88,19 @@ class _S3Object:
             config=Config(retries={"max_attempts": 3, "mode": "standard"}, connect_timeout=5, read_timeout=15),
         )
 
-    def _failed(self, action: str, exc: Exception) -> LeaseStorageError:
-        return LeaseStorageError(f"could not {action} the job lease {self.uri}: {type(exc).__name__}: {exc}")
+    def _failed(self, action: str, exc: Exception) -> OSError:
+        """One line naming the URI and the fix when the user can fix it (no bucket, credentials, endpoint)."""
+        return storage_error(self.uri, exc) or LeaseStorageError(
+            f"could not {action} the job lease {self.uri}: {type(exc).__name__}: {exc}")
 
     @staticmethod
     def _refused(exc: Exception) -> bool:
-        """The condition did not hold (412), a concurrent conditional write won (409), or no object (404)."""
+        """The condition did not hold (412), a concurrent conditional write won (409), or no object (404;
+        a missing bucket answers 404 too, and is an error, not an absent lease)."""
         from botocore.exceptions import ClientError
 
-        return isinstance(exc, ClientError) and exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") in (
-            404, 409, 412)
+        return (isinstance(exc, ClientError) and exc.response.get("Error", {}).get("Code") != "NoSuchBucket"
+                and exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") in (404, 409, 412))
 
     def _put(self, body: bytes, **condition: str) -> str | None:
         try:

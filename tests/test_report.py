@@ -68,6 +68,8 @@ def png_size(data: bytes) -> tuple[int, int]:
 
 @pytest.fixture(scope="module")
 def job(ray_address, tmp_path_factory) -> dict:
+    """A job with failures, fallbacks and a crashing document, one task per worker at a time (a worker loss
+    is then one document's, so the per-document restart alert names it)."""
     tmp = tmp_path_factory.mktemp("report")
     rows = [
         {"id": "bsd", "path": str(LICENSES / "BSD")},
@@ -79,7 +81,8 @@ def job(ray_address, tmp_path_factory) -> dict:
     ]
     job_dir = tmp / "job"
     submit = kvbatch("submit", str(write_jsonl(tmp / "manifest.jsonl", rows)), "-c", str(TINY_CONFIG),
-                     "-j", str(job_dir), "--address", ray_address, env={"KVBATCH_FAULTS": json.dumps(FAULTS)},
+                     "-j", str(job_dir), "--address", ray_address, "--set", "batch.max_sequences=1",
+                     env={"KVBATCH_FAULTS": json.dumps(FAULTS)},
                      check=3)
     report = kvbatch("report", str(job_dir), check=0)
     page = _Page()
@@ -115,7 +118,9 @@ def test_rows_carry_memory_per_stage_and_the_latency_split(job):
     assert {r["doc_id"] for r in done} == {"bsd", "cc0", "apache", "memo"}
     for r in done:
         assert r["queue_wait_s"] >= 0 and r["prefill_s"] > 0 and r["decode_s"] > 0
-        assert r["prefill_s"] >= r["ttft_s"] and r["prefill_s"] + r["decode_s"] <= r["wall_s"]
+        assert r["prefill_s"] >= r["ttft_s"]
+        if r["chunks"] == 1:  # a map-reduced document's passes may run side by side: their times overlap
+            assert r["prefill_s"] + r["decode_s"] <= r["wall_s"]
         assert r["load_host_rss_bytes"] > 0
         assert r["prefill_host_rss_bytes"] >= r["load_host_rss_bytes"] * 0.5
         assert r["decode_peak_host_rss_bytes"] > 0 and r["peak_host_rss_bytes"] >= r["decode_peak_host_rss_bytes"]
