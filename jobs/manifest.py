@@ -185,7 +185,7 @@ def _check_surrogates(fields: dict[str, Any]) -> None:
         if found is not None:
             field = f"'{key}'" if key in RESERVED_FIELDS else f"metadata {_shown(key)}"
             raise _RowRejected(
-                f"{field} contains a lone UTF-16 surrogate ({found!r}, an invalid \\uXXXX escape, common in "
+                f"{field} contains a lone UTF-16 surrogate ({found!r}, an invalid \\u escape, common in "
                 "scraped text) that UTF-8 cannot store: fix the escape or replace it with U+FFFD"
             )
 
