@@ -12,7 +12,9 @@ Sections (all in one run, so the ratios share the machine's state):
   and transformers' own continuous batching (`generate_batch`), with the share of documents whose
   tokens equal the loop's.
 - decode: decode tokens/s of kvbatch's batched decode step alone, 8 prompts of ~1,060 and of ~3,000
-  tokens, one at a time vs all 8 together (prefill excluded), and whether the tokens agree.
+  tokens, one at a time vs all 8 together (prefill excluded), and whether the tokens agree; beside
+  plain `model.generate` one prompt at a time; then where a step's time goes at 3,000 tokens (weight
+  matmuls, attention, the rest) and how fast attention reads the KV against a plain read of memory.
 
 Run: python bench/throughput.py [--sections docs,anchors,decode] [--sequences 1,2,4,8,16]
      [--layouts 2x1,1x2] [--device cuda]   (cuda: an 8B-shaped random Llama, see --help)
@@ -222,18 +224,93 @@ def decode_rate(loaded: LoadedModel, prompts: list[list[int]], rows: int, steps:
     return len(prompts) * steps / elapsed, out
 
 
+def plain_decode_rate(loaded: LoadedModel, prompts: list[list[int]], steps: int) -> float:
+    """What a user has without kvbatch: `model.generate` one prompt at a time (its default cache), decode
+    tokens/s with the prefill excluded (from the first new token on)."""
+    decoded, elapsed = 0, 0.0
+    for ids in prompts:
+        clock = TokenClock()
+        with torch.inference_mode():
+            loaded.model.generate(torch.tensor([ids]), max_new_tokens=steps + 1, min_new_tokens=steps + 1,
+                                  do_sample=False, pad_token_id=loaded.tokenizer.pad_token_id, streamer=clock)
+        elapsed += time.perf_counter() - clock.first_token_at
+        decoded += steps
+    return decoded / elapsed
+
+
+WEIGHT_MATMULS = {"aten::mm", "aten::addmm"}
+
+
+def step_breakdown(loaded: LoadedModel, prompts: list[list[int]], width: int, steps: int) -> dict[str, float]:
+    """Where a decode step of `width` sequences spends its time (torch profiler, self CPU time per step),
+    and the KV bytes its attention reads, from the shapes of the tensors the attention op was given."""
+    caches, tokens = _prefilled(loaded, prompts[:width], None)
+    positions = [len(p) for p in prompts[:width]]
+
+    def step() -> None:
+        logits = decode_step(loaded.model, tokens, positions, caches)
+        tokens[:] = logits.argmax(-1).tolist()
+        positions[:] = [p + 1 for p in positions]
+
+    step()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    step_s = (time.perf_counter() - t0) / steps
+    with torch.profiler.profile(record_shapes=True) as prof:
+        for _ in range(steps):
+            step()
+    for cache in caches:
+        cache.close()
+    matmul_us = attention_us = kv_bytes_read = 0
+    for event in prof.events():
+        if event.name in WEIGHT_MATMULS:
+            matmul_us += event.self_cpu_time_total
+        elif event.name.startswith("aten::_scaled_dot_product"):
+            attention_us += event.self_cpu_time_total
+            key, value = event.input_shapes[1], event.input_shapes[2]
+            kv_bytes_read += loaded.dtype.itemsize * (torch.Size(key).numel() + torch.Size(value).numel())
+    return {"step_ms": step_s * 1e3, "matmul_ms": matmul_us / steps / 1e3, "attention_ms": attention_us / steps / 1e3,
+            "kv_mb": kv_bytes_read / steps / 1e6}
+
+
+def plain_read_gbs(nbytes: int) -> float:
+    """How fast this process reads memory it does not compute much on: a sum over `nbytes` of float32."""
+    data = torch.ones(nbytes // 4)
+    data.sum()
+    t0 = time.perf_counter()
+    for _ in range(5):
+        data.sum()
+    return 5 * nbytes / (time.perf_counter() - t0) / 1e9
+
+
 def decode_section(loaded: LoadedModel, args: argparse.Namespace) -> None:
     rows = documents(loaded)
     ids = [loaded.tokenizer(r["text"], add_special_tokens=False).input_ids for r in rows]
     pool = [t for doc in ids for t in doc]
-    print(f"{'prompt tokens':>13} {'batch':>5} {'decode tok/s':>12} {'x batch 1':>9} {'same tokens':>11}")
+    print(f"{'prompt tokens':>13} {'batch':>5} {'decode tok/s':>12} {'x batch 1':>9} {'x plain':>7} {'same tokens':>11}")
+    by_length = {}
     for length in (1060, 3000):
         prompts = [pool[i * 997 % (len(pool) - length):][:length] for i in range(8)]
+        by_length[length] = prompts
+        plain = plain_decode_rate(loaded, prompts, args.decode_steps)
+        print(f"{length:>13} {'plain':>5} {plain:>12.1f} {'':>9} {1.0:>7.2f} {'':>11}", flush=True)
         alone, alone_tokens = decode_rate(loaded, prompts, 1, args.decode_steps)
         for width in (1, 2, 4, 8):
             rate, tokens = (alone, alone_tokens) if width == 1 else decode_rate(loaded, prompts, width, args.decode_steps)
             same = sum(a == b for a, b in zip(tokens, alone_tokens))
-            print(f"{length:>13} {width:>5} {rate:>12.1f} {rate / alone:>9.2f} {same:>9}/8", flush=True)
+            print(f"{length:>13} {width:>5} {rate:>12.1f} {rate / alone:>9.2f} {rate / plain:>7.2f} {same:>9}/8",
+                  flush=True)
+    print("\n`plain`: model.generate one prompt at a time (transformers' default cache), prefill excluded")
+    print("\nwhere a decode step's time goes at 3,000-token prompts (torch profiler, self CPU time per step):")
+    print(f"{'batch':>5} {'step ms':>8} {'weights ms':>10} {'attention ms':>12} {'other ms':>8} {'KV read MB':>10} "
+          f"{'attention GB/s':>14}")
+    for width in (1, 8):
+        parts = step_breakdown(loaded, by_length[3000], width, args.decode_steps)
+        other = parts["step_ms"] - parts["matmul_ms"] - parts["attention_ms"]
+        print(f"{width:>5} {parts['step_ms']:>8.1f} {parts['matmul_ms']:>10.1f} {parts['attention_ms']:>12.1f} "
+              f"{other:>8.1f} {parts['kv_mb']:>10.0f} {parts['kv_mb'] / parts['attention_ms']:>14.1f}", flush=True)
+    print(f"a plain read of memory in this process: {plain_read_gbs(1 << 30):.1f} GB/s")
 
 
 # -- cuda: an 8B-shaped model ------------------------------------------------------------------------
