@@ -153,20 +153,26 @@ def plain_prompts(loaded: LoadedModel, rows: list[dict[str, str]]) -> list[list[
     return prompts
 
 
+def plain_generate(loaded: LoadedModel, ids: list[int], **kwargs: int) -> tuple[list[int], float]:
+    """What a user writes without kvbatch: greedy `model.generate` of one prompt with transformers' default
+    cache. Its new tokens, and its decode seconds (from the first new token on, so prefill excluded)."""
+    clock = TokenClock()
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = loaded.model.generate(torch.tensor([ids]), do_sample=False, pad_token_id=loaded.tokenizer.pad_token_id,
+                                    streamer=clock, **kwargs)
+    return out[0, len(ids):].tolist(), time.perf_counter() - (clock.first_token_at or t0)
+
+
 def anchors_section(loaded: LoadedModel, args: argparse.Namespace) -> None:
     model, tokenizer = loaded.model, loaded.tokenizer
     prompts = plain_prompts(loaded, documents(loaded))
     loop_tokens, decode_s, decoded = [], 0.0, 0
     start = time.perf_counter()
     for ids in prompts:
-        clock = TokenClock()
-        t0 = time.perf_counter()
-        with torch.inference_mode():
-            out = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                                 pad_token_id=tokenizer.pad_token_id, streamer=clock)
-        new = out[0, len(ids):].tolist()
+        new, seconds = plain_generate(loaded, ids, max_new_tokens=NEW_TOKENS)
         loop_tokens.append(new)
-        decode_s += time.perf_counter() - (clock.first_token_at or t0)
+        decode_s += seconds
         decoded += max(len(new) - 1, 0)
     loop_s = time.perf_counter() - start
     config = GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=model.generation_config.eos_token_id,
@@ -198,6 +204,16 @@ def _prefilled(loaded: LoadedModel, prompts: list[list[int]], tier: str | None) 
     return caches, first
 
 
+def _greedy_step(loaded: LoadedModel, group: list[int], out: list[list[int]], positions: list[int], caches: list
+                 ) -> None:
+    """One batched decode step of the sequences in `group`: each gets its next (greedy) token."""
+    logits = decode_step(loaded.model, [out[i][-1] for i in group], [positions[i] for i in group],
+                         [caches[i] for i in group])
+    for row, i in enumerate(group):
+        out[i].append(int(logits[row].argmax()))
+        positions[i] += 1
+
+
 def decode_rate(loaded: LoadedModel, prompts: list[list[int]], rows: int, steps: int, tier: str | None = None
                 ) -> tuple[float, list[list[int]]]:
     """Decode tokens/s with `rows` sequences per step (greedy), prefill excluded; and the tokens."""
@@ -211,11 +227,7 @@ def decode_rate(loaded: LoadedModel, prompts: list[list[int]], rows: int, steps:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         for _ in range(steps):
-            logits = decode_step(loaded.model, [out[i][-1] for i in group], [positions[i] for i in group],
-                                 [caches[i] for i in group])
-            for row, i in enumerate(group):
-                out[i].append(int(logits[row].argmax()))
-                positions[i] += 1
+            _greedy_step(loaded, group, out, positions, caches)
         if loaded.device.type == "cuda":
             torch.cuda.synchronize()
         elapsed += time.perf_counter() - t0
@@ -225,17 +237,9 @@ def decode_rate(loaded: LoadedModel, prompts: list[list[int]], rows: int, steps:
 
 
 def plain_decode_rate(loaded: LoadedModel, prompts: list[list[int]], steps: int) -> float:
-    """What a user has without kvbatch: `model.generate` one prompt at a time (its default cache), decode
-    tokens/s with the prefill excluded (from the first new token on)."""
-    decoded, elapsed = 0, 0.0
-    for ids in prompts:
-        clock = TokenClock()
-        with torch.inference_mode():
-            loaded.model.generate(torch.tensor([ids]), max_new_tokens=steps + 1, min_new_tokens=steps + 1,
-                                  do_sample=False, pad_token_id=loaded.tokenizer.pad_token_id, streamer=clock)
-        elapsed += time.perf_counter() - clock.first_token_at
-        decoded += steps
-    return decoded / elapsed
+    """Decode tokens/s of `plain_generate` one prompt at a time, `steps` decode steps each."""
+    elapsed = sum(plain_generate(loaded, ids, max_new_tokens=steps + 1, min_new_tokens=steps + 1)[1] for ids in prompts)
+    return len(prompts) * steps / elapsed
 
 
 WEIGHT_MATMULS = {"aten::mm", "aten::addmm"}
@@ -245,21 +249,11 @@ def step_breakdown(loaded: LoadedModel, prompts: list[list[int]], width: int, st
     """Where a decode step of `width` sequences spends its time (torch profiler, self CPU time per step),
     and the KV bytes its attention reads, from the shapes of the tensors the attention op was given."""
     caches, tokens = _prefilled(loaded, prompts[:width], None)
-    positions = [len(p) for p in prompts[:width]]
-
-    def step() -> None:
-        logits = decode_step(loaded.model, tokens, positions, caches)
-        tokens[:] = logits.argmax(-1).tolist()
-        positions[:] = [p + 1 for p in positions]
-
-    step()
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        step()
-    step_s = (time.perf_counter() - t0) / steps
+    out, positions, group = [[t] for t in tokens], [len(p) for p in prompts[:width]], list(range(width))
+    _greedy_step(loaded, group, out, positions, caches)  # the first step outside the profile
     with torch.profiler.profile(record_shapes=True) as prof:
         for _ in range(steps):
-            step()
+            _greedy_step(loaded, group, out, positions, caches)
     for cache in caches:
         cache.close()
     matmul_us = attention_us = kv_bytes_read = 0
@@ -270,7 +264,7 @@ def step_breakdown(loaded: LoadedModel, prompts: list[list[int]], width: int, st
             attention_us += event.self_cpu_time_total
             key, value = event.input_shapes[1], event.input_shapes[2]
             kv_bytes_read += loaded.dtype.itemsize * (torch.Size(key).numel() + torch.Size(value).numel())
-    return {"step_ms": step_s * 1e3, "matmul_ms": matmul_us / steps / 1e3, "attention_ms": attention_us / steps / 1e3,
+    return {"matmul_ms": matmul_us / steps / 1e3, "attention_ms": attention_us / steps / 1e3,
             "kv_mb": kv_bytes_read / steps / 1e6}
 
 
@@ -288,27 +282,30 @@ def decode_section(loaded: LoadedModel, args: argparse.Namespace) -> None:
     rows = documents(loaded)
     ids = [loaded.tokenizer(r["text"], add_special_tokens=False).input_ids for r in rows]
     pool = [t for doc in ids for t in doc]
-    print(f"{'prompt tokens':>13} {'batch':>5} {'decode tok/s':>12} {'x batch 1':>9} {'x plain':>7} {'same tokens':>11}")
-    by_length = {}
+    print(f"{'prompt tokens':>13} {'batch':>5} {'decode tok/s':>12} {'x batch 1':>9} {'x plain':>7} "
+          f"{'same tokens':>11}")
+    rates = {}  # (prompt tokens, batch) -> decode tok/s
     for length in (1060, 3000):
         prompts = [pool[i * 997 % (len(pool) - length):][:length] for i in range(8)]
-        by_length[length] = prompts
         plain = plain_decode_rate(loaded, prompts, args.decode_steps)
         print(f"{length:>13} {'plain':>5} {plain:>12.1f} {'':>9} {1.0:>7.2f} {'':>11}", flush=True)
         alone, alone_tokens = decode_rate(loaded, prompts, 1, args.decode_steps)
         for width in (1, 2, 4, 8):
             rate, tokens = (alone, alone_tokens) if width == 1 else decode_rate(loaded, prompts, width, args.decode_steps)
+            rates[length, width] = rate
             same = sum(a == b for a, b in zip(tokens, alone_tokens))
             print(f"{length:>13} {width:>5} {rate:>12.1f} {rate / alone:>9.2f} {rate / plain:>7.2f} {same:>9}/8",
                   flush=True)
     print("\n`plain`: model.generate one prompt at a time (transformers' default cache), prefill excluded")
-    print("\nwhere a decode step's time goes at 3,000-token prompts (torch profiler, self CPU time per step):")
+    print("\nwhere a decode step's time goes at 3,000-token prompts (step: the table's rate; weights and attention:\n"
+          "torch profiler, self CPU time per step; other: the rest of the step):")
     print(f"{'batch':>5} {'step ms':>8} {'weights ms':>10} {'attention ms':>12} {'other ms':>8} {'KV read MB':>10} "
           f"{'attention GB/s':>14}")
     for width in (1, 8):
-        parts = step_breakdown(loaded, by_length[3000], width, args.decode_steps)
-        other = parts["step_ms"] - parts["matmul_ms"] - parts["attention_ms"]
-        print(f"{width:>5} {parts['step_ms']:>8.1f} {parts['matmul_ms']:>10.1f} {parts['attention_ms']:>12.1f} "
+        parts = step_breakdown(loaded, prompts, width, args.decode_steps)  # the 3,000-token prompts
+        step_ms = 1e3 * width / rates[3000, width]  # the table's rate for this batch: ms per step
+        other = step_ms - parts["matmul_ms"] - parts["attention_ms"]
+        print(f"{width:>5} {step_ms:>8.1f} {parts['matmul_ms']:>10.1f} {parts['attention_ms']:>12.1f} "
               f"{other:>8.1f} {parts['kv_mb']:>10.0f} {parts['kv_mb'] / parts['attention_ms']:>14.1f}", flush=True)
     print(f"a plain read of memory in this process: {plain_read_gbs(1 << 30):.1f} GB/s")
 
