@@ -118,7 +118,19 @@ class _CacheTotals:
         return self._raw / self._stored if self._stored else None
 
 
+_ALLOCATION_FAILURES = (
+    "CUDA error: out of memory",  # C10_CUDA_CHECK on cudaErrorMemoryAllocation: a pinned cudaHostAlloc
+    "CUBLAS_STATUS_ALLOC_FAILED",  # cuBLAS could not allocate its workspace
+    "DefaultCPUAllocator: can't allocate memory",  # host RAM (the device itself on CPU)
+)
+"""What torch's allocators say when they fail outside its device allocator, which alone raises
+`torch.OutOfMemoryError`: without these, a failed pinned allocation would be retried as transient
+and the task would never move to a rung that needs less memory."""
+
+
 def _is_memory_error(e: BaseException) -> bool:
+    if isinstance(e, RuntimeError) and any(marker in str(e) for marker in _ALLOCATION_FAILURES):
+        return True
     return isinstance(e, (torch.OutOfMemoryError, ScratchSpaceError)) or (
         isinstance(e, OSError) and e.errno == errno.ENOSPC
     )
