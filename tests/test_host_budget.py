@@ -61,7 +61,6 @@ def test_tiered_caches_of_one_worker_share_its_host_budget_and_give_it_back(tmp_
         assert pool.total == one  # the meter counts what host_kv_bytes (admission's figure) says
         with pytest.raises(KVBudgetExceeded, match=r"the batch's host RAM .*cache\.host_kv_budget_bytes"):
             model(prompt, **second.generate_kwargs)
-    assert _is_memory_error(KVBudgetExceeded("x"))  # so the batch splits (or the task moves on)
     first.close()
     second.close()
     assert pool.total == 0
