@@ -125,12 +125,13 @@ class WorkersConfig(_Section):
 
 
 AUTO_MAX_SEQUENCES = 16
-"""`batch.max_sequences: auto`: as many as the device budget holds, up to this many."""
+"""`batch.max_sequences: auto`: this many; admission lets fewer decode together when the budgets hold fewer."""
 
 
 class BatchConfig(_Section):
     # sequences (documents, map chunks, merge passes) sharing a worker's decode steps; the worker also
-    # keeps that many tasks in flight, and admits a sequence only while the batch's KV fits the budget
+    # keeps that many tasks in flight, and admits a sequence only while the batch's device and host KV
+    # fit the worker's budgets (a memory error lowers the limit for a while: jobs/batch_limit.py)
     max_sequences: int | Literal["auto"] = "auto"
 
     @field_validator("max_sequences")

@@ -148,6 +148,23 @@ def device_kv_bytes(shape: KVShape, rung: str, tokens: int, placement: Placement
     return min(shape.num_layers, 2) * tokens * shape.layer_token_bytes()  # the layer computing, the next
 
 
+def host_kv_bytes(shape: KVShape, rung: str, tokens: int, placement: Placement | None, block_tokens: int) -> int:
+    """Host RAM one sequence's KV takes at its full length (`tokens`) on `rung`, as the worker's host
+    meter counts it: whole blocks of each streamed layer kept in RAM, one block (the unfilled tail)
+    of each layer streamed from disk, nothing on a device rung. What batch admission adds up against
+    the host budget."""
+    home, tier = RUNGS[rung].home, RUNGS[rung].tier
+    if tier is None:
+        return kv_bytes(shape, tokens) if home == "host" else 0
+    streamed = placement.streamed_layers if placement else shape.full_attention_layers
+    if placement is not None:
+        in_ram = len(placement.host_layers)
+    else:
+        in_ram = len(streamed) if tier == "host" else 0
+    block = block_tokens * shape.layer_token_bytes()
+    return in_ram * -(-tokens // block_tokens) * block + (len(streamed) - in_ram) * block
+
+
 def _spread(layers: tuple[int, ...], k: int) -> tuple[int, ...]:
     """`k` of `layers`, evenly spaced."""
     n = len(layers)

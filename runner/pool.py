@@ -22,6 +22,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 
 from jobs.config import JobConfig
 from jobs.faults import FaultRule
+from jobs.node_share import workers_per_node
 from jobs.outcome import TaskOutcome
 from jobs.task import Task
 from runner.cluster import kill_and_wait
@@ -67,6 +68,11 @@ class _Slot:
     exclusive: bool = False  # a task that must run alone holds the worker: no other call starts
 
 
+def _alive_nodes() -> list[dict[str, float]]:
+    """Each live node's resources, for how many workers will share one (their `auto` budgets split)."""
+    return [node["Resources"] for node in ray.nodes() if node.get("Alive")]
+
+
 class WorkerPool:
     def __init__(self, config: JobConfig, job_id: str, offload_root: Path, faults: list[FaultRule]) -> None:
         self.cfg = config
@@ -103,7 +109,8 @@ class WorkerPool:
         threads = max(1, int(self.cfg.workers.cpus_per_worker))
         config = self.cfg.model_dump(mode="json")
         faults = [f.model_dump() for f in self.faults]
-        self.workers = [remote_cls.remote(config, self.job_id, str(self.offload_root), faults, threads)
+        node_workers = workers_per_node(count, _alive_nodes(), self.cfg.workers.cpus_per_worker, gpus)
+        self.workers = [remote_cls.remote(config, self.job_id, str(self.offload_root), faults, threads, node_workers)
                         for _ in range(count)]
         infos = ray.get([w.info.remote() for w in self.workers])
         self._slots = {w: _Slot(f"worker slot {i}", info["worker"]) for i, (w, info) in enumerate(zip(self.workers, infos))}

@@ -5,12 +5,13 @@ prefilled on its own, into its own cache, and then joins the decoding batch; eve
 all joined sequences in one forward pass (runner/engine/ragged.py: shared weight matmuls, attention
 per sequence, no padding), and a finished sequence leaves at once, freeing its slot for the next.
 
-Admission keeps the batch within `batch.max_sequences` and the device budget: the sum of the joined
-sequences' device KV (each at its full length, prompt + new tokens) must fit. A memory error in a
-step with several sequences splits the batch (every sequence of it starts again, at most half as
-many at a time from then on) before any task is told, so only a sequence that runs out of memory
-alone moves its task down the cache ladder. Any other error in one sequence's cache fails that
-sequence only.
+Admission keeps the batch within `batch.max_sequences` and the worker's budgets: the sum of the
+joined sequences' device KV, and of their host KV (tiered rungs), each at its full length (prompt +
+new tokens), must fit. A memory error in a step with several sequences splits the batch (every
+sequence of it starts again, at most half as many at a time) before any task is told, so only a
+sequence that runs out of memory alone moves its task down the cache ladder; after enough calm
+decode steps the limit grows back (jobs.batch_limit). Any other error in one sequence's cache fails
+that sequence only.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 import psutil
 import torch
 
+from jobs.batch_limit import GROW_BACK_STEPS, BatchLimit
 from jobs.config import PrefillMode, SummarizeConfig
 from jobs.outcome import CacheStats
 from runner.engine.generation import Generation, TokenPicker, generate_once, prefill
@@ -46,6 +48,8 @@ class PassRequest:
     make_cache: CacheFactory
     device_bytes: int
     """Device memory its KV takes at full length (prompt + new tokens): what admission sums."""
+    host_bytes: int = 0
+    """Host RAM its KV takes at full length (a tiered rung's streamed layers): summed the same way."""
     memory: StageMemory = field(default_factory=StageMemory)
     """The task's per-stage memory figures, updated as this sequence runs."""
 
@@ -89,12 +93,16 @@ class BatchScheduler:
     """Runs every sequence submitted to it, batching decode steps; `submit` from any thread."""
 
     def __init__(self, loaded: LoadedModel, settings: SummarizeConfig, prefill_mode: PrefillMode,
-                 max_sequences: int, device_budget: int, is_memory_error: MemoryErrorTest) -> None:
+                 max_sequences: int, device_budget: int, is_memory_error: MemoryErrorTest,
+                 host_budget: int | None = None, grow_back_steps: int = GROW_BACK_STEPS) -> None:
+        """`host_budget`: the worker's host RAM for KV (None: not limited here); `grow_back_steps`:
+        calm decode steps before a limit a memory error lowered doubles back (jobs.batch_limit)."""
         self.loaded = loaded
         self.settings = settings
         self.prefill_mode = prefill_mode
-        self.max_sequences = max_sequences
+        self.limit = BatchLimit(max_sequences, grow_back_steps)
         self.device_budget = device_budget
+        self.host_budget = host_budget
         self.is_memory_error = is_memory_error
         self.splits = 0
         """How often a memory error split a batch (each split halves `max_sequences`)."""
@@ -107,6 +115,17 @@ class BatchScheduler:
         self._process = psutil.Process()
         self._thread = threading.Thread(target=self._loop, name="kvbatch-scheduler", daemon=True)
         self._thread.start()
+
+    @property
+    def max_sequences(self) -> int:
+        """The most sequences that decode together now: `batch.max_sequences` unless a memory error
+        lowered it and it has not grown back yet."""
+        return self.limit.current
+
+    @max_sequences.setter
+    def max_sequences(self, limit: int) -> None:
+        """Set on a memory error only: lowers the limit until calm steps grow it back."""
+        self.limit.lower_to(limit)
 
     # -- the task side ---------------------------------------------------------------------------
     def submit(self, request: PassRequest) -> Future[PassResult]:
@@ -143,15 +162,23 @@ class BatchScheduler:
             seq.handle.close()
 
     def _admissible(self) -> _Queued | None:
-        """The next sequence that may join now (caller holds the lock), taken off the queue."""
+        """The next sequence that may join now (caller holds the lock), taken off the queue.
+
+        Each round of the loop with a batch decoding runs one decode step; a memory error in it
+        lowers the limit again, so every round that gets here with a batch counts towards growing
+        it back."""
+        if self._active:
+            self.limit.step()
         if not self._pending:
             return None
-        head = self._pending[0]
+        head = self._pending[0].request
         if self._active:
             if len(self._active) >= self.max_sequences:
                 return None
-            used = sum(s.request.device_bytes for s in self._active)
-            if used + head.request.device_bytes > self.device_budget:
+            if sum(s.request.device_bytes for s in self._active) + head.device_bytes > self.device_budget:
+                return None
+            if (self.host_budget is not None
+                    and sum(s.request.host_bytes for s in self._active) + head.host_bytes > self.host_budget):
                 return None
         return self._pending.popleft()
 
@@ -241,7 +268,7 @@ class BatchScheduler:
     def _split(self, rows: list[_Sequence]) -> None:
         """Too many sequences for the memory: all of them start again, at most half as many at a time."""
         self.splits += 1
-        self.max_sequences = max(1, len(rows) // 2)
+        self.limit.lower_to(len(rows) // 2)
         self._restart(rows)
 
     def _restart(self, rows: list[_Sequence]) -> None:

@@ -34,10 +34,12 @@ from jobs.kvplan import (
     Placement,
     device_kv_bytes,
     estimated_tokens,
+    host_kv_bytes,
     kv_bytes,
     plan_placement,
     plan_rungs,
 )
+from jobs.node_share import workers_per_device
 from jobs.outcome import CacheStats, TaskOutcome
 from jobs.policy import FailureClass, cache_fallback_note
 from jobs.rungs import RUNGS
@@ -118,7 +120,19 @@ class _CacheTotals:
         return self._raw / self._stored if self._stored else None
 
 
+_ALLOCATION_FAILURES = (
+    "CUDA error: out of memory",  # C10_CUDA_CHECK on cudaErrorMemoryAllocation: a pinned cudaHostAlloc
+    "CUBLAS_STATUS_ALLOC_FAILED",  # cuBLAS could not allocate its workspace
+    "DefaultCPUAllocator: can't allocate memory",  # host RAM (the device itself on CPU)
+)
+"""What torch's allocators say when they fail outside its device allocator, which alone raises
+`torch.OutOfMemoryError`: without these, a failed pinned allocation would be retried as transient
+and the task would never move to a rung that needs less memory."""
+
+
 def _is_memory_error(e: BaseException) -> bool:
+    if isinstance(e, RuntimeError) and any(marker in str(e) for marker in _ALLOCATION_FAILURES):
+        return True
     return isinstance(e, (torch.OutOfMemoryError, ScratchSpaceError)) or (
         isinstance(e, OSError) and e.errno == errno.ENOSPC
     )
@@ -161,7 +175,10 @@ class SummaryWorker:
         offload_root: str,
         faults: list[dict[str, Any]] | None = None,
         threads: int | None = None,
+        node_workers: int = 1,
     ) -> None:
+        """`node_workers`: how many workers of the batch share this node (the pool's count from the
+        cluster's resources, jobs.node_share), among whom `auto` budgets are split."""
         self.cfg = JobConfig.model_validate(config)
         self.job_id = job_id
         self.offload_root = Path(offload_root)
@@ -175,11 +192,17 @@ class SummaryWorker:
         self.after_load = memory_snapshot(self.loaded.device)
         self.summarizer = Summarizer(self.loaded, self.cfg.summarize.chunk_overlap_tokens)
         self.kv_shape = kv_shape(self.loaded.model.config, self.loaded.dtype)
-        self.device_budget, self.host_budget = resolve_budgets(self.cfg.cache, self.loaded.device)
-        # one meter of the device for every cache of the sequences batched here
+        self.node_workers = max(1, node_workers)
+        self.device_budget, self.host_budget = resolve_budgets(
+            self.cfg.cache, self.loaded.device, self.node_workers,
+            workers_per_device(self.node_workers, self.cfg.workers.gpus_per_worker),
+        )
+        # one meter of the device and one of host RAM for every cache of the sequences batched here
         self.device_pool = ResidentMeter(self.device_budget, "the batch's resident device", "cache.device_kv_budget_bytes")
+        self.host_pool = ResidentMeter(self.host_budget, "the batch's host RAM", "cache.host_kv_budget_bytes")
         self.scheduler = BatchScheduler(self.loaded, self.cfg.summarize, self.cfg.cache.prefill,
-                                        self.cfg.batch.sequences, self.device_budget, _is_memory_error)
+                                        self.cfg.batch.sequences, self.device_budget, _is_memory_error,
+                                        host_budget=self.host_budget)
 
     def info(self) -> dict[str, Any]:
         return {
@@ -189,6 +212,9 @@ class SummaryWorker:
             "load_s": self.loaded.load_s,
             "swept_dirs": len(self.swept),
             "max_sequences": self.cfg.batch.sequences,
+            "node_workers": self.node_workers,
+            "device_kv_budget_bytes": self.device_budget,
+            "host_kv_budget_bytes": self.host_budget,
         }
 
     def run(self, task_data: dict[str, Any], attempt: int, context_tokens: int) -> TaskOutcome:
@@ -288,8 +314,10 @@ class SummaryWorker:
                     prompt_ids, max_new,
                     make_cache=lambda: build_cache(rung, self.loaded.model, self.cfg.cache, pass_dir,
                                                    self.device_budget, self.host_budget, placement,
-                                                   expected_tokens=tokens, device_pool=self.device_pool),
+                                                   expected_tokens=tokens, device_pool=self.device_pool,
+                                                   host_pool=self.host_pool),
                     device_bytes=device_kv_bytes(self.kv_shape, rung, tokens, placement),
+                    host_bytes=host_kv_bytes(self.kv_shape, rung, tokens, placement, self.cfg.cache.block_tokens),
                     memory=memory,
                 )
 

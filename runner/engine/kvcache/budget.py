@@ -19,9 +19,9 @@ class KVBudgetExceeded(torch.OutOfMemoryError):
 class ResidentMeter:
     """Bytes a cache holds in one memory, by slot (a layer, a prefetch), with the peak and a limit.
 
-    With a `pool` (the worker's meter of the device, shared by every cache of the sequences it batches),
-    each hold also counts against the pool's budget, so the batch as a whole stays within the device
-    budget, not just each cache alone."""
+    With a `pool` (the worker's meter of the device or of host RAM, shared by every cache of the
+    sequences it batches), each hold also counts against the pool's budget, so the batch as a whole
+    stays within the worker's budget, not just each cache alone."""
 
     def __init__(self, budget_bytes: int | None, what: str, config_key: str,
                  pool: "ResidentMeter | None" = None) -> None:

@@ -80,16 +80,19 @@ def _window(layer_type: str, kwargs: dict[str, Any]) -> int | None:
     return 0 if layer_type == "dummy" else kwargs.get("sliding_window")
 
 
-def resolve_budgets(cache_cfg: CacheConfig, device: torch.device) -> tuple[int, int]:
-    """(device, host) KV budgets in bytes; `auto` reads what this machine has free right now."""
-    available_ram = int(psutil.virtual_memory().available * RAM_SHARE)
+def resolve_budgets(cache_cfg: CacheConfig, device: torch.device, node_workers: int = 1,
+                    device_workers: int = 1) -> tuple[int, int]:
+    """(device, host) KV budgets in bytes; `auto` reads what this machine has free right now, and
+    takes this worker's share of it: the node's RAM is split among its `node_workers`, a GPU's free
+    memory among the `device_workers` that share it (jobs.node_share)."""
+    available_ram = int(psutil.virtual_memory().available * RAM_SHARE) // max(node_workers, 1)
     host = available_ram if cache_cfg.host_kv_budget_bytes == "auto" else cache_cfg.host_kv_budget_bytes
     if cache_cfg.device_kv_budget_bytes != "auto":
         return cache_cfg.device_kv_budget_bytes, host
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         margin = max(int(total * CUDA_SAFETY_MARGIN), CUDA_MIN_MARGIN_BYTES)
-        return max(free - margin, 0), host
+        return max(free - margin, 0) // max(device_workers, 1), host
     return available_ram, host
 
 
@@ -103,11 +106,13 @@ def build_cache(
     placement: Placement | None = None,
     expected_tokens: int | None = None,
     device_pool: ResidentMeter | None = None,
+    host_pool: ResidentMeter | None = None,
 ) -> CacheHandle:
     """A fresh cache for one generate() call; `offload_dir` is the task's scratch dir (disk tier);
     `placement` says which layers a tiered rung keeps on the device (default: none);
     `expected_tokens` (prompt + new tokens) lets `dynamic` allocate once instead of growing;
-    `device_pool` is the worker's device meter, which every cache of a batch counts against."""
+    `device_pool` and `host_pool` are the worker's meters of the device and of host RAM, which every
+    cache of a batch counts against."""
     check_strategy(strategy)
     rung = RUNGS[strategy]
     if strategy == "dynamic":
@@ -129,6 +134,7 @@ def build_cache(
             host_budget_bytes=host_budget_bytes,
             placement=placement,
             device_pool=device_pool,
+            host_pool=host_pool,
         )
         return CacheHandle(strategy, {"past_key_values": tiered}, tiered.stats, tiered.close)
     if rung.cuda_only and model.device.type != "cuda":

@@ -237,6 +237,7 @@ class TieredCache(Cache):
         host_budget_bytes: int | None = None,
         placement: Placement | None = None,
         device_pool: ResidentMeter | None = None,
+        host_pool: ResidentMeter | None = None,
     ) -> None:
         if block_tokens <= 0:
             raise ValueError(f"block_tokens must be positive, got {block_tokens}")
@@ -244,7 +245,7 @@ class TieredCache(Cache):
             _make_tier(tier, offload_dir, BlockCodec(compression, zstd_level, shuffle)),
             block_tokens,
             ResidentMeter(device_budget_bytes, "resident device", "cache.device_kv_budget_bytes", device_pool),
-            ResidentMeter(host_budget_bytes, "host RAM", "cache.host_kv_budget_bytes"),
+            ResidentMeter(host_budget_bytes, "host RAM", "cache.host_kv_budget_bytes", host_pool),
         )
         self.placement = placement
         layers = _layers_for(config.get_text_config(decoder=True), self.shared, placement)
@@ -357,6 +358,7 @@ class TieredCache(Cache):
         self._closed = True
         self.shared.close()  # waits for the IO thread's running job; queued reads are cancelled
         self.shared.device_meter.release()
+        self.shared.host_meter.release()
 
     def __enter__(self) -> "TieredCache":
         return self

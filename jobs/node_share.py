@@ -1,0 +1,46 @@
+"""How many workers share one node's RAM and one GPU, so that `auto` KV budgets are split among them.
+
+A worker sizes an `auto` budget from what its machine has free when it starts; several workers on
+one node (and actors sharing a GPU through a fractional `workers.gpus_per_worker`) would each claim
+all of it. The pool works out where Ray's SPREAD strategy puts the workers (one per node, in turn,
+on every node with room left) from the cluster's per-node resources, and gives each worker the most
+that land on one node: on one node that is exact, across uneven nodes it errs on the small side.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+
+def _node_capacity(resources: Mapping[str, float], cpus_per_worker: float, gpus_per_worker: float) -> int:
+    """How many workers one node's resources hold (`gpus_per_worker` 0: they take no GPU)."""
+    fits = math.floor(resources.get("CPU", 0) / cpus_per_worker + 1e-9)
+    if gpus_per_worker > 0:
+        fits = min(fits, math.floor(resources.get("GPU", 0) / gpus_per_worker + 1e-9))
+    return max(fits, 0)
+
+
+def workers_per_node(count: int, nodes: list[Mapping[str, float]], cpus_per_worker: float,
+                     gpus_per_worker: float) -> int:
+    """The most of `count` workers that one node gets when they are spread one per node in turn over
+    the nodes with room; at least 1 (a worker that fits nowhere shares with nobody it can see)."""
+    room = [_node_capacity(n, cpus_per_worker, gpus_per_worker) for n in nodes]
+    placed = [0] * len(room)
+    left = count
+    while left > 0 and any(p < r for p, r in zip(placed, room)):
+        for i, r in enumerate(room):
+            if left > 0 and placed[i] < r:
+                placed[i] += 1
+                left -= 1
+    return max([1, *placed])
+
+
+def workers_per_device(node_workers: int, gpus_per_worker: float) -> int:
+    """Of a node's workers, how many share one GPU: a whole GPU (or more) each is one; a fraction f
+    packs 1/f to a GPU; none reserved (0) means every worker of the node sees the same GPUs."""
+    if gpus_per_worker <= 0:
+        return node_workers
+    if gpus_per_worker >= 1:
+        return 1
+    return max(1, min(node_workers, math.floor(1 / gpus_per_worker + 1e-9)))
