@@ -10,6 +10,7 @@ import json
 import secrets
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
@@ -84,18 +85,47 @@ def _write_json(target: Location, payload: dict[str, Any]) -> None:
     target.write_bytes_atomic(json.dumps(payload, indent=2).encode(), _temp_name(target))
 
 
-def create_job(job: JobDir, info: JobInfo, manifest_table: pa.Table, rejected: pa.Table) -> None:
-    """Create the job's files; call with the job lock held. Refuses a folder that holds (part of) a job.
+def _file_in_the_way(job: JobDir) -> Path | None:
+    """The file a local job folder path names, or lies under; None when there is none."""
+    if not job.path.is_local:
+        return None
+    path = job.path.local_path
+    existing = next((p for p in (path, *path.parents) if p.exists()), None)
+    return existing if existing is not None and not existing.is_dir() else None
 
-    The rejected rows' results part and manifest.parquet are published before job.json: a job.json
-    is the promise that everything the manifest said is in the folder, so a crash at any instant
-    loses no row.
-    """
+
+def check_new_job_folder(job: JobDir) -> None:
+    """Refuse, before anything is read or written, a job folder path that is a file or already holds a job."""
+    if (blocking := _file_in_the_way(job)) is not None:
+        raise JobDirError(f"{blocking} is a file, not a folder: give -j the path of a new job folder")
     if job.job_json.exists():
         raise JobDirError(
             f"{job.path} already holds a job ({job.job_json}); "
             f"continue it with `kvbatch resume {job.path}` or choose another -j JOB_DIR"
         )
+
+
+def make_job_folder(job: JobDir) -> None:
+    """The folder a new job is created in, or a one-line JobDirError naming it (a file in the way, no permission)."""
+    check_new_job_folder(job)
+    try:
+        job.path.makedirs()
+    except OSError as e:
+        raise JobDirError(
+            f"cannot create the job folder {job.path} ({e.strerror or e}): choose another -j JOB_DIR"
+        ) from None
+
+
+def create_job(job: JobDir, info: JobInfo, manifest_table: pa.Table, rejected: pa.Table,
+               copies: dict[str, bytes] | None = None) -> None:
+    """Create the job's files; call with the job lock held. Refuses a folder that holds (part of) a job.
+
+    `copies`: files kept in the job folder by name (the manifest made from a folder), written only
+    once the folder is known to hold no job, so a refused submit changes nothing. The rejected rows'
+    results part and manifest.parquet are published before job.json: a job.json is the promise
+    that everything the manifest said is in the folder, so a crash at any instant loses no row.
+    """
+    check_new_job_folder(job)
     leftovers = [f.name for f in (job.manifest,) if f.exists()] + [
         f"{folder.name}/" for folder in (job.results, job.events) if list_parts(folder)
     ]
@@ -107,6 +137,8 @@ def create_job(job: JobDir, info: JobInfo, manifest_table: pa.Table, rejected: p
         )
     for folder in (job.path, job.events, job.results):
         folder.makedirs()
+    for name, data in (copies or {}).items():
+        (job.path / name).write_bytes_atomic(data, _temp_name(job.path / name))
     if rejected.num_rows:
         write_part(job.results, rejected)
     table = manifest_table.cast(MANIFEST_SCHEMA)
@@ -132,9 +164,9 @@ def read_job(job: JobDir) -> JobInfo:
             manifest_path=data["manifest"]["path"],
             manifest_sha256=data["manifest"]["sha256"],
         )
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         if not job.path.is_dir():
-            raise JobDirError(f"{job.path} is not a job folder (it does not exist)") from None
+            raise _not_a_job_folder(job) from None
         raise JobDirError(
             f"{job.job_json} is missing, so {job.path} cannot be resumed; its results/ are intact: "
             f"export them with `kvbatch results {job.path}` and submit the remaining documents as a new job"
@@ -146,12 +178,19 @@ def read_job(job: JobDir) -> JobInfo:
         ) from None
 
 
+def _not_a_job_folder(job: JobDir) -> JobDirError:
+    """The error for a job folder that is not there: a file in its place, or nothing."""
+    if (blocking := _file_in_the_way(job)) is not None:
+        return JobDirError(f"{job.path} is not a job folder ({blocking} is a file): give the job's folder (the -j of submit)")
+    return JobDirError(f"{job.path} is not a job folder (it does not exist): check the path")
+
+
 def check_job_folder(job: JobDir) -> None:
     """Raise JobDirError unless `job` holds a job: a job.json, or the results of one whose job.json is lost."""
     if job.job_json.exists() or list_parts(job.results):
         return
     if not job.path.is_dir():
-        raise JobDirError(f"{job.path} is not a job folder (it does not exist): check the path")
+        raise _not_a_job_folder(job)
     raise JobDirError(f"{job.path} is not a job folder (it has no job.json and no results/): check the path")
 
 
