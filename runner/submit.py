@@ -179,4 +179,7 @@ def _final_report(job: JobDir, state: JobState, console: Console) -> int:
     if failed:
         console.print(f"[red]{failed} document(s) failed: kvbatch results {job.path} --errors")
         return EXIT_FAILED_TASKS
+    if rejected and not done:
+        console.print(f"[red]every document was rejected, none was summarised: kvbatch results {job.path} --errors")
+        return EXIT_FAILED_TASKS
     return EXIT_OK
