@@ -96,6 +96,8 @@ def submit(source: str, pattern: str | None, config_path: Path | None, job_dir: 
     check_settings(config)
     with tempfile.TemporaryDirectory(prefix="kvbatch-manifest-") as workdir:
         staged = stage_input(source, pattern, Path(workdir), job.path.local_path if job.path.is_local else None)
+        for note in staged.notes:
+            console.print(note, style="yellow", markup=False, highlight=False)
         tasks, rejections = _read_staged(staged, config)
         report_rejections(console, rejections)
         if strict and rejections:

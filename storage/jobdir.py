@@ -72,6 +72,15 @@ class JobDir:
         return self.path / ".lock"
 
 
+#: Names that only a kvbatch job folder holds together: a created job, or one whose creation stopped early.
+_JOB_MARKS = ({"job.json", "manifest.parquet"}, {"events", "results"})
+
+
+def holds_job(names: set[str]) -> bool:
+    """Whether a folder whose entries (files and folders) have these names is a kvbatch job folder."""
+    return any(mark <= names for mark in _JOB_MARKS)
+
+
 def new_job_id() -> str:
     """Sortable by creation time, unique across machines."""
     return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)

@@ -252,3 +252,69 @@ def test_results_read_parts_written_before_the_format_columns(collection: Path, 
     (row,) = export_rows(job, "--with-text")
     assert row["status"] == "done" and row["source_format"] is None and row["n_chars"] is None
     assert row["text"] == "A note about the quarterly figures."
+
+
+# ---------------------------------------------------------------- what a folder listing leaves out
+
+
+def _listed_ids(staged) -> list[str]:  # noqa: ANN001
+    return [json.loads(line)["id"] for line in staged.path.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def folder_with_an_earlier_job(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """docs/ holding one document and a real job folder an earlier `submit docs -j docs/runs/first` made there."""
+    docs = tmp_path_factory.mktemp("earlier") / "docs"
+    (docs / "notes").mkdir(parents=True)
+    (docs / "notes" / "empty.md").write_text("")  # rejected, so no submit here needs Ray
+    first = kvbatch("submit", str(docs), "-c", str(TINY_CONFIG), "-j", str(docs / "runs" / "first"))
+    assert (docs / "runs" / "first" / "job.json").is_file(), first.stderr
+    return docs
+
+
+@pytest.mark.parametrize("as_uri", [False, True], ids=["path", "file-uri"])
+def test_a_folder_listing_leaves_out_earlier_kvbatch_job_folders(
+    folder_with_an_earlier_job: Path, tmp_path: Path, as_uri: bool
+) -> None:
+    from storage.inputs import stage_input
+
+    docs = folder_with_an_earlier_job
+    source = f"file://{docs}/" if as_uri else str(docs)
+    staged = stage_input(source, None, tmp_path)
+    assert _listed_ids(staged) == ["notes/empty.md"]
+    assert staged.notes == ("left out 1 kvbatch job folder(s): runs/first",)
+
+
+def test_submit_names_the_job_folders_it_leaves_out_and_refuses_a_job_folder_as_documents(
+    folder_with_an_earlier_job: Path, tmp_path: Path
+) -> None:
+    docs = folder_with_an_earlier_job
+    proc = kvbatch("submit", str(docs), "-c", str(TINY_CONFIG), "-j", str(tmp_path / "second"))
+    assert "left out 1 kvbatch job folder(s): runs/first" in proc.stdout, proc.stdout + proc.stderr
+    listed = [json.loads(line)["id"] for line in (tmp_path / "second" / "input-manifest.jsonl").read_text().splitlines()]
+    assert listed == ["notes/empty.md"]
+    refused = kvbatch("submit", str(docs / "runs" / "first"), "-c", str(TINY_CONFIG), "-j", str(tmp_path / "third"),
+                      check=2)
+    assert f"is a kvbatch job folder, not a folder of documents: continue it with `kvbatch resume {docs / 'runs' / 'first'}`" \
+        in " ".join(refused.stderr.split())
+    assert not (tmp_path / "third").exists()
+
+
+def test_a_symlinked_subfolder_is_left_out_and_named(tmp_path: Path) -> None:
+    from storage.inputs import stage_input
+
+    docs, elsewhere = tmp_path / "docs", tmp_path / "elsewhere"
+    docs.mkdir()
+    elsewhere.mkdir()
+    (docs / "a.md").write_text(MARKDOWN)
+    (elsewhere / "b.md").write_text(MARKDOWN)
+    (docs / "linked").symlink_to(elsewhere, target_is_directory=True)
+    (docs / "loop").symlink_to(docs, target_is_directory=True)  # a link that would list the folder forever
+    (docs / "b-link.md").symlink_to(elsewhere / "b.md")  # a linked file is a document like any other
+    (tmp_path / "work").mkdir()
+    staged = stage_input(str(docs), None, tmp_path / "work")
+    assert _listed_ids(staged) == ["a.md", "b-link.md"]
+    assert staged.notes == (
+        f"left out 2 symlinked folder(s), not followed: linked -> {elsewhere}, loop -> {docs}; "
+        "submit the target folder itself, or name its files in a manifest",
+    )
