@@ -154,11 +154,30 @@ def test_each_format_gives_the_text_a_reader_sees(collection: Path, tmp_path: Pa
 def test_legacy_encodings_are_detected_and_recorded(collection: Path, tmp_path: Path) -> None:
     tasks, _ = _read(collection, tmp_path, ["french-latin1.txt", "memo-cp1252.txt", "notes/release.md", "lease.pdf"])
     encodings = {t.doc_id: t.encoding for t in tasks}
-    # Latin-1 and Windows-1252 agree on every letter of the French text; either name is right
-    assert encodings["french-latin1.txt"] in ("cp1252", "iso8859-1", "iso8859-15", "cp1250")
-    # the curly quotes are bytes 0x93/0x94/0x92, C1 controls in Latin-1: only a Windows code page reads them
-    assert encodings["memo-cp1252.txt"] in ("cp1252", "cp1250")
+    # Latin-1 and Windows-1252 agree on every letter of the French text: Western text is named cp1252
+    assert encodings["french-latin1.txt"] == "cp1252"
+    # the curly quotes are bytes 0x93/0x94/0x92, C1 controls in Latin-1: Windows-1252 (and 1250) read them
+    assert encodings["memo-cp1252.txt"] == "cp1252"
     assert encodings["notes/release.md"] == "utf-8" and encodings["lease.pdf"] is None
+
+
+#: language -> (text, the code page it is saved in); each must be read back exactly and recorded under that name
+LEGACY_TEXTS = {
+    "german": ("Der Bär läuft über die Straße. Größe und Übermaß sind schön.\n", "cp1252"),  # cp1250 has ä ö ü ß too
+    "swedish": ("Smörgåsbord och kärlek på ön.\n", "cp1252"),  # å is ĺ in cp1250
+    "french": ("Naïve café résumé, the façade of the coöperative.\n", "cp1252"),  # ï is ď in cp1250
+    "czech": ("Příliš žluťoučký kůň úpěl ďábelské ódy.\n", "cp1250"),  # ť is no character of cp1252
+    "polish": ("Zażółć gęślą jaźń. Łódź jest dużym miastem w Polsce.\n", "cp1250"),
+    "russian": ("Привет, как дела? Всё хорошо.\n", "cp1251"),
+}
+
+
+@pytest.mark.parametrize(("text", "encoding"), LEGACY_TEXTS.values(), ids=LEGACY_TEXTS.keys())
+def test_western_text_is_cp1252_and_central_european_text_stays_cp1250(tmp_path: Path, text: str, encoding: str) -> None:
+    (tmp_path / "doc.txt").write_bytes(text.encode(encoding))
+    tasks, rejections = _read(tmp_path, tmp_path, ["doc.txt"])
+    assert rejections == [] and tasks[0].encoding == encoding
+    assert load_task_text(tasks[0]) == text
 
 
 def test_unreadable_files_are_rejected_with_the_reason(collection: Path, tmp_path: Path) -> None:
@@ -198,6 +217,38 @@ def test_a_utf16_file_with_a_byte_order_mark_is_decoded(tmp_path: Path) -> None:
     (tmp_path / "u.txt").write_text("Hello there, wörld.", encoding="utf-16")
     tasks, _ = read_manifest(write_jsonl(tmp_path / "m.jsonl", [{"id": "u", "path": "u.txt"}]), InputConfig())
     assert load_task_text(tasks[0]) == "Hello there, wörld." and tasks[0].encoding == "utf-16"
+
+
+def test_an_extensionless_html_file_with_a_byte_order_mark_is_read_as_html(tmp_path: Path) -> None:
+    (tmp_path / "notice-utf8").write_bytes(b"\xef\xbb\xbf" + HTML.encode("utf-8"))
+    (tmp_path / "notice-utf16").write_bytes(HTML.encode("utf-16"))  # BOM first, as Windows tools write it
+    tasks, rejections = _read(tmp_path, tmp_path, ["notice-utf8", "notice-utf16"])
+    assert rejections == [] and [t.source_format for t in tasks] == ["html", "html"]
+    for task in tasks:
+        text = load_task_text(task)
+        assert all(sentence in text for sentence in ARTICLE)
+        assert "SCRIPT_SECRET" not in text and "<" not in text  # the model gets the page's text, not its markup
+
+
+def test_a_docx_that_expands_past_the_limit_is_refused_before_it_is_expanded(tmp_path: Path) -> None:
+    """A zip bomb: a small DOCX whose document.xml inflates to more than input.max_document_bytes."""
+    import zipfile
+
+    limit = 2_000_000
+    with zipfile.ZipFile(io.BytesIO(_docx())) as real, zipfile.ZipFile(tmp_path / "bomb.docx", "w") as bomb:
+        for member in real.infolist():
+            data = real.read(member)
+            if member.filename == "word/document.xml":  # whitespace between elements: still a valid document
+                data = data.replace(b"</w:body>", b" " * (2 * limit) + b"</w:body>")
+            bomb.writestr(member.filename, data, compress_type=zipfile.ZIP_DEFLATED)
+    (tmp_path / "minutes.docx").write_bytes(_docx())
+    assert (tmp_path / "bomb.docx").stat().st_size < limit // 20  # the file's own size is far under the limit
+    manifest = write_jsonl(tmp_path / "m.jsonl", [{"id": n, "path": n} for n in ("bomb.docx", "minutes.docx")])
+    tasks, rejections = read_manifest(manifest, InputConfig(max_document_bytes=limit))
+    assert [t.doc_id for t in tasks] == ["minutes.docx"] and load_task_text(tasks[0]).startswith(DOCX_PARAGRAPHS[0])
+    assert [r.doc_id for r in rejections] == ["bomb.docx"]
+    reason = rejections[0].reason
+    assert "bomb.docx is a DOCX that expands to" in reason and f"over input.max_document_bytes ({limit})" in reason
 
 
 # ---------------------------------------------------------------- the whole CLI on a folder
