@@ -7,6 +7,7 @@ resume needs comes from them, so the original manifest and config files may be g
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import time
 from dataclasses import dataclass
@@ -99,8 +100,8 @@ def _file_in_the_way(job: JobDir) -> Path | None:
     if not job.path.is_local:
         return None
     path = job.path.local_path
-    existing = next((p for p in (path, *path.parents) if p.exists()), None)
-    return existing if existing is not None and not existing.is_dir() else None
+    existing = next((p for p in (path, *path.parents) if os.path.exists(p)), None)
+    return existing if existing is not None and not os.path.isdir(existing) else None
 
 
 def check_new_job_folder(job: JobDir) -> None:
@@ -115,8 +116,7 @@ def check_new_job_folder(job: JobDir) -> None:
 
 
 def make_job_folder(job: JobDir) -> None:
-    """The folder a new job is created in, or a one-line JobDirError naming it (a file in the way, no permission)."""
-    check_new_job_folder(job)
+    """The folder a new job is created in, or a one-line JobDirError naming it (no permission, a file in the way)."""
     try:
         job.path.makedirs()
     except OSError as e:
