@@ -140,8 +140,9 @@ def _western_first(matches: CharsetMatches) -> CharsetMatch | None:
     """
     best = matches.best()
     western = next((m for m in matches if WESTERN in m.could_be_from_charset), None)
-    if best is not None and western is not None and western.percent_chaos <= best.percent_chaos \
-            and western.percent_coherence >= best.percent_coherence:
+    if best is not None and western is not None and (
+        western.percent_chaos <= best.percent_chaos and western.percent_coherence >= best.percent_coherence
+    ):
         return western
     return best
 

@@ -120,11 +120,11 @@ def _local_listing(root: Path, source: str, pattern: str | None, skip: Path | No
             dirs[:] = []
             continue
         kept = []
-        for d in sorted(d for d in dirs if not d.startswith(".") and Path(folder, d) != skip):
-            if Path(folder, d).is_symlink():
-                listing.links.append(f"{Path(folder, d).relative_to(root).as_posix()} -> {os.readlink(Path(folder, d))}")
+        for sub in sorted(Path(folder, d) for d in dirs if not d.startswith(".") and Path(folder, d) != skip):
+            if sub.is_symlink():
+                listing.links.append(f"{sub.relative_to(root).as_posix()} -> {os.readlink(sub)}")
             else:
-                kept.append(d)
+                kept.append(sub.name)
         dirs[:] = kept
         for name in sorted(files):
             relative = Path(folder, name).relative_to(root).as_posix()
