@@ -5,7 +5,8 @@ limit is checked before a byte is read, only regular files are opened (a FIFO wo
 forever, a device would never end), and `documents_root` is enforced on the path *after*
 symlinks and `..` are resolved, so neither can be used to escape it. A document named by a storage
 URI (s3://, gs://, file://) is read through pyarrow's filesystems under the same size and text rules.
-The size limit applies to the file as read (decompressed for `.gz`), not to the text extracted from it.
+The size limit applies to the file as read (decompressed for `.gz`; for a DOCX, also to what its ZIP
+expands to, checked from its directory before expanding), not to the text extracted from it.
 """
 
 from __future__ import annotations
@@ -101,10 +102,11 @@ def _read_limited(stream: BinaryIO, path: Path | str, max_bytes: int, compressed
     return data
 
 
-def read_document(path: Path, max_bytes: int, documents_root: Path | None) -> Extracted:
+def read_document(path: Path, max_bytes: int, documents_root: Path | None, rereading: bool = False) -> Extracted:
     """The text of the document at `path` (absolute; `.gz` decompressed), or DocumentError saying why not.
 
-    `documents_root` must already be resolved (no symlinks) when given.
+    `documents_root` must already be resolved (no symlinks) when given. `rereading`: a document
+    validated at submit, whose exact size `max_bytes` is; a DOCX's expansion was checked then.
     """
     resolved = resolve_document_path(path, documents_root)
     try:
@@ -127,7 +129,7 @@ def read_document(path: Path, max_bytes: int, documents_root: Path | None) -> Ex
         with open(fd, "rb") as raw:
             if problem := _kind_problem(os.fstat(fd).st_mode):
                 raise DocumentError(f"{resolved} {problem}")
-            return _text_of(raw, resolved, max_bytes)
+            return _text_of(raw, resolved, max_bytes, None if rereading else max_bytes)
     except OSError as e:
         raise DocumentError(f"file {resolved} cannot be read ({e.strerror or e}): check the disk and the file") from None
 
@@ -138,15 +140,16 @@ def check_size_before_reading(name: Path | str, size: int, max_bytes: int) -> No
         check_size(f"file {name}", size, max_bytes)
 
 
-def _text_of(raw: BinaryIO, name: Path | str, max_bytes: int) -> Extracted:
-    """The checked text of an open document (`.gz` decompressed), read no further than the limit."""
+def _text_of(raw: BinaryIO, name: Path | str, max_bytes: int, max_expanded_bytes: int | None) -> Extracted:
+    """The checked text of an open document (`.gz` decompressed), read no further than the limit;
+    a DOCX is expanded only when its members fit `max_expanded_bytes`."""
     if str(name).endswith(".gz"):
         with gzip.GzipFile(fileobj=raw, mode="rb") as stream:
             data = _read_limited(stream, name, max_bytes, compressed=True)
     else:
         data = _read_limited(raw, name, max_bytes, compressed=False)
     try:
-        extracted = extract(data, str(name))
+        extracted = extract(data, str(name), max_expanded_bytes)
     except ExtractError as e:
         raise DocumentError(f"file {name} {e}") from None
     if not extracted.text.strip():
@@ -154,8 +157,8 @@ def _text_of(raw: BinaryIO, name: Path | str, max_bytes: int) -> Extracted:
     return extracted
 
 
-def read_uri_document(uri: str, max_bytes: int) -> Extracted:
-    """The text of a document on shared storage (s3://, gs://, file://)."""
+def read_uri_document(uri: str, max_bytes: int, rereading: bool = False) -> Extracted:
+    """The text of a document on shared storage (s3://, gs://, file://); `rereading` as for read_document."""
     try:
         fs, path = filesystem_of(uri)
         info = fs.get_file_info(path)
@@ -165,7 +168,7 @@ def read_uri_document(uri: str, max_bytes: int) -> Extracted:
             raise DocumentError(f"{uri} is not a file: give the URI of a document")
         check_size_before_reading(uri, info.size, max_bytes)
         with fs.open_input_stream(path) as raw:
-            return _text_of(raw, uri, max_bytes)
+            return _text_of(raw, uri, max_bytes, None if rereading else max_bytes)
     except DocumentError:
         raise
     except (OSError, ValueError) as e:
@@ -180,8 +183,8 @@ def load_task_text(task: Task) -> str:
     try:
         # The path was resolved and checked against documents_root at submit; its exact size is known.
         text = (
-            read_uri_document(path, max_bytes=task.n_bytes) if isinstance(path, str)
-            else read_document(path, max_bytes=task.n_bytes, documents_root=None)
+            read_uri_document(path, max_bytes=task.n_bytes, rereading=True) if isinstance(path, str)
+            else read_document(path, max_bytes=task.n_bytes, documents_root=None, rereading=True)
         ).text
     except DocumentTooLarge:
         raise DocumentError(

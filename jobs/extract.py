@@ -20,6 +20,10 @@ import re
 import zipfile
 from dataclasses import dataclass
 from pathlib import PurePosixPath
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from charset_normalizer import CharsetMatch, CharsetMatches
 
 
 class ExtractError(ValueError):
@@ -49,6 +53,8 @@ LEGACY_ENCODINGS = (
     "latin_1", "iso8859_2", "iso8859_5", "iso8859_7", "iso8859_15", "koi8_r", "cp866", "mac_roman",
     "shift_jis", "euc_jp", "gb18030", "big5", "euc_kr",
 )
+#: The legacy encoding of Western European text, preferred where another reads the bytes no better.
+WESTERN = "cp1252"
 _UNICODE_BOMS = (codecs.BOM_UTF32_LE, codecs.BOM_UTF32_BE, codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)
 
 _FORMAT_OF_SUFFIX = {
@@ -58,12 +64,17 @@ _FORMAT_OF_SUFFIX = {
 SUPPORTED = "text (any common encoding), Markdown, reStructuredText, HTML, PDF with a text layer or DOCX"
 
 
-def extract(data: bytes, name: str) -> Extracted:
-    """The text of a document file named `name` (a `.gz` already decompressed and still in the name)."""
+def extract(data: bytes, name: str, max_expanded_bytes: int | None) -> Extracted:
+    """The text of a document file named `name` (a `.gz` already decompressed and still in the name).
+
+    `max_expanded_bytes`: what a DOCX (a ZIP) may expand to, checked before it is expanded; None: no limit.
+    """
     fmt = detect_format(data, name)
     if fmt == "pdf":
         return Extracted(_clean(_pdf_text(data)), fmt, None, len(data))
     if fmt == "docx":
+        if max_expanded_bytes is not None:
+            _check_expanded_size(data, max_expanded_bytes)
         return Extracted(_clean(_docx_text(data)), fmt, None, len(data))
     text, encoding = decode(data)
     if fmt == "html":
@@ -85,9 +96,18 @@ def detect_format(data: bytes, name: str) -> str:
         raise ExtractError(f"is a ZIP archive, not a document (supported: {SUPPORTED}): unpack it first")
     if by_suffix == "docx":
         raise ExtractError(f"is named {suffix} but is not a DOCX (a ZIP archive): give the real file")
-    if by_suffix is None and data.lstrip()[:512].lower().startswith((b"<!doctype html", b"<html")):
+    if by_suffix is None and _starts_like_html(data):
         return "html"
     return by_suffix or "text"
+
+
+def _starts_like_html(data: bytes) -> bool:
+    """`<!doctype html` or `<html` first, after any byte-order mark (UTF-8, 16 or 32) and whitespace."""
+    head = data[:2048]
+    if head.startswith(_UNICODE_BOMS):
+        codec = "utf-32" if head.startswith((codecs.BOM_UTF32_LE, codecs.BOM_UTF32_BE)) else "utf-16"
+        head = head.decode(codec, errors="ignore").encode("ascii", errors="ignore")
+    return head.removeprefix(codecs.BOM_UTF8).lstrip()[:512].lower().startswith((b"<!doctype html", b"<html"))
 
 
 def decode(data: bytes) -> tuple[str, str]:
@@ -101,13 +121,30 @@ def decode(data: bytes) -> tuple[str, str]:
         try:
             return data.decode("utf-8-sig"), "utf-8"
         except UnicodeDecodeError:
-            best = from_bytes(data, cp_isolation=list(LEGACY_ENCODINGS)).best()
+            best = _western_first(from_bytes(data, cp_isolation=list(LEGACY_ENCODINGS)))
     if best is None:
         raise ExtractError(
             "fits no text encoding (UTF-8, UTF-16 with a byte-order mark, or a legacy one such as "
             f"Windows-1252 or Shift-JIS), so it is binary: give a {SUPPORTED} file"
         )
-    return str(best), codecs.lookup(best.encoding).name
+    return str(best), WESTERN if WESTERN in best.could_be_from_charset else codecs.lookup(best.encoding).name
+
+
+def _western_first(matches: CharsetMatches) -> CharsetMatch | None:
+    """charset-normalizer's pick, but Windows-1252 wherever it reads the bytes at least as well.
+
+    Western text is mostly letters that Windows-1250 has at the same bytes (é, ä, ü, ß), so both
+    often read it alike and charset-normalizer names the first, cp1250; where they differ (å, ï, è)
+    and no language tells them apart, a legacy file is far more often Western. Text whose language
+    is Central European (Czech ť, Polish ł) still reads best as cp1250.
+    """
+    best = matches.best()
+    western = next((m for m in matches if WESTERN in m.could_be_from_charset), None)
+    if best is not None and western is not None and (
+        western.percent_chaos <= best.percent_chaos and western.percent_coherence >= best.percent_coherence
+    ):
+        return western
+    return best
 
 
 def refuse_binary(data: bytes) -> None:
@@ -161,6 +198,21 @@ def _pdf_text(data: bytes) -> str:
             "run OCR on it first (e.g. ocrmypdf in.pdf out.pdf) and give the result"
         )
     return "\n\n".join(page.strip() for page in pages if page.strip())
+
+
+def _check_expanded_size(data: bytes, max_bytes: int) -> None:
+    """Refuse a ZIP whose members add up to more than `max_bytes` (a zip bomb), from its directory alone.
+
+    The sizes a ZIP declares bound what Python's zipfile expands: a member whose data runs past its
+    declared size fails its CRC check instead of growing.
+    """
+    with zipfile.ZipFile(io.BytesIO(data)) as archive:
+        expanded = sum(member.file_size for member in archive.infolist())
+    if expanded > max_bytes:
+        raise ExtractError(
+            f"is a DOCX that expands to {expanded} bytes, over input.max_document_bytes ({max_bytes}) "
+            "(a zip bomb, or a document with huge embedded files): split the document or raise input.max_document_bytes"
+        )
 
 
 def _docx_text(data: bytes) -> str:

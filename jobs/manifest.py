@@ -210,7 +210,8 @@ def _json_default(value: Any) -> Any:
     return str(value)
 
 
-def _to_json(obj: dict[str, Any]) -> str:
+def table_json(obj: dict[str, Any]) -> str:
+    """Overrides or metadata as the job folder's tables keep them: task and rejected rows alike."""
     return json.dumps(obj, ensure_ascii=False, default=_json_default)
 
 
@@ -558,8 +559,8 @@ def tasks_to_table(tasks: list[Task]) -> pa.Table:
                 "n_chars": t.n_chars,
                 "n_bytes": t.n_bytes,
                 "sha256": t.sha256,
-                "overrides": _to_json(t.overrides),
-                "meta": _to_json(t.meta),
+                "overrides": table_json(t.overrides),
+                "meta": table_json(t.meta),
                 "source_format": t.source_format,
                 "encoding": t.encoding,
             }

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import tempfile
 import time
@@ -14,7 +13,7 @@ from rich.console import Console
 
 from jobs.config import JobConfig, apply_overrides, config_from_dict, load_config
 from jobs.faults import FAULTS_ENV, parse_faults
-from jobs.manifest import ManifestError, Rejection, read_manifest, tasks_from_table, tasks_to_table
+from jobs.manifest import ManifestError, Rejection, read_manifest, table_json, tasks_from_table, tasks_to_table
 from jobs.schema import RESULT_SCHEMA, TaskState, empty_row
 from jobs.task import Task
 from runner import __version__
@@ -34,7 +33,9 @@ from storage.jobdir import (
     JobDir,
     JobInfo,
     check_job_folder,
+    check_new_job_folder,
     create_job,
+    make_job_folder,
     new_job_id,
     read_job,
     read_manifest_table,
@@ -62,7 +63,7 @@ def _rejection_row(rejection: Rejection) -> dict:
     row.update(
         doc_id=rejection.doc_id, task_id=rejection.task_id, status=TaskState.REJECTED.value,
         error_type="RejectedInput", error=rejection.reason, attempts=0, fallbacks=[],
-        meta=json.dumps(rejection.meta), finished_at=time.time(),
+        meta=table_json(rejection.meta), finished_at=time.time(),
     )
     return row
 
@@ -90,10 +91,13 @@ def submit(source: str, pattern: str | None, config_path: Path | None, job_dir: 
     job_id = new_job_id()
     job = JobDir(job_dir or Path("runs") / job_id)
     console.print(f"job {job_id} -> {job.path}")
+    check_new_job_folder(job)
     config = load_config(config_path, overrides)
     check_settings(config)
     with tempfile.TemporaryDirectory(prefix="kvbatch-manifest-") as workdir:
         staged = stage_input(source, pattern, Path(workdir), job.path.local_path if job.path.is_local else None)
+        for note in staged.notes:
+            console.print(note, style="yellow", markup=False, highlight=False)
         tasks, rejections = _read_staged(staged, config)
         report_rejections(console, rejections)
         if strict and rejections:
@@ -109,13 +113,11 @@ def submit(source: str, pattern: str | None, config_path: Path | None, job_dir: 
             manifest_path=manifest_path, manifest_sha256=_sha256_of(staged.path),
         )
         rejected = pa.Table.from_pylist([_rejection_row(r) for r in rejections], schema=RESULT_SCHEMA)
-        job.path.makedirs()
+        make_job_folder(job)
         # the lock first: a second submit to the same folder refuses instead of writing over this one
         with job_lock(job.lock) as lock:
-            if staged.from_folder:
-                (job.path / FOLDER_MANIFEST_NAME).write_bytes_atomic(staged.path.read_bytes(),
-                                                                     f".{FOLDER_MANIFEST_NAME}.tmp")
-            create_job(job, info, tasks_to_table(tasks), rejected)
+            copies = {FOLDER_MANIFEST_NAME: staged.path.read_bytes()} if staged.from_folder else None
+            create_job(job, info, tasks_to_table(tasks), rejected, copies)
             return _execute(job, info, config, address, retry_failed=False, console=console, lock=lock)
 
 
@@ -178,5 +180,8 @@ def _final_report(job: JobDir, state: JobState, console: Console) -> int:
     console.print(f"export: kvbatch results {job.path} -o summaries.jsonl")
     if failed:
         console.print(f"[red]{failed} document(s) failed: kvbatch results {job.path} --errors")
+        return EXIT_FAILED_TASKS
+    if rejected and not done:
+        console.print(f"[red]every document was rejected, none was summarised: kvbatch results {job.path} --errors")
         return EXIT_FAILED_TASKS
     return EXIT_OK

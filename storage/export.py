@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, BinaryIO, Literal
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -18,7 +19,7 @@ from jobs.manifest import tasks_from_table
 from jobs.schema import TaskState
 from storage.checkpoint import load_state
 from storage.jobdir import JobDir, check_job_folder, read_manifest_table
-from storage.location import Where
+from storage.location import Location, StorageError, Where
 
 ExportFormat = Literal["jsonl", "csv", "parquet"]
 
@@ -124,6 +125,21 @@ def _jsonl(job_dir: Where, errors_only: bool, with_text: bool) -> tuple[str, int
     return "".join(lines), table.num_rows
 
 
+def output_error(path: Path | Location, error: OSError) -> StorageError:
+    """An output file named by -o that cannot be written: one line naming it and what to do."""
+    return StorageError(
+        f"cannot write {path} ({error.strerror or error}): give -o a file in a folder that exists and that you can write to"
+    )
+
+
+def _write_file(out: Path, write: Callable[[BinaryIO], object]) -> None:
+    try:
+        with open(out, "wb") as handle:
+            write(handle)
+    except OSError as e:
+        raise output_error(out, e) from None
+
+
 def export_results(job_dir: Where, out: Path | None, fmt: ExportFormat, errors_only: bool,
                    with_text: bool = False) -> int:
     """Writes the rows to `out` (stdout when None; not for parquet); returns the row count."""
@@ -132,13 +148,13 @@ def export_results(job_dir: Where, out: Path | None, fmt: ExportFormat, errors_o
         if out is None:
             sys.stdout.write(lines)
         else:
-            out.write_text(lines, encoding="utf-8")
+            _write_file(out, lambda handle: handle.write(lines.encode("utf-8")))
         return n
     table = results_table(job_dir, errors_only, with_text)
     if fmt == "parquet":
         if out is None:
             raise ConfigError("parquet output needs a file: add -o results.parquet")
-        pq.write_table(table, out)
+        _write_file(out, lambda handle: pq.write_table(table, handle))
     else:
         flat = table.set_column(
             table.schema.get_field_index("fallbacks"), "fallbacks",
@@ -149,5 +165,5 @@ def export_results(job_dir: Where, out: Path | None, fmt: ExportFormat, errors_o
             pacsv.write_csv(flat, sink)
             sys.stdout.write(sink.getvalue().to_pybytes().decode())
         else:
-            pacsv.write_csv(flat, out)
+            _write_file(out, lambda handle: pacsv.write_csv(flat, handle))
     return table.num_rows

@@ -3,8 +3,10 @@
 A folder becomes a manifest of one row per file: id = the file's path relative to the folder (with
 `/`), path = where it is. Hidden files and folders (names starting with `.`) are left out, and
 `--glob` keeps only relative paths matching it (`fnmatch`: `*` also crosses `/`, so `*.pdf` finds
-PDFs at any depth). A manifest on shared storage is copied to a local file to be read; its
-relative document paths are read from beside it there.
+PDFs at any depth). kvbatch job folders inside it (earlier runs) are left out, and so are symlinked
+subfolders of a local folder (not followed: a link can loop, or bring a tree in twice); both are
+named in `StagedManifest.notes` for submit to print. A manifest on shared storage is copied to a
+local file to be read; its relative document paths are read from beside it there.
 """
 
 from __future__ import annotations
@@ -12,13 +14,14 @@ from __future__ import annotations
 import fnmatch
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyarrow.fs as pafs
 
 from jobs.manifest import ManifestError
 from jobs.uris import is_uri
+from storage.jobdir import holds_job
 from storage.location import Location
 
 #: The manifest made from a folder, kept in the job folder: the job's documents stay known if the folder changes.
@@ -31,6 +34,27 @@ class StagedManifest:
     shown: str  # the manifest as people name it (a URI, or the folder it was made from)
     uri_base: str | None = None  # the folder URI of a manifest on shared storage
     from_folder: bool = False  # made from a folder: kept in the job folder as FOLDER_MANIFEST_NAME
+    notes: tuple[str, ...] = ()  # what the listing left out that a user would not expect, one line each
+
+
+@dataclass
+class _Listing:
+    """A folder's rows, and the subfolders left out of them."""
+
+    rows: list[dict[str, str]] = field(default_factory=list)
+    job_folders: list[str] = field(default_factory=list)  # relative paths of kvbatch job folders
+    links: list[str] = field(default_factory=list)  # "relative -> target" of symlinked folders
+
+    def notes(self) -> tuple[str, ...]:
+        notes = []
+        if self.job_folders:
+            notes.append(f"left out {len(self.job_folders)} kvbatch job folder(s): {', '.join(self.job_folders)}")
+        if self.links:
+            notes.append(
+                f"left out {len(self.links)} symlinked folder(s), not followed: {', '.join(self.links)}; "
+                "submit the target folder itself, or name its files in a manifest"
+            )
+        return tuple(notes)
 
 
 def stage_input(source: str, pattern: str | None, workdir: Path, skip: Path | None = None) -> StagedManifest:
@@ -42,8 +66,7 @@ def stage_input(source: str, pattern: str | None, workdir: Path, skip: Path | No
         return _stage_uri(source, pattern, workdir)
     path = Path(source).expanduser()
     if path.is_dir():
-        rows = _local_rows(path, pattern, skip)
-        return _write_rows(rows, source, pattern, workdir)
+        return _write_rows(_local_listing(path, source, pattern, skip), source, pattern, workdir)
     if pattern is not None:
         raise ManifestError(f"--glob selects files of a folder, but {source} is not a folder: drop --glob or give a folder")
     return StagedManifest(path, source)
@@ -55,7 +78,8 @@ def _stage_uri(source: str, pattern: str | None, workdir: Path) -> StagedManifes
         location = Location.of(source)
         kind = location.fs.get_file_info(location.path).type
         if source.endswith("/") or base.endswith("/") or kind == pafs.FileType.Directory:
-            return _write_rows(_uri_rows(location, base.rstrip("/"), query, pattern), source, pattern, workdir)
+            listing = _uri_listing(location, source, base.rstrip("/"), query, pattern)
+            return _write_rows(listing, source, pattern, workdir)
         if pattern is not None:
             raise ManifestError(f"--glob selects files of a folder, but {source} is a file: drop --glob or give a folder")
         if kind == pafs.FileType.NotFound:
@@ -77,36 +101,63 @@ def _selected(relative: str, pattern: str | None) -> bool:
     return not _hidden(relative) and (pattern is None or fnmatch.fnmatchcase(relative, pattern))
 
 
-def _local_rows(root: Path, pattern: str | None, skip: Path | None) -> list[dict[str, str]]:
+def _not_documents(source: str) -> ManifestError:
+    return ManifestError(
+        f"{source} is a kvbatch job folder, not a folder of documents: continue it with `kvbatch resume {source}`"
+    )
+
+
+def _local_listing(root: Path, source: str, pattern: str | None, skip: Path | None) -> _Listing:
     root = root.absolute()
     skip = skip.absolute() if skip is not None else None
-    rows = []
+    listing = _Listing()
     for folder, dirs, files in os.walk(root):
-        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and Path(folder, d) != skip)
+        relative_folder = Path(folder).relative_to(root).as_posix()
+        if holds_job({*dirs, *files}):
+            if folder == str(root):
+                raise _not_documents(source)
+            listing.job_folders.append(relative_folder)
+            dirs[:] = []
+            continue
+        kept = []
+        for sub in sorted(Path(folder, d) for d in dirs if not d.startswith(".") and Path(folder, d) != skip):
+            if sub.is_symlink():
+                listing.links.append(f"{sub.relative_to(root).as_posix()} -> {os.readlink(sub)}")
+            else:
+                kept.append(sub.name)
+        dirs[:] = kept
         for name in sorted(files):
             relative = Path(folder, name).relative_to(root).as_posix()
             if _selected(relative, pattern):
-                rows.append({"id": relative, "path": str(Path(folder, name))})
-    return rows
+                listing.rows.append({"id": relative, "path": str(Path(folder, name))})
+    return listing
 
 
-def _uri_rows(folder: Location, base: str, query: str, pattern: str | None) -> list[dict[str, str]]:
+def _uri_listing(folder: Location, source: str, base: str, query: str, pattern: str | None) -> _Listing:
     infos = folder.fs.get_file_info(pafs.FileSelector(folder.path, recursive=True, allow_not_found=True))
-    rows = []
-    for info in sorted(infos, key=lambda i: i.path):
-        relative = info.path[len(folder.path):].lstrip("/")
-        if info.type == pafs.FileType.File and _selected(relative, pattern):
-            rows.append({"id": relative, "path": f"{base}/{relative}" + (f"?{query}" if query else "")})
-    return rows
+    files = sorted(info.path[len(folder.path):].lstrip("/") for info in infos if info.type == pafs.FileType.File)
+    names_in: dict[str, set[str]] = {}  # folder (relative, "" for the top) -> the names directly in it
+    for relative in files:
+        parts = relative.split("/")
+        for depth in range(len(parts)):
+            names_in.setdefault("/".join(parts[:depth]), set()).add(parts[depth])
+    job_folders = sorted(name for name, names in names_in.items() if holds_job(names))
+    if "" in job_folders:
+        raise _not_documents(source)
+    outermost = [f for f in job_folders if not _hidden(f) and not any(f.startswith(f"{o}/") for o in job_folders)]
+    listing = _Listing(job_folders=outermost)
+    for relative in files:
+        if _selected(relative, pattern) and not any(relative.startswith(f"{f}/") for f in outermost):
+            listing.rows.append({"id": relative, "path": f"{base}/{relative}" + (f"?{query}" if query else "")})
+    return listing
 
 
-def _write_rows(rows: list[dict[str, str]], source: str, pattern: str | None, workdir: Path) -> StagedManifest:
-    if not rows:
+def _write_rows(listing: _Listing, source: str, pattern: str | None, workdir: Path) -> StagedManifest:
+    if not listing.rows:
         matching = f" matching --glob {pattern!r}" if pattern else ""
-        raise ManifestError(
-            f"folder {source} has no documents{matching} (hidden files are left out): check the folder or the pattern"
-        )
+        left_out = "; ".join(("hidden files are left out", *listing.notes()))
+        raise ManifestError(f"folder {source} has no documents{matching} ({left_out}): check the folder or the pattern")
     path = workdir / FOLDER_MANIFEST_NAME
     # ASCII JSON: a file name that is not valid UTF-8 reaches the manifest's id checks instead of failing here
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="ascii")
-    return StagedManifest(path, source, from_folder=True)
+    path.write_text("".join(json.dumps(row) + "\n" for row in listing.rows), encoding="ascii")
+    return StagedManifest(path, source, from_folder=True, notes=listing.notes())

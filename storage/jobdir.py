@@ -7,9 +7,11 @@ resume needs comes from them, so the original manifest and config files may be g
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
@@ -71,6 +73,15 @@ class JobDir:
         return self.path / ".lock"
 
 
+#: Names that only a kvbatch job folder holds together: a created job, or one whose creation stopped early.
+_JOB_MARKS = ({"job.json", "manifest.parquet"}, {"events", "results"})
+
+
+def holds_job(names: set[str]) -> bool:
+    """Whether a folder whose entries (files and folders) have these names is a kvbatch job folder."""
+    return any(mark <= names for mark in _JOB_MARKS)
+
+
 def new_job_id() -> str:
     """Sortable by creation time, unique across machines."""
     return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
@@ -84,18 +95,46 @@ def _write_json(target: Location, payload: dict[str, Any]) -> None:
     target.write_bytes_atomic(json.dumps(payload, indent=2).encode(), _temp_name(target))
 
 
-def create_job(job: JobDir, info: JobInfo, manifest_table: pa.Table, rejected: pa.Table) -> None:
-    """Create the job's files; call with the job lock held. Refuses a folder that holds (part of) a job.
+def _file_in_the_way(job: JobDir) -> Path | None:
+    """The file a local job folder path names, or lies under; None when there is none."""
+    if not job.path.is_local:
+        return None
+    path = job.path.local_path
+    existing = next((p for p in (path, *path.parents) if os.path.exists(p)), None)
+    return existing if existing is not None and not os.path.isdir(existing) else None
 
-    The rejected rows' results part and manifest.parquet are published before job.json: a job.json
-    is the promise that everything the manifest said is in the folder, so a crash at any instant
-    loses no row.
-    """
+
+def check_new_job_folder(job: JobDir) -> None:
+    """Refuse, before anything is read or written, a job folder path that is a file or already holds a job."""
+    if (blocking := _file_in_the_way(job)) is not None:
+        raise JobDirError(f"{blocking} is a file, not a folder: give -j the path of a new job folder")
     if job.job_json.exists():
         raise JobDirError(
             f"{job.path} already holds a job ({job.job_json}); "
             f"continue it with `kvbatch resume {job.path}` or choose another -j JOB_DIR"
         )
+
+
+def make_job_folder(job: JobDir) -> None:
+    """The folder a new job is created in, or a one-line JobDirError naming it (no permission, a file in the way)."""
+    try:
+        job.path.makedirs()
+    except OSError as e:
+        raise JobDirError(
+            f"cannot create the job folder {job.path} ({e.strerror or e}): choose another -j JOB_DIR"
+        ) from None
+
+
+def create_job(job: JobDir, info: JobInfo, manifest_table: pa.Table, rejected: pa.Table,
+               copies: dict[str, bytes] | None = None) -> None:
+    """Create the job's files; call with the job lock held. Refuses a folder that holds (part of) a job.
+
+    `copies`: files kept in the job folder by name (the manifest made from a folder), written only
+    once the folder is known to hold no job, so a refused submit changes nothing. The rejected rows'
+    results part and manifest.parquet are published before job.json: a job.json is the promise
+    that everything the manifest said is in the folder, so a crash at any instant loses no row.
+    """
+    check_new_job_folder(job)
     leftovers = [f.name for f in (job.manifest,) if f.exists()] + [
         f"{folder.name}/" for folder in (job.results, job.events) if list_parts(folder)
     ]
@@ -107,6 +146,8 @@ def create_job(job: JobDir, info: JobInfo, manifest_table: pa.Table, rejected: p
         )
     for folder in (job.path, job.events, job.results):
         folder.makedirs()
+    for name, data in (copies or {}).items():
+        (job.path / name).write_bytes_atomic(data, _temp_name(job.path / name))
     if rejected.num_rows:
         write_part(job.results, rejected)
     table = manifest_table.cast(MANIFEST_SCHEMA)
@@ -132,9 +173,9 @@ def read_job(job: JobDir) -> JobInfo:
             manifest_path=data["manifest"]["path"],
             manifest_sha256=data["manifest"]["sha256"],
         )
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         if not job.path.is_dir():
-            raise JobDirError(f"{job.path} is not a job folder (it does not exist)") from None
+            raise _not_a_job_folder(job) from None
         raise JobDirError(
             f"{job.job_json} is missing, so {job.path} cannot be resumed; its results/ are intact: "
             f"export them with `kvbatch results {job.path}` and submit the remaining documents as a new job"
@@ -146,12 +187,19 @@ def read_job(job: JobDir) -> JobInfo:
         ) from None
 
 
+def _not_a_job_folder(job: JobDir) -> JobDirError:
+    """The error for a job folder that is not there: a file in its place, or nothing."""
+    if (blocking := _file_in_the_way(job)) is not None:
+        return JobDirError(f"{job.path} is not a job folder ({blocking} is a file): give the job's folder (the -j of submit)")
+    return JobDirError(f"{job.path} is not a job folder (it does not exist): check the path")
+
+
 def check_job_folder(job: JobDir) -> None:
     """Raise JobDirError unless `job` holds a job: a job.json, or the results of one whose job.json is lost."""
     if job.job_json.exists() or list_parts(job.results):
         return
     if not job.path.is_dir():
-        raise JobDirError(f"{job.path} is not a job folder (it does not exist): check the path")
+        raise _not_a_job_folder(job)
     raise JobDirError(f"{job.path} is not a job folder (it has no job.json and no results/): check the path")
 
 

@@ -90,6 +90,16 @@ def test_strict_refuses_a_manifest_with_rejected_rows(tmp_path):
     assert "row 2" in proc.stdout
 
 
+def test_a_manifest_whose_every_row_is_rejected_says_so_and_exits_3(tmp_path):
+    manifest = write_jsonl(tmp_path / "m.jsonl", [{"id": "a"}, {"id": "b", "path": "missing.txt"}])
+    job = tmp_path / "job"
+    for command in (["submit", str(manifest), "-c", str(TINY_CONFIG), "-j", str(job)], ["resume", str(job)]):
+        proc = kvbatch(*command, check=3)
+        assert "every document was rejected, none was summarised" in proc.stdout
+        assert f"kvbatch results {job} --errors" in proc.stdout
+    assert [r["status"] for r in export_rows(job, "--errors")] == ["rejected", "rejected"]
+
+
 @pytest.mark.slow
 def test_smollm2_writes_real_english_summaries(ray_address, tmp_path):
     manifest = write_jsonl(tmp_path / "m.jsonl", [

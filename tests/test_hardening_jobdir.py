@@ -126,3 +126,20 @@ def test_missing_or_damaged_job_files_stop_status_and_resume_with_a_way_out(
         assert "as a new job" in shown  # how to recover
     assert _fingerprints(job) == before
     assert len(export_rows(job)) == len(DOCS)  # what is done can still be exported
+
+
+def test_a_refused_second_submit_of_a_folder_changes_nothing_in_the_job(tmp_path: Path) -> None:
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "empty.txt").write_text("")  # rejected ("is empty"), so submit needs no Ray
+    job = tmp_path / "job"
+    _no_traceback(kvbatch("submit", str(docs), "-c", str(TINY_CONFIG), "-j", str(job)))
+    kept = (job / "input-manifest.jsonl").read_text()
+    assert "empty.txt" in kept
+    before = {p: p.read_bytes() for p in sorted(job.rglob("*")) if p.is_file()}
+    (docs / "later.txt").write_text("")  # the folder changed: a new listing would differ
+    second = kvbatch("submit", str(docs), "-c", str(TINY_CONFIG), "-j", str(job), check=2)
+    _no_traceback(second)
+    assert f"{job} already holds a job" in " ".join(second.stderr.split())
+    assert {p: p.read_bytes() for p in sorted(job.rglob("*")) if p.is_file()} == before
+    assert (job / "input-manifest.jsonl").read_text() == kept

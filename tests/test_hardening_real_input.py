@@ -85,7 +85,7 @@ def ragged_job(tmp_path_factory) -> Path:
         {"id": "c", "team": None, "flag": True},
     ]  # no text and no path: each row is rejected and exported with its metadata
     manifest = write_jsonl(tmp / "m.jsonl", rows)
-    kvbatch("submit", str(manifest), "-c", str(TINY_CONFIG), "-j", str(tmp / "job"), check=0)
+    kvbatch("submit", str(manifest), "-c", str(TINY_CONFIG), "-j", str(tmp / "job"), check=3)
     return tmp / "job"
 
 
@@ -222,7 +222,7 @@ with job_lock(sys.argv[1]):
 def test_resume_with_set_leaves_job_json_alone_while_another_coordinator_holds_the_job(tmp_path: Path) -> None:
     job = tmp_path / "job"
     kvbatch("submit", str(_rejected_only(tmp_path / "m.jsonl", ["r1"])), "-c", str(TINY_CONFIG), "-j", str(job),
-            check=0)
+            check=3)
     before = (job / "job.json").read_bytes()
     holder = Child(HOLD_LOCK, str(job / ".lock"))
     try:

@@ -531,6 +531,31 @@ def test_parquet_metadata_of_any_type_survives_the_round_trip(tmp_path: Path) ->
     assert stored[0].meta == {"when": "2024-05-01T12:30:00", "price": "1.25"}
 
 
+def test_rejected_parquet_rows_keep_metadata_of_every_type_the_task_table_takes(tmp_path: Path) -> None:
+    import datetime as dt
+    import decimal
+
+    from conftest import TINY_CONFIG, export_rows, kvbatch
+
+    metadata = {
+        "day": pa.array([dt.date(2024, 5, 1)] * 2, pa.date32()),
+        "when": pa.array([dt.datetime(2024, 5, 1, 12, 30)] * 2, pa.timestamp("s")),
+        "raw": pa.array([b"\x00ab"] * 2, pa.binary()),
+        "price": pa.array([decimal.Decimal("1.25")] * 2, pa.decimal128(5, 2)),
+    }
+    pq.write_table(pa.table({"id": ["a", "b"], "text": ["x", "y"], **metadata}), tmp_path / "ok.parquet")
+    tasks, _ = read_manifest(tmp_path / "ok.parquet", CFG)
+    stored = tasks_from_table(tasks_to_table(tasks))[0].meta  # what a task row keeps of the same values
+    assert stored == {"day": "2024-05-01", "when": "2024-05-01T12:30:00", "raw": "\x00ab", "price": "1.25"}
+    # the same rows with no document: every one is rejected, so no model runs
+    pq.write_table(pa.table({"id": ["a", "b"], "text": pa.nulls(2, pa.string()), **metadata}), tmp_path / "m.parquet")
+    proc = kvbatch("submit", str(tmp_path / "m.parquet"), "-c", str(TINY_CONFIG), "-j", str(tmp_path / "job"))
+    assert "Traceback" not in proc.stderr and "2 manifest row(s) rejected" in proc.stdout, proc.stderr
+    rows = export_rows(tmp_path / "job", "--errors")
+    assert [r["doc_id"] for r in rows] == ["a", "b"] and all(r["status"] == "rejected" for r in rows)
+    assert all({key: r[key] for key in stored} == stored for r in rows), rows
+
+
 def test_load_task_text_rereads_files_and_refuses_changed_ones(tmp_path: Path, docs: Path) -> None:
     manifest = write_jsonl(tmp_path / "m.jsonl", [{"id": "a", "path": "docs/bsd.txt"}, {"id": "t", "text": "Inline."}])
     (path_task, text_task), _ = read_manifest(manifest, CFG)

@@ -21,9 +21,9 @@ from runner.observe.joblog import read_log
 from runner.observe.progress import format_duration
 from runner.observe.report_plots import PLOTS, fallback_path
 from runner.observe.status import job_status
-from storage.export import results_table
+from storage.export import output_error, results_table
 from storage.jobdir import JobDir, read_job
-from storage.location import Location, Where
+from storage.location import Location, StorageError, Where
 
 _CSS = """
 body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1100px; color: #222; }
@@ -148,6 +148,11 @@ def write_report(job_dir: Where, output: Path | None, console: Console) -> int:
     """Writes the page (default JOB_DIR/report.html) and says where it is; exit code 0."""
     out = Location.of(output) if output is not None else JobDir(job_dir).path / "report.html"
     page = render_report(job_dir)
-    out.write_bytes_atomic(page.encode("utf-8"), f".{out.name}.tmp")
+    try:
+        out.write_bytes_atomic(page.encode("utf-8"), f".{out.name}.tmp")
+    except StorageError:
+        raise
+    except OSError as e:
+        raise output_error(out, e) from None
     console.print(f"report -> {out}  (open it in a browser; it is one self-contained file)", highlight=False, soft_wrap=True)
     return 0
