@@ -15,6 +15,7 @@ sequence only.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import deque
@@ -82,7 +83,7 @@ class _Sequence:
         return self.queued.request
 
     def done(self) -> bool:
-        return len(self.tokens) >= self.request.max_new_tokens or self.picker.stops(self.tokens[-1])
+        return self.picker.done
 
 
 class BatchScheduler:
@@ -126,21 +127,46 @@ class BatchScheduler:
 
     # -- the model side ----------------------------------------------------------------------------
     def _loop(self) -> None:
-        while True:
+        stopped: BaseException = RuntimeError("the worker stopped")
+        try:
+            while self._turn():
+                pass
+        except BaseException as e:  # not even the guard held (e.g. SystemExit): nobody may wait on this thread
+            stopped = RuntimeError(f"the worker's scheduler stopped: {type(e).__name__}: {e}")
+            raise
+        finally:
+            with self._changed:
+                self._closed = True
+            self._fail_waiting(stopped)
+
+    def _turn(self) -> bool:
+        """One admission and one decode step; False once closed. An error here that no sequence's own
+        handler took is not one sequence's: every waiting future fails with it, and serving goes on."""
+        try:
             with self._changed:
                 while not self._closed and not self._pending and not self._active:
                     self._changed.wait()
                 if self._closed:
-                    break
+                    return False
                 joining = self._admissible()
             if joining is not None:
                 self._join(joining)
             if self._active:
                 self._step()
-        for queued in [*self._pending, *(s.queued for s in self._active)]:
-            queued.future.set_exception(RuntimeError("the worker stopped"))
-        for seq in self._active:
-            seq.handle.close()
+        except Exception as e:  # noqa: BLE001 - see the docstring
+            self._fail_waiting(e)
+        return True
+
+    def _fail_waiting(self, error: BaseException) -> None:
+        """Fail every sequence waiting or decoding with `error` and drop their caches."""
+        with self._changed:
+            waiting = [*self._pending, *(s.queued for s in self._active)]
+            self._pending.clear()
+        active, self._active = self._active, []
+        for seq in active:
+            _close_quietly(seq.handle)
+        for queued in waiting:
+            self._fail(queued, error)
 
     def _admissible(self) -> _Queued | None:
         """The next sequence that may join now (caller holds the lock), taken off the queue."""
@@ -170,7 +196,7 @@ class BatchScheduler:
             return
         try:
             logits = prefill(self.loaded, request.prompt_ids, self.settings, cache, self.prefill_mode)
-            picker = TokenPicker(self.loaded.model, self.settings, request.prompt_ids, request.max_new_tokens)
+            picker = TokenPicker(self.loaded, self.settings, request.prompt_ids, request.max_new_tokens)
             first = picker.pick(logits)
         except Exception as e:  # noqa: BLE001 - sorted out just below
             handle.close()
@@ -180,12 +206,16 @@ class BatchScheduler:
             else:
                 self._fail(queued, e)
             return
-        request.memory.prefill_done(memory_snapshot(self.loaded.device))
         seq = _Sequence(queued, handle, picker, [first], len(request.prompt_ids), started, time.perf_counter())
-        if seq.done():
-            self._finish(seq)
-        else:
-            self._active.append(seq)
+        try:
+            request.memory.prefill_done(memory_snapshot(self.loaded.device))
+            if seq.done():
+                self._finish(seq)
+                return
+        except Exception as e:  # noqa: BLE001 - this sequence's alone
+            self._fail_sequence(seq, e)
+            return
+        self._active.append(seq)
 
     def _run_whole(self, queued: _Queued, handle: CacheHandle, started: float) -> None:
         request = queued.request
@@ -229,14 +259,19 @@ class BatchScheduler:
         rss = self._process.memory_info().rss
         device_bytes = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
         for row, seq in enumerate(rows):
-            seq.tokens.append(seq.picker.pick(logits[row : row + 1]))
-            seq.position += 1
-            seq.steps += 1
-            seq.rows_seen += len(rows)
-            seq.request.memory.decode_step(rss, device_bytes)
-            if seq.done():
-                self._active.remove(seq)
-                self._finish(seq)
+            try:
+                seq.tokens.append(seq.picker.pick(logits[row : row + 1]))
+                seq.position += 1
+                seq.steps += 1
+                seq.rows_seen += len(rows)
+                seq.request.memory.decode_step(rss, device_bytes)
+                if seq.done():
+                    self._active.remove(seq)
+                    self._finish(seq)
+            except Exception as e:  # noqa: BLE001 - this sequence's own (e.g. a setting its token choice trips on)
+                if seq in self._active:
+                    self._active.remove(seq)
+                self._fail_sequence(seq, e)
 
     def _split(self, rows: list[_Sequence]) -> None:
         """Too many sequences for the memory: all of them start again, at most half as many at a time."""
@@ -256,8 +291,10 @@ class BatchScheduler:
             self._pending.extendleft(reversed(queued))  # in front, in their order
 
     def _finish(self, seq: _Sequence) -> None:
-        stats = seq.handle.stats()
-        seq.handle.close()
+        try:
+            stats = seq.handle.stats()
+        finally:
+            seq.handle.close()
         now = time.perf_counter()
         seq.request.memory.decode_done(memory_snapshot(self.loaded.device))
         generation = Generation(
@@ -270,10 +307,17 @@ class BatchScheduler:
         seq.queued.future.set_result(PassResult(generation, stats))
 
     def _fail_sequence(self, seq: _Sequence, error: BaseException) -> None:
-        seq.handle.close()
+        _close_quietly(seq.handle)
         self._fail(seq.queued, error)
 
     @staticmethod
     def _fail(queued: _Queued, error: BaseException) -> None:
         # without its traceback: the frames would keep the failed cache (and activations) alive
-        queued.future.set_exception(error.with_traceback(None))
+        if not queued.future.done():
+            queued.future.set_exception(error.with_traceback(None))
+
+
+def _close_quietly(handle: CacheHandle) -> None:
+    """Close a failed sequence's cache: an error closing it must not hide the error that failed it."""
+    with contextlib.suppress(Exception):
+        handle.close()
