@@ -38,6 +38,22 @@ CacheFactory = Callable[[], CacheHandle]
 MemoryErrorTest = Callable[[BaseException], bool]
 
 
+class TaskClock:
+    """When a task's first sequence began to run here (its prefill): where the task's timeout starts,
+    so time spent queued behind batch-mates does not count (runner/pool.py asks for it)."""
+
+    def __init__(self) -> None:
+        self._started: float | None = None
+
+    def start(self) -> None:
+        if self._started is None:
+            self._started = time.monotonic()
+
+    def running_s(self) -> float | None:
+        """Seconds since the first sequence began; None while every sequence of the task still waits."""
+        return None if self._started is None else time.monotonic() - self._started
+
+
 @dataclass
 class PassRequest:
     """One sequence to generate: a prompt, how many tokens, and how to make its cache."""
@@ -49,6 +65,8 @@ class PassRequest:
     """Device memory its KV takes at full length (prompt + new tokens): what admission sums."""
     memory: StageMemory = field(default_factory=StageMemory)
     """The task's per-stage memory figures, updated as this sequence runs."""
+    clock: TaskClock = field(default_factory=TaskClock)
+    """The task's clock, started when its first sequence begins to run."""
 
 
 @dataclass(frozen=True)
@@ -184,6 +202,7 @@ class BatchScheduler:
     def _join(self, queued: _Queued) -> None:
         """Prefill alone, choose the first token, and join the batch (or finish at once)."""
         request = queued.request
+        request.clock.start()
         started = time.perf_counter()
         try:
             handle = request.make_cache()
