@@ -9,8 +9,9 @@ Admission keeps the batch within `batch.max_sequences` and the device budget: th
 sequences' device KV (each at its full length, prompt + new tokens) must fit. A memory error in a
 step with several sequences splits the batch (every sequence of it starts again, at most half as
 many at a time from then on) before any task is told, so only a sequence that runs out of memory
-alone moves its task down the cache ladder. Any other error in one sequence's cache fails that
-sequence only.
+alone moves its task down the cache ladder. Any other error in one sequence's cache, token choice
+or finish fails that sequence only, at once; an error the loop cannot pin on one sequence fails
+every sequence waiting or decoding with it, and the loop goes on. No future is left unresolved.
 """
 
 from __future__ import annotations
