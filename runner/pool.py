@@ -5,7 +5,9 @@ as dicts and losses as `WorkerLost`. Each actor takes `batch.max_sequences` call
 thread a task, its sequences batched by the worker's scheduler), so one lost process ends several
 tasks: the pool counts that loss once, and says for each of its tasks whether batch-mates shared
 the process (then the loss is not the task's own fault, yet). A task suspected of crashing its
-batches runs `alone`: it waits for its worker to be idle and keeps it to itself.
+batches runs `alone`: it waits for its worker to be idle and keeps it to itself. A call's
+`retry.task_timeout_s` runs from when its task began to run in the worker, not while it waits
+there behind its batch-mates (`_result`).
 """
 
 from __future__ import annotations
