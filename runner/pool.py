@@ -37,7 +37,8 @@ PROBE_GROUP = "probe"
 PROBE_INTERVAL_S = 5.0
 """How often a call whose task has not begun to run asks whether it has (at most a quarter of the timeout)."""
 PROBE_TIMEOUT_S = 60.0
-"""A worker that does not answer that question within this (or retry.task_timeout_s, if shorter) is hung."""
+"""A worker that does not answer that question within this is hung (a short task timeout does not
+shorten it: a loaded node may answer slowly)."""
 
 Worker = Any
 """An actor handle; the coordinator only passes it back to the pool."""
@@ -166,11 +167,13 @@ class WorkerPool:
 
     def _result(self, worker: Worker, ref: Any, call_id: str) -> TaskOutcome:
         """The call's outcome. Its retry.task_timeout_s runs from when the task's first sequence began
-        to run in the worker (the worker says when), not from when the call was sent: while it waits
-        behind its batch-mates it has no time limit of its own, those batch-mates have theirs. Raises
-        `_Hung` past the timeout, or when the worker does not answer whether the task has begun."""
+        to run in the worker (the worker says when), not from when the call was sent. Waiting before
+        that has a limit of its own: behind at most batch.max_sequences - 1 batch-mates, each within
+        its timeout, it begins within task_timeout_s × batch.max_sequences, or the worker is stuck.
+        Raises `_Hung` past either, or when the worker does not answer whether the task has begun."""
         limit = self.cfg.retry.task_timeout_s
-        probe_timeout = min(PROBE_TIMEOUT_S, limit)
+        wait_limit = limit * self.cfg.batch.sequences
+        sent = time.monotonic()
         while True:
             try:
                 return ray.get(ref, timeout=min(PROBE_INTERVAL_S, limit / 4))
@@ -178,12 +181,15 @@ class WorkerPool:
                 pass
             probe = worker.running_s.options(concurrency_group=PROBE_GROUP).remote(call_id)
             try:
-                running_s = ray.get(probe, timeout=probe_timeout)
+                running_s = ray.get(probe, timeout=PROBE_TIMEOUT_S)
             except GetTimeoutError:
-                raise _Hung(f"the worker did not answer within {probe_timeout:g}s whether the task had begun: "
+                raise _Hung(f"the worker did not answer within {PROBE_TIMEOUT_S:g}s whether the task had begun: "
                             "it is hung") from None
             if running_s is not None:
                 break
+            if time.monotonic() - sent > wait_limit:
+                raise _Hung(f"not begun within {wait_limit:g}s of being sent (retry.task_timeout_s × "
+                            "batch.max_sequences): the worker is stuck")
         try:
             return ray.get(ref, timeout=max(0.0, limit - running_s))
         except GetTimeoutError:
