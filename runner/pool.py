@@ -5,7 +5,9 @@ as dicts and losses as `WorkerLost`. Each actor takes `batch.max_sequences` call
 thread a task, its sequences batched by the worker's scheduler), so one lost process ends several
 tasks: the pool counts that loss once, and says for each of its tasks whether batch-mates shared
 the process (then the loss is not the task's own fault, yet). A task suspected of crashing its
-batches runs `alone`: it waits for its worker to be idle and keeps it to itself.
+batches runs `alone`: it waits for its worker to be idle and keeps it to itself. A call's
+`retry.task_timeout_s` runs from when its task began to run in the worker, not while it waits
+there behind its batch-mates (`_result`).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -30,6 +33,13 @@ from runner.engine.worker import SummaryWorker
 
 #: How long a restarted worker may take to come back (process start + model load), not task time.
 WORKER_RESTART_TIMEOUT_S = 300.0
+PROBE_GROUP = "probe"
+"""The actor's concurrency group for `running_s`: its own thread, so a worker busy with its batch answers."""
+PROBE_INTERVAL_S = 5.0
+"""How often a call whose task has not begun to run asks whether it has (at most a quarter of the timeout)."""
+PROBE_TIMEOUT_S = 60.0
+"""A worker that does not answer that question within this is hung (a short task timeout does not
+shorten it: a loaded node may answer slowly)."""
 
 Worker = Any
 """An actor handle; the coordinator only passes it back to the pool."""
@@ -51,6 +61,10 @@ class WorkerLost(TransientFailure):
         super().__init__(error_type, message)
         self.shared = shared
         self.first_to_see = first_to_see
+
+
+class _Hung(Exception):
+    """The call ran past its time, or its worker stopped answering."""
 
 
 class PoolStopped(Exception):
@@ -101,7 +115,7 @@ class WorkerPool:
         gpus = self.cfg.workers.gpus_per_worker if resources.get("GPU", 0) > 0 else 0
         # SPREAD: one worker per node before any node gets a second, so a lost node costs the fewest;
         # max_concurrency: each task in flight runs in an actor thread of its own
-        remote_cls = ray.remote(SummaryWorker).options(
+        remote_cls = ray.remote(concurrency_groups={PROBE_GROUP: 1})(SummaryWorker).options(
             num_cpus=self.cfg.workers.cpus_per_worker, num_gpus=gpus,
             max_restarts=-1, max_task_retries=0, scheduling_strategy="SPREAD",
             max_concurrency=self.cfg.batch.sequences,
@@ -141,13 +155,13 @@ class WorkerPool:
             slot.exclusive = alone
             shared = slot.in_flight > 1
             losses_before = slot.losses
-        ref = worker.run.remote(dataclasses.asdict(task), attempt, context_tokens)
+        call_id = uuid.uuid4().hex
+        ref = worker.run.remote(dataclasses.asdict(task), attempt, context_tokens, call_id)
         try:
-            return ray.get(ref, timeout=self.cfg.retry.task_timeout_s)
-        except GetTimeoutError:
+            return self._result(worker, ref, call_id)
+        except _Hung as e:
             ray.kill(worker, no_restart=False)  # a hung worker is restarted, with a fresh model
-            raise self._lost(slot, losses_before, shared, "TimeoutError",
-                             f"no result within retry.task_timeout_s={self.cfg.retry.task_timeout_s}s") from None
+            raise self._lost(slot, losses_before, shared, "TimeoutError", str(e)) from None
         except RayActorError as e:
             if self._killed:
                 raise PoolStopped() from None
@@ -157,6 +171,36 @@ class WorkerPool:
                 slot.in_flight -= 1
                 slot.exclusive = slot.exclusive and not alone
                 self._lock.notify_all()
+
+    def _result(self, worker: Worker, ref: Any, call_id: str) -> TaskOutcome:
+        """The call's outcome. Its retry.task_timeout_s runs from when the task's first sequence began
+        to run in the worker (the worker says when), not from when the call was sent. Waiting before
+        that has a limit of its own: behind at most batch.max_sequences - 1 batch-mates, each within
+        its timeout, it begins within task_timeout_s × batch.max_sequences, or the worker is stuck.
+        Raises `_Hung` past either, or when the worker does not answer whether the task has begun."""
+        limit = self.cfg.retry.task_timeout_s
+        wait_limit = limit * self.cfg.batch.sequences
+        sent = time.monotonic()
+        while True:
+            try:
+                return ray.get(ref, timeout=min(PROBE_INTERVAL_S, limit / 4))
+            except GetTimeoutError:
+                pass
+            probe = worker.running_s.options(concurrency_group=PROBE_GROUP).remote(call_id)
+            try:
+                running_s = ray.get(probe, timeout=PROBE_TIMEOUT_S)
+            except GetTimeoutError:
+                raise _Hung(f"the worker did not answer within {PROBE_TIMEOUT_S:g}s whether the task had begun: "
+                            "it is hung") from None
+            if running_s is not None:
+                break
+            if time.monotonic() - sent > wait_limit:
+                raise _Hung(f"not begun within {wait_limit:g}s of being sent (retry.task_timeout_s × "
+                            "batch.max_sequences): the worker is stuck")
+        try:
+            return ray.get(ref, timeout=max(0.0, limit - running_s))
+        except GetTimeoutError:
+            raise _Hung(f"no result within retry.task_timeout_s={limit:g}s of its first sequence starting") from None
 
     def _lost(self, slot: _Slot, losses_before: int, shared: bool, error_type: str, message: str) -> WorkerLost:
         with self._lock:

@@ -9,15 +9,15 @@ own `TokenPicker` exactly as generate() chooses it, so batching never changes a 
 
 from __future__ import annotations
 
-import copy
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import PreTrainedModel
+from transformers import GenerationConfig
 from transformers.cache_utils import Cache
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
 from jobs.config import PrefillMode, SummarizeConfig
@@ -88,6 +88,7 @@ def generate_once(
             do_sample=settings.do_sample,
             prefill_chunk_size=chunk_size or None,
             pad_token_id=loaded.tokenizer.pad_token_id,
+            tokenizer=loaded.tokenizer,  # for stop_strings
             streamer=clock,
             **settings.generation,  # GenerationConfig fields checked at submit (runner/preflight.py)
             **cache_kwargs,
@@ -126,35 +127,72 @@ def prefill(
 
 
 class TokenPicker:
-    """Chooses one sequence's next tokens as generate() does: the model's generation config with the
-    task's settings, its logits processors over the sequence so far, then greedy, or sampling from the
-    sequence's own seeded generator (so its tokens do not depend on its batch-mates)."""
+    """Chooses one sequence's next tokens, and says when it ends, as generate() does alone: the model's
+    generation config with the task's settings, prepared by generate()'s own steps (special tokens,
+    max/min length), its logits processors over the sequence so far, then greedy, or sampling from
+    the sequence's own seeded generator (so its tokens do not depend on its batch-mates), and its
+    stopping criteria (max length, end-of-sequence tokens, stop strings, max time)."""
 
-    def __init__(self, model: PreTrainedModel, settings: SummarizeConfig, prompt_ids: list[int],
+    def __init__(self, loaded: LoadedModel, settings: SummarizeConfig, prompt_ids: list[int],
                  max_new_tokens: int) -> None:
-        config = copy.deepcopy(model.generation_config)
-        config.update(do_sample=settings.do_sample, max_new_tokens=max_new_tokens,
-                      **settings.generation)
-        self.do_sample = settings.do_sample
+        model = loaded.model
+        ids = torch.tensor([prompt_ids], device=model.device)  # [1, tokens so far]
+        config = _prepared_config(loaded, settings, ids, max_new_tokens)
         self.processors = model._get_logits_processor(
-            generation_config=config, input_ids_seq_length=len(prompt_ids), device=model.device, model_kwargs={}
+            generation_config=config, input_ids_seq_length=len(prompt_ids), encoder_input_ids=ids,
+            device=model.device, model_kwargs={},
         )
-        eos = config.eos_token_id
-        self.eos = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        self.criteria = model._get_stopping_criteria(
+            generation_config=config, stopping_criteria=StoppingCriteriaList(), tokenizer=loaded.tokenizer
+        )
+        eos = config._eos_token_tensor
+        self.eos = set() if eos is None else set(eos.tolist())
+        self.do_sample = settings.do_sample
         self.generator = torch.Generator(device=model.device).manual_seed(settings.seed) if self.do_sample else None
-        self._ids = torch.tensor([prompt_ids], device=model.device)  # [1, tokens so far]
+        self.max_new_tokens = max_new_tokens
+        self.done = False
+        """Whether the last chosen token ended the sequence."""
+        self._picked = 0
+        # a plain row (no processor, only the length and end-of-sequence criteria) is checked on the
+        # host without keeping its tokens as a tensor: the same answer at the cost of today's greedy step
+        self._plain = not len(self.processors) and all(type(c) in _PLAIN_CRITERIA for c in self.criteria)
+        self._ids = ids
 
     def pick(self, logits: torch.Tensor) -> int:
-        """The next token from this position's logits ([1, vocab] float32)."""
+        """The next token from this position's logits ([1, vocab] float32); sets `done`."""
         if len(self.processors):
             logits = self.processors(self._ids, logits)
         if self.do_sample:
             token = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=self.generator)[0, 0]
         else:
             token = logits[0].argmax()
-        if len(self.processors):
+        picked = int(token)
+        self._picked += 1
+        if self._plain:
+            self.done = self._picked >= self.max_new_tokens or picked in self.eos
+        else:
             self._ids = torch.cat([self._ids, token.view(1, 1)], dim=1)
-        return int(token)
+            self.done = bool(self.criteria(self._ids, None)[0])
+        return picked
 
-    def stops(self, token: int) -> bool:
-        return token in self.eos
+
+_PLAIN_CRITERIA = (MaxLengthCriteria, EosTokenCriteria)
+
+
+def _prepared_config(loaded: LoadedModel, settings: SummarizeConfig, ids: torch.Tensor,
+                     max_new_tokens: int) -> GenerationConfig:
+    """The generation config generate() would decode this prompt with: the model's defaults under the
+    task's settings, special tokens as tensors, max_length/min_length counted from this prompt."""
+    model = loaded.model
+    fields = {"do_sample": settings.do_sample, "max_new_tokens": max_new_tokens,
+              "pad_token_id": loaded.tokenizer.pad_token_id, **settings.generation}
+    config, _ = model._prepare_generation_config(None, **fields)
+    model._prepare_special_tokens(config, kwargs_has_attention_mask=True, device=ids.device, batch_size=1)
+    return model._prepare_generated_length(
+        generation_config=config,
+        has_default_max_length="max_length" not in settings.generation and model.generation_config.max_length is None,
+        has_default_min_length="min_length" not in settings.generation and model.generation_config.min_length is None,
+        model_input_name="input_ids",
+        input_ids_length=ids.shape[1],
+        inputs_tensor=ids,
+    )

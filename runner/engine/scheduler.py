@@ -10,12 +10,14 @@ joined sequences' device KV, and of their host KV (tiered rungs), each at its fu
 new tokens), must fit. A memory error in a step with several sequences splits the batch (every
 sequence of it starts again, at most half as many at a time) before any task is told, so only a
 sequence that runs out of memory alone moves its task down the cache ladder; after enough calm
-decode steps the limit grows back (jobs.batch_limit). Any other error in one sequence's cache fails
-that sequence only.
+decode steps the limit grows back (jobs.batch_limit). Any other error in one sequence's cache, token
+choice or finish fails that sequence only, at once; an error the loop cannot pin on one sequence
+fails every sequence waiting or decoding with it, and the loop goes on. No future is left unresolved.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import deque
@@ -39,6 +41,22 @@ CacheFactory = Callable[[], CacheHandle]
 MemoryErrorTest = Callable[[BaseException], bool]
 
 
+class TaskClock:
+    """When a task's first sequence began to run here (its prefill): where the task's timeout starts,
+    so time spent queued behind batch-mates does not count (runner/pool.py asks for it)."""
+
+    def __init__(self) -> None:
+        self._started: float | None = None
+
+    def start(self) -> None:
+        if self._started is None:
+            self._started = time.monotonic()
+
+    def running_s(self) -> float | None:
+        """Seconds since the first sequence began; None while every sequence of the task still waits."""
+        return None if self._started is None else time.monotonic() - self._started
+
+
 @dataclass
 class PassRequest:
     """One sequence to generate: a prompt, how many tokens, and how to make its cache."""
@@ -52,6 +70,8 @@ class PassRequest:
     """Host RAM its KV takes at full length (a tiered rung's streamed layers): summed the same way."""
     memory: StageMemory = field(default_factory=StageMemory)
     """The task's per-stage memory figures, updated as this sequence runs."""
+    clock: TaskClock = field(default_factory=TaskClock)
+    """The task's clock, started when its first sequence begins to run."""
 
 
 @dataclass(frozen=True)
@@ -86,7 +106,7 @@ class _Sequence:
         return self.queued.request
 
     def done(self) -> bool:
-        return len(self.tokens) >= self.request.max_new_tokens or self.picker.stops(self.tokens[-1])
+        return self.picker.done
 
 
 class BatchScheduler:
@@ -145,21 +165,46 @@ class BatchScheduler:
 
     # -- the model side ----------------------------------------------------------------------------
     def _loop(self) -> None:
-        while True:
+        stopped: BaseException = RuntimeError("the worker stopped")
+        try:
+            while self._turn():
+                pass
+        except BaseException as e:  # not even the guard held (e.g. SystemExit): nobody may wait on this thread
+            stopped = RuntimeError(f"the worker's scheduler stopped: {type(e).__name__}: {e}")
+            raise
+        finally:
+            with self._changed:
+                self._closed = True
+            self._fail_waiting(stopped)
+
+    def _turn(self) -> bool:
+        """One admission and one decode step; False once closed. An error here that no sequence's own
+        handler took is not one sequence's: every waiting future fails with it, and serving goes on."""
+        try:
             with self._changed:
                 while not self._closed and not self._pending and not self._active:
                     self._changed.wait()
                 if self._closed:
-                    break
+                    return False
                 joining = self._admissible()
             if joining is not None:
                 self._join(joining)
             if self._active:
                 self._step()
-        for queued in [*self._pending, *(s.queued for s in self._active)]:
-            queued.future.set_exception(RuntimeError("the worker stopped"))
-        for seq in self._active:
-            seq.handle.close()
+        except Exception as e:  # noqa: BLE001 - see the docstring
+            self._fail_waiting(e)
+        return True
+
+    def _fail_waiting(self, error: BaseException) -> None:
+        """Fail every sequence waiting or decoding with `error` and drop their caches."""
+        with self._changed:
+            waiting = [*self._pending, *(s.queued for s in self._active)]
+            self._pending.clear()
+        active, self._active = self._active, []
+        for seq in active:
+            _close_quietly(seq.handle)
+        for queued in waiting:
+            self._fail(queued, error)
 
     def _admissible(self) -> _Queued | None:
         """The next sequence that may join now (caller holds the lock), taken off the queue.
@@ -185,6 +230,7 @@ class BatchScheduler:
     def _join(self, queued: _Queued) -> None:
         """Prefill alone, choose the first token, and join the batch (or finish at once)."""
         request = queued.request
+        request.clock.start()
         started = time.perf_counter()
         try:
             handle = request.make_cache()
@@ -197,7 +243,7 @@ class BatchScheduler:
             return
         try:
             logits = prefill(self.loaded, request.prompt_ids, self.settings, cache, self.prefill_mode)
-            picker = TokenPicker(self.loaded.model, self.settings, request.prompt_ids, request.max_new_tokens)
+            picker = TokenPicker(self.loaded, self.settings, request.prompt_ids, request.max_new_tokens)
             first = picker.pick(logits)
         except Exception as e:  # noqa: BLE001 - sorted out just below
             handle.close()
@@ -207,12 +253,16 @@ class BatchScheduler:
             else:
                 self._fail(queued, e)
             return
-        request.memory.prefill_done(memory_snapshot(self.loaded.device))
         seq = _Sequence(queued, handle, picker, [first], len(request.prompt_ids), started, time.perf_counter())
-        if seq.done():
-            self._finish(seq)
-        else:
-            self._active.append(seq)
+        try:
+            request.memory.prefill_done(memory_snapshot(self.loaded.device))
+            if seq.done():
+                self._finish(seq)
+                return
+        except Exception as e:  # noqa: BLE001 - this sequence's alone
+            self._fail_sequence(seq, e)
+            return
+        self._active.append(seq)
 
     def _run_whole(self, queued: _Queued, handle: CacheHandle, started: float) -> None:
         request = queued.request
@@ -256,14 +306,19 @@ class BatchScheduler:
         rss = self._process.memory_info().rss
         device_bytes = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
         for row, seq in enumerate(rows):
-            seq.tokens.append(seq.picker.pick(logits[row : row + 1]))
-            seq.position += 1
-            seq.steps += 1
-            seq.rows_seen += len(rows)
-            seq.request.memory.decode_step(rss, device_bytes)
-            if seq.done():
-                self._active.remove(seq)
-                self._finish(seq)
+            try:
+                seq.tokens.append(seq.picker.pick(logits[row : row + 1]))
+                seq.position += 1
+                seq.steps += 1
+                seq.rows_seen += len(rows)
+                seq.request.memory.decode_step(rss, device_bytes)
+                if seq.done():
+                    self._active.remove(seq)
+                    self._finish(seq)
+            except Exception as e:  # noqa: BLE001 - this sequence's own (e.g. a setting its token choice trips on)
+                if seq in self._active:
+                    self._active.remove(seq)
+                self._fail_sequence(seq, e)
 
     def _split(self, rows: list[_Sequence]) -> None:
         """Too many sequences for the memory: all of them start again, at most half as many at a time."""
@@ -283,8 +338,10 @@ class BatchScheduler:
             self._pending.extendleft(reversed(queued))  # in front, in their order
 
     def _finish(self, seq: _Sequence) -> None:
-        stats = seq.handle.stats()
-        seq.handle.close()
+        try:
+            stats = seq.handle.stats()
+        finally:
+            seq.handle.close()
         now = time.perf_counter()
         seq.request.memory.decode_done(memory_snapshot(self.loaded.device))
         generation = Generation(
@@ -297,10 +354,17 @@ class BatchScheduler:
         seq.queued.future.set_result(PassResult(generation, stats))
 
     def _fail_sequence(self, seq: _Sequence, error: BaseException) -> None:
-        seq.handle.close()
+        _close_quietly(seq.handle)
         self._fail(seq.queued, error)
 
     @staticmethod
     def _fail(queued: _Queued, error: BaseException) -> None:
         # without its traceback: the frames would keep the failed cache (and activations) alive
-        queued.future.set_exception(error.with_traceback(None))
+        if not queued.future.done():
+            queued.future.set_exception(error.with_traceback(None))
+
+
+def _close_quietly(handle: CacheHandle) -> None:
+    """Close a failed sequence's cache: an error closing it must not hide the error that failed it."""
+    with contextlib.suppress(Exception):
+        handle.close()

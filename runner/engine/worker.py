@@ -19,7 +19,7 @@ import socket
 import threading
 import time
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +48,7 @@ from runner.engine.generation import Generation
 from runner.engine.kvcache import ResidentMeter, build_cache, kv_shape, resolve_budgets
 from runner.engine.models import load_model
 from runner.engine.probes import StageMemory, memory_snapshot
-from runner.engine.scheduler import BatchScheduler, PassRequest
+from runner.engine.scheduler import BatchScheduler, PassRequest, TaskClock
 from runner.engine.summarize import Summarizer, Summary
 from storage.scratch import (
     ScratchSpaceError,
@@ -148,6 +148,8 @@ class TaskRequest:
     text: str
     max_new_tokens: int
     instruction: str
+    clock: TaskClock = field(default_factory=TaskClock)
+    """Started when the task's first sequence begins to run: what `running_s` reports."""
 
 
 def _fire(fault: str | None, task: Task, rung: str) -> None:
@@ -203,6 +205,7 @@ class SummaryWorker:
         self.scheduler = BatchScheduler(self.loaded, self.cfg.summarize, self.cfg.cache.prefill,
                                         self.cfg.batch.sequences, self.device_budget, _is_memory_error,
                                         host_budget=self.host_budget)
+        self._clocks: dict[str, TaskClock] = {}  # call id -> clock of the task in flight
 
     def info(self) -> dict[str, Any]:
         return {
@@ -217,8 +220,15 @@ class SummaryWorker:
             "host_kv_budget_bytes": self.host_budget,
         }
 
-    def run(self, task_data: dict[str, Any], attempt: int, context_tokens: int) -> TaskOutcome:
-        """Summarise one task; returns an outcome dict (never raises for an expected failure)."""
+    def running_s(self, call_id: str) -> float | None:
+        """Seconds since call `call_id`'s first sequence began to run; None while it waits (queued
+        behind batch-mates, or not yet started). Answered from its own thread, so a busy worker answers."""
+        clock = self._clocks.get(call_id)
+        return None if clock is None else clock.running_s()
+
+    def run(self, task_data: dict[str, Any], attempt: int, context_tokens: int, call_id: str = "") -> TaskOutcome:
+        """Summarise one task; returns an outcome dict (never raises for an expected failure).
+        `call_id` names the call for `running_s`."""
         started = time.perf_counter()
         outcome = TaskOutcome(worker=self.name, model=self.loaded.name, fallbacks=[])
         try:
@@ -226,8 +236,12 @@ class SummaryWorker:
         except DocumentError as e:
             return outcome | _failure(FailureClass.INPUT, type(e).__name__, str(e), started)
         memory = StageMemory()
-        with _PeakRss() as rss:
-            outcome |= self._first_rung_that_runs(request, memory, outcome["fallbacks"], started)
+        self._clocks[call_id] = request.clock
+        try:
+            with _PeakRss() as rss:
+                outcome |= self._first_rung_that_runs(request, memory, outcome["fallbacks"], started)
+        finally:
+            self._clocks.pop(call_id, None)
         outcome.update(
             memory.row_fields(),
             peak_host_rss_bytes=max(rss.peak, memory.decode_peak_host_rss_bytes or 0),
@@ -318,7 +332,7 @@ class SummaryWorker:
                                                    host_pool=self.host_pool),
                     device_bytes=device_kv_bytes(self.kv_shape, rung, tokens, placement),
                     host_bytes=host_kv_bytes(self.kv_shape, rung, tokens, placement, self.cfg.cache.block_tokens),
-                    memory=memory,
+                    memory=memory, clock=request.clock,
                 )
 
             def generate(prompts: list[list[int]], max_new: int) -> list[Generation]:

@@ -1,0 +1,108 @@
+"""The worker's scheduler never dies: an error in one sequence fails that sequence at once, an error it
+cannot pin on one fails every waiting future with it, and it keeps serving afterwards.
+
+Real BatchScheduler, real tiny random models and caches (tests/test_batching.py's); the CLI case is
+the issue's own setting, through real Ray workers.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from test_batching import BIG, _loaded, tokenizer  # noqa: F401 - the fixture
+from test_kvcache import _model, _one_torch_thread, _prompt  # noqa: F401 - the fixture applies here too
+
+from conftest import TINY_CONFIG, export_rows, kvbatch, write_jsonl
+from jobs.config import CacheConfig, SummarizeConfig
+from runner.engine.kvcache import build_cache
+from runner.engine.scheduler import BatchScheduler, PassRequest
+from runner.engine.worker import _is_memory_error
+
+OUT_OF_VOCAB = 1_000_000
+
+
+def _request(model, prompt: list[int], new: int, device_bytes: int | None = 0) -> PassRequest:
+    return PassRequest(prompt, new, make_cache=lambda: build_cache("dynamic", model, CacheConfig(), None, None),
+                       device_bytes=device_bytes)
+
+
+def _outcome(future) -> list[int] | BaseException:
+    try:
+        return future.result(timeout=30).generation.tokens  # seconds, not retry.task_timeout_s
+    except TimeoutError:
+        raise AssertionError("a future was left unresolved: the scheduler thread died") from None
+    except Exception as e:  # noqa: BLE001 - the outcome under test
+        return e
+
+
+def test_an_error_choosing_one_sequences_token_fails_that_sequence_at_once(tokenizer) -> None:
+    """forced_eos_token_id outside the vocabulary (the issue's setting) raises in the token choice of
+    the step where the forced end falls. Sequence 0 ends at its end-of-sequence token before that
+    step and keeps its tokens; sequence 1 reaches it mid-batch and fails with the real IndexError;
+    the scheduler keeps serving."""
+    model = _model("llama-gqa")
+    prompts = [_prompt(9)[0].tolist(), _prompt(12)[0].tolist()]
+    new = 16
+    with torch.no_grad():
+        plain = model.generate(torch.tensor([prompts[0]]), max_new_tokens=new, do_sample=False)[0, 9:].tolist()
+    stop = next(t for t in plain[2:6] if t not in plain[:2])  # sequence 0 stops there, early
+    with torch.no_grad():
+        alone_1 = model.generate(torch.tensor([prompts[1]]), max_new_tokens=new, do_sample=False)[0, 12:].tolist()
+    assert stop not in alone_1, "sequence 1 must run to its forced end"
+    settings = SummarizeConfig(generation={"forced_eos_token_id": OUT_OF_VOCAB, "eos_token_id": stop})
+    scheduler = BatchScheduler(_loaded(model, tokenizer), settings, "auto", 2, BIG, _is_memory_error)
+    try:
+        futures = [scheduler.submit(_request(model, p, new)) for p in prompts]
+        got = [_outcome(f) for f in futures]
+        again = _outcome(scheduler.submit(_request(model, prompts[0], new)))
+    finally:
+        scheduler.close()
+    assert got[0] == plain[: plain.index(stop) + 1] == again
+    assert isinstance(got[1], IndexError) and str(OUT_OF_VOCAB) in str(got[1]), got[1]
+    assert scheduler.most_rows == 2  # it failed inside a batched step, beside sequence 0
+    with pytest.raises(IndexError, match=str(OUT_OF_VOCAB)), torch.no_grad():  # generate() alone fails too
+        model.generate(torch.tensor([prompts[1]]), max_new_tokens=new, do_sample=False,
+                       forced_eos_token_id=OUT_OF_VOCAB, eos_token_id=stop)
+
+
+def test_an_error_the_loop_cannot_pin_on_a_sequence_fails_every_waiting_future_and_serving_goes_on(
+        tokenizer) -> None:
+    """A request whose device_bytes is not a number breaks admission (the loop's own code, not one
+    sequence's decode): every future waiting then, active and queued, fails with that error at once,
+    and the next request is served."""
+    model = _model("llama-gqa")
+    scheduler = BatchScheduler(_loaded(model, tokenizer), SummarizeConfig(), "auto", 4, BIG, _is_memory_error)
+    try:
+        long = scheduler.submit(_request(model, _prompt(20)[0].tolist(), 200))
+        while scheduler.most_rows < 1:  # it decodes: admission of the next request sums device bytes
+            time.sleep(0.001)
+        broken = scheduler.submit(_request(model, _prompt(9)[0].tolist(), 8, device_bytes=None))
+        queued = scheduler.submit(_request(model, _prompt(11)[0].tolist(), 8))
+        outcomes = [_outcome(f) for f in (long, broken, queued)]
+        after = _outcome(scheduler.submit(_request(model, _prompt(9)[0].tolist(), 8)))
+    finally:
+        scheduler.close()
+    assert all(isinstance(o, TypeError) for o in outcomes), outcomes
+    assert isinstance(after, list) and len(after) == 8
+
+
+def test_a_setting_that_breaks_token_choice_ends_the_batch_with_the_real_error(tmp_path: Path,
+                                                                              ray_address: str) -> None:
+    """Through the CLI, with the default hour-long task timeout: the documents fail within seconds
+    with the IndexError of the token choice, not a TimeoutError an hour later."""
+    manifest = write_jsonl(tmp_path / "m.jsonl", [{"id": "a", "text": "A meeting about the budget."},
+                                                   {"id": "b", "text": "A report about the park."}])
+    job = tmp_path / "job"
+    started = time.monotonic()
+    kvbatch("submit", str(manifest), "-c", str(TINY_CONFIG), "-j", str(job), "--address", ray_address,
+            "--set", f"summarize.generation.forced_eos_token_id={OUT_OF_VOCAB}", "--set", "retry.max_attempts=1",
+            "--set", "retry.task_timeout_s=3600", timeout=120)
+    assert time.monotonic() - started < 90
+    rows = export_rows(job)
+    assert {r["doc_id"] for r in rows} == {"a", "b"}
+    for row in rows:
+        assert row["status"] == "failed" and row["error_type"] == "IndexError", row
+        assert str(OUT_OF_VOCAB) in row["error"], row
