@@ -233,4 +233,6 @@ def _pinned_in_use() -> int:
     torch.cuda.synchronize()
     gc.collect()
     torch.empty(1, pin_memory=True)  # an allocation makes the pinned allocator retire blocks whose copies are done
-    return torch.cuda.host_memory_stats()["active_bytes.current"]
+    stats = torch.cuda.host_memory_stats()
+    assert "active_bytes.current" in stats, f"this torch names its pinned-memory figures otherwise: {sorted(stats)}"
+    return stats["active_bytes.current"]
