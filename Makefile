@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: venv demo test test-fast bench clean
+.PHONY: venv demo test test-fast bench device-wheels clean
 
 venv: $(VENV)/.installed
 
@@ -37,6 +37,20 @@ bench: venv
 	$(PY) bench/runner_overhead.py
 	$(PY) bench/checkpoint.py
 	$(PY) bench/offload.py --threads 1
+
+# What bench/device.sh installs on a GPU machine that cannot download (docs/device.md): the engine's
+# imports that machine lacks, at the versions tested here, as Python 3.12 x86-64 wheels (about 23 MB)
+DEVICE_WHEELS ?= .whl
+DEVICE_PACKAGES := transformers==5.23.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 \
+	typing-inspection==0.4.5 typing-extensions==4.16.0 regex==2026.11.19 zstandard==0.25.0 tenacity==9.2.1 \
+	pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1
+DEVICE_PLATFORMS := manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64
+
+device-wheels: venv
+	rm -rf $(DEVICE_WHEELS)
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		$(addprefix --platform ,$(DEVICE_PLATFORMS)) -d $(DEVICE_WHEELS) $(DEVICE_PACKAGES)
+	@du -sh $(DEVICE_WHEELS)
 
 clean:
 	rm -rf runs build *.egg-info

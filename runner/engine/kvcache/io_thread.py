@@ -2,7 +2,9 @@
 
 One worker thread runs jobs in submission order, so a read of a layer always sees the blocks
 sealed before it. On CUDA its copies go on a side stream, so they overlap the compute of the
-current layer; a job waits for its own copies before it reports done.
+current layer. A job reports done once its copies are queued, not finished: a job that fills
+device buffers records a CUDA event after its copies, and the compute thread's stream waits for
+that event on the device (`adopt`), so neither thread waits on the host for the copies.
 """
 
 from __future__ import annotations
@@ -32,16 +34,19 @@ class IOThread:
 
     def _run(self, job: Callable[..., T], *args: object) -> T:
         with torch.cuda.stream(self._stream) if self._stream is not None else nullcontext():
-            result = job(*args)
-        if self._stream is not None:
-            self._stream.synchronize()
-        return result
+            return job(*args)
 
-    def adopt(self, tensor: torch.Tensor) -> None:
-        """Mark a tensor made on the side stream as used by the caller's stream, so the allocator
-        does not hand its memory out again before that stream is done with it. Call on the compute thread."""
-        if self._stream is not None:
-            tensor.record_stream(torch.cuda.current_stream(self.device))
+    def adopt(self, filled: torch.cuda.Event | None, *tensors: torch.Tensor) -> None:
+        """Order the caller's stream after `filled` (the event a job recorded after filling `tensors`)
+        and mark the tensors as used by that stream, so the allocator does not hand their memory
+        out again before that stream is done with them. Call on the compute thread."""
+        if self._stream is None:
+            return
+        stream = torch.cuda.current_stream(self.device)
+        if filled is not None:
+            stream.wait_event(filled)
+        for tensor in tensors:
+            tensor.record_stream(stream)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)

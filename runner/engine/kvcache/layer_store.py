@@ -3,6 +3,13 @@
 New tokens are copied off the device once, into the tail; a full tail is sealed (handed to the
 tier on the IO thread) and never rewritten. Beam reorders and batch changes do not move block
 data: each block keeps a row map (logical batch row -> stored row) applied when it is read.
+
+The tail is token-major, (tokens, batch, heads, head_dim), so the window a step writes is one
+contiguous run of bytes: on CUDA the copy into it goes straight from the device into pinned memory
+without a pageable temporary or a host sync. Sealing turns it into the head-major block the
+tiers store, (batch, heads, tokens, head_dim), which reads into a device buffer a block at a time.
+On CUDA every wait between the compute stream and the IO thread's stream is a CUDA event waited
+for on a stream; the host waits only where it touches the bytes itself (sealing, reshaping).
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ class Resident:
     values: torch.Tensor
     length: int
     copied_bytes: int = 0  # what the copies that filled the buffers wrote (old tokens in, from the tier)
+    filled: torch.cuda.Event | None = None  # on CUDA: recorded after those copies, on the stream that made them
 
     @property
     def capacity(self) -> int:
@@ -101,7 +109,8 @@ class LayerStore:
     # --- writing -------------------------------------------------------------------------------
 
     def _new_tail(self) -> tuple[torch.Tensor, torch.Tensor]:
-        shape = (self.batch, self.heads, self.block_tokens, self.head_dim)
+        """Token-major: `tail[a:b]` (tokens a..b of every row and head) is contiguous."""
+        shape = (self.block_tokens, self.batch, self.heads, self.head_dim)
         return tuple(torch.empty(shape, dtype=self.dtype, pin_memory=self.pinned) for _ in range(2))  # type: ignore[return-value]
 
     def _mark_copies(self) -> torch.cuda.Event | None:
@@ -123,8 +132,8 @@ class LayerStore:
                 self.tail_keys, self.tail_values = self._new_tail()
             n = min(new - done, self.block_tokens - self.tail_len)
             window = slice(self.tail_len, self.tail_len + n)
-            copied += _copy(self.tail_keys[:, :, window], keys[:, :, done : done + n], self.pinned)
-            copied += _copy(self.tail_values[:, :, window], values[:, :, done : done + n], self.pinned)
+            copied += _copy(self.tail_keys[window], token_major(keys[:, :, done : done + n]), self.pinned)
+            copied += _copy(self.tail_values[window], token_major(values[:, :, done : done + n]), self.pinned)
             self.tail_len += n
             done += n
             if self.tail_len == self.block_tokens:
@@ -137,14 +146,14 @@ class LayerStore:
     def _seal_tail(self) -> None:
         keys, values, copies_done = self.tail_keys, self.tail_values, self._mark_copies()
         payload = self.io.submit(self._seal, keys, values, copies_done)
-        self.blocks.append(SealedBlock(keys.shape, payload))
+        self.blocks.append(SealedBlock(torch.Size((self.batch, self.heads, self.block_tokens, self.head_dim)), payload))
         self.tail_keys = self.tail_values = None
         self.tail_len = 0
 
     def _seal(self, keys: torch.Tensor, values: torch.Tensor, copies_done: torch.cuda.Event | None) -> object:
         if copies_done is not None:
-            copies_done.synchronize()
-        return self.tier.seal(self.layer_idx, keys, values)
+            copies_done.synchronize()  # the bytes are read here, on the host
+        return self.tier.seal(self.layer_idx, *(_head_major(t, self.pinned) for t in (keys, values)))
 
     # --- reading -------------------------------------------------------------------------------
 
@@ -173,11 +182,14 @@ class LayerStore:
         return keys, values
 
     def _materialize(self, snap: _Snapshot, extra_tokens: int) -> Resident:
+        """Runs on the IO thread's stream (or the compute thread's, see `load_here`): on CUDA its
+        copies are ordered after the tail's by an event, and the result carries one for its reader."""
         shape = (snap.batch, self.heads, snap.seq_len + extra_tokens, self.head_dim)
         keys = torch.empty(shape, dtype=self.dtype, device=self.device)
         values = torch.empty(shape, dtype=self.dtype, device=self.device)
+        stream = torch.cuda.current_stream(self.device) if self.pinned else None
         if snap.copies_done is not None:
-            snap.copies_done.synchronize()
+            stream.wait_event(snap.copies_done)
         copied = 0
         for i, block in enumerate(snap.blocks):
             window = slice(i * self.block_tokens, (i + 1) * self.block_tokens)
@@ -188,10 +200,11 @@ class LayerStore:
             copied += _copy(keys[:, :, window], block_keys) + _copy(values[:, :, window], block_values)
         if snap.tail_len:
             window = slice(snap.seq_len - snap.tail_len, snap.seq_len)
-            copied += _copy(keys[:, :, window], snap.tail_keys[:, :, : snap.tail_len])
-            copied += _copy(values[:, :, window], snap.tail_values[:, :, : snap.tail_len])
+            copied += _copy_tail(keys[:, :, window], snap.tail_keys[: snap.tail_len])
+            copied += _copy_tail(values[:, :, window], snap.tail_values[: snap.tail_len])
         self.traffic.host_to_device += copied
-        return Resident(keys, values, snap.seq_len, copied)
+        filled = stream.record_event() if stream is not None else None
+        return Resident(keys, values, snap.seq_len, copied, filled)
 
     # --- reshaping (callers settle any pending read of this layer first) -----------------------
 
@@ -211,8 +224,8 @@ class LayerStore:
         if self.tail_keys is not None:
             old_keys, old_values = self.tail_keys, self.tail_values
             self.tail_keys, self.tail_values = self._new_tail()
-            torch.index_select(old_keys, 0, rows, out=self.tail_keys)
-            torch.index_select(old_values, 0, rows, out=self.tail_values)
+            torch.index_select(old_keys, 1, rows, out=self.tail_keys)
+            torch.index_select(old_values, 1, rows, out=self.tail_values)
 
     def crop(self, tokens: int) -> None:
         """Forget the last `tokens` tokens; a block cut in two comes back as the tail."""
@@ -229,12 +242,34 @@ class LayerStore:
             if partial:
                 keys, values = self.io.run(self._read_block, dropped)
                 self.tail_keys, self.tail_values = self._new_tail()
-                self.tail_keys[:, :, :partial].copy_(keys[:, :, :partial])
-                self.tail_values[:, :, :partial].copy_(values[:, :, :partial])
+                self.tail_keys[:partial].copy_(token_major(keys[:, :, :partial]))
+                self.tail_values[:partial].copy_(token_major(values[:, :, :partial]))
                 self.tail_len = partial
             self.io.run(self.tier.discard_from, dropped.payload.result())
             del self.blocks[first_dropped:]
         self.seq_len = keep
+
+
+def token_major(kv: torch.Tensor) -> torch.Tensor:
+    """(batch, heads, tokens, head_dim) seen as (tokens, batch, heads, head_dim): a view, no copy."""
+    return kv.permute(2, 0, 1, 3)
+
+
+def _head_major(tail: torch.Tensor, pinned: bool) -> torch.Tensor:
+    """A sealed tail as the tiers store blocks: (batch, heads, tokens, head_dim), contiguous."""
+    block = torch.empty(
+        (tail.shape[1], tail.shape[2], tail.shape[0], tail.shape[3]), dtype=tail.dtype, pin_memory=pinned
+    )
+    token_major(block).copy_(tail)
+    return block
+
+
+def _copy_tail(dst: torch.Tensor, tail: torch.Tensor) -> int:
+    """Copy a token-major tail window into a head-major device window. On CUDA the pinned window
+    goes to the device in one contiguous asynchronous copy and is transposed there."""
+    if tail.device != dst.device:
+        tail = tail.to(dst.device, non_blocking=True)
+    return _copy(token_major(dst), tail)
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = True) -> int:

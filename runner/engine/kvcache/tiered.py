@@ -155,10 +155,10 @@ class TieredLayer(CacheLayerMixin):
                 self._ready = self._adopt(pending.result())
 
     def _adopt(self, resident: Resident) -> Resident:
-        """Buffers made on the IO thread's stream are used on this (the compute) thread's stream."""
+        """Buffers filled on the IO thread's stream are used on this (the compute) thread's stream,
+        after their copies: a wait on the device, not the host."""
         assert self.store is not None
-        self.store.io.adopt(resident.keys)
-        self.store.io.adopt(resident.values)
+        self.store.io.adopt(resident.filled, resident.keys, resident.values)
         return resident
 
     def _discard_resident(self) -> None:
@@ -343,7 +343,9 @@ class TieredCache(Cache):
         start = time.perf_counter()
         for layer in self.layers:
             if isinstance(layer, TieredLayer) and layer.store is not None:
-                layer.store.load(extra_tokens=1)
+                resident = layer.store.load(extra_tokens=1)
+                if resident.filled is not None:  # on CUDA the load returns once its copies are queued
+                    resident.filled.synchronize()
         return time.perf_counter() - start
 
     def offload_files(self) -> list[Path]:

@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# One command for a GPU machine that cannot download (docs/device.md): install the wheels that
+# `make device-wheels` put in .whl/, run tests/test_cuda.py and bench/throughput.py's device section,
+# and write one report, device-report.md, under $OUT (or --out DIR). No Ray: the engine runs in-process.
+#
+#   bash bench/device.sh                  # on the GPU machine (carry .whl)
+#   bash bench/device.sh --device cpu     # a dry run here: small shapes, the CUDA-only tests skip
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+device=cuda
+out=${OUT:-runs/device}
+while [ $# -gt 0 ]; do
+    case $1 in
+        --device) device=${2:-}; shift 2 ;;
+        --out) out=${2:-}; shift 2 ;;
+        *) echo "bench/device.sh: unknown argument '$1': use --device cuda|cpu and --out DIR" >&2; exit 2 ;;
+    esac
+done
+case $device in cuda|cpu) ;; *) echo "bench/device.sh: --device must be cuda or cpu, not '$device'" >&2; exit 2 ;; esac
+
+python=${PYTHON:-}
+if [ -z "$python" ]; then
+    if [ -x .venv/bin/python ]; then python=.venv/bin/python; else python=python3; fi
+fi
+site=/tmp/kvbatch-site
+if ls .whl/*.whl >/dev/null 2>&1 && ! "$python" -c 'import pydantic, zstandard' 2>/dev/null; then
+    "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl \
+        || { echo "bench/device.sh: installing .whl/*.whl failed: rebuild them with 'make device-wheels'" >&2; exit 1; }
+elif ! "$python" -c 'import pydantic, zstandard' 2>/dev/null; then
+    echo "bench/device.sh: $python lacks pydantic and zstandard: run 'make device-wheels' and carry .whl" >&2
+    exit 1
+fi
+# the project runs from this checkout (nothing is installed on that machine), the wheels ahead of the image's
+export PYTHONPATH="$site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+export PYTEST_DISABLE_PLUGIN_AUTOLOAD=1  # the image's pytest plugins were built for its own pytest
+export KVBATCH_TEST_DEVICE=$device
+
+mkdir -p "$out"
+report="$out/device-report.md"
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+if [ "$device" = cuda ]; then tests_s=200 bench_s=250 bench_args=(); else
+    tests_s=420 bench_args=(--sections device --rows 1,8 --decode-steps 16 --offload-tokens 512) bench_s=300; fi
+
+started=$(date +%s)
+timeout "$tests_s" "$python" -m pytest -q -s -p no:cacheprovider tests/test_cuda.py >"$work/tests.log" 2>&1
+tests_rc=$?
+timeout "$bench_s" "$python" bench/throughput.py --device "$device" "${bench_args[@]}" --report "$work/bench.json" \
+    >"$work/bench.log" 2>&1
+bench_rc=$?
+
+{
+    echo "# kvbatch device report"
+    echo
+    echo "- when: $(date -u '+%Y-%m-%d %H:%M UTC'), $(( $(date +%s) - started )) s"
+    echo "- commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+    echo "- device: $device$(command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | sed 's/^/, /')"
+    echo "- $("$python" -c 'import sys, torch, transformers; print(f"python {sys.version.split()[0]}, torch {torch.__version__}, transformers {transformers.__version__}")' 2>&1)"
+    echo "- tests/test_cuda.py: exit $tests_rc$([ $tests_rc = 124 ] && echo " (stopped after $tests_s s)"); bench/throughput.py: exit $bench_rc$([ $bench_rc = 124 ] && echo " (stopped after $bench_s s)")"
+    echo
+    echo "## tests/test_cuda.py"
+    echo
+    echo '```'
+    sed -E 's/USDT:.*profiler_(start|stop)//' "$work/tests.log" | grep -v '^$'
+    echo '```'
+    echo
+    echo "## bench/throughput.py --device $device"
+    echo
+    echo '```'
+    sed -E 's/USDT:.*profiler_(start|stop)//' "$work/bench.log" | grep -v -e '^$' -e 'ContinuousBatchingLogger - WARNING'
+    echo '```'
+    if [ -s "$work/bench.json" ]; then
+        echo
+        echo '```json'
+        cat "$work/bench.json"
+        echo '```'
+    fi
+} >"$report"
+echo "bench/device.sh: report in $report (tests exit $tests_rc, bench exit $bench_rc)"
+[ $tests_rc = 0 ] && [ $bench_rc = 0 ]

@@ -1,0 +1,239 @@
+"""The engine on a CUDA device: what CI (no GPU) cannot check. Skipped without CUDA.
+
+A synthetic Llama (no download; token ids in, a tokenizer made in code) runs through the worker's
+own `BatchScheduler` and `SummaryWorker`, driven directly, without Ray. Run on a GPU machine with
+`bash bench/device.sh` (docs/device.md); `KVBATCH_TEST_DEVICE=cpu` dry-runs the parts that are not
+about CUDA itself on the CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import hashlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from conftest import TINY_CONFIG
+from jobs.config import CacheConfig, SummarizeConfig, load_config
+from jobs.task import Task
+from runner.engine.kvcache import TieredCache, build_cache
+from runner.engine.models import LoadedModel, word_tokenizer
+from runner.engine.ragged import decode_step
+from runner.engine.scheduler import BatchScheduler, PassRequest
+from runner.engine.worker import SummaryWorker, _is_memory_error
+
+DEVICE = torch.device(os.environ.get("KVBATCH_TEST_DEVICE", "cuda"))
+ON_CUDA = DEVICE.type == "cuda"
+pytestmark = pytest.mark.skipif(ON_CUDA and not torch.cuda.is_available(), reason="needs a CUDA device")
+cuda_only = pytest.mark.skipif(not ON_CUDA, reason="measures CUDA itself")
+
+VOCAB = 512
+LAYERS, KV_HEADS, HEAD_DIM = 8, 4, 64
+TOKEN_KV_BYTES_FP32 = LAYERS * 2 * KV_HEADS * HEAD_DIM * 4
+NEW_TOKENS = 16
+BLOCK = 64
+PROMPT_LENGTHS = (40, 150, 300, 520)  # inside one block, and across several sealed blocks plus a tail
+STRATEGIES = ["dynamic", "tiered-host", "tiered-disk", *(["offloaded"] if ON_CUDA else [])]
+
+
+def synthetic_config() -> LlamaConfig:
+    """Grouped-query attention like Llama 3, small; initializer_range 0.2 so greedy tokens vary with
+    the context (small weights repeat one token whatever the cache holds)."""
+    return LlamaConfig(
+        vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=LAYERS, num_attention_heads=8,
+        num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, max_position_embeddings=8192, initializer_range=0.2,
+        tie_word_embeddings=True, pad_token_id=0, bos_token_id=None, eos_token_id=None,
+    )
+
+
+def synthetic_model(dtype: torch.dtype) -> LoadedModel:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(synthetic_config(), attn_implementation="sdpa", dtype=torch.float32)
+    model = model.to(device=DEVICE, dtype=dtype).eval()
+    return LoadedModel(model, word_tokenizer(VOCAB), "synthetic-llama", DEVICE, dtype, 0.0)
+
+
+def prompts() -> list[list[int]]:
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randint(3, VOCAB, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
+
+
+@pytest.fixture(scope="module")
+def fp32() -> Iterator[LoadedModel]:
+    loaded = synthetic_model(torch.float32)
+    yield loaded
+    del loaded
+    gc.collect()
+    if ON_CUDA:
+        torch.cuda.empty_cache()
+
+
+def run_scheduled(loaded: LoadedModel, strategy: str, max_sequences: int, tmp_path: Path) -> tuple[list[list[int]], int]:
+    """Every prompt through one BatchScheduler at `max_sequences` at a time: the tokens, and the
+    largest batch a decode step ran."""
+    settings = SummarizeConfig(max_new_tokens=NEW_TOKENS, prefill_chunk_size=256)
+    cache_cfg = CacheConfig(block_tokens=BLOCK)
+    scheduler = BatchScheduler(loaded, settings, "auto", max_sequences, 1 << 40, _is_memory_error)
+    try:
+        futures = []
+        for i, ids in enumerate(prompts()):
+            tokens = len(ids) + NEW_TOKENS
+
+            def make_cache(i: int = i, tokens: int = tokens):
+                return build_cache(strategy, loaded.model, cache_cfg, tmp_path / f"{strategy}-{max_sequences}-{i}",
+                                   None, None, expected_tokens=tokens)
+
+            futures.append(scheduler.submit(PassRequest(ids, NEW_TOKENS, make_cache, tokens * TOKEN_KV_BYTES_FP32)))
+        return [f.result(timeout=300).generation.tokens for f in futures], scheduler.most_rows
+    finally:
+        scheduler.close()
+
+
+def test_fp32_tokens_identical_across_strategies_and_batched_vs_alone(fp32: LoadedModel, tmp_path: Path) -> None:
+    reference, _ = run_scheduled(fp32, "dynamic", 1, tmp_path)
+    assert all(len(t) == NEW_TOKENS for t in reference) and len({tuple(t) for t in reference}) == len(reference)
+    for strategy in STRATEGIES:
+        for max_sequences in (1, len(PROMPT_LENGTHS)):
+            tokens, most_rows = run_scheduled(fp32, strategy, max_sequences, tmp_path)
+            if strategy != "offloaded":  # transformers' own cache runs whole, one sequence at a time
+                assert most_rows == max_sequences, f"{strategy}: the batch never reached {max_sequences} rows"
+            assert tokens == reference, f"{strategy} at max_sequences={max_sequences}"
+
+
+def test_bf16_agreement_with_fp32_is_printed(fp32: LoadedModel, tmp_path: Path) -> None:
+    reference, _ = run_scheduled(fp32, "dynamic", 1, tmp_path)
+    bf16 = synthetic_model(torch.bfloat16)
+    runs = {(strategy, max_sequences): run_scheduled(bf16, strategy, max_sequences, tmp_path)[0]
+            for strategy in ("dynamic", "tiered-host") for max_sequences in (1, len(PROMPT_LENGTHS))}
+    for (strategy, max_sequences), tokens in runs.items():
+        assert [len(t) for t in tokens] == [NEW_TOKENS] * len(PROMPT_LENGTHS)
+        same = sum(a == b for ours, ref in zip(tokens, reference) for a, b in zip(ours, ref))
+        print(f"bf16 token agreement with fp32 dynamic: {strategy:<12} max_sequences={max_sequences}: "
+              f"{same / (NEW_TOKENS * len(PROMPT_LENGTHS)):.1%}")
+    # bf16 rounds differently from fp32, but a tiered cache only moves the bytes: alone it is dynamic's
+    assert runs["tiered-host", 1] == runs["dynamic", 1], "bf16: tiered-host and dynamic disagree one sequence at a time"
+
+
+def _prefilled_caches(loaded: LoadedModel, strategy: str, rows: int, tmp_path: Path) -> tuple[list, list[int]]:
+    from runner.engine.generation import prefill
+
+    settings = SummarizeConfig(prefill_chunk_size=256)
+    caches, firsts = [], []
+    for i, ids in enumerate((prompts()[:2] * rows)[:rows]):  # the short ones: the step is what is measured
+        cache = build_cache(strategy, loaded.model, CacheConfig(block_tokens=BLOCK), tmp_path / f"p{i}", None, None,
+                            expected_tokens=len(ids) + 8).generate_kwargs["past_key_values"]
+        firsts.append(int(prefill(loaded, ids, settings, cache, "auto").argmax()))
+        caches.append(cache)
+    return caches, firsts
+
+
+def _profiled_step(loaded: LoadedModel, caches: list, firsts: list[int]) -> torch.profiler.profile:
+    positions = [c.get_seq_length() for c in caches]
+    decode_step(loaded.model, firsts, positions, caches)  # warm: the first step after prefill reallocates
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if ON_CUDA else [])
+    with torch.profiler.profile(activities=activities) as prof:
+        decode_step(loaded.model, firsts, [p + 1 for p in positions], caches)
+        if ON_CUDA:
+            torch.cuda.synchronize()
+    return prof
+
+
+def _kernels(prof: torch.profiler.profile) -> int:
+    """CUDA kernels launched (on the CPU: aten ops run), counted from the profile, not a formula."""
+    if ON_CUDA:
+        return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+                   and not e.name.startswith(("Memcpy", "Memset")))
+    return sum(1 for e in prof.events() if e.name.startswith("aten::"))
+
+
+def test_kernels_per_decode_step_from_the_profiler(fp32: LoadedModel, tmp_path: Path) -> None:
+    counts = {}
+    for strategy in ("dynamic", "tiered-host"):
+        for rows in (1, 8):
+            caches, firsts = _prefilled_caches(fp32, strategy, rows, tmp_path / f"{strategy}-{rows}")
+            counts[strategy, rows] = _kernels(_profiled_step(fp32, caches, firsts))
+            for cache in caches:
+                cache.close()
+    what = "CUDA kernels" if ON_CUDA else "aten ops"
+    for (strategy, rows), n in counts.items():
+        print(f"{what} per decode step: {strategy:<12} rows={rows}: {n} ({n / counts[strategy, 1]:.2f}x rows=1)")
+    # every count is a real step's (each layer launches several), and 8 rows launch no fewer than 1
+    assert all(counts[s, 8] >= counts[s, 1] > LAYERS for s in ("dynamic", "tiered-host"))
+
+
+@cuda_only
+def test_a_tiered_decode_step_copies_to_pinned_memory_only(fp32: LoadedModel, tmp_path: Path) -> None:
+    caches, firsts = _prefilled_caches(fp32, "tiered-host", 2, tmp_path)
+    assert all(isinstance(c, TieredCache) for c in caches)
+    prof = _profiled_step(fp32, caches, firsts)
+    names = [e.name for e in prof.events() if e.name.startswith("Memcpy")]
+    for cache in caches:
+        cache.close()
+    pageable = names.count("Memcpy DtoH (Device -> Pageable)")
+    pinned = names.count("Memcpy DtoH (Device -> Pinned)")
+    print(f"tiered-host decode step, 2 rows: {pinned} DtoH copies into pinned memory, {pageable} into pageable; "
+          f"{names.count('Memcpy HtoD (Pinned -> Device)')} HtoD from pinned memory")
+    # each row's K and V of every streamed layer leave the device once, straight into the pinned tail
+    assert pinned >= 2 * 2 * LAYERS, names
+    assert pageable == 0, names
+
+
+@cuda_only
+def test_a_real_oom_moves_the_task_down_the_ladder_and_its_pinned_memory_is_released(tmp_path: Path) -> None:
+    model_dir = tmp_path / "model"
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(synthetic_config(), dtype=torch.float32).save_pretrained(model_dir)
+    word_tokenizer(VOCAB).save_pretrained(model_dir)
+    config = load_config(TINY_CONFIG, [
+        f"model.name={model_dir}", "model.device=cuda", "model.dtype=float32", "cache.strategy=auto",
+        "cache.ladder=[dynamic, tiered-host]", f"cache.block_tokens={BLOCK}", "cache.device_kv_budget_bytes=10000000000",
+        "summarize.context_tokens=8192", "summarize.min_context_tokens=256", "summarize.max_new_tokens=8",
+        "summarize.prefill_chunk_size=128",  # a chunk's attention stays small beside the KV, whatever SDPA kernel runs
+        "batch.max_sequences=1",
+    ])
+    worker = SummaryWorker(config.model_dump(mode="json"), "job", str(tmp_path / "kv"))
+    text = " ".join(f"t{i}" for i in torch.randint(3, VOCAB, (4000,), generator=torch.Generator().manual_seed(2)).tolist())
+    task = Task(task_id="t000001", doc_id="doc-1", source_type="text", source=text, n_chars=len(text),
+                n_bytes=len(text.encode()), sha256=hashlib.sha256(text.encode()).hexdigest(), overrides={}, meta={})
+    dynamic_kv = 4100 * TOKEN_KV_BYTES_FP32  # the whole document's KV, which `dynamic` allocates at once
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.synchronize()
+    total = torch.cuda.get_device_properties(DEVICE).total_memory
+    # room for tiered-host's two streamed layers (a quarter of it) and the activations, not for dynamic's whole KV
+    torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved(DEVICE) + dynamic_kv * 3 // 4) / total, DEVICE)
+    ooms_before = torch.cuda.memory_stats(DEVICE).get("num_ooms", 0)
+    pinned_before = _pinned_in_use()
+    torch.cuda.reset_peak_host_memory_stats()
+    try:
+        outcome = worker.run(dataclasses.asdict(task), 1, config.summarize.context_tokens)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, DEVICE)
+        worker.scheduler.close()
+    assert outcome["status"] == "done", outcome
+    assert outcome["cache_strategy"] == "tiered-host" and outcome["fallbacks"] == [
+        "cache:dynamic->tiered-host (OutOfMemoryError)"], outcome
+    assert torch.cuda.memory_stats(DEVICE)["num_ooms"] > ooms_before, "the OOM was not the allocator's"
+    pinned_after = _pinned_in_use()
+    peak = torch.cuda.host_memory_stats()["active_bytes.peak"]
+    print(f"pinned host memory: {peak - pinned_before} bytes at the task's peak, {pinned_after - pinned_before} after it")
+    assert peak > pinned_before + BLOCK * TOKEN_KV_BYTES_FP32 // LAYERS, "no pinned tail was used"
+    assert pinned_after == pinned_before, "pinned host memory outlived the task"
+
+
+def _pinned_in_use() -> int:
+    """Bytes of pinned host memory handed out and not yet given back (cached blocks not counted)."""
+    torch.cuda.synchronize()
+    gc.collect()
+    torch.empty(1, pin_memory=True)  # an allocation makes the pinned allocator retire blocks whose copies are done
+    stats = torch.cuda.host_memory_stats()
+    assert "active_bytes.current" in stats, f"this torch names its pinned-memory figures otherwise: {sorted(stats)}"
+    return stats["active_bytes.current"]

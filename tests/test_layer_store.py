@@ -1,0 +1,68 @@
+"""The streamed layer's host tail: token-major, so the bytes one decode step writes are one
+contiguous run (on CUDA: one asynchronous copy into pinned memory, no pageable temporary)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from runner.engine.kvcache.io_thread import IOThread
+from runner.engine.kvcache.layer_store import LayerStore, Traffic
+from runner.engine.kvcache.tiers import DiskTier, HostTier
+from storage.kvblocks import BlockCodec
+
+BATCH, HEADS, HEAD_DIM, BLOCK = 3, 2, 8, 4
+
+
+def _kv(tokens: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(BATCH, HEADS, tokens, HEAD_DIM, generator=generator).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_tokens_window_is_one_contiguous_run_of_the_tail_and_lands_byte_exact(dtype: torch.dtype) -> None:
+    io = IOThread(torch.device("cpu"))
+    store = LayerStore(0, _kv(1, dtype, 0), HostTier(), io, BLOCK, Traffic())
+    keys, values = _kv(2, dtype, 1), _kv(2, dtype, 2)  # a prompt of two tokens, then one decode token
+    store.append(keys, values)
+    step_keys, step_values = _kv(1, dtype, 3), _kv(1, dtype, 4)
+    written = store.append(step_keys, step_values)
+    assert store.tail_len == 3 and written == 2 * BATCH * HEADS * HEAD_DIM * dtype.itemsize
+    token_bytes = BATCH * HEADS * HEAD_DIM * dtype.itemsize
+    for tail, new in ((store.tail_keys, step_keys), (store.tail_values, step_values)):
+        window = tail[2:3]
+        assert window.is_contiguous()
+        flat = tail.view(torch.uint8).reshape(-1)
+        # the decode token of every row and head: bytes 2*token_bytes..3*token_bytes of the tail, in order
+        assert torch.equal(flat[2 * token_bytes : 3 * token_bytes], new.contiguous().view(torch.uint8).reshape(-1))
+        assert torch.equal(window.view(torch.uint8), new.permute(2, 0, 1, 3).contiguous().view(torch.uint8))
+    io.close()
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_sealed_blocks_and_tail_read_back_bit_exact_after_reorder_and_crop(tier: str, tmp_path: Path) -> None:
+    dtype = torch.bfloat16
+    io = IOThread(torch.device("cpu"))
+    store_tier = HostTier() if tier == "host" else DiskTier(tmp_path, BlockCodec("zstd", 1, True))
+    store = LayerStore(0, _kv(1, dtype, 0), store_tier, io, BLOCK, Traffic())
+    keys, values = _kv(6, dtype, 5), _kv(6, dtype, 6)  # one sealed block of 4 and a tail of 2
+    store.append(keys, values)
+    for step in range(3):  # fills the tail, seals it, starts another
+        k, v = _kv(1, dtype, 10 + step), _kv(1, dtype, 20 + step)
+        store.append(k, v)
+        keys, values = torch.cat([keys, k], dim=2), torch.cat([values, v], dim=2)
+    resident = store.load(extra_tokens=1)
+    assert resident.length == 9 and len(store.blocks) == 2 and store.tail_len == 1
+    assert torch.equal(resident.keys[:, :, :9].view(torch.int16), keys.view(torch.int16))
+    assert torch.equal(resident.values[:, :, :9].view(torch.int16), values.view(torch.int16))
+    rows = torch.tensor([2, 0, 0])
+    store.select_rows(rows)
+    store.crop(3)  # 6 tokens left: the second block cut in two comes back as the tail
+    resident = store.load(extra_tokens=0)
+    assert store.tail_len == 2 and resident.length == 6
+    assert torch.equal(resident.keys.view(torch.int16), keys[rows, :, :6].view(torch.int16))
+    assert torch.equal(resident.values.view(torch.int16), values[rows, :, :6].view(torch.int16))
+    io.close()
+    store_tier.close()
