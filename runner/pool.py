@@ -11,16 +11,18 @@ batches runs `alone`: it waits for its worker to be idle and keeps it to itself.
 from __future__ import annotations
 
 import dataclasses
+import re
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError
 
-from jobs.config import JobConfig
+from jobs.config import ConfigError, JobConfig
 from jobs.faults import FaultRule
 from jobs.outcome import TaskOutcome
 from jobs.task import Task
@@ -56,6 +58,60 @@ class PoolStopped(Exception):
     """The pool was killed (the batch is stopping) while a call was in flight."""
 
 
+#: The line of a traceback that names the exception: "package.module.Error: message" at column 0.
+_RAISED = re.compile(r"^([A-Za-z_][\w.]*): (.*)$")
+
+
+class WorkerStartError(ConfigError):
+    """A worker's start raised: the job's settings (model, device, offload root) cannot run here."""
+
+
+class WorkersNotStarted(Exception):
+    """No worker was up within `workers.start_timeout_s`: the cluster has no room for one now."""
+
+
+def _start_error(e: ActorDiedError) -> str:
+    """What a worker's start raised, on one line without Ray's frames (they come first)."""
+    lines = str(e).splitlines()
+    raised = max((i for i, line in enumerate(lines) if _RAISED.match(line)), default=None)
+    if raised is None:
+        return f"a worker could not start: {type(e).__name__}"
+    kind, message = _RAISED.match(lines[raised]).groups()
+    rest = " ".join(line.strip() for line in [message, *lines[raised + 1:]] if line.strip())
+    return f"a worker could not start: {kind.rsplit('.', 1)[-1]}: {rest}"
+
+
+def cluster_nodes() -> list[dict[str, float]]:
+    """The CPUs and GPUs of each live node: a worker must fit on one node, not on the cluster's sum."""
+    return [{"CPU": n["Resources"].get("CPU", 0.0), "GPU": n["Resources"].get("GPU", 0.0)}
+            for n in ray.nodes() if n.get("Alive")]
+
+
+def gpus_per_worker(config: JobConfig, nodes: list[dict[str, float]]) -> float:
+    """`workers.gpus_per_worker`, or 0 on a cluster without GPUs (the workers run on CPUs)."""
+    return config.workers.gpus_per_worker if any(n["GPU"] > 0 for n in nodes) else 0.0
+
+
+def workers_that_fit(nodes: list[dict[str, float]], cpus: float, gpus: float) -> int:
+    """How many workers of `cpus` CPUs and `gpus` GPUs the nodes hold at once."""
+    total = 0
+    for node in nodes:
+        fits = int(node["CPU"] // cpus)
+        if gpus > 0:
+            fits = min(fits, int(node["GPU"] // gpus))
+        total += fits
+    return total
+
+
+def describe_cluster(nodes: list[dict[str, float]]) -> str:
+    """e.g. "1 node: 2 CPUs, 0 GPUs"; the largest node too when there are several."""
+    cpus, gpus = sum(n["CPU"] for n in nodes), sum(n["GPU"] for n in nodes)
+    text = f"{len(nodes)} node(s): {cpus:g} CPUs, {gpus:g} GPUs"
+    if len(nodes) > 1:
+        text += f" (at most {max(n['CPU'] for n in nodes):g} CPUs and {max(n['GPU'] for n in nodes):g} GPUs on one)"
+    return text
+
+
 @dataclass
 class _Slot:
     name: str
@@ -79,20 +135,23 @@ class WorkerPool:
         self._killed = False
 
     def worker_count(self, open_tasks: int) -> int:
+        """`workers.count`, or with `auto` as many as the nodes hold; never more than the open tasks.
+        Submit has refused a count the cluster cannot hold (runner/preflight.py `check_cluster`)."""
         if self.cfg.workers.count != "auto":
             wanted = self.cfg.workers.count
         else:
-            resources = ray.cluster_resources()
-            if resources.get("GPU", 0) > 0 and self.cfg.workers.gpus_per_worker > 0:
-                wanted = int(resources["GPU"] // self.cfg.workers.gpus_per_worker)
-            else:
-                wanted = int(resources.get("CPU", 1) // self.cfg.workers.cpus_per_worker)
+            nodes = cluster_nodes()
+            wanted = workers_that_fit(nodes, self.cfg.workers.cpus_per_worker, gpus_per_worker(self.cfg, nodes))
         return max(1, min(wanted, open_tasks))
 
-    def start(self, count: int) -> list[dict[str, Any]]:
-        """Start `count` workers and wait until each has loaded its model; returns their info."""
-        resources = ray.cluster_resources()
-        gpus = self.cfg.workers.gpus_per_worker if resources.get("GPU", 0) > 0 else 0
+    def start(self, count: int, give_up: Callable[[], bool]) -> list[dict[str, Any]]:
+        """Start `count` workers and wait until each has loaded its model; returns their info.
+
+        Raises `WorkerStartError` when a worker's start raised (its model or offload root is wrong:
+        every worker would fail alike), `PoolStopped` once `give_up()` says so, and `WorkersNotStarted`
+        when none is up within `workers.start_timeout_s`; those up by then run the batch without the rest.
+        """
+        gpus = gpus_per_worker(self.cfg, cluster_nodes())
         # SPREAD: one worker per node before any node gets a second, so a lost node costs the fewest;
         # max_concurrency: each task in flight runs in an actor thread of its own
         remote_cls = ray.remote(SummaryWorker).options(
@@ -105,8 +164,45 @@ class WorkerPool:
         faults = [f.model_dump() for f in self.faults]
         self.workers = [remote_cls.remote(config, self.job_id, str(self.offload_root), faults, threads)
                         for _ in range(count)]
-        infos = ray.get([w.info.remote() for w in self.workers])
-        self._slots = {w: _Slot(f"worker slot {i}", info["worker"]) for i, (w, info) in enumerate(zip(self.workers, infos))}
+        try:
+            infos = self._await_start(give_up, gpus)
+        except BaseException:
+            self.kill_all()
+            raise
+        self._slots = {w: _Slot(f"worker slot {i}", infos[w]["worker"]) for i, w in enumerate(self.workers)}
+        return [infos[w] for w in self.workers]
+
+    def _await_start(self, give_up: Callable[[], bool], gpus: float) -> dict[Worker, dict[str, Any]]:
+        """Each worker's info once it is up; polled, so a signal or the deadline ends the wait."""
+        timeout_s = self.cfg.workers.start_timeout_s
+        deadline = time.monotonic() + timeout_s
+        waiting = {w.info.remote(): w for w in self.workers}
+        infos: dict[Worker, dict[str, Any]] = {}
+        while waiting:
+            if give_up():
+                raise PoolStopped()
+            if time.monotonic() >= deadline:
+                break
+            ready, _ = ray.wait(list(waiting), num_returns=1, timeout=0.5)
+            for ref in ready:
+                worker = waiting.pop(ref)
+                try:
+                    infos[worker] = ray.get(ref)
+                except ActorDiedError as e:
+                    if e.actor_init_failed:
+                        raise WorkerStartError(_start_error(e)) from None
+                    waiting[worker.info.remote()] = worker  # its process died: ask the restarted one
+                except RayActorError:
+                    waiting[worker.info.remote()] = worker
+        if not infos:
+            raise WorkersNotStarted(
+                f"no worker started within workers.start_timeout_s={timeout_s:g} s: Ray could not place a "
+                f"worker of {self.cfg.workers.cpus_per_worker:g} CPU(s) and {gpus:g} GPU(s) on "
+                f"{describe_cluster(cluster_nodes())}, so other work holds them"
+            )
+        if waiting:  # the batch goes on with those that are up
+            kill_and_wait(list(waiting.values()))
+            self.workers = [w for w in self.workers if w in infos]
         return infos
 
     def slot_name(self, worker: Worker) -> str:

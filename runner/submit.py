@@ -27,7 +27,7 @@ from runner.coordinator import (
     EXIT_OK,
     Coordinator,
 )
-from runner.preflight import check_settings
+from runner.preflight import check_cluster, check_settings
 from storage.checkpoint import JobState, compact, load_state
 from storage.inputs import FOLDER_MANIFEST_NAME, StagedManifest, stage_input
 from storage.jobdir import (
@@ -44,7 +44,7 @@ from storage.lease import LeaseLostError, job_lock
 from storage.location import Where
 from storage.lock import HeldLock
 from storage.parts import CORRUPT_PART_ADVICE
-from storage.scratch import default_offload_root
+from storage.scratch import check_offload_root, default_offload_root
 
 EXIT_USAGE = 2
 
@@ -92,6 +92,7 @@ def submit(source: str, pattern: str | None, config_path: Path | None, job_dir: 
     console.print(f"job {job_id} -> {job.path}")
     config = load_config(config_path, overrides)
     check_settings(config)
+    check_offload_root(offload_root_for(config, job.path))
     with tempfile.TemporaryDirectory(prefix="kvbatch-manifest-") as workdir:
         staged = stage_input(source, pattern, Path(workdir), job.path.local_path if job.path.is_local else None)
         tasks, rejections = _read_staged(staged, config)
@@ -109,14 +110,17 @@ def submit(source: str, pattern: str | None, config_path: Path | None, job_dir: 
             manifest_path=manifest_path, manifest_sha256=_sha256_of(staged.path),
         )
         rejected = pa.Table.from_pylist([_rejection_row(r) for r in rejections], schema=RESULT_SCHEMA)
-        job.path.makedirs()
-        # the lock first: a second submit to the same folder refuses instead of writing over this one
-        with job_lock(job.lock) as lock:
-            if staged.from_folder:
-                (job.path / FOLDER_MANIFEST_NAME).write_bytes_atomic(staged.path.read_bytes(),
-                                                                     f".{FOLDER_MANIFEST_NAME}.tmp")
-            create_job(job, info, tasks_to_table(tasks), rejected)
-            return _execute(job, info, config, address, retry_failed=False, console=console, lock=lock)
+        # the cluster is asked before the job folder exists: settings it cannot run create nothing
+        with ray_session(address):
+            check_cluster(config)
+            job.path.makedirs()
+            # the lock first: a second submit to the same folder refuses instead of writing over this one
+            with job_lock(job.lock) as lock:
+                if staged.from_folder:
+                    (job.path / FOLDER_MANIFEST_NAME).write_bytes_atomic(staged.path.read_bytes(),
+                                                                         f".{FOLDER_MANIFEST_NAME}.tmp")
+                create_job(job, info, tasks_to_table(tasks), rejected)
+                return _execute(job, info, config, address, retry_failed=False, console=console, lock=lock)
 
 
 def resume(job_dir: Where, retry_failed: bool, overrides: list[str], address: str | None,
@@ -127,17 +131,23 @@ def resume(job_dir: Where, retry_failed: bool, overrides: list[str], address: st
         info = read_job(job)
         config = config_from_dict(apply_overrides(info.config, overrides), f"{job.job_json} with --set")
         check_settings(config)
+        check_offload_root(offload_root_for(config, job.path))
         if overrides:
             update_job_config(job, config.model_dump(mode="json"))
         console.print(f"job {info.job_id} <- {job.path}")
         return _execute(job, info, config, address, retry_failed, console, lock)
 
 
+def offload_root_for(config: JobConfig, job_dir: Where) -> Path:
+    """`cache.offload_root`, else the default root for this job folder."""
+    return Path(config.cache.offload_root) if config.cache.offload_root else default_offload_root(job_dir)
+
+
 def _execute(job: JobDir, info: JobInfo, config: JobConfig, address: str | None, retry_failed: bool,
              console: Console, lock: HeldLock) -> int:
     """Run the job's open tasks under the job lock the caller holds (every write is fenced with it)."""
     faults = parse_faults(os.environ.get(FAULTS_ENV))
-    offload_root = Path(config.cache.offload_root) if config.cache.offload_root else default_offload_root(job.path)
+    offload_root = offload_root_for(config, job.path)
     tasks = tasks_from_table(read_manifest_table(job))
     state = load_state(job.path)
     for part in state.corrupt:
@@ -154,7 +164,8 @@ def _execute(job: JobDir, info: JobInfo, config: JobConfig, address: str | None,
     )
     code = EXIT_OK
     if open_tasks:
-        with ray_session(address):
+        with ray_session(address):  # submit's own session, or resume's
+            check_cluster(config)
             coordinator = Coordinator(job, info.job_id, config, offload_root, faults, console, lock)
             code = coordinator.run(open_tasks, total - len(open_tasks), total)
     if code in (EXIT_INTERRUPTED, EXIT_NO_WORKERS):
