@@ -27,7 +27,6 @@ from jobs.faults import FaultRule
 from jobs.outcome import TaskOutcome
 from jobs.task import Task
 from runner.cluster import kill_and_wait
-from runner.engine.worker import SummaryWorker
 
 #: How long a restarted worker may take to come back (process start + model load), not task time.
 WORKER_RESTART_TIMEOUT_S = 300.0
@@ -151,6 +150,8 @@ class WorkerPool:
         every worker would fail alike), `PoolStopped` once `give_up()` says so, and `WorkersNotStarted`
         when none is up within `workers.start_timeout_s`; those up by then run the batch without the rest.
         """
+        from runner.engine.worker import SummaryWorker  # torch and the model stack: not for submit's checks
+
         gpus = gpus_per_worker(self.cfg, cluster_nodes())
         # SPREAD: one worker per node before any node gets a second, so a lost node costs the fewest;
         # max_concurrency: each task in flight runs in an actor thread of its own

@@ -7,6 +7,8 @@ import json
 import os
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pyarrow as pa
@@ -27,6 +29,7 @@ from runner.coordinator import (
     EXIT_OK,
     Coordinator,
 )
+from runner.pool import WorkerStartError
 from runner.preflight import check_cluster, check_settings
 from storage.checkpoint import JobState, compact, load_state
 from storage.inputs import FOLDER_MANIFEST_NAME, StagedManifest, stage_input
@@ -110,9 +113,7 @@ def submit(source: str, pattern: str | None, config_path: Path | None, job_dir: 
             manifest_path=manifest_path, manifest_sha256=_sha256_of(staged.path),
         )
         rejected = pa.Table.from_pylist([_rejection_row(r) for r in rejections], schema=RESULT_SCHEMA)
-        # the cluster is asked before the job folder exists: settings it cannot run create nothing
-        with ray_session(address):
-            check_cluster(config)
+        with _checked_cluster(config, address, needed=bool(tasks)):
             job.path.makedirs()
             # the lock first: a second submit to the same folder refuses instead of writing over this one
             with job_lock(job.lock) as lock:
@@ -136,6 +137,18 @@ def resume(job_dir: Where, retry_failed: bool, overrides: list[str], address: st
             update_job_config(job, config.model_dump(mode="json"))
         console.print(f"job {info.job_id} <- {job.path}")
         return _execute(job, info, config, address, retry_failed, console, lock)
+
+
+@contextmanager
+def _checked_cluster(config: JobConfig, address: str | None, needed: bool) -> Iterator[None]:
+    """Connected to Ray, the settings checked against its nodes (submit: before the job folder exists,
+    so a setting the cluster cannot run creates nothing). Not `needed` (every row rejected): no Ray."""
+    if not needed:
+        yield
+        return
+    with ray_session(address):
+        check_cluster(config)
+        yield
 
 
 def offload_root_for(config: JobConfig, job_dir: Where) -> Path:
@@ -164,10 +177,13 @@ def _execute(job: JobDir, info: JobInfo, config: JobConfig, address: str | None,
     )
     code = EXIT_OK
     if open_tasks:
-        with ray_session(address):  # submit's own session, or resume's
-            check_cluster(config)
+        with _checked_cluster(config, address, needed=True):  # submit's session, or resume's own
             coordinator = Coordinator(job, info.job_id, config, offload_root, faults, console, lock)
-            code = coordinator.run(open_tasks, total - len(open_tasks), total)
+            try:
+                code = coordinator.run(open_tasks, total - len(open_tasks), total)
+            except WorkerStartError as e:
+                raise WorkerStartError(f"{e}; fix that setting and continue with: kvbatch resume {job.path} "
+                                       "--set key=value") from None
     if code in (EXIT_INTERRUPTED, EXIT_NO_WORKERS):
         what = "interrupted" if code == EXIT_INTERRUPTED else "stopped without workers"
         console.print(f"[yellow]{what}; continue with: kvbatch resume {job.path}")
