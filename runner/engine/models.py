@@ -256,6 +256,7 @@ def _from_pretrained(
     source: str | Path, name: str, attn_implementation: str, dtype: torch.dtype, fix: str
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """One path for folders, hub ids and converted builtins; `fix` is what to tell the user."""
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     location = str(source)
@@ -270,7 +271,7 @@ def _from_pretrained(
             dtype=dtype,
             attn_implementation=attn_implementation,
         )
-    except (OSError, ValueError, ImportError) as err:
+    except (OSError, ValueError, ImportError, SafetensorError) as err:  # the last: a damaged weights file
         raise ModelLoadError(f"cannot load model '{name}': {fix}. ({type(err).__name__}: {err})") from err
     return model, tokenizer
 
