@@ -189,12 +189,10 @@ class WorkerPool:
                 worker = waiting.pop(ref)
                 try:
                     infos[worker] = ray.get(ref)
-                except ActorDiedError as e:
-                    if e.actor_init_failed:
+                except RayActorError as e:
+                    if isinstance(e, ActorDiedError) and e.actor_init_failed:
                         raise WorkerStartError(_start_error(e)) from None
                     waiting[worker.info.remote()] = worker  # its process died: ask the restarted one
-                except RayActorError:
-                    waiting[worker.info.remote()] = worker
         if not infos:
             raise WorkersNotStarted(
                 f"no worker started within workers.start_timeout_s={timeout_s:g} s: Ray could not place a "

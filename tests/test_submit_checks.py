@@ -10,11 +10,11 @@ import pytest
 
 from conftest import REPO, TINY_CONFIG, kvbatch, write_jsonl
 from jobs.config import ConfigError, load_config
-from runner.preflight import check_resources
 
 
 def _manifest(tmp_path: Path) -> Path:
-    return write_jsonl(tmp_path / "m.jsonl", [{"id": "a", "text": "A short note about a meeting."}])
+    """Three documents: as many workers as `workers.count=3` asks for would start."""
+    return write_jsonl(tmp_path / "m.jsonl", [{"id": d, "text": f"A short note about meeting {d}."} for d in "abc"])
 
 
 def _foreign_root(tmp_path: Path) -> Path:
@@ -69,6 +69,8 @@ def test_the_gpu_config_on_a_node_with_fewer_cpus_than_it_asks_for_is_refused(tm
 
 def test_a_worker_must_fit_on_one_node_not_on_the_clusters_sum() -> None:
     """Two 2-CPU nodes hold four CPUs between them, and no worker of 4 CPUs."""
+    from runner.preflight import check_resources
+
     nodes = [{"CPU": 2.0, "GPU": 0.0}, {"CPU": 2.0, "GPU": 0.0}]
     with pytest.raises(ConfigError, match="no node of the Ray cluster has 4 CPUs"):
         check_resources(load_config(TINY_CONFIG, ["workers.cpus_per_worker=4"]), nodes)
