@@ -34,6 +34,7 @@ BAD_SETTINGS = [
     (["--set", "cache.offload_root={tmp}/someone-elses"], "cache.offload_root"),
     (["--set", "workers.cpus_per_worker=4"], "workers.cpus_per_worker=4: no node of the Ray cluster has 4 CPUs"),
     (["--set", "workers.count=3"], "workers.count=3"),
+    (["--set", "cache.ladder=[tiered-host]"], "cache.ladder ['tiered-host']"),
 ]
 
 
@@ -77,3 +78,15 @@ def test_a_worker_must_fit_on_one_node_not_on_the_clusters_sum() -> None:
     with pytest.raises(ConfigError, match=r"holds 2 worker\(s\) of 2 CPUs"):
         check_resources(load_config(TINY_CONFIG, ["workers.cpus_per_worker=2", "workers.count=3"]), nodes)
     check_resources(load_config(TINY_CONFIG, ["workers.cpus_per_worker=2", "workers.count=2"]), nodes)
+
+
+def test_a_gpu_node_is_asked_for_gpus_a_worker_can_have() -> None:
+    """One node with 8 CPUs and 1 GPU: Ray shows a worker of one GPU only cuda:0, and two GPUs never fit."""
+    from runner.preflight import check_device, check_resources
+
+    node = [{"CPU": 8.0, "GPU": 1.0}]
+    with pytest.raises(ConfigError, match="model.device=cuda:1: each worker sees only the 1 GPU"):
+        check_device(load_config(TINY_CONFIG, ["model.device=cuda:1"]), node)
+    with pytest.raises(ConfigError, match="workers.gpus_per_worker=2: no node of the Ray cluster has 2 GPUs"):
+        check_resources(load_config(TINY_CONFIG, ["workers.gpus_per_worker=2"]), node)
+    check_device(load_config(TINY_CONFIG, ["model.device=cuda", "cache.strategy=offloaded"]), node)
