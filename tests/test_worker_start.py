@@ -7,6 +7,7 @@ from __future__ import annotations
 import signal
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -26,13 +27,13 @@ def _events(job: Path) -> list[str]:
     return [entry["event"] for entry in read_log(job / "job.log")] if (job / "job.log").exists() else []
 
 
-@pytest.fixture
-def cpus_held(ray_address: str) -> Iterator[Callable[[], None]]:
-    """Every CPU of the test cluster held by another actor, so no worker can be placed until the
-    returned `release()` (or the test's end) lets them go."""
+@contextmanager
+def _held(cpus: int) -> Iterator[Callable[[], None]]:
+    """`cpus` CPUs of the test cluster (it has 2) held by another actor, so no worker is placed on
+    them until the returned `release()` (or the end) lets them go."""
     import ray
 
-    @ray.remote(num_cpus=2)
+    @ray.remote(num_cpus=cpus)
     class Holder:
         def ready(self) -> bool:
             return True
@@ -47,6 +48,12 @@ def cpus_held(ray_address: str) -> Iterator[Callable[[], None]]:
         yield release
     finally:
         release()
+
+
+@pytest.fixture
+def cpus_held(ray_address: str) -> Iterator[Callable[[], None]]:
+    with _held(2) as release:
+        yield release
 
 
 def test_a_model_whose_weights_do_not_load_is_a_config_error_of_the_job(tmp_path: Path, ray_address: str) -> None:
@@ -79,6 +86,18 @@ def test_a_worker_ray_cannot_place_within_the_start_timeout_is_a_clear_error(
     assert f"continue with: kvbatch resume {job}" in " ".join(proc.stdout.split())
     assert "Traceback" not in proc.stderr
     assert "workers_not_started" in _events(job)
+
+
+def test_the_batch_runs_on_the_workers_that_started_within_the_timeout(tmp_path: Path, ray_address: str) -> None:
+    """Two workers asked for, room for one: after workers.start_timeout_s the batch runs on that one."""
+    job = tmp_path / "job"
+    with _held(1):
+        kvbatch("submit", str(_manifest(tmp_path)), "-c", str(TINY_CONFIG), "-j", str(job), "--address",
+                ray_address, "--set", "workers.count=2", "--set", "workers.start_timeout_s=40", timeout=300, check=0)
+    assert set(done_summaries(job)) == {"a", "b"}
+    late = [e for e in read_log(job / "job.log") if e["event"] == "workers_not_started"]
+    assert [(e["started"], e["wanted"]) for e in late] == [(1, 2)]
+    assert _events(job).count("worker_ready") == 1
 
 
 def test_sigterm_while_the_workers_start_ends_the_run_at_once_and_the_job_resumes(
