@@ -270,7 +270,7 @@ class Coordinator:
         """One of a worker's feeding threads: takes tasks until none is left (while its worker is down
         after a loss, it waits for the worker rather than take a task the worker cannot run)."""
         while True:
-            if self.pool.is_down(worker) and not self._await_restart(worker, until_drained=work):
+            if self.pool.is_down(worker) and not self._await_restart(worker, errors, until_drained=work):
                 return
             if (run := work.take(self.stop)) is None:
                 return
@@ -286,21 +286,29 @@ class Coordinator:
                 return
             if not finished:
                 work.hand_back(run)  # another worker takes it now; this one waits for its restart
-                if not self._await_restart(worker, until_drained=work):
+                if not self._await_restart(worker, errors, until_drained=work):
                     return
                 continue
             # a task that ended on a lost worker still holds the batch open until the worker is back:
             # its restart sweeps the dead process's scratch dir
-            restarted = self._await_restart(worker) if lost else True
+            restarted = self._await_restart(worker, errors) if lost else True
             work.finished()
             if not restarted:
                 return
 
-    def _await_restart(self, worker: Worker, until_drained: WorkQueue | None = None) -> bool:
+    def _await_restart(self, worker: Worker, errors: list[BaseException],
+                       until_drained: WorkQueue | None = None) -> bool:
+        """Whether the worker is back; a restart whose start raised stops the batch with that error."""
         def give_up() -> bool:
             return self.stop.is_set() or (until_drained is not None and until_drained.drained())
 
-        back = self.pool.await_restart(worker, give_up)
+        try:
+            back = self.pool.await_restart(worker, give_up)
+        except WorkerStartError as e:
+            self.log.warning("worker_restart_failed", worker=self.pool.slot_name(worker), error=str(e))
+            errors.append(e)
+            self.stop.set()
+            return False
         if not back and not give_up():
             self.log.warning("worker_restart_unfinished", worker=self.pool.slot_name(worker),
                              hint="no capacity left for it; a killed worker's scratch dir is swept "

@@ -260,7 +260,8 @@ class WorkerPool:
         """Wait until Ray has restarted a killed or crashed worker (its start sweeps the scratch dir the
         dead process left; its next task must reach it, not the dying incarnation, which a hung
         worker's other threads still answer from until `ray.kill` lands). False when it did not come
-        back in time (no capacity left for it), or `give_up()` says the batch needs it no more."""
+        back in time (no capacity left for it), or `give_up()` says the batch needs it no more;
+        `WorkerStartError` when the restarted worker's start raised."""
         slot = self._slots[worker]
         deadline = time.monotonic() + WORKER_RESTART_TIMEOUT_S
         ready = worker.info.remote()
@@ -269,7 +270,9 @@ class WorkerPool:
                 return False
             try:
                 process = ray.get(ready, timeout=1.0)["worker"]
-            except RayActorError:  # it reached the dying incarnation: ask the next one
+            except RayActorError as e:  # it reached the dying incarnation: ask the next one
+                if isinstance(e, ActorDiedError) and e.actor_init_failed:  # the next one raised as it started
+                    raise WorkerStartError(_start_error(e)) from None
                 process = None
             except GetTimeoutError:
                 continue

@@ -4,6 +4,7 @@ while the workers start ends the run at once, and the job resumes."""
 
 from __future__ import annotations
 
+import json
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -56,12 +57,16 @@ def cpus_held(ray_address: str) -> Iterator[Callable[[], None]]:
         yield release
 
 
+def _saved_tiny_model(folder: Path) -> Path:
+    tiny = load_model(ModelConfig(name="builtin:tiny-random", device="cpu"))
+    tiny.model.save_pretrained(folder)
+    tiny.tokenizer.save_pretrained(folder)
+    return folder
+
+
 def test_a_model_whose_weights_do_not_load_is_a_config_error_of_the_job(tmp_path: Path, ray_address: str) -> None:
     """config.json and the tokenizer are fine (submit's checks pass), the weights file is garbage."""
-    tiny = load_model(ModelConfig(name="builtin:tiny-random", device="cpu"))
-    model = tmp_path / "model"
-    tiny.model.save_pretrained(model)
-    tiny.tokenizer.save_pretrained(model)
+    model = _saved_tiny_model(tmp_path / "model")
     (model / "model.safetensors").write_bytes(b"these are not weights")
     job = tmp_path / "job"
     started = time.monotonic()
@@ -75,6 +80,27 @@ def test_a_model_whose_weights_do_not_load_is_a_config_error_of_the_job(tmp_path
                                               if e["event"] == "workers_not_started")["error"]
     assert not (job / "results").exists() or not any((job / "results").iterdir())  # no task ran, none retried
     assert time.monotonic() - started < 60
+
+
+def test_a_restarted_worker_whose_start_raises_stops_the_batch_with_that_line(tmp_path: Path, ray_address: str) -> None:
+    """The weights go bad while the first worker runs; the task hangs, its worker is killed and
+    restarted, and the restart cannot load them: one line, exit 2, not 300 s of waiting for it."""
+    model = _saved_tiny_model(tmp_path / "model")
+    job = tmp_path / "job"
+    hang = json.dumps([{"doc": "a", "fault": "hang", "attempts": [1]}])
+    manifest = write_jsonl(tmp_path / "m.jsonl", [{"id": "a", "text": "A short note about a meeting."}])
+    proc = start_submit(manifest, job, ray_address, "--set", f"model.name={model}", "--set", "retry.task_timeout_s=5",
+                        env={"KVBATCH_FAULTS": hang})
+    try:
+        assert wait_for(lambda: "worker_ready" in _events(job), proc, timeout=120)
+        (model / "model.safetensors").write_bytes(b"these are not weights")
+        out, err = proc.communicate(timeout=90)
+    finally:
+        proc.kill()
+    assert proc.returncode == 2, out + err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: a worker could not start: ModelLoadError"), err
+    assert "worker_restart_failed" in _events(job)
 
 
 def test_a_worker_ray_cannot_place_within_the_start_timeout_is_a_clear_error(
