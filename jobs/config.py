@@ -115,6 +115,8 @@ class WorkersConfig(_Section):
     count: int | Literal["auto"] = "auto"
     gpus_per_worker: float = Field(1.0, ge=0)
     cpus_per_worker: float = Field(1.0, gt=0)
+    # how long a worker may take to be placed, start and load its model before the batch gives up on it
+    start_timeout_s: float = Field(300.0, gt=0)
 
     @field_validator("count")
     @classmethod

@@ -13,7 +13,7 @@ import math
 from collections.abc import Mapping
 
 
-def _node_capacity(resources: Mapping[str, float], cpus_per_worker: float, gpus_per_worker: float) -> int:
+def node_capacity(resources: Mapping[str, float], cpus_per_worker: float, gpus_per_worker: float) -> int:
     """How many workers one node's resources hold (`gpus_per_worker` 0: they take no GPU)."""
     fits = math.floor(resources.get("CPU", 0) / cpus_per_worker + 1e-9)
     if gpus_per_worker > 0:
@@ -21,11 +21,16 @@ def _node_capacity(resources: Mapping[str, float], cpus_per_worker: float, gpus_
     return max(fits, 0)
 
 
+def workers_that_fit(nodes: list[Mapping[str, float]], cpus_per_worker: float, gpus_per_worker: float) -> int:
+    """How many workers the nodes hold at once: a worker needs its CPUs and GPUs on one node."""
+    return sum(node_capacity(n, cpus_per_worker, gpus_per_worker) for n in nodes)
+
+
 def workers_per_node(count: int, nodes: list[Mapping[str, float]], cpus_per_worker: float,
                      gpus_per_worker: float) -> int:
     """The most of `count` workers that one node gets when they are spread one per node in turn over
     the nodes with room; at least 1 (a worker that fits nowhere shares with nobody it can see)."""
-    room = [_node_capacity(n, cpus_per_worker, gpus_per_worker) for n in nodes]
+    room = [node_capacity(n, cpus_per_worker, gpus_per_worker) for n in nodes]
     placed = [0] * len(room)
     left = count
     while left > 0 and any(p < r for p, r in zip(placed, room)):

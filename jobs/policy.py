@@ -2,6 +2,9 @@
 
 Failure classes (DESIGN.md "Failures"):
 - input: the document itself is bad; retrying cannot help, so the task fails at once.
+- setting: a setting the task cannot run with (a ConfigError, a TypeError or ValueError raised on a
+  value from the config); the same settings fail again and a shorter context changes none, so the
+  task fails at once with that error.
 - memory: the KV cache does not fit; the next cache rung is tried at once, then a shorter context.
 - transient: the worker died, an I/O error, a timeout; the same attempt is retried with backoff.
 """
@@ -13,6 +16,7 @@ from enum import StrEnum
 
 class FailureClass(StrEnum):
     INPUT = "input"
+    SETTING = "setting"
     MEMORY = "memory"
     TRANSIENT = "transient"
 
@@ -31,3 +35,7 @@ def cache_fallback_note(from_rung: str, to_rung: str | None, reason: str) -> str
 
 def context_fallback_note(from_tokens: int, to_tokens: int, reason: str) -> str:
     return f"context:{from_tokens}->{to_tokens} ({reason})"
+
+
+#: Failures a retry or a shorter context cannot fix: the task ends with them at once.
+FINAL_CLASSES = frozenset({FailureClass.INPUT, FailureClass.SETTING})

@@ -43,7 +43,12 @@ def init_local_ray(**options: object) -> None:
 
 @contextmanager
 def ray_session(address: str | None) -> Iterator[dict[str, float]]:
-    """Connects to `address` (or $RAY_ADDRESS), else starts a private local instance; yields its resources."""
+    """Connects to `address` (or $RAY_ADDRESS), else starts a private local instance; yields its resources.
+    Inside a session this process holds already (submit asks the cluster before it creates the job
+    folder), that one is used, and left to its owner to end."""
+    if ray.is_initialized():
+        yield ray.cluster_resources()
+        return
     address = address or os.environ.get("RAY_ADDRESS") or None
     # token authentication stays on (it is the safe default); only its notice is silenced
     logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)

@@ -38,7 +38,7 @@ from tenacity.stop import stop_base
 from jobs.config import JobConfig, RetryConfig
 from jobs.faults import FaultRule
 from jobs.outcome import TaskOutcome
-from jobs.policy import FailureClass, context_fallback_note, shorter_context
+from jobs.policy import FINAL_CLASSES, FailureClass, context_fallback_note, shorter_context
 from jobs.task import Task
 from runner.node_sweeper import NodeSweeper
 from runner.observe.alerts import AlertMonitor
@@ -52,6 +52,8 @@ from runner.pool import (
     Worker,
     WorkerLost,
     WorkerPool,
+    WorkersNotStarted,
+    WorkerStartError,
 )
 from runner.recorder import TaskRecorder
 from storage.checkpoint import CheckpointLog
@@ -247,7 +249,7 @@ class Coordinator:
                     return False, lost
                 outcome = TaskOutcome(status="failed", failure_class=FailureClass.TRANSIENT.value,
                                       error_type=e.error_type, error=str(e))
-            if outcome["status"] == "done" or outcome["failure_class"] == FailureClass.INPUT:
+            if outcome["status"] == "done" or outcome["failure_class"] in FINAL_CLASSES:
                 self._finish(run, outcome)
                 return True, lost
             run.fallbacks.extend(outcome.get("fallbacks", []))
@@ -268,7 +270,7 @@ class Coordinator:
         """One of a worker's feeding threads: takes tasks until none is left (while its worker is down
         after a loss, it waits for the worker rather than take a task the worker cannot run)."""
         while True:
-            if self.pool.is_down(worker) and not self._await_restart(worker, until_drained=work):
+            if self.pool.is_down(worker) and not self._await_restart(worker, errors, until_drained=work):
                 return
             if (run := work.take(self.stop)) is None:
                 return
@@ -284,21 +286,29 @@ class Coordinator:
                 return
             if not finished:
                 work.hand_back(run)  # another worker takes it now; this one waits for its restart
-                if not self._await_restart(worker, until_drained=work):
+                if not self._await_restart(worker, errors, until_drained=work):
                     return
                 continue
             # a task that ended on a lost worker still holds the batch open until the worker is back:
             # its restart sweeps the dead process's scratch dir
-            restarted = self._await_restart(worker) if lost else True
+            restarted = self._await_restart(worker, errors) if lost else True
             work.finished()
             if not restarted:
                 return
 
-    def _await_restart(self, worker: Worker, until_drained: WorkQueue | None = None) -> bool:
+    def _await_restart(self, worker: Worker, errors: list[BaseException],
+                       until_drained: WorkQueue | None = None) -> bool:
+        """Whether the worker is back; a restart whose start raised stops the batch with that error."""
         def give_up() -> bool:
             return self.stop.is_set() or (until_drained is not None and until_drained.drained())
 
-        back = self.pool.await_restart(worker, give_up)
+        try:
+            back = self.pool.await_restart(worker, give_up)
+        except WorkerStartError as e:
+            self.log.warning("worker_restart_failed", worker=self.pool.slot_name(worker), error=str(e))
+            errors.append(e)
+            self.stop.set()
+            return False
         if not back and not give_up():
             self.log.warning("worker_restart_unfinished", worker=self.pool.slot_name(worker),
                              hint="no capacity left for it; a killed worker's scratch dir is swept "
@@ -322,8 +332,17 @@ class Coordinator:
         count = self.pool.worker_count(len(open_tasks))
         self.log.info("batch_start", open_tasks=len(open_tasks), workers=count,
                       sequences_per_worker=self.cfg.batch.sequences)
-        for info in self.pool.start(count) if open_tasks else []:
+        try:
+            infos = self.pool.start(count, self.stop.is_set) if open_tasks else []
+        except (PoolStopped, WorkersNotStarted, WorkerStartError) as e:
+            self.recorder.close()
+            return self._not_started(e)
+        for info in infos:
             self.log.info("worker_ready", **info)
+        if 0 < len(infos) < count:
+            self.log.warning("workers_not_started", started=len(infos), wanted=count,
+                             hint=f"the rest did not start within workers.start_timeout_s="
+                                  f"{self.cfg.workers.start_timeout_s:g} s")
         self._queued_at = time.time()  # queue wait counts from here: waiting for a free worker
         errors: list[BaseException] = []
         workers = self.pool.workers
@@ -363,6 +382,17 @@ class Coordinator:
             return EXIT_NO_WORKERS
         self.log.info("batch_end")
         return EXIT_OK
+
+    def _not_started(self, e: Exception) -> int:
+        """The exit code when the workers did not start; a worker's own error is the job's config error."""
+        if isinstance(e, PoolStopped):
+            self.log.warning("batch_interrupted", during="worker start")
+            return EXIT_INTERRUPTED
+        self.log.warning("workers_not_started", error=str(e))
+        if isinstance(e, WorkerStartError):
+            raise e
+        self.console.print(f"[red]{e}")
+        return EXIT_NO_WORKERS
 
     def _abandon_in_flight(self, threads: list[threading.Thread]) -> None:
         """Killing the workers ends every pending call at once, so no thread outlives the batch; the

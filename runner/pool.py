@@ -13,23 +13,24 @@ there behind its batch-mates (`_result`).
 from __future__ import annotations
 
 import dataclasses
+import re
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError
 
-from jobs.config import JobConfig
+from jobs.config import ConfigError, JobConfig
 from jobs.faults import FaultRule
-from jobs.node_share import workers_per_node
+from jobs.node_share import workers_per_node, workers_that_fit
 from jobs.outcome import TaskOutcome
 from jobs.task import Task
 from runner.cluster import kill_and_wait
-from runner.engine.worker import SummaryWorker
 
 #: How long a restarted worker may take to come back (process start + model load), not task time.
 WORKER_RESTART_TIMEOUT_S = 300.0
@@ -71,6 +72,49 @@ class PoolStopped(Exception):
     """The pool was killed (the batch is stopping) while a call was in flight."""
 
 
+#: The line of a traceback that names the exception: "package.module.Error: message" at column 0.
+_RAISED = re.compile(r"^([A-Za-z_][\w.]*): (.*)$")
+
+
+class WorkerStartError(ConfigError):
+    """A worker's start raised: the job's settings (model, device, offload root) cannot run here."""
+
+
+class WorkersNotStarted(Exception):
+    """No worker was up within `workers.start_timeout_s`: the cluster has no room for one now."""
+
+
+def _start_error(e: ActorDiedError) -> str:
+    """What a worker's start raised, on one line without Ray's frames (they come first)."""
+    lines = str(e).splitlines()
+    raised = max((i for i, line in enumerate(lines) if _RAISED.match(line)), default=None)
+    if raised is None:
+        return f"a worker could not start: {type(e).__name__}"
+    kind, message = _RAISED.match(lines[raised]).groups()
+    rest = " ".join(line.strip() for line in [message, *lines[raised + 1:]] if line.strip())
+    return f"a worker could not start: {kind.rsplit('.', 1)[-1]}: {rest}"
+
+
+def cluster_nodes() -> list[dict[str, float]]:
+    """The CPUs and GPUs of each live node: a worker must fit on one node, not on the cluster's sum."""
+    return [{"CPU": n["Resources"].get("CPU", 0.0), "GPU": n["Resources"].get("GPU", 0.0)}
+            for n in ray.nodes() if n.get("Alive")]
+
+
+def gpus_per_worker(config: JobConfig, nodes: list[dict[str, float]]) -> float:
+    """`workers.gpus_per_worker`, or 0 on a cluster without GPUs (the workers run on CPUs)."""
+    return config.workers.gpus_per_worker if any(n["GPU"] > 0 for n in nodes) else 0.0
+
+
+def describe_cluster(nodes: list[dict[str, float]]) -> str:
+    """e.g. "1 node: 2 CPUs, 0 GPUs"; the largest node too when there are several."""
+    cpus, gpus = sum(n["CPU"] for n in nodes), sum(n["GPU"] for n in nodes)
+    text = f"{len(nodes)} node(s): {cpus:g} CPUs, {gpus:g} GPUs"
+    if len(nodes) > 1:
+        text += f" (at most {max(n['CPU'] for n in nodes):g} CPUs and {max(n['GPU'] for n in nodes):g} GPUs on one)"
+    return text
+
+
 @dataclass
 class _Slot:
     name: str
@@ -80,11 +124,6 @@ class _Slot:
     losses: int = 0
     down: bool = False  # lost and not yet seen back: its feeding threads wait instead of calling it
     exclusive: bool = False  # a task that must run alone holds the worker: no other call starts
-
-
-def _alive_nodes() -> list[dict[str, float]]:
-    """Each live node's resources, for how many workers will share one (their `auto` budgets split)."""
-    return [node["Resources"] for node in ray.nodes() if node.get("Alive")]
 
 
 class WorkerPool:
@@ -99,20 +138,25 @@ class WorkerPool:
         self._killed = False
 
     def worker_count(self, open_tasks: int) -> int:
+        """`workers.count`, or with `auto` as many as the nodes hold; never more than the open tasks.
+        Submit has refused a count the cluster cannot hold (runner/preflight.py `check_cluster`)."""
         if self.cfg.workers.count != "auto":
             wanted = self.cfg.workers.count
         else:
-            resources = ray.cluster_resources()
-            if resources.get("GPU", 0) > 0 and self.cfg.workers.gpus_per_worker > 0:
-                wanted = int(resources["GPU"] // self.cfg.workers.gpus_per_worker)
-            else:
-                wanted = int(resources.get("CPU", 1) // self.cfg.workers.cpus_per_worker)
+            nodes = cluster_nodes()
+            wanted = workers_that_fit(nodes, self.cfg.workers.cpus_per_worker, gpus_per_worker(self.cfg, nodes))
         return max(1, min(wanted, open_tasks))
 
-    def start(self, count: int) -> list[dict[str, Any]]:
-        """Start `count` workers and wait until each has loaded its model; returns their info."""
-        resources = ray.cluster_resources()
-        gpus = self.cfg.workers.gpus_per_worker if resources.get("GPU", 0) > 0 else 0
+    def start(self, count: int, give_up: Callable[[], bool]) -> list[dict[str, Any]]:
+        """Start `count` workers and wait until each has loaded its model; returns their info.
+
+        Raises `WorkerStartError` when a worker's start raised (its model or offload root is wrong:
+        every worker would fail alike), `PoolStopped` once `give_up()` says so, and `WorkersNotStarted`
+        when none is up within `workers.start_timeout_s`; those up by then run the batch without the rest.
+        """
+        from runner.engine.worker import SummaryWorker  # torch and the model stack: not for submit's checks
+
+        gpus = gpus_per_worker(self.cfg, cluster_nodes())
         # SPREAD: one worker per node before any node gets a second, so a lost node costs the fewest;
         # max_concurrency: each task in flight runs in an actor thread of its own
         remote_cls = ray.remote(concurrency_groups={PROBE_GROUP: 1})(SummaryWorker).options(
@@ -123,11 +167,46 @@ class WorkerPool:
         threads = max(1, int(self.cfg.workers.cpus_per_worker))
         config = self.cfg.model_dump(mode="json")
         faults = [f.model_dump() for f in self.faults]
-        node_workers = workers_per_node(count, _alive_nodes(), self.cfg.workers.cpus_per_worker, gpus)
+        node_workers = workers_per_node(count, cluster_nodes(), self.cfg.workers.cpus_per_worker, gpus)
         self.workers = [remote_cls.remote(config, self.job_id, str(self.offload_root), faults, threads, node_workers)
                         for _ in range(count)]
-        infos = ray.get([w.info.remote() for w in self.workers])
-        self._slots = {w: _Slot(f"worker slot {i}", info["worker"]) for i, (w, info) in enumerate(zip(self.workers, infos))}
+        try:
+            infos = self._await_start(give_up, gpus)
+        except BaseException:
+            self.kill_all()
+            raise
+        self._slots = {w: _Slot(f"worker slot {i}", infos[w]["worker"]) for i, w in enumerate(self.workers)}
+        return [infos[w] for w in self.workers]
+
+    def _await_start(self, give_up: Callable[[], bool], gpus: float) -> dict[Worker, dict[str, Any]]:
+        """Each worker's info once it is up; polled, so a signal or the deadline ends the wait."""
+        timeout_s = self.cfg.workers.start_timeout_s
+        deadline = time.monotonic() + timeout_s
+        waiting = {w.info.remote(): w for w in self.workers}
+        infos: dict[Worker, dict[str, Any]] = {}
+        while waiting:
+            if give_up():
+                raise PoolStopped()
+            if time.monotonic() >= deadline:
+                break
+            ready, _ = ray.wait(list(waiting), num_returns=1, timeout=0.5)
+            for ref in ready:
+                worker = waiting.pop(ref)
+                try:
+                    infos[worker] = ray.get(ref)
+                except RayActorError as e:
+                    if isinstance(e, ActorDiedError) and e.actor_init_failed:
+                        raise WorkerStartError(_start_error(e)) from None
+                    waiting[worker.info.remote()] = worker  # its process died: ask the restarted one
+        if not infos:
+            raise WorkersNotStarted(
+                f"no worker started within workers.start_timeout_s={timeout_s:g} s: Ray could not place a "
+                f"worker of {self.cfg.workers.cpus_per_worker:g} CPU(s) and {gpus:g} GPU(s) on "
+                f"{describe_cluster(cluster_nodes())}, so other work holds them"
+            )
+        if waiting:  # the batch goes on with those that are up
+            kill_and_wait(list(waiting.values()))
+            self.workers = [w for w in self.workers if w in infos]
         return infos
 
     def slot_name(self, worker: Worker) -> str:
@@ -216,7 +295,8 @@ class WorkerPool:
         """Wait until Ray has restarted a killed or crashed worker (its start sweeps the scratch dir the
         dead process left; its next task must reach it, not the dying incarnation, which a hung
         worker's other threads still answer from until `ray.kill` lands). False when it did not come
-        back in time (no capacity left for it), or `give_up()` says the batch needs it no more."""
+        back in time (no capacity left for it), or `give_up()` says the batch needs it no more;
+        `WorkerStartError` when the restarted worker's start raised."""
         slot = self._slots[worker]
         deadline = time.monotonic() + WORKER_RESTART_TIMEOUT_S
         ready = worker.info.remote()
@@ -225,7 +305,9 @@ class WorkerPool:
                 return False
             try:
                 process = ray.get(ready, timeout=1.0)["worker"]
-            except RayActorError:  # it reached the dying incarnation: ask the next one
+            except RayActorError as e:  # it reached the dying incarnation: ask the next one
+                if isinstance(e, ActorDiedError) and e.actor_init_failed:  # the next one raised as it started
+                    raise WorkerStartError(_start_error(e)) from None
                 process = None
             except GetTimeoutError:
                 continue

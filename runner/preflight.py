@@ -1,15 +1,22 @@
-"""Settings checked at submit (and resume) against transformers and the model's config, not per document.
+"""Settings checked at submit (and resume) against transformers, the model's config and the Ray
+cluster's nodes, not per document.
 
 A setting that would fail every document (an unknown generation field, a context the model has no
-positions for) is a config error before anything starts. Only the model's config is read, never
-its weights.
+positions for, a model that is not there, a device or cache the workers do not have) or that no
+worker could run with (more CPUs or GPUs than any node has) is a config error before anything
+starts. Only the model's config is read, never its weights, and no worker is started.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from jobs.config import ConfigError, JobConfig, SummarizeConfig
+from jobs.node_share import workers_that_fit
+from jobs.rungs import RUNGS
+from runner.engine.models import ModelLoadError, check_model_name
+from runner.pool import cluster_nodes, describe_cluster, gpus_per_worker
 
 #: GenerationConfig fields kvbatch sets itself, and where the user sets them instead.
 OWNED_FIELDS = {
@@ -41,8 +48,11 @@ UNSUPPORTED_FIELDS = {
 
 
 def check_settings(config: JobConfig) -> None:
+    """Everything that needs neither Ray nor the model's weights."""
+    check_model(config)
     check_generation(config.summarize)
     check_context(config)
+    check_answer_room(config.summarize)
 
 
 def check_generation(settings: SummarizeConfig) -> None:
@@ -78,4 +88,96 @@ def check_context(config: JobConfig) -> None:
             f"summarize.context_tokens ({config.summarize.context_tokens}) is above the "
             f"max_position_embeddings ({limit}) of model {config.model.name}: set summarize.context_tokens "
             f"to {limit} or less (longer documents are summarised in chunks)"
+        )
+
+
+def check_model(config: JobConfig) -> None:
+    """`model.name` names a model a worker can load; `model.device` is a device name."""
+    import torch
+
+    try:
+        check_model_name(config.model.name)
+    except ModelLoadError as e:
+        raise ConfigError(f"model.name: {e}") from None
+    spec = config.model.device
+    if spec != "auto":
+        try:
+            torch.device(spec)
+        except (RuntimeError, ValueError):
+            raise ConfigError(f"model.device '{spec}' is not a device: use auto, cpu, cuda or cuda:N") from None
+
+
+def check_answer_room(settings: SummarizeConfig) -> None:
+    """The answer may take at most half the context: the rest holds the prompt and the document (and,
+    for a long document, the partial summaries a merge pass joins)."""
+    if settings.max_new_tokens > settings.context_tokens // 2:
+        raise ConfigError(
+            f"summarize.max_new_tokens ({settings.max_new_tokens}) leaves too little of summarize.context_tokens "
+            f"({settings.context_tokens}) for the prompt and the document (the answer may take at most half): "
+            f"set summarize.max_new_tokens to {settings.context_tokens // 2} or less, or summarize.context_tokens "
+            f"to {2 * settings.max_new_tokens} or more"
+        )
+
+
+def check_cluster(config: JobConfig) -> None:
+    """What the connected Ray cluster cannot run, decided from its nodes before any worker starts."""
+    nodes = cluster_nodes()
+    check_resources(config, nodes)
+    check_device(config, nodes)
+
+
+def check_resources(config: JobConfig, nodes: list[dict[str, float]]) -> None:
+    """A worker needs its CPUs and GPUs on one node; `workers.count` workers must fit at once."""
+    workers = config.workers
+    cpus, gpus = workers.cpus_per_worker, gpus_per_worker(config, nodes)
+    cluster = describe_cluster(nodes)
+    if workers_that_fit(nodes, cpus, 0) == 0:
+        largest = max((n["CPU"] for n in nodes), default=0)
+        raise ConfigError(
+            f"workers.cpus_per_worker={cpus:g}: no node of the Ray cluster has {cpus:g} CPUs ({cluster}): "
+            f"set workers.cpus_per_worker to {largest:g} or less"
+        )
+    fit = workers_that_fit(nodes, cpus, gpus)
+    if fit == 0:
+        raise ConfigError(
+            f"workers.gpus_per_worker={gpus:g}: no node of the Ray cluster has {gpus:g} GPUs beside "
+            f"{cpus:g} CPUs ({cluster}): lower workers.gpus_per_worker or workers.cpus_per_worker"
+        )
+    if workers.count != "auto" and workers.count > fit:
+        raise ConfigError(
+            f"workers.count={workers.count}: the Ray cluster holds {fit} worker(s) of {cpus:g} CPUs and "
+            f"{gpus:g} GPUs at once ({cluster}): set workers.count to {fit} or less, or auto"
+        )
+
+
+def check_device(config: JobConfig, nodes: list[dict[str, float]]) -> None:
+    """`model.device` and a CUDA-only `cache.strategy` against the GPUs Ray gives each worker."""
+    spec, strategy = config.model.device, config.cache.strategy
+    gpus = gpus_per_worker(config, nodes)
+    cluster = describe_cluster(nodes)
+    if spec.startswith("cuda"):
+        if gpus == 0:
+            why = "the Ray cluster has no GPU" if config.workers.gpus_per_worker > 0 else \
+                "workers.gpus_per_worker=0 gives the workers none"
+            raise ConfigError(
+                f"model.device={spec} needs a CUDA GPU, but {why} ({cluster}): set model.device to auto or "
+                "cpu, or run on GPU nodes with workers.gpus_per_worker of 1 or a fraction"
+            )
+        visible = math.ceil(gpus)  # Ray shows a worker only its own GPUs, from cuda:0
+        index = int(spec.partition(":")[2] or 0)
+        if index >= visible:
+            raise ConfigError(
+                f"model.device={spec}: each worker sees only the {visible} GPU(s) Ray gives it, as cuda:0"
+                f"{f'..cuda:{visible - 1}' if visible > 1 else ''}: set model.device to cuda or auto"
+            )
+    on_cuda = spec.startswith("cuda") or (spec == "auto" and gpus > 0)
+    if strategy != "auto" and RUNGS[strategy].cuda_only and not on_cuda:
+        raise ConfigError(
+            f"cache.strategy={strategy} is transformers' own offloading, which needs the model on a CUDA "
+            f"device; here the workers run on the CPU ({cluster}): use cache.strategy=tiered-host or tiered-disk"
+        )
+    if strategy == "auto" and not on_cuda and all(RUNGS[r].home == "host" for r in config.cache.ladder):
+        raise ConfigError(
+            f"cache.ladder {config.cache.ladder}: on CPU workers the host is the device, so rungs that keep "
+            f"the KV in host RAM are left out and none is left ({cluster}): add dynamic or tiered-disk"
         )

@@ -6,6 +6,8 @@ import hashlib
 import os
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pyarrow as pa
@@ -26,7 +28,8 @@ from runner.coordinator import (
     EXIT_OK,
     Coordinator,
 )
-from runner.preflight import check_settings
+from runner.pool import WorkerStartError
+from runner.preflight import check_cluster, check_settings
 from storage.checkpoint import JobState, compact, load_state
 from storage.inputs import FOLDER_MANIFEST_NAME, StagedManifest, stage_input
 from storage.jobdir import (
@@ -45,7 +48,7 @@ from storage.lease import LeaseLostError, job_lock
 from storage.location import Where
 from storage.lock import HeldLock
 from storage.parts import CORRUPT_PART_ADVICE
-from storage.scratch import default_offload_root
+from storage.scratch import check_offload_root, default_offload_root
 
 EXIT_USAGE = 2
 
@@ -94,6 +97,7 @@ def submit(source: str, pattern: str | None, config_path: Path | None, job_dir: 
     check_new_job_folder(job)
     config = load_config(config_path, overrides)
     check_settings(config)
+    check_offload_root(offload_root_for(config, job.path))
     with tempfile.TemporaryDirectory(prefix="kvbatch-manifest-") as workdir:
         staged = stage_input(source, pattern, Path(workdir), job.path.local_path if job.path.is_local else None)
         for note in staged.notes:
@@ -113,12 +117,13 @@ def submit(source: str, pattern: str | None, config_path: Path | None, job_dir: 
             manifest_path=manifest_path, manifest_sha256=_sha256_of(staged.path),
         )
         rejected = pa.Table.from_pylist([_rejection_row(r) for r in rejections], schema=RESULT_SCHEMA)
-        make_job_folder(job)
-        # the lock first: a second submit to the same folder refuses instead of writing over this one
-        with job_lock(job.lock) as lock:
-            copies = {FOLDER_MANIFEST_NAME: staged.path.read_bytes()} if staged.from_folder else None
-            create_job(job, info, tasks_to_table(tasks), rejected, copies)
-            return _execute(job, info, config, address, retry_failed=False, console=console, lock=lock)
+        with _checked_cluster(config, address, needed=bool(tasks)):
+            make_job_folder(job)
+            # the lock first: a second submit to the same folder refuses instead of writing over this one
+            with job_lock(job.lock) as lock:
+                copies = {FOLDER_MANIFEST_NAME: staged.path.read_bytes()} if staged.from_folder else None
+                create_job(job, info, tasks_to_table(tasks), rejected, copies)
+                return _execute(job, info, config, address, retry_failed=False, console=console, lock=lock)
 
 
 def resume(job_dir: Where, retry_failed: bool, overrides: list[str], address: str | None,
@@ -129,17 +134,35 @@ def resume(job_dir: Where, retry_failed: bool, overrides: list[str], address: st
         info = read_job(job)
         config = config_from_dict(apply_overrides(info.config, overrides), f"{job.job_json} with --set")
         check_settings(config)
+        check_offload_root(offload_root_for(config, job.path))
         if overrides:
             update_job_config(job, config.model_dump(mode="json"))
         console.print(f"job {info.job_id} <- {job.path}")
         return _execute(job, info, config, address, retry_failed, console, lock)
 
 
+@contextmanager
+def _checked_cluster(config: JobConfig, address: str | None, needed: bool) -> Iterator[None]:
+    """Connected to Ray, the settings checked against its nodes (submit: before the job folder exists,
+    so a setting the cluster cannot run creates nothing). Not `needed` (every row rejected): no Ray."""
+    if not needed:
+        yield
+        return
+    with ray_session(address):
+        check_cluster(config)
+        yield
+
+
+def offload_root_for(config: JobConfig, job_dir: Where) -> Path:
+    """`cache.offload_root`, else the default root for this job folder."""
+    return Path(config.cache.offload_root) if config.cache.offload_root else default_offload_root(job_dir)
+
+
 def _execute(job: JobDir, info: JobInfo, config: JobConfig, address: str | None, retry_failed: bool,
              console: Console, lock: HeldLock) -> int:
     """Run the job's open tasks under the job lock the caller holds (every write is fenced with it)."""
     faults = parse_faults(os.environ.get(FAULTS_ENV))
-    offload_root = Path(config.cache.offload_root) if config.cache.offload_root else default_offload_root(job.path)
+    offload_root = offload_root_for(config, job.path)
     tasks = tasks_from_table(read_manifest_table(job))
     state = load_state(job.path)
     for part in state.corrupt:
@@ -156,9 +179,13 @@ def _execute(job: JobDir, info: JobInfo, config: JobConfig, address: str | None,
     )
     code = EXIT_OK
     if open_tasks:
-        with ray_session(address):
+        with _checked_cluster(config, address, needed=True):  # submit's session, or resume's own
             coordinator = Coordinator(job, info.job_id, config, offload_root, faults, console, lock)
-            code = coordinator.run(open_tasks, total - len(open_tasks), total)
+            try:
+                code = coordinator.run(open_tasks, total - len(open_tasks), total)
+            except WorkerStartError as e:
+                raise WorkerStartError(f"{e}; fix that setting and continue with: kvbatch resume {job.path} "
+                                       "--set key=value") from None
     if code in (EXIT_INTERRUPTED, EXIT_NO_WORKERS):
         what = "interrupted" if code == EXIT_INTERRUPTED else "stopped without workers"
         console.print(f"[yellow]{what}; continue with: kvbatch resume {job.path}")

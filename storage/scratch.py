@@ -121,6 +121,13 @@ def _check_private(offload_root: Path, info: os.stat_result) -> None:
         )
 
 
+def _holds_foreign_entries(root: Path) -> bool:
+    """Unmarked and not empty: a folder kvbatch did not create (another worker may have just marked
+    it and started a task, so the marker is looked for again after the listing)."""
+    marker = root / ROOT_MARKER
+    return not marker.is_file() and any(e.name != ROOT_MARKER for e in os.scandir(root)) and not marker.is_file()
+
+
 def ensure_offload_root(offload_root: Path) -> Path:
     """Create (or adopt, when empty or marked) the root and its marker; refuse '/', foreign folders
     and folders that are not this user's alone."""
@@ -129,11 +136,26 @@ def ensure_offload_root(offload_root: Path) -> Path:
     _check_private(offload_root, os.stat(root))
     marker = root / ROOT_MARKER
     if not marker.is_file():
-        # another worker may have just marked the root and started a task: re-check before refusing
-        if any(entry.name != ROOT_MARKER for entry in os.scandir(root)) and not marker.is_file():
+        if _holds_foreign_entries(root):
             raise _not_a_kvbatch_root(offload_root)
         marker.write_text(f"kvbatch offload root, created {time.ctime()} on {socket.gethostname()}\n")
     return root
+
+
+def check_offload_root(offload_root: Path) -> None:
+    """What `ensure_offload_root` would refuse, checked at submit without creating anything: a root
+    that does not exist yet is fine (the workers create it)."""
+    root = _check_not_filesystem_root(offload_root)
+    if not root.exists():
+        return
+    if not root.is_dir():
+        raise UnsafeOffloadRootError(
+            f"offload root {offload_root} is a file, not a folder; point cache.offload_root "
+            f"(or ${OFFLOAD_ROOT_ENV}) at a new or empty folder"
+        )
+    _check_private(offload_root, os.stat(root))
+    if _holds_foreign_entries(root):
+        raise _not_a_kvbatch_root(offload_root)
 
 
 def _check_name(kind: str, value: str) -> None:

@@ -145,8 +145,7 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
             tokenizer = _load_tokenizer(_smollm2_tokenizer_dir(), name)
             model = _tiny_random_model(tokenizer, cfg.attn_implementation, dtype, name)
         else:
-            known = ", ".join(BUILTIN_PREFIX + b for b in BUILTINS)
-            raise ModelLoadError(f"unknown builtin model '{name}': use one of {known}")
+            raise _unknown_builtin(name)
     else:
         model, tokenizer = _from_pretrained(
             name, name, cfg.attn_implementation, dtype, fix=_missing_model_fix(name)
@@ -157,6 +156,37 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
         model=model, tokenizer=tokenizer, name=name, device=device, dtype=dtype,
         load_s=time.perf_counter() - start,
     )
+
+
+def _unknown_builtin(name: str) -> ModelLoadError:
+    known = ", ".join(BUILTIN_PREFIX + b for b in BUILTINS)
+    return ModelLoadError(f"unknown builtin model '{name}': use one of {known}")
+
+
+def check_model_name(name: str) -> None:
+    """Raises `ModelLoadError` when `name` is no model a worker could load, found without reading
+    weights: an unknown builtin (or its package missing), a folder without config.json, a hub id
+    that is not in the local cache while HF_HUB_OFFLINE forbids downloading it."""
+    import huggingface_hub
+    import huggingface_hub.constants
+
+    if name.startswith(BUILTIN_PREFIX):
+        if name[len(BUILTIN_PREFIX):] not in BUILTINS:
+            raise _unknown_builtin(name)
+        _smollm2_gguf()  # both builtins take SmolLM2's tokenizer from the package
+        return
+    if _looks_like_path(name):
+        if not (Path(name).expanduser() / "config.json").is_file():
+            raise ModelLoadError(f"model '{name}' is not a saved model: {_missing_model_fix(name)}")
+        return
+    if not huggingface_hub.constants.is_offline_mode():
+        return  # a worker downloads it, or says why it cannot
+    try:
+        cached = huggingface_hub.try_to_load_from_cache(name, "config.json")
+    except ValueError:  # not even a valid repo id
+        cached = None
+    if not isinstance(cached, str):
+        raise ModelLoadError(f"model '{name}' cannot be loaded: {_missing_model_fix(name)}")
 
 
 def model_max_positions(cfg: ModelConfig) -> int | None:
@@ -226,6 +256,7 @@ def _from_pretrained(
     source: str | Path, name: str, attn_implementation: str, dtype: torch.dtype, fix: str
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """One path for folders, hub ids and converted builtins; `fix` is what to tell the user."""
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     location = str(source)
@@ -240,7 +271,7 @@ def _from_pretrained(
             dtype=dtype,
             attn_implementation=attn_implementation,
         )
-    except (OSError, ValueError, ImportError) as err:
+    except (OSError, ValueError, ImportError, SafetensorError) as err:  # the last: a damaged weights file
         raise ModelLoadError(f"cannot load model '{name}': {fix}. ({type(err).__name__}: {err})") from err
     return model, tokenizer
 

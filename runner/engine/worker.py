@@ -27,7 +27,7 @@ import psutil
 import torch
 
 from jobs.chunking import ContextTooSmallError
-from jobs.config import JobConfig
+from jobs.config import ConfigError, JobConfig
 from jobs.documents import DocumentError, load_task_text
 from jobs.faults import FaultRule, fault_for
 from jobs.kvplan import (
@@ -136,6 +136,13 @@ def _is_memory_error(e: BaseException) -> bool:
     return isinstance(e, (torch.OutOfMemoryError, ScratchSpaceError)) or (
         isinstance(e, OSError) and e.errno == errno.ENOSPC
     )
+
+
+def _is_setting_error(e: BaseException) -> bool:
+    """Raised on a value of the config (a cache strategy the device lacks, a generation field of the
+    wrong type): the same settings fail the same way, so a retry only burns attempts. A memory error
+    (an OSError, a torch error) is never one."""
+    return isinstance(e, (ConfigError, TypeError, ValueError)) and not _is_memory_error(e)
 
 
 @dataclass(frozen=True)
@@ -286,6 +293,8 @@ class SummaryWorker:
             except ContextTooSmallError as e:
                 return _failure(FailureClass.INPUT, type(e).__name__, str(e), started)
             except Exception as e:  # noqa: BLE001 - classified below, reported to the coordinator
+                if _is_setting_error(e):
+                    return _failure(FailureClass.SETTING, type(e).__name__, str(e), started)
                 if not _is_memory_error(e):
                     return _failure(FailureClass.TRANSIENT, type(e).__name__, str(e), started)
                 # only what the result needs: the exception's frames would keep the failed cache alive

@@ -1,0 +1,92 @@
+"""Settings no worker could run with are refused at submit: exit 2, one line naming the key, in under
+10 s, and no job folder; the cluster's nodes decide what fits, before any worker starts."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, TINY_CONFIG, kvbatch, write_jsonl
+from jobs.config import ConfigError, load_config
+
+
+def _manifest(tmp_path: Path) -> Path:
+    """Three documents: as many workers as `workers.count=3` asks for would start."""
+    return write_jsonl(tmp_path / "m.jsonl", [{"id": d, "text": f"A short note about meeting {d}."} for d in "abc"])
+
+
+def _foreign_root(tmp_path: Path) -> Path:
+    root = tmp_path / "someone-elses"
+    root.mkdir()
+    (root / "notes.txt").write_text("not kvbatch's")
+    return root
+
+
+# (what is set, text the one line must hold); "{tmp}" is the test's folder
+BAD_SETTINGS = [
+    (["--set", "cache.strategy=offloaded"], "cache.strategy=offloaded"),
+    (["--set", "summarize.max_new_tokens=9000"], "summarize.max_new_tokens (9000)"),
+    (["--set", "model.device=cuda"], "model.device=cuda"),
+    (["--set", "model.name=no-such-org/no-such-model"], "model.name"),
+    (["--set", "model.name=./no/such/folder"], "model.name"),
+    (["--set", "cache.offload_root={tmp}/someone-elses"], "cache.offload_root"),
+    (["--set", "workers.cpus_per_worker=4"], "workers.cpus_per_worker=4: no node of the Ray cluster has 4 CPUs"),
+    (["--set", "workers.count=3"], "workers.count=3"),
+    (["--set", "cache.ladder=[tiered-host]"], "cache.ladder ['tiered-host']"),
+]
+
+
+def _refused(tmp_path: Path, ray_address: str, *args: str) -> tuple[str, float]:
+    """Submits with `args`; asserts exit 2, one line on stderr and no job folder; returns the line and the time."""
+    job = tmp_path / "job"
+    started = time.monotonic()
+    proc = kvbatch("submit", str(_manifest(tmp_path)), "-j", str(job), "--address", ray_address, *args,
+                   timeout=60, check=2)
+    elapsed = time.monotonic() - started
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+    assert not job.exists(), sorted(p.name for p in job.iterdir())
+    return lines[0], elapsed
+
+
+@pytest.mark.parametrize(("args", "named"), BAD_SETTINGS, ids=[a[-1] for a, _ in BAD_SETTINGS])
+def test_a_setting_no_worker_can_run_exits_2_in_under_10_s_with_one_line_and_creates_nothing(
+        tmp_path: Path, ray_address: str, args: list[str], named: str) -> None:
+    foreign = _foreign_root(tmp_path)
+    line, elapsed = _refused(tmp_path, ray_address, "-c", str(TINY_CONFIG),
+                             *[a.replace("{tmp}", str(tmp_path)) for a in args])
+    assert named in line
+    assert [p.name for p in foreign.iterdir()] == ["notes.txt"]  # a foreign root is left as it was
+    assert elapsed < 10, f"took {elapsed:.1f} s"
+
+
+def test_the_gpu_config_on_a_node_with_fewer_cpus_than_it_asks_for_is_refused(tmp_path: Path, ray_address: str) -> None:
+    """configs/gpu-nvme.yaml asks 4 CPUs a worker; the test cluster's one node has 2."""
+    line, _ = _refused(tmp_path, ray_address, "-c", str(REPO / "configs" / "gpu-nvme.yaml"))
+    assert "workers.cpus_per_worker=4: no node of the Ray cluster has 4 CPUs (1 node(s): 2 CPUs, 0 GPUs)" in line
+
+
+def test_a_worker_must_fit_on_one_node_not_on_the_clusters_sum() -> None:
+    """Two 2-CPU nodes hold four CPUs between them, and no worker of 4 CPUs."""
+    from runner.preflight import check_resources
+
+    nodes = [{"CPU": 2.0, "GPU": 0.0}, {"CPU": 2.0, "GPU": 0.0}]
+    with pytest.raises(ConfigError, match="no node of the Ray cluster has 4 CPUs"):
+        check_resources(load_config(TINY_CONFIG, ["workers.cpus_per_worker=4"]), nodes)
+    with pytest.raises(ConfigError, match=r"holds 2 worker\(s\) of 2 CPUs"):
+        check_resources(load_config(TINY_CONFIG, ["workers.cpus_per_worker=2", "workers.count=3"]), nodes)
+    check_resources(load_config(TINY_CONFIG, ["workers.cpus_per_worker=2", "workers.count=2"]), nodes)
+
+
+def test_a_gpu_node_is_asked_for_gpus_a_worker_can_have() -> None:
+    """One node with 8 CPUs and 1 GPU: Ray shows a worker of one GPU only cuda:0, and two GPUs never fit."""
+    from runner.preflight import check_device, check_resources
+
+    node = [{"CPU": 8.0, "GPU": 1.0}]
+    with pytest.raises(ConfigError, match="model.device=cuda:1: each worker sees only the 1 GPU"):
+        check_device(load_config(TINY_CONFIG, ["model.device=cuda:1"]), node)
+    with pytest.raises(ConfigError, match="workers.gpus_per_worker=2: no node of the Ray cluster has 2 GPUs"):
+        check_resources(load_config(TINY_CONFIG, ["workers.gpus_per_worker=2"]), node)
+    check_device(load_config(TINY_CONFIG, ["model.device=cuda", "cache.strategy=offloaded"]), node)
