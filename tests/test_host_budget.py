@@ -160,7 +160,7 @@ def test_the_pool_tells_each_worker_how_many_share_its_node(ray_address, tmp_pat
     config = load_config(TINY_CONFIG, ["workers.count=2", "workers.cpus_per_worker=1"])
     pool = WorkerPool(config, "job", tmp_path / "kv", [])
     try:
-        infos = pool.start(2)
+        infos = pool.start(2, give_up=lambda: False)
     finally:
         pool.kill_all()
     assert [info["node_workers"] for info in infos] == [2, 2]
