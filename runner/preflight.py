@@ -29,6 +29,7 @@ UNSUPPORTED_FIELDS = frozenset({
 def check_settings(config: JobConfig) -> None:
     check_generation(config.summarize)
     check_context(config)
+    check_quantization(config)
 
 
 def check_generation(settings: SummarizeConfig) -> None:
@@ -67,4 +68,28 @@ def check_context(config: JobConfig) -> None:
             f"summarize.context_tokens ({config.summarize.context_tokens}) is above the "
             f"max_position_embeddings ({limit}) of model {config.model.name}: set summarize.context_tokens "
             f"to {limit} or less (longer documents are summarised in chunks)"
+        )
+
+
+def check_quantization(config: JobConfig) -> None:
+    """`model.quantization` runs with the installed libraries on the configured device, and is not asked
+    of a checkpoint quantized already."""
+    from runner.engine.models import ModelLoadError, model_quantization, resolve_device
+    from runner.engine.quantization import NONE, unavailable
+
+    method = config.model.quantization
+    if method == NONE:
+        return
+    try:
+        device_type = resolve_device(config.model.device).type
+    except ModelLoadError as e:
+        raise ConfigError(str(e)) from None
+    reason = unavailable(method, device_type)
+    if reason is not None:
+        raise ConfigError(f"model.quantization {method} {reason}; or set model.quantization to none")
+    checkpoint = model_quantization(config.model)
+    if checkpoint is not None:
+        raise ConfigError(
+            f"model.quantization {method}: model {config.model.name} is quantized already ({checkpoint}) "
+            "and loads as it is: set model.quantization to none"
         )

@@ -21,6 +21,7 @@ from transformers.cache_utils import Cache
 from transformers.generation.streamers import BaseStreamer
 
 from jobs.config import PrefillMode, SummarizeConfig
+from jobs.stopping import StopReason
 from runner.engine.kvcache.layer_major import (
     choose_prefill,
     layer_major_prefill,
@@ -37,6 +38,7 @@ class Generation:
     decode_s: float
     batch_size: float = 1.0
     """Mean sequences that shared this pass's decode steps."""
+    stop_reason: StopReason = StopReason.LENGTH
 
     @property
     def output_tokens(self) -> int:
@@ -95,11 +97,13 @@ def generate_once(
     end = time.perf_counter()
     new_tokens = out[0, input_ids.shape[1] :].tolist()
     first = clock.first_token_at or end
+    ended = len(new_tokens) < max_new_tokens or TokenPicker(loaded.model, settings, prompt_ids, 1).stops(new_tokens[-1])
     return Generation(
         tokens=new_tokens,
         input_tokens=len(prompt_ids),
         ttft_s=first - clock.start,
         decode_s=end - first,
+        stop_reason=StopReason.EOS if ended else StopReason.LENGTH,
     )
 
 

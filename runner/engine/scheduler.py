@@ -25,8 +25,9 @@ from dataclasses import dataclass, field
 import psutil
 import torch
 
-from jobs.config import PrefillMode, SummarizeConfig
+from jobs.config import LoopStopConfig, PrefillMode, SummarizeConfig
 from jobs.outcome import CacheStats
+from jobs.stopping import StopReason, repeated_tail
 from runner.engine.generation import Generation, TokenPicker, generate_once, prefill
 from runner.engine.kvcache import CacheHandle
 from runner.engine.models import LoadedModel
@@ -74,6 +75,7 @@ class _Sequence:
     position: int  # of the next token to feed
     started: float
     first_token_at: float
+    loop_stop: LoopStopConfig
     steps: int = 0
     rows_seen: int = 0  # sum over its decode steps of the rows in the step
 
@@ -81,8 +83,18 @@ class _Sequence:
     def request(self) -> PassRequest:
         return self.queued.request
 
+    def stop_reason(self) -> StopReason | None:
+        """Why the sequence ends after its latest token; None while it goes on."""
+        if self.picker.stops(self.tokens[-1]):
+            return StopReason.EOS
+        if repeated_tail(self.tokens, self.loop_stop):
+            return StopReason.REPETITION
+        if len(self.tokens) >= self.request.max_new_tokens:
+            return StopReason.LENGTH
+        return None
+
     def done(self) -> bool:
-        return len(self.tokens) >= self.request.max_new_tokens or self.picker.stops(self.tokens[-1])
+        return self.stop_reason() is not None
 
 
 class BatchScheduler:
@@ -181,7 +193,8 @@ class BatchScheduler:
                 self._fail(queued, e)
             return
         request.memory.prefill_done(memory_snapshot(self.loaded.device))
-        seq = _Sequence(queued, handle, picker, [first], len(request.prompt_ids), started, time.perf_counter())
+        seq = _Sequence(queued, handle, picker, [first], len(request.prompt_ids), started, time.perf_counter(),
+                        self.settings.loop_stop)
         if seq.done():
             self._finish(seq)
         else:
@@ -260,12 +273,14 @@ class BatchScheduler:
         seq.handle.close()
         now = time.perf_counter()
         seq.request.memory.decode_done(memory_snapshot(self.loaded.device))
+        reason = seq.stop_reason() or StopReason.LENGTH
         generation = Generation(
-            tokens=seq.tokens,
+            tokens=seq.tokens[: len(seq.tokens) - repeated_tail(seq.tokens, seq.loop_stop)],
             input_tokens=len(seq.request.prompt_ids),
             ttft_s=seq.first_token_at - seq.started,
             decode_s=now - seq.first_token_at,
             batch_size=seq.rows_seen / seq.steps if seq.steps else 1.0,
+            stop_reason=reason,
         )
         seq.queued.future.set_result(PassResult(generation, stats))
 

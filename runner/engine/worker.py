@@ -194,7 +194,8 @@ class SummaryWorker:
     def run(self, task_data: dict[str, Any], attempt: int, context_tokens: int) -> TaskOutcome:
         """Summarise one task; returns an outcome dict (never raises for an expected failure)."""
         started = time.perf_counter()
-        outcome = TaskOutcome(worker=self.name, model=self.loaded.name, fallbacks=[])
+        outcome = TaskOutcome(worker=self.name, model=self.loaded.name, quantization=self.loaded.quantization,
+                              fallbacks=[])
         try:
             request = self._request(Task(**task_data), attempt, context_tokens)
         except DocumentError as e:
@@ -329,6 +330,7 @@ def _done(rung: str, summary: Summary, totals: _CacheTotals) -> TaskOutcome:
         "output_tokens": summary.output_tokens,
         "chunks": summary.chunks,
         "cache_strategy": rung,
+        "stop_reason": summary.stop_reason,
         "ttft_s": summary.ttft_s,
         "decode_tokens_per_s": summary.decode_tokens_per_s,
         "prefill_s": sum(p.ttft_s for p in summary.passes),
