@@ -52,3 +52,14 @@ def repeated_ngram_share(tokens: Sequence[int], n: int = 4) -> float:
         repeated += gram in seen
         seen.add(gram)
     return repeated / len(grams) if grams else 0.0
+
+
+def loop_stopped(tokens: Sequence[int], rule: LoopStopConfig) -> tuple[list[int], bool]:
+    """What a sequence keeps when the loop stop watches it token by token (as the batched decode does),
+    and whether it stopped: for tokens generated without it, e.g. by a plain generate() call."""
+    tokens = list(tokens)
+    for end in range(1, len(tokens) + 1):
+        cut = repeated_tail(tokens[:end], rule)
+        if cut:
+            return tokens[: end - cut], True
+    return tokens, False
