@@ -69,7 +69,9 @@ def quantization_config(cfg: ModelConfig, dtype: torch.dtype) -> Any | None:
         if method == "bnb-8bit":
             # its matmul casts float32 inputs to float16 on every call and says so each time: expected here
             logging.getLogger("bitsandbytes.autograd._functions").setLevel(logging.ERROR)
-            return BitsAndBytesConfig(load_in_8bit=True)
+            # threshold 0: no outlier columns kept in float16. Those are chosen over every row of a matmul,
+            # so a batch-mate's activations would change a sequence's tokens; each row is quantized alone
+            return BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold=0.0)
         compute = dtype if cfg.quantization_compute_dtype == "auto" else getattr(torch, cfg.quantization_compute_dtype)
         return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute)
     from torchao.quantization import Int4WeightOnlyConfig, Int8WeightOnlyConfig

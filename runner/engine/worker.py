@@ -186,6 +186,8 @@ class SummaryWorker:
             "worker": self.name,
             "device": str(self.loaded.device),
             "model": self.loaded.name,
+            "quantization": self.loaded.quantization,
+            "weight_bytes": self.loaded.weight_bytes,
             "load_s": self.loaded.load_s,
             "swept_dirs": len(self.swept),
             "max_sequences": self.cfg.batch.sequences,
