@@ -74,7 +74,8 @@ def child(label: str, args: argparse.Namespace) -> dict:
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as scratch:
         futures = [scheduler.submit(PassRequest(
-            p, args.new_tokens, make_cache=lambda: build_cache("dynamic", loaded.model, CacheConfig(), Path(scratch), None),
+            p, args.new_tokens,
+            make_cache=lambda: build_cache("dynamic", loaded.model, CacheConfig(), Path(scratch), None),
             device_bytes=0, memory=StageMemory())) for p in prompts]
         passes = [f.result().generation for f in futures]
     wall = time.perf_counter() - started

@@ -66,7 +66,8 @@ def _scheduled(loaded, strategy: str, width: int, prompts: list[list[int]], fold
     scheduler = BatchScheduler(loaded, settings, "auto", width, 1 << 40, _is_memory_error)
     try:
         futures = [scheduler.submit(PassRequest(
-            p, n, make_cache=lambda i=i: build_cache(strategy, model, cfg, folder / f"{strategy}-{width}-{i}", None, None),
+            p, n,
+            make_cache=lambda i=i: build_cache(strategy, model, cfg, folder / f"{strategy}-{width}-{i}", None, None),
             device_bytes=kv_bytes(kv_shape(model.config), len(p) + n), memory=StageMemory(),
         )) for i, (p, n) in enumerate(zip(prompts, NEW))]
         got = [f.result(timeout=300).generation.tokens for f in futures]
