@@ -84,3 +84,40 @@ def test_repeated_ngram_share() -> None:
 def test_bad_loop_stop_settings_name_the_key(loop_stop, key) -> None:
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         config_from_dict({"summarize": {"loop_stop": loop_stop}})
+
+
+def test_the_batched_decode_stops_a_looping_sequence_at_its_third_copy(tmp_path) -> None:
+    """A random model that loops (its 20-token prompt repeats one token): the worker's scheduler ends the
+    sequence there with stop_reason repetition, before max_new_tokens, and keeps what generate() wrote up to
+    the loop's first copy; with the loop stop off it runs to max_new_tokens with generate()'s tokens."""
+    import torch
+    from test_kvcache import _model, _prompt
+    from transformers import AutoTokenizer
+
+    from jobs.config import CacheConfig, SummarizeConfig
+    from jobs.stopping import StopReason, loop_stopped
+    from runner.engine.kvcache import build_cache
+    from runner.engine.models import LoadedModel, _smollm2_tokenizer_dir
+    from runner.engine.scheduler import BatchScheduler, PassRequest
+    from runner.engine.worker import _is_memory_error
+
+    model = _model("gemma2-alternating")
+    prompt, new = _prompt(20)[0].tolist(), 60
+    with torch.no_grad():
+        plain = model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False)[0, len(prompt):].tolist()
+    kept, looped = loop_stopped(plain, RULE)
+    assert looped and len(kept) < new - 10, plain  # the model really loops, early
+    loaded = LoadedModel(model=model, tokenizer=AutoTokenizer.from_pretrained(str(_smollm2_tokenizer_dir())),
+                         name="tiny", device=torch.device("cpu"), dtype=torch.float32, load_s=0.0)
+    results = {}
+    for enabled in (True, False):
+        settings = SummarizeConfig(loop_stop={"enabled": enabled})
+        scheduler = BatchScheduler(loaded, settings, "auto", 1, 1 << 40, _is_memory_error)
+        try:
+            request = PassRequest(prompt, new, device_bytes=0,
+                                  make_cache=lambda: build_cache("dynamic", model, CacheConfig(), tmp_path, None))
+            results[enabled] = scheduler.submit(request).result(timeout=120).generation
+        finally:
+            scheduler.close()
+    assert results[True].tokens == kept and results[True].stop_reason == StopReason.REPETITION
+    assert results[False].tokens == plain and results[False].stop_reason == StopReason.LENGTH
