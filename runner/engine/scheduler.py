@@ -29,8 +29,9 @@ import psutil
 import torch
 
 from jobs.batch_limit import GROW_BACK_STEPS, BatchLimit
-from jobs.config import PrefillMode, SummarizeConfig
+from jobs.config import LoopStopConfig, PrefillMode, SummarizeConfig
 from jobs.outcome import CacheStats
+from jobs.stopping import StopReason, repeated_tail
 from runner.engine.generation import Generation, TokenPicker, generate_once, prefill
 from runner.engine.kvcache import CacheHandle
 from runner.engine.models import LoadedModel
@@ -98,6 +99,7 @@ class _Sequence:
     position: int  # of the next token to feed
     started: float
     first_token_at: float
+    loop_stop: LoopStopConfig
     steps: int = 0
     rows_seen: int = 0  # sum over its decode steps of the rows in the step
 
@@ -105,8 +107,16 @@ class _Sequence:
     def request(self) -> PassRequest:
         return self.queued.request
 
+    def stop_reason(self) -> StopReason | None:
+        """Why the sequence ends after its latest token; None while it goes on."""
+        if self.picker.done:  # generate()'s own stopping criteria
+            return self.picker.stop_reason(self.tokens)
+        if repeated_tail(self.tokens, self.loop_stop):
+            return StopReason.REPETITION
+        return None
+
     def done(self) -> bool:
-        return self.picker.done
+        return self.stop_reason() is not None
 
 
 class BatchScheduler:
@@ -253,7 +263,8 @@ class BatchScheduler:
             else:
                 self._fail(queued, e)
             return
-        seq = _Sequence(queued, handle, picker, [first], len(request.prompt_ids), started, time.perf_counter())
+        seq = _Sequence(queued, handle, picker, [first], len(request.prompt_ids), started, time.perf_counter(),
+                        self.settings.loop_stop)
         try:
             request.memory.prefill_done(memory_snapshot(self.loaded.device))
             if seq.done():
@@ -344,12 +355,14 @@ class BatchScheduler:
             seq.handle.close()
         now = time.perf_counter()
         seq.request.memory.decode_done(memory_snapshot(self.loaded.device))
+        reason = seq.stop_reason() or StopReason.LENGTH
         generation = Generation(
-            tokens=seq.tokens,
+            tokens=seq.tokens[: len(seq.tokens) - repeated_tail(seq.tokens, seq.loop_stop)],
             input_tokens=len(seq.request.prompt_ids),
             ttft_s=seq.first_token_at - seq.started,
             decode_s=now - seq.first_token_at,
             batch_size=seq.rows_seen / seq.steps if seq.steps else 1.0,
+            stop_reason=reason,
         )
         seq.queued.future.set_result(PassResult(generation, stats))
 

@@ -36,6 +36,8 @@ class Summary:
     output_tokens: int
     chunks: int
     passes: list[Generation] = field(default_factory=list)
+    stop_reason: str = ""
+    """Why the pass that wrote the summary ended (jobs.stopping.StopReason)."""
 
     @property
     def ttft_s(self) -> float:
@@ -103,17 +105,17 @@ class Summarizer:
         chunks = plan_chunks(text, encoded["offset_mapping"], budget, self.overlap_tokens)
         summary = Summary(text="", input_tokens=len(encoded["input_ids"]), output_tokens=0, chunks=len(chunks))
 
-        def summarise(documents: list[str]) -> list[tuple[str, int]]:
+        def summarise(documents: list[str]) -> list[tuple[str, int, str]]:
             generations = generate([self.prompt_ids(instruction, d) for d in documents], max_new_tokens)
             summary.passes.extend(generations)
-            return [(self._decode(g.tokens), g.output_tokens) for g in generations]
+            return [(self._decode(g.tokens), g.output_tokens, g.stop_reason) for g in generations]
 
         parts = summarise([chunk.text for chunk in chunks])
         separator_tokens = len(self._encode(SUMMARY_SEPARATOR)["input_ids"])
         while len(parts) > 1:
-            counts = [len(self._encode(p)["input_ids"]) for p, _ in parts]
+            counts = [len(self._encode(p)["input_ids"]) for p, _, _ in parts]
             groups = group_for_merge(counts, budget, separator_tokens)
             merged = iter(summarise([SUMMARY_SEPARATOR.join(parts[i][0] for i in g) for g in groups if len(g) > 1]))
             parts = [parts[g.start] if len(g) == 1 else next(merged) for g in groups]
-        summary.text, summary.output_tokens = parts[0]
+        summary.text, summary.output_tokens, summary.stop_reason = parts[0]
         return summary

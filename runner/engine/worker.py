@@ -219,6 +219,8 @@ class SummaryWorker:
             "worker": self.name,
             "device": str(self.loaded.device),
             "model": self.loaded.name,
+            "quantization": self.loaded.quantization,
+            "weight_bytes": self.loaded.weight_bytes,
             "load_s": self.loaded.load_s,
             "swept_dirs": len(self.swept),
             "max_sequences": self.cfg.batch.sequences,
@@ -237,7 +239,8 @@ class SummaryWorker:
         """Summarise one task; returns an outcome dict (never raises for an expected failure).
         `call_id` names the call for `running_s`."""
         started = time.perf_counter()
-        outcome = TaskOutcome(worker=self.name, model=self.loaded.name, fallbacks=[])
+        outcome = TaskOutcome(worker=self.name, model=self.loaded.name, quantization=self.loaded.quantization,
+                              fallbacks=[])
         try:
             request = self._request(Task(**task_data), attempt, context_tokens)
         except DocumentError as e:
@@ -380,6 +383,7 @@ def _done(rung: str, summary: Summary, totals: _CacheTotals) -> TaskOutcome:
         "output_tokens": summary.output_tokens,
         "chunks": summary.chunks,
         "cache_strategy": rung,
+        "stop_reason": summary.stop_reason,
         "ttft_s": summary.ttft_s,
         "decode_tokens_per_s": summary.decode_tokens_per_s,
         "prefill_s": sum(p.ttft_s for p in summary.passes),

@@ -57,6 +57,11 @@ def _fallback_kinds(fallbacks: list[list[str] | None]) -> dict[str, int]:
     return dict(Counter(note.split(":", 1)[0] for notes in fallbacks for note in notes or []))
 
 
+def _column_counts(rows: pa.Table, column: str) -> dict[str, int]:
+    """How many rows hold each value of `column` (none of them in parts written before it existed)."""
+    return dict(Counter(v for v in rows[column].to_pylist() if v)) if column in rows.schema.names else {}
+
+
 def _batch_occupancy(done_rows: pa.Table) -> dict[str, float | None]:
     """Mean sequences sharing a document's decode steps, and the padded share of them (older parts: null)."""
     def mean(column: str) -> float | None:
@@ -128,6 +133,8 @@ def job_status(job_dir: Where, slowest: int = 5) -> dict[str, Any]:
         "output_tokens": pc.sum(done_rows["output_tokens"]).as_py() or 0,
         "eta_s": eta,
         "strategies": dict(Counter(s for s in done_rows["cache_strategy"].to_pylist() if s)),
+        "quantization": _column_counts(done_rows, "quantization"),
+        "stop_reasons": _column_counts(done_rows, "stop_reason"),
         "batch": _batch_occupancy(done_rows),
         "fallbacks": {"tasks": sum(1 for fs in fallback_lists if fs),
                       "total": sum(len(fs or []) for fs in fallback_lists),
@@ -162,6 +169,12 @@ def print_status(status: dict[str, Any], console: Console) -> None:
                       f"{batch['padding_share']:.0%} padding", highlight=False, soft_wrap=True)
     if status["strategies"]:
         console.print("cache strategies: " + ", ".join(f"{k} {v}" for k, v in status["strategies"].items()),
+                      highlight=False, soft_wrap=True)
+    if status["quantization"]:
+        console.print("weights: " + ", ".join(f"{k} {v}" for k, v in status["quantization"].items()),
+                      highlight=False, soft_wrap=True)
+    if status["stop_reasons"]:
+        console.print("summaries ended by: " + ", ".join(f"{k} {v}" for k, v in status["stop_reasons"].items()),
                       highlight=False, soft_wrap=True)
     if status["running"]:
         table = Table("running", "attempt", "for", "context")

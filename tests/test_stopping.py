@@ -1,0 +1,123 @@
+"""The loop stop's detection (jobs/stopping.py): explicit cases and properties, and its settings."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from jobs.config import ConfigError, LoopStopConfig, config_from_dict
+from jobs.stopping import repeated_ngram_share, repeated_tail
+
+RULE = LoopStopConfig(ngram=4, repeats=3, max_period=64)
+
+
+def test_a_sentence_repeated_three_times_keeps_it_once() -> None:
+    sentence = list(range(100, 118))  # 18 tokens, like "The work is a work of a creator ..."
+    tokens = [1, 2, 3, *sentence * 3]
+    assert repeated_tail(tokens, RULE) == 2 * len(sentence)
+    assert tokens[: len(tokens) - repeated_tail(tokens, RULE)] == [1, 2, 3, *sentence]
+
+
+def test_two_copies_are_not_a_loop_yet() -> None:
+    sentence = list(range(100, 118))
+    assert repeated_tail([1, 2, 3, *sentence * 2], RULE) == 0
+
+
+def test_a_repeated_word_is_caught_once_it_spans_repeats_times_ngram_tokens() -> None:
+    assert repeated_tail([7, 8, *[5] * 11], RULE) == 0
+    assert repeated_tail([7, 8, *[5] * 12], RULE) == 8  # period 4 (a multiple of 1): 4 tokens kept
+
+
+def test_the_shortest_period_wins() -> None:
+    unit = [1, 2, 3, 4, 5]
+    assert repeated_tail(unit * 6, RULE) == 10  # period 5, not 10 or 15
+
+
+def test_a_period_above_max_period_or_below_ngram_is_not_looked_for() -> None:
+    long_unit = list(range(70))
+    assert repeated_tail(long_unit * 3, RULE) == 0
+    assert repeated_tail([9, *[1, 2] * 5], LoopStopConfig(ngram=4, repeats=3)) == 0  # 10 tokens < 3 x 4
+
+
+def test_off_never_cuts() -> None:
+    assert repeated_tail([5] * 50, LoopStopConfig(enabled=False)) == 0
+
+
+def test_too_short_or_empty_sequences_are_no_loop() -> None:
+    assert repeated_tail([], RULE) == 0
+    assert repeated_tail([1, 2, 3], RULE) == 0
+
+
+@given(st.lists(st.integers(0, 5), min_size=1, max_size=20), st.integers(4, 20), st.integers(2, 5),
+       st.lists(st.integers(0, 5), max_size=10))
+def test_any_block_repeated_at_the_end_is_cut_to_one_copy(block, period, repeats, prefix) -> None:
+    unit = (block * period)[:period]  # `period` tokens
+    tokens = prefix + unit * repeats
+    rule = LoopStopConfig(ngram=4, repeats=repeats, max_period=64)
+    cut = repeated_tail(tokens, rule)
+    assert 0 < cut <= period * (repeats - 1)
+    kept = tokens[: len(tokens) - cut]
+    # what is cut is copies of what is kept just before it: the text the reader loses was already there
+    shortest = cut // (repeats - 1)
+    assert tokens[len(tokens) - cut :] == kept[len(kept) - shortest :] * (repeats - 1)
+
+
+@given(st.lists(st.integers(0, 1000), unique=True, max_size=200))
+def test_a_sequence_without_repeated_tokens_is_never_cut(tokens) -> None:
+    assert repeated_tail(tokens, RULE) == 0
+    assert repeated_ngram_share(tokens) == 0.0
+
+
+def test_repeated_ngram_share() -> None:
+    assert repeated_ngram_share([1, 2, 3, 4, 5]) == 0.0
+    assert repeated_ngram_share([1, 2, 3, 4] * 3) == pytest.approx(5 / 9)  # 4 distinct of 9
+    assert repeated_ngram_share([1, 2]) == 0.0
+
+
+@pytest.mark.parametrize("loop_stop, key", [
+    ({"repeats": 1}, "summarize.loop_stop.repeats"),
+    ({"ngram": 0}, "summarize.loop_stop.ngram"),
+    ({"ngram": 8, "max_period": 4}, "summarize.loop_stop"),
+    ({"window": 3}, "summarize.loop_stop.window"),
+])
+def test_bad_loop_stop_settings_name_the_key(loop_stop, key) -> None:
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        config_from_dict({"summarize": {"loop_stop": loop_stop}})
+
+
+def test_the_batched_decode_stops_a_looping_sequence_at_its_third_copy(tmp_path) -> None:
+    """A random model that loops (its 20-token prompt repeats one token): the worker's scheduler ends the
+    sequence there with stop_reason repetition, before max_new_tokens, and keeps what generate() wrote up to
+    the loop's first copy; with the loop stop off it runs to max_new_tokens with generate()'s tokens."""
+    import torch
+    from test_kvcache import _model, _prompt
+    from transformers import AutoTokenizer
+
+    from jobs.config import CacheConfig, SummarizeConfig
+    from jobs.stopping import StopReason, loop_stopped
+    from runner.engine.kvcache import build_cache
+    from runner.engine.models import LoadedModel, _smollm2_tokenizer_dir
+    from runner.engine.scheduler import BatchScheduler, PassRequest
+    from runner.engine.worker import _is_memory_error
+
+    model = _model("gemma2-alternating")
+    prompt, new = _prompt(20)[0].tolist(), 60
+    with torch.no_grad():
+        plain = model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False)[0, len(prompt):].tolist()
+    kept, looped = loop_stopped(plain, RULE)
+    assert looped and len(kept) < new - 10, plain  # the model really loops, early
+    loaded = LoadedModel(model=model, tokenizer=AutoTokenizer.from_pretrained(str(_smollm2_tokenizer_dir())),
+                         name="tiny", device=torch.device("cpu"), dtype=torch.float32, load_s=0.0)
+    results = {}
+    for enabled in (True, False):
+        settings = SummarizeConfig(loop_stop={"enabled": enabled})
+        scheduler = BatchScheduler(loaded, settings, "auto", 1, 1 << 40, _is_memory_error)
+        try:
+            request = PassRequest(prompt, new, device_bytes=0,
+                                  make_cache=lambda: build_cache("dynamic", model, CacheConfig(), tmp_path, None))
+            results[enabled] = scheduler.submit(request).result(timeout=120).generation
+        finally:
+            scheduler.close()
+    assert results[True].tokens == kept and results[True].stop_reason == StopReason.REPETITION
+    assert results[False].tokens == plain and results[False].stop_reason == StopReason.LENGTH
