@@ -17,7 +17,7 @@ from test_batching import BIG, LENGTHS, _alone, _loaded, _run, tokenizer  # noqa
 from test_kvcache import _model, _one_torch_thread, _prompt  # noqa: F401 - the fixture applies here too
 
 from jobs.batch_limit import GROW_BACK_STEPS, MAX_GROW_BACK_STEPS, BatchLimit
-from jobs.config import SummarizeConfig
+from jobs.config import LoopStopConfig, SummarizeConfig
 from jobs.kvplan import kv_bytes
 from runner.engine.kvcache import ResidentMeter, kv_shape
 from runner.engine.scheduler import BatchScheduler
@@ -69,7 +69,9 @@ def test_a_split_batch_grows_back_when_memory_is_there_again(tokenizer, tmp_path
     new = [2 * GROW_BACK_STEPS + 40] * 4
     full = kv_bytes(kv_shape(model.config), max(LENGTHS[:4]) + new[0])
     pool = ResidentMeter(int(2.5 * full), "the batch's resident device", "cache.device_kv_budget_bytes")
-    scheduler = BatchScheduler(_loaded(model, tokenizer), SummarizeConfig(), "auto", 4, BIG, _is_memory_error)
+    no_loop_stop = LoopStopConfig(enabled=False)  # the random model loops: every sequence runs its full length
+    scheduler = BatchScheduler(_loaded(model, tokenizer), SummarizeConfig(loop_stop=no_loop_stop), "auto", 4, BIG,
+                               _is_memory_error)
 
     limit_after_split: list[int] = []
 
@@ -91,4 +93,4 @@ def test_a_split_batch_grows_back_when_memory_is_there_again(tokenizer, tmp_path
     assert scheduler.max_sequences == 4
     # the two that waited for room joined the first two once the limit was back at 4
     assert min(g.batch_size for g in got[2:]) > 2, [g.batch_size for g in got]
-    assert [g.tokens for g in got] == [_alone(model, p, n) for p, n in zip(prompts, new)]
+    assert [g.tokens for g in got] == [_alone(model, p, n, no_loop_stop) for p, n in zip(prompts, new)]

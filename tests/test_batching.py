@@ -41,12 +41,13 @@ def _loaded(model: PreTrainedModel, tokenizer) -> LoadedModel:
                        dtype=torch.float32, load_s=0.0)
 
 
-def _alone(model: PreTrainedModel, prompt: list[int], new: int) -> list[int]:
-    """generate()'s tokens, cut where the default loop stop would have ended them (random models loop)."""
+def _alone(model: PreTrainedModel, prompt: list[int], new: int, rule: LoopStopConfig | None = None) -> list[int]:
+    """generate()'s tokens, cut where the loop stop (the default one unless `rule`) would have ended
+    them (random models loop)."""
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False,
                              past_key_values=DynamicCache(config=model.config))
-    return loop_stopped(out[0, len(prompt):].tolist(), LoopStopConfig())[0]
+    return loop_stopped(out[0, len(prompt):].tolist(), rule or LoopStopConfig())[0]
 
 
 def _run(scheduler: BatchScheduler, model: PreTrainedModel, strategy: str, tmp_path: Path,
