@@ -132,6 +132,9 @@ class BatchConfig(_Section):
     # sequences (documents, map chunks, merge passes) sharing a worker's decode steps; the worker also
     # keeps that many tasks in flight, and admits a sequence only while the batch's KV fits the budget
     max_sequences: int | Literal["auto"] = "auto"
+    # how a decode step attends: one call per layer over the worker's KV pool (device-resident rows),
+    # or each row over its own cache; auto picks by device (jobs/attention.py)
+    attention: Literal["auto", "pooled", "per-row"] = "auto"
 
     @field_validator("max_sequences")
     @classmethod

@@ -161,8 +161,8 @@ class BatchScheduler:
         started = time.perf_counter()
         try:
             handle = request.make_cache()
-        except Exception as e:  # noqa: BLE001 - the task's error, e.g. no room on the offload disk
-            self._fail(queued, e)
+        except Exception as e:  # noqa: BLE001 - the task's error (no room on the offload disk), or a full KV pool
+            self._wait_or_fail(queued, e)
             return
         cache = handle.generate_kwargs.get("past_key_values")
         if cache is None:  # transformers' own cache_implementation: generate() runs it, alone
@@ -174,11 +174,7 @@ class BatchScheduler:
             first = picker.pick(logits)
         except Exception as e:  # noqa: BLE001 - sorted out just below
             handle.close()
-            if self.is_memory_error(e) and self._active:  # no room beside the batch: wait for a smaller one
-                self.max_sequences = max(1, len(self._active))
-                self._requeue([queued])
-            else:
-                self._fail(queued, e)
+            self._wait_or_fail(queued, e)
             return
         request.memory.prefill_done(memory_snapshot(self.loaded.device))
         seq = _Sequence(queued, handle, picker, [first], len(request.prompt_ids), started, time.perf_counter())
@@ -186,6 +182,14 @@ class BatchScheduler:
             self._finish(seq)
         else:
             self._active.append(seq)
+
+    def _wait_or_fail(self, queued: _Queued, error: BaseException) -> None:
+        """A memory error beside the batch waits for a smaller one; any other error is the task's."""
+        if self.is_memory_error(error) and self._active:
+            self.max_sequences = max(1, len(self._active))
+            self._requeue([queued])
+        else:
+            self._fail(queued, error)
 
     def _run_whole(self, queued: _Queued, handle: CacheHandle, started: float) -> None:
         request = queued.request

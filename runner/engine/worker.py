@@ -27,6 +27,7 @@ import psutil
 import torch
 
 from jobs.chunking import ContextTooSmallError
+from jobs.attention import attention_path
 from jobs.config import JobConfig
 from jobs.documents import DocumentError, load_task_text
 from jobs.faults import FaultRule, fault_for
@@ -44,6 +45,7 @@ from jobs.rungs import RUNGS
 from jobs.task import Task
 from runner.engine.generation import Generation
 from runner.engine.kvcache import ResidentMeter, build_cache, kv_shape, resolve_budgets
+from runner.engine.kvpool import KVPool
 from runner.engine.models import load_model
 from runner.engine.probes import StageMemory, memory_snapshot
 from runner.engine.scheduler import BatchScheduler, PassRequest
@@ -178,6 +180,10 @@ class SummaryWorker:
         self.device_budget, self.host_budget = resolve_budgets(self.cfg.cache, self.loaded.device)
         # one meter of the device for every cache of the sequences batched here
         self.device_pool = ResidentMeter(self.device_budget, "the batch's resident device", "cache.device_kv_budget_bytes")
+        self.attention = attention_path(self.cfg.batch.attention, self.loaded.device.type,
+                                        any(window is not None for window in self.kv_shape.layer_windows))
+        self.kv_pool = (KVPool.for_model(self.loaded.model.config, self.loaded.dtype, self.loaded.device, self.device_pool)
+                        if self.attention == "pooled" else None)
         self.scheduler = BatchScheduler(self.loaded, self.cfg.summarize, self.cfg.cache.prefill,
                                         self.cfg.batch.sequences, self.device_budget, _is_memory_error)
 
@@ -189,6 +195,7 @@ class SummaryWorker:
             "load_s": self.loaded.load_s,
             "swept_dirs": len(self.swept),
             "max_sequences": self.cfg.batch.sequences,
+            "attention": self.attention,
         }
 
     def run(self, task_data: dict[str, Any], attempt: int, context_tokens: int) -> TaskOutcome:
@@ -288,7 +295,8 @@ class SummaryWorker:
                     prompt_ids, max_new,
                     make_cache=lambda: build_cache(rung, self.loaded.model, self.cfg.cache, pass_dir,
                                                    self.device_budget, self.host_budget, placement,
-                                                   expected_tokens=tokens, device_pool=self.device_pool),
+                                                   expected_tokens=tokens, device_pool=self.device_pool,
+                                                   kv_pool=self.kv_pool),
                     device_bytes=device_kv_bytes(self.kv_shape, rung, tokens, placement),
                     memory=memory,
                 )
