@@ -7,10 +7,14 @@ attended in one call, the scheduler's largest batch), so none passes by running 
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import LICENSES, TINY_CONFIG
 from test_batching import BIG, LENGTHS, NEW, _alone, _loaded, tokenizer  # noqa: F401 - the fixture applies here
 from test_kvcache import _model, _one_torch_thread, _prompt  # noqa: F401 - the fixture applies here too
 from transformers import PreTrainedModel
@@ -18,11 +22,12 @@ from transformers import PreTrainedModel
 from jobs.attention import attention_path
 from jobs.config import CacheConfig, ConfigError, SummarizeConfig, load_config
 from jobs.kvplan import kv_bytes
+from jobs.task import Task
 from runner.engine.kvcache import KVBudgetExceeded, ResidentMeter, build_cache, kv_shape
 from runner.engine.kvpool import KVPool
 from runner.engine.probes import StageMemory
 from runner.engine.scheduler import BatchScheduler, PassRequest
-from runner.engine.worker import _is_memory_error
+from runner.engine.worker import SummaryWorker, _is_memory_error
 
 
 def _pool(model: PreTrainedModel, budget: int | None = None) -> KVPool:
@@ -143,3 +148,35 @@ def test_batch_attention_is_validated_and_auto_chooses_by_device() -> None:
     assert attention_path("auto", "cpu", windowed_layers=False) == "per-row"
     assert attention_path("pooled", "cpu", windowed_layers=False) == "pooled"
     assert attention_path("pooled", "cuda", windowed_layers=True) == "per-row"  # the pool holds full attention only
+
+
+def _task(i: int, name: str) -> Task:
+    text = (LICENSES / name).read_text()[:3000]
+    return Task(task_id=f"t{i:06d}", doc_id=f"doc-{i}", source_type="text", source=text, n_chars=len(text),
+                n_bytes=len(text.encode()), sha256=hashlib.sha256(text.encode()).hexdigest(), overrides={}, meta={})
+
+
+def _summaries(worker: SummaryWorker, tasks: list[Task]) -> list[dict]:
+    """The tasks run at once (as the worker's Ray actor runs them, one thread each)."""
+    with ThreadPoolExecutor(len(tasks)) as threads:
+        return list(threads.map(lambda task: worker.run(dataclasses.asdict(task), 1, 1024), tasks))
+
+
+def test_a_worker_on_the_pooled_path_summarises_as_the_per_row_path_does(tmp_path: Path) -> None:
+    tasks = [_task(i, name) for i, name in enumerate(["BSD", "GPL-2", "Apache-2.0", "MPL-2.0"])]
+    outcomes = {}
+    for path in ("pooled", "per-row"):
+        config = load_config(TINY_CONFIG, [f"batch.attention={path}", "cache.strategy=dynamic"])
+        worker = SummaryWorker(config.model_dump(mode="json"), "job", str(tmp_path / path), threads=1)
+        try:
+            outcomes[path] = _summaries(worker, tasks)
+        finally:
+            worker.scheduler.close()
+        assert worker.info()["attention"] == path
+        if path == "pooled":
+            assert worker.kv_pool is not None and worker.kv_pool.most_rows >= 2 and worker.device_pool.total == 0
+        else:
+            assert worker.kv_pool is None
+    assert all(o["status"] == "done" for o in outcomes["pooled"]), outcomes["pooled"]
+    assert [o["summary"] for o in outcomes["pooled"]] == [o["summary"] for o in outcomes["per-row"]]
+

@@ -3,13 +3,15 @@
 One thread owns the model. Each sequence (a single-pass document, a map chunk, a merge pass) is
 prefilled on its own, into its own cache, and then joins the decoding batch; every decode step runs
 all joined sequences in one forward pass (runner/engine/ragged.py: shared weight matmuls, attention
-per sequence, no padding), and a finished sequence leaves at once, freeing its slot for the next.
+per sequence, no padding; the sequences whose caches are slots of the worker's KV pool attend as one
+group), and a finished sequence leaves at once, freeing its slot for the next.
 
 Admission keeps the batch within `batch.max_sequences` and the device budget: the sum of the joined
 sequences' device KV (each at its full length, prompt + new tokens) must fit. A memory error in a
 step with several sequences splits the batch (every sequence of it starts again, at most half as
 many at a time from then on) before any task is told, so only a sequence that runs out of memory
-alone moves its task down the cache ladder. Any other error in one sequence's cache fails that
+alone moves its task down the cache ladder; a cache that cannot be made beside the batch for lack of
+memory (a full KV pool) waits for a smaller batch the same way. Any other error in one sequence's cache fails that
 sequence only.
 """
 
