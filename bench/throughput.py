@@ -316,8 +316,8 @@ def decode_section(loaded: LoadedModel, args: argparse.Namespace) -> dict:
     print("\n`plain`: model.generate one prompt at a time (transformers' default cache), prefill excluded;"
           "\n`x per-row`: against the per-row attention path at the same batch")
     if all((3000, width, "per-row") in rates for width in (1, 8)):
-        print("\nwhere a decode step's time goes at 3,000-token prompts (step: the table's rate; weights and attention:\n"
-              "torch profiler, self CPU time per step; other: the rest of the step):")
+        print("\nwhere a decode step's time goes at 3,000-token prompts (step: the table's rate; weights and "
+              "attention:\ntorch profiler, self CPU time per step; other: the rest of the step):")
         print(f"{'batch':>5} {'step ms':>8} {'weights ms':>10} {'attention ms':>12} {'other ms':>8} {'KV read MB':>10} "
               f"{'attention GB/s':>14}")
         long_prompts = [pool[i * 997 % (len(pool) - 3000):][:3000] for i in range(8)]

@@ -23,6 +23,7 @@ class PooledStep:
     """`caches` are the step's pooled rows, in the step's row order (ascending slots)."""
 
     def __init__(self, pool: KVPool, caches: Sequence[PooledCache]) -> None:
+        assert all(cache.pool is pool for cache in caches), "a step's pooled rows are slots of one pool"
         self.pool = pool
         self.caches = list(caches)
         self.count = len(caches)
@@ -52,8 +53,8 @@ class PooledStep:
         pool_values[self.slots, :, self.positions] = values[:, :, 0]
         return pool_keys[: self.live, :, : self.span], pool_values[: self.live, :, : self.span]
 
-    def attend(self, inner: Callable[..., Any], module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
-               value: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    def attend(self, inner: Callable[..., Any], module: torch.nn.Module, query: torch.Tensor,
+               key: torch.Tensor | None, value: torch.Tensor | None, **kwargs: Any) -> torch.Tensor:
         """One call of the model's attention over the live slots; the rows' outputs, in row order."""
         if not self.packed:
             query = query.new_zeros((self.live, *query.shape[1:])).index_copy_(0, self.slots, query)

@@ -92,7 +92,7 @@ def ragged_attention(
     """The pooled rows in one call, each other row against its own keys, with the model's own attention."""
     inner = _inner_function(module, module.config._kvbatch_inner_attention)
     outputs, first = [], 0
-    if key.step is not None and key.pooled is not None and value.pooled is not None:
+    if key.step is not None:  # the pooled rows' `pooled` views are set with their step
         first = key.step.count
         outputs.append(key.step.attend(inner, module, query[:first], key.pooled, value.pooled, **kwargs))
     outputs += [inner(module, query[row : row + 1], k, v, None, **kwargs)[0]

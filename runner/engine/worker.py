@@ -182,8 +182,8 @@ class SummaryWorker:
         self.device_pool = ResidentMeter(self.device_budget, "the batch's resident device", "cache.device_kv_budget_bytes")
         self.attention = attention_path(self.cfg.batch.attention, self.loaded.device.type,
                                         any(window is not None for window in self.kv_shape.layer_windows))
-        self.kv_pool = (KVPool.for_model(self.loaded.model.config, self.loaded.dtype, self.loaded.device, self.device_pool)
-                        if self.attention == "pooled" else None)
+        self.kv_pool = (KVPool.for_model(self.loaded.model.config, self.loaded.dtype, self.loaded.device,
+                                         self.device_pool) if self.attention == "pooled" else None)
         self.scheduler = BatchScheduler(self.loaded, self.cfg.summarize, self.cfg.cache.prefill,
                                         self.cfg.batch.sequences, self.device_budget, _is_memory_error)
 
