@@ -148,6 +148,8 @@ def test_batch_attention_is_validated_and_auto_chooses_by_device() -> None:
     assert attention_path("auto", "cpu", windowed_layers=False) == "per-row"
     assert attention_path("pooled", "cpu", windowed_layers=False) == "pooled"
     assert attention_path("pooled", "cuda", windowed_layers=True) == "per-row"  # the pool holds full attention only
+    with pytest.raises(ValueError, match="full-attention layers only"):
+        _pool(_model("mistral-sliding"))
 
 
 def _task(i: int, name: str) -> Task:

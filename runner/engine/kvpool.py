@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 from transformers import PretrainedConfig
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache, DynamicLayer, get_layer_types_and_kwargs
 
 from runner.engine.kvcache.budget import KVBudgetExceeded, ResidentMeter
 from runner.engine.kvcache.resident import GRANULE_TOKENS, GROWTH
@@ -52,6 +52,9 @@ class KVPool:
     def for_model(cls, config: PretrainedConfig, dtype: torch.dtype, device: torch.device,
                   meter: ResidentMeter) -> "KVPool":
         text = config.get_text_config(decoder=True)
+        layer_types, _ = get_layer_types_and_kwargs(text)
+        if any(kind != "full_attention" for kind in layer_types):
+            raise ValueError(f"the KV pool keeps full-attention layers only; this model has {sorted(set(layer_types))}")
         heads = text.num_attention_heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
         kv_heads = getattr(text, "num_key_value_heads", None) or heads
