@@ -1,10 +1,12 @@
 """Which decode-step attention a worker runs (`batch.attention`), as a plain function.
 
-`auto` follows the measured table in docs/benchmarks.md ("Pooled or per-row attention"): on CUDA the
-pooled step (one K/V write and one attention call per layer for every device-resident row: a step's
-kernel launches stop growing with the batch); on the CPU the per-row step, which attends each row's
-cache in place and measured faster there. The pool only holds full-attention layers, so a model with
-sliding-window layers runs per row whatever the setting.
+`auto` follows the measured table in docs/benchmarks.md ("Pooled or per-row attention on the CPU"
+and "Step ops"): on CUDA the pooled step, whose kernel launches per step do not grow with the batch;
+on the CPU the per-row step, which attends each row's own cache in place. On the CPU the pooled step
+measured no slower at equal prompt lengths, but it attends every row up to the longest row's length
+(the pool pads), which a real mix of document lengths pays for and which has not been measured yet.
+The pool only holds full-attention layers, so a model with sliding-window layers runs per row
+whatever the setting.
 """
 
 from __future__ import annotations
