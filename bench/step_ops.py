@@ -9,7 +9,8 @@ only make or describe a tensor without touching its data (`METADATA_OPS`): on a 
 is at least one kernel launch (or a copy). Host ms is the step's wall time on the CPU, so it
 includes the kernels' own work there (attention over every row's KV grows with the rows on a CPU;
 on a GPU it is the part that runs asynchronously); prompts are short (`PROMPT_TOKENS`) so that part
-stays small.
+stays small. `compute ms` is the part of a step spent in the matmul and attention kernels (torch
+profiler, one step), `other ms` the rest of the host time: the host work a GPU would not hide.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from runner.engine.kvcache import BudgetedDynamicCache, ResidentMeter, TieredCac
 from runner.engine.kvpool import KVPool, PooledCache
 from runner.engine.ragged import decode_step
 
+COMPUTE_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_scaled_dot_product")
+"""The kernels whose CPU time is the step's device work (weight matmuls, attention), by name prefix."""
 METADATA_OPS = {"empty", "empty_strided", "empty_like", "lift_fresh", "detach", "alias", "size", "stride",
                 "sym_size", "sym_stride", "sym_numel", "is_same_size", "_local_scalar_dense_meta"}
 ROWS = (1, 8, 32)
@@ -102,6 +105,12 @@ class _Case:
         assert self.pool is None or self.pool.most_rows == self.rows, "the pooled path did not run"
         return counter
 
+    def compute_ms(self) -> float:
+        """The self CPU time of the step's matmul and attention kernels (torch profiler, one step)."""
+        with torch.profiler.profile() as prof:
+            self.step()
+        return sum(e.self_cpu_time_total for e in prof.events() if e.name.startswith(COMPUTE_OPS)) / 1e3
+
     def close(self) -> None:
         for cache in self.caches:
             cache.close()
@@ -119,6 +128,7 @@ def step_ops(steps: int) -> dict[str, Any]:
         for case in cases:
             case.step()  # warm-up
         counters = [case.counted_step() for case in cases]
+        compute = [case.compute_ms() for case in cases]
         for _ in range(steps):
             for case in cases:
                 case.timed_step()
@@ -127,12 +137,15 @@ def step_ops(steps: int) -> dict[str, Any]:
     finally:
         torch.set_num_threads(before)
     table = [{"cache": case.strategy, "attention": case.attention, "rows": case.rows, "aten_ops": counter.ops,
-              "launching_ops": counter.launching, "host_ms": case.best_ms} for case, counter in zip(cases, counters)]
+              "launching_ops": counter.launching, "host_ms": case.best_ms, "compute_ms": kernels,
+              "other_ms": max(case.best_ms - kernels, 0.0)}
+             for case, counter, kernels in zip(cases, counters, compute)]
     ratios = []
     for strategy, attention in CASES:
         one, most = (next(r for r in table if (r["cache"], r["attention"], r["rows"]) == (strategy, attention, n))
                      for n in (ROWS[0], ROWS[-1]))
         ratios.append({"cache": strategy, "attention": attention,
                        "launching_ratio": most["launching_ops"] / one["launching_ops"],
-                       "host_ratio": most["host_ms"] / one["host_ms"]})
+                       "host_ratio": most["host_ms"] / one["host_ms"],
+                       "other_ratio": most["other_ms"] / one["other_ms"]})
     return {"prompt_tokens": PROMPT_TOKENS, "table": table, "ratios": ratios}

@@ -337,14 +337,15 @@ def step_ops_section(loaded: LoadedModel | None, args: argparse.Namespace) -> di
     result = step_ops(args.step_ops_steps)
     print(f"Llama-3-8B attention shape (32 layers, 32 q / 8 kv heads, head_dim 128; hidden 64), bf16, 1 thread, "
           f"{result['prompt_tokens']}-token prompts; one decode_step (token choice not included)")
-    print(f"{'cache':<12} {'attention':>9} {'rows':>4} {'aten ops':>8} {'launching':>9} {'host ms/step':>12}")
+    print(f"{'cache':<12} {'attention':>9} {'rows':>4} {'aten ops':>8} {'launching':>9} {'host ms/step':>12} "
+          f"{'compute ms':>10} {'other ms':>8}")
     for row in result["table"]:
         print(f"{row['cache']:<12} {row['attention']:>9} {row['rows']:>4} {row['aten_ops']:>8,} "
-              f"{row['launching_ops']:>9,} {row['host_ms']:>12.1f}")
+              f"{row['launching_ops']:>9,} {row['host_ms']:>12.1f} {row['compute_ms']:>10.1f} {row['other_ms']:>8.1f}")
     print("\n32 rows against 1 row:")
     for ratio in result["ratios"]:
         print(f"  {ratio['cache']:<12} {ratio['attention']:>9}: launching ops {ratio['launching_ratio']:.2f}x, "
-              f"host ms {ratio['host_ratio']:.2f}x")
+              f"host ms {ratio['host_ratio']:.2f}x, other ms {ratio['other_ratio']:.2f}x")
     return result
 
 
