@@ -109,7 +109,11 @@ class KVPool:
         except KVBudgetExceeded:
             self.meter.hold(METER_SLOT, self.bytes_for(*exact))  # raises when even that does not fit
             shape = exact
-        self._reallocate(*shape)
+        try:
+            self._reallocate(*shape)
+        except BaseException:  # a real device OOM: the meter goes back to what the pool still holds
+            self.meter.hold(METER_SLOT, self.bytes_for(self.slots, self.tokens))
+            raise
 
     def bytes_for(self, slots: int, tokens: int) -> int:
         return slots * tokens * self.token_bytes
