@@ -11,11 +11,13 @@ Sections (all in one run, so the ratios share the machine's state):
   the context, as a plain loop must): a batch-1 `model.generate` loop (transformers' default cache),
   and transformers' own continuous batching (`generate_batch`), with the share of documents whose
   tokens equal the loop's.
-- decode: decode tokens/s of kvbatch's batched decode step alone, 8 prompts of ~1,060 and of ~3,000
-  tokens, one at a time vs all 8 together (prefill excluded), and whether the tokens agree; beside
+- decode: decode tokens/s of kvbatch's batched decode step alone, 16 prompts of ~500 tokens and 8 of
+  ~1,060 and of ~3,000 tokens, one at a time vs together (prefill excluded), on each attention path
+  (`batch.attention`: per-row, pooled), and whether the tokens agree with one at a time; beside
   plain `model.generate` one prompt at a time; then where a step's time goes at 3,000 tokens (weight
   matmuls, attention, the rest) and how fast attention reads the KV against a plain read of memory.
-
+- step-ops: what one decode step costs the host (aten ops, kernel-launching ops, host ms) at 1, 8
+  and 32 rows of a model with Llama-3-8B's attention shape, per-row and pooled (bench/step_ops.py).
 - device (`--device cuda`, or `--device cpu --sections device` for a dry run with small shapes):
   tokenizer-free, a random Llama (Llama-3-8B's shape in bf16 on CUDA): decode tok/s of kvbatch's
   batched step at 1/8/32 rows against the bandwidth bound and against transformers' `generate_batch`
@@ -23,8 +25,9 @@ Sections (all in one run, so the ratios share the machine's state):
   against transformers' `offloaded` cache at a long prompt. `--report FILE` writes it as JSON
   (bench/device.sh, docs/device.md).
 
-Run: python bench/throughput.py [--sections docs,anchors,decode] [--sequences 1,2,4,8,16]
-     [--layouts 2x1,1x2] [--device cuda] [--report device.json]
+Run: python bench/throughput.py [--sections docs,anchors,decode,step-ops] [--sequences 1,2,4,8,16]
+     [--layouts 2x1,1x2] [--decode-shapes 500x16,3000x8] [--attention per-row,pooled] [--json]
+     [--device cuda] [--report device.json]
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -50,10 +54,13 @@ from transformers import AutoModelForCausalLM, ContinuousBatchingConfig, Generat
 
 from jobs.config import ModelConfig, SummarizeConfig, load_config  # noqa: E402
 from runner.engine.generation import TokenClock, prefill  # noqa: E402
-from runner.engine.kvcache import BudgetedDynamicCache, TieredCache  # noqa: E402
+from runner.engine.kvcache import BudgetedDynamicCache, ResidentMeter, TieredCache  # noqa: E402
+from runner.engine.kvpool import KVPool, PooledCache  # noqa: E402
 from runner.engine.models import LoadedModel, load_model, word_tokenizer  # noqa: E402
 from runner.engine.ragged import decode_step  # noqa: E402
 from runner.observe.joblog import read_log  # noqa: E402
+
+from step_ops import step_ops  # noqa: E402
 
 LICENSES = Path("/usr/share/common-licenses")
 # (file, tokens): 14 documents that fit one pass at context 2048, and two that need map-reduce
@@ -200,12 +207,15 @@ def anchors_section(loaded: LoadedModel, args: argparse.Namespace) -> None:
 
 
 # -- decode: the batched step alone ----------------------------------------------------------------
-def _prefilled(loaded: LoadedModel, prompts: list[list[int]], tier: str | None) -> tuple[list, list[int]]:
+def _prefilled(loaded: LoadedModel, prompts: list[list[int]], tier: str | None, attention: str = "per-row"
+               ) -> tuple[list, list[int]]:
     settings = SummarizeConfig(prefill_chunk_size=512)
     caches, first = [], []
+    pool = KVPool.for_model(loaded.model.config, loaded.dtype, loaded.device, ResidentMeter(None, "device", ""))
     for ids in prompts:
-        cache = (BudgetedDynamicCache(loaded.model.config, None, len(ids) + 64) if tier is None
-                 else TieredCache(loaded.model.config, tier=tier))
+        cache = (TieredCache(loaded.model.config, tier=tier) if tier is not None
+                 else PooledCache(pool, len(ids) + 64) if attention == "pooled"
+                 else BudgetedDynamicCache(loaded.model.config, None, len(ids) + 64))
         first.append(int(prefill(loaded, ids, settings, cache, "auto").argmax()))
         caches.append(cache)
     return caches, first
@@ -221,10 +231,10 @@ def _greedy_step(loaded: LoadedModel, group: list[int], out: list[list[int]], po
         positions[i] += 1
 
 
-def decode_rate(loaded: LoadedModel, prompts: list[list[int]], rows: int, steps: int, tier: str | None = None
-                ) -> tuple[float, list[list[int]]]:
+def decode_rate(loaded: LoadedModel, prompts: list[list[int]], rows: int, steps: int, tier: str | None = None,
+                attention: str = "per-row") -> tuple[float, list[list[int]]]:
     """Decode tokens/s with `rows` sequences per step (greedy), prefill excluded; and the tokens."""
-    caches, tokens = _prefilled(loaded, prompts, tier)
+    caches, tokens = _prefilled(loaded, prompts, tier, attention)
     out = [[t] for t in tokens]
     positions = [len(p) for p in prompts]
     elapsed = 0.0
@@ -285,36 +295,63 @@ def plain_read_gbs(nbytes: int) -> float:
     return 5 * nbytes / (time.perf_counter() - t0) / 1e9
 
 
-def decode_section(loaded: LoadedModel, args: argparse.Namespace) -> None:
+def decode_section(loaded: LoadedModel, args: argparse.Namespace) -> dict:
     rows = documents(loaded)
     ids = [loaded.tokenizer(r["text"], add_special_tokens=False).input_ids for r in rows]
     pool = [t for doc in ids for t in doc]
-    print(f"{'prompt tokens':>13} {'batch':>5} {'decode tok/s':>12} {'x batch 1':>9} {'x plain':>7} "
-          f"{'same tokens':>11}")
-    rates = {}  # (prompt tokens, batch) -> decode tok/s
-    for length in (1060, 3000):
-        prompts = [pool[i * 997 % (len(pool) - length):][:length] for i in range(8)]
+    print(f"{'prompt tokens':>13} {'batch':>5} {'attention':>9} {'decode tok/s':>12} {'x batch 1':>9} {'x plain':>7} "
+          f"{'x per-row':>9} {'same tokens':>11}")
+    rates = {}  # (prompt tokens, batch, attention) -> decode tok/s
+    widths_asked = [int(w) for w in args.decode_widths.split(",")]
+    for shape in args.decode_shapes.split(","):
+        length, count = (int(x) for x in shape.split("x"))
+        prompts = [pool[i * 997 % (len(pool) - length):][:length] for i in range(count)]
         plain = plain_decode_rate(loaded, prompts, args.decode_steps)
-        print(f"{length:>13} {'plain':>5} {plain:>12.1f} {'':>9} {1.0:>7.2f} {'':>11}", flush=True)
+        print(f"{length:>13} {'plain':>5} {'':>9} {plain:>12.1f} {'':>9} {1.0:>7.2f} {'':>9} {'':>11}", flush=True)
         alone, alone_tokens = decode_rate(loaded, prompts, 1, args.decode_steps)
-        for width in (1, 2, 4, 8):
-            rate, tokens = (alone, alone_tokens) if width == 1 else decode_rate(loaded, prompts, width, args.decode_steps)
-            rates[length, width] = rate
-            same = sum(a == b for a, b in zip(tokens, alone_tokens))
-            print(f"{length:>13} {width:>5} {rate:>12.1f} {rate / alone:>9.2f} {rate / plain:>7.2f} {same:>9}/8",
-                  flush=True)
-    print("\n`plain`: model.generate one prompt at a time (transformers' default cache), prefill excluded")
-    print("\nwhere a decode step's time goes at 3,000-token prompts (step: the table's rate; weights and attention:\n"
-          "torch profiler, self CPU time per step; other: the rest of the step):")
-    print(f"{'batch':>5} {'step ms':>8} {'weights ms':>10} {'attention ms':>12} {'other ms':>8} {'KV read MB':>10} "
-          f"{'attention GB/s':>14}")
-    for width in (1, 8):
-        parts = step_breakdown(loaded, prompts, width, args.decode_steps)  # the 3,000-token prompts
-        step_ms = 1e3 * width / rates[3000, width]  # the table's rate for this batch: ms per step
-        other = step_ms - parts["matmul_ms"] - parts["attention_ms"]
-        print(f"{width:>5} {step_ms:>8.1f} {parts['matmul_ms']:>10.1f} {parts['attention_ms']:>12.1f} "
-              f"{other:>8.1f} {parts['kv_mb']:>10.0f} {parts['kv_mb'] / parts['attention_ms']:>14.1f}", flush=True)
-    print(f"a plain read of memory in this process: {plain_read_gbs(1 << 30):.1f} GB/s")
+        for attention in args.attention.split(","):
+            for width in sorted({w for w in widths_asked if w <= count} | {count}):
+                rate, tokens = ((alone, alone_tokens) if (width, attention) == (1, "per-row")
+                                else decode_rate(loaded, prompts, width, args.decode_steps, attention=attention))
+                rates[length, width, attention] = rate
+                same = sum(a == b for a, b in zip(tokens, alone_tokens))
+                per_row = rates.get((length, width, "per-row"))
+                print(f"{length:>13} {width:>5} {attention:>9} {rate:>12.1f} {rate / alone:>9.2f} {rate / plain:>7.2f} "
+                      f"{rate / per_row if per_row else float('nan'):>9.2f} {same:>9}/{count}", flush=True)
+    print("\n`plain`: model.generate one prompt at a time (transformers' default cache), prefill excluded;"
+          "\n`x per-row`: against the per-row attention path at the same batch")
+    if all((3000, width, "per-row") in rates for width in (1, 8)):
+        print("\nwhere a decode step's time goes at 3,000-token prompts (step: the table's rate; weights and "
+              "attention:\ntorch profiler, self CPU time per step; other: the rest of the step):")
+        print(f"{'batch':>5} {'step ms':>8} {'weights ms':>10} {'attention ms':>12} {'other ms':>8} {'KV read MB':>10} "
+              f"{'attention GB/s':>14}")
+        long_prompts = [pool[i * 997 % (len(pool) - 3000):][:3000] for i in range(8)]
+        for width in (1, 8):
+            parts = step_breakdown(loaded, long_prompts, width, args.decode_steps)
+            step_ms = 1e3 * width / rates[3000, width, "per-row"]  # the table's rate for this batch: ms per step
+            other = step_ms - parts["matmul_ms"] - parts["attention_ms"]
+            print(f"{width:>5} {step_ms:>8.1f} {parts['matmul_ms']:>10.1f} {parts['attention_ms']:>12.1f} "
+                  f"{other:>8.1f} {parts['kv_mb']:>10.0f} {parts['kv_mb'] / parts['attention_ms']:>14.1f}", flush=True)
+        print(f"a plain read of memory in this process: {plain_read_gbs(1 << 30):.1f} GB/s")
+    return {"decode_tok_s": [{"prompt_tokens": length, "batch": width, "attention": attention, "tok_s": rate}
+                             for (length, width, attention), rate in rates.items()]}
+
+
+def step_ops_section(loaded: LoadedModel | None, args: argparse.Namespace) -> dict:
+    """bench/step_ops.py's table: what one decode step costs the host, by rows, per path."""
+    result = step_ops(args.step_ops_steps)
+    print(f"Llama-3-8B attention shape (32 layers, 32 q / 8 kv heads, head_dim 128; hidden 64), bf16, 1 thread, "
+          f"{result['prompt_tokens']}-token prompts; one decode_step (token choice not included)")
+    print(f"{'cache':<12} {'attention':>9} {'rows':>4} {'aten ops':>8} {'launching':>9} {'host ms/step':>12} "
+          f"{'compute ms':>10} {'other ms':>8}")
+    for row in result["table"]:
+        print(f"{row['cache']:<12} {row['attention']:>9} {row['rows']:>4} {row['aten_ops']:>8,} "
+              f"{row['launching_ops']:>9,} {row['host_ms']:>12.1f} {row['compute_ms']:>10.1f} {row['other_ms']:>8.1f}")
+    print("\n32 rows against 1 row:")
+    for ratio in result["ratios"]:
+        print(f"  {ratio['cache']:<12} {ratio['attention']:>9}: launching ops {ratio['launching_ratio']:.2f}x, "
+              f"host ms {ratio['host_ratio']:.2f}x, other ms {ratio['other_ratio']:.2f}x")
+    return result
 
 
 # -- device: an 8B-shaped model, no tokenizer ---------------------------------------------------------
@@ -470,7 +507,8 @@ def device_section(args: argparse.Namespace) -> dict:
     return report
 
 
-SECTIONS = {"docs": docs_section, "anchors": anchors_section, "decode": decode_section}
+SECTIONS = {"docs": docs_section, "anchors": anchors_section, "decode": decode_section, "step-ops": step_ops_section}
+WITHOUT_SMOLLM2 = {"step-ops"}
 
 
 def main() -> None:
@@ -479,6 +517,11 @@ def main() -> None:
     parser.add_argument("--sequences", default="1,2,4,8,16")
     parser.add_argument("--layouts", default="2x1,1x2", help="workers x torch threads per worker")
     parser.add_argument("--decode-steps", type=int, default=32)
+    parser.add_argument("--decode-shapes", default="500x16,1060x8,3000x8", help="prompt tokens x prompts, each")
+    parser.add_argument("--decode-widths", default="1,2,4,8,16", help="sequences per decode step")
+    parser.add_argument("--attention", default="per-row,pooled", help="decode attention paths (batch.attention)")
+    parser.add_argument("--step-ops-steps", type=int, default=10, help="timed steps per step-ops row")
+    parser.add_argument("--json", action="store_true", help="end with one JSON line of every section's figures")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                         help="cuda: the device section alone (an 8B-shaped random Llama, no tokenizer)")
     parser.add_argument("--rows", help="device section: rows per decode step (default 1,8,32)")
@@ -491,14 +534,19 @@ def main() -> None:
         if args.report:
             args.report.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
         return
+    sections = args.sections.split(",")
     torch.set_num_threads(2)
-    loaded = load_model(ModelConfig(name="builtin:smollm2-135m", dtype="float32", device="cpu"))
-    print(f"SmolLM2-135M fp32 on {loaded.device}, {torch.get_num_threads()} torch threads in this process; "
-          f"{NEW_TOKENS} new tokens, context {CONTEXT}")
-    for section in args.sections.split(","):
+    loaded = None
+    if set(sections) - WITHOUT_SMOLLM2:
+        loaded = load_model(ModelConfig(name="builtin:smollm2-135m", dtype="float32", device="cpu"))
+        print(f"SmolLM2-135M fp32 on {loaded.device}, {torch.get_num_threads()} torch threads in this process; "
+              f"{NEW_TOKENS} new tokens, context {CONTEXT}")
+    figures = {}
+    for section in sections:
         print(f"\n## {section}\n", flush=True)
-        SECTIONS[section](loaded, args)
-
+        figures[section] = SECTIONS[section](loaded, args)
+    if args.json:
+        print(json.dumps({name: value for name, value in figures.items() if value is not None}))
 
 if __name__ == "__main__":
     main()

@@ -161,6 +161,9 @@ class BatchConfig(_Section):
     # keeps that many tasks in flight, and admits a sequence only while the batch's device and host KV
     # fit the worker's budgets (a memory error lowers the limit for a while: jobs/batch_limit.py)
     max_sequences: int | Literal["auto"] = "auto"
+    # how a decode step attends: one call per layer over the worker's KV pool (device-resident rows),
+    # or each row over its own cache; auto picks by device (jobs/attention.py)
+    attention: Literal["auto", "pooled", "per-row"] = "auto"
 
     @field_validator("max_sequences")
     @classmethod

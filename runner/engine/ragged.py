@@ -4,9 +4,13 @@ A decode step's weight matmuls (projections, MLP, head) cost the same for one ro
 the sequences of a worker share them; attention is each sequence's own (its own cache, its own
 length), so nothing is padded and any cache works, tiered ones included. The trick: a
 `SequenceBatch` is passed to the model as its `past_key_values`; its `update` hands each row's new
-K/V to that row's cache and returns the lists of K/V, which the attention function registered here
-("kvbatch-ragged") attends row by row with the model's own attention function. transformers builds
-no mask for an attention implementation it has no mask function for, and a decode row needs none.
+K/V to that row's cache and returns them as `RowGroups`, which the attention function registered
+here ("kvbatch-ragged") attends row by row with the model's own attention function. transformers
+builds no mask for an attention implementation it has no mask function for, and a decode row needs none.
+
+Rows whose cache is a slot of the worker's KV pool (runner/engine/kvpool.py) go first, in slot
+order, as one group: one write and one attention call per layer for all of them
+(runner/engine/pooled_attention.py); the other rows of the same step stay per row.
 """
 
 from __future__ import annotations
@@ -14,12 +18,16 @@ from __future__ import annotations
 import importlib
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.cache_utils import Cache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from runner.engine.kvpool import PooledCache
+from runner.engine.pooled_attention import PooledStep
 
 RAGGED = "kvbatch-ragged"
 
@@ -32,24 +40,39 @@ class RowFailed(Exception):
         self.row = row
 
 
-class SequenceBatch:
-    """The `past_key_values` of a ragged step: row i's K/V go to `caches[i]`."""
+@dataclass
+class RowGroups:
+    """A layer's keys (or values) for attention: the pooled rows' live slots, then each other row's own."""
 
-    def __init__(self, caches: Sequence[Cache]) -> None:
+    pooled: torch.Tensor | None  # [live slots, kv_heads, span, head_dim]
+    rows: list[torch.Tensor]  # per row [1, kv_heads, its length, head_dim]
+    step: PooledStep | None = None  # whose write `pooled` is: it attends them
+
+
+class SequenceBatch:
+    """The `past_key_values` of a ragged step: the first `pooled.count` rows are the pool's, row
+    `pooled.count + i` goes to `caches[i]`."""
+
+    def __init__(self, caches: Sequence[Cache], pooled: PooledStep | None = None) -> None:
         self.caches = list(caches)
+        self.pooled = pooled
 
     def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
-               ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+               ) -> tuple[RowGroups, RowGroups]:
         # keys, values: [rows, kv_heads, 1, head_dim]
+        first = self.pooled.count if self.pooled else 0
+        pooled_keys = pooled_values = None
+        if self.pooled:
+            pooled_keys, pooled_values = self.pooled.write(layer_idx, keys[:first], values[:first])
         out_keys, out_values = [], []
-        for row, cache in enumerate(self.caches):
+        for row, cache in enumerate(self.caches, start=first):
             try:
                 k, v = cache.update(keys[row : row + 1], values[row : row + 1], layer_idx)
             except Exception as e:  # noqa: BLE001 - the scheduler fails this row, not its batch-mates
                 raise RowFailed(row) from e
             out_keys.append(k)
             out_values.append(v)
-        return out_keys, out_values
+        return RowGroups(pooled_keys, out_keys, self.pooled), RowGroups(pooled_values, out_values, self.pooled)
 
 
 def _inner_function(module: torch.nn.Module, implementation: str) -> Any:
@@ -61,15 +84,20 @@ def _inner_function(module: torch.nn.Module, implementation: str) -> Any:
 def ragged_attention(
     module: torch.nn.Module,
     query: torch.Tensor,  # [rows, heads, 1, head_dim]
-    key: list[torch.Tensor],  # per row [1, kv_heads, its length, head_dim]
-    value: list[torch.Tensor],
+    key: RowGroups,
+    value: RowGroups,
     attention_mask: torch.Tensor | None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """Each row attends to its own keys with the model's own attention implementation."""
+    """The pooled rows in one call, each other row against its own keys, with the model's own attention."""
     inner = _inner_function(module, module.config._kvbatch_inner_attention)
-    outputs = [inner(module, query[row : row + 1], k, v, None, **kwargs)[0] for row, (k, v) in enumerate(zip(key, value))]
-    return torch.cat(outputs, dim=0), None
+    outputs, first = [], 0
+    if key.step is not None:  # the pooled rows' `pooled` views are set with their step
+        first = key.step.count
+        outputs.append(key.step.attend(inner, module, query[:first], key.pooled, value.pooled, **kwargs))
+    outputs += [inner(module, query[row : row + 1], k, v, None, **kwargs)[0]
+                for row, (k, v) in enumerate(zip(key.rows, value.rows), start=first)]
+    return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)), None
 
 
 AttentionInterface.register(RAGGED, ragged_attention)
@@ -91,10 +119,24 @@ def ragged_step(model: PreTrainedModel) -> Iterator[None]:
 def decode_step(model: PreTrainedModel, last_tokens: Sequence[int], positions: Sequence[int],
                 caches: Sequence[Cache]) -> torch.Tensor:
     """One decode step for several sequences (each its last token, at its own position, with its own
-    cache): the next-token logits, [rows, vocab] in float32."""
-    ids = torch.tensor([[token] for token in last_tokens], device=model.device)  # [rows, 1]
-    position_ids = torch.tensor([[p] for p in positions], device=model.device)  # [rows, 1]
-    with torch.inference_mode(), ragged_step(model):
-        out = model(input_ids=ids, position_ids=position_ids, past_key_values=SequenceBatch(caches),
-                    use_cache=True, logits_to_keep=1)
-    return out.logits[:, -1, :].float()
+    cache): the next-token logits, [rows, vocab] in float32, in the order of `caches`."""
+    pooled_rows = sorted((row for row, cache in enumerate(caches) if isinstance(cache, PooledCache)),
+                         key=lambda row: caches[row].slot)
+    pooled_set = set(pooled_rows)
+    order = pooled_rows + [row for row in range(len(caches)) if row not in pooled_set]
+    pooled = PooledStep(caches[pooled_rows[0]].pool, [caches[row] for row in pooled_rows]) if pooled_rows else None
+    ids = torch.tensor([[last_tokens[row]] for row in order], device=model.device)  # [rows, 1]
+    position_ids = torch.tensor([[positions[row]] for row in order], device=model.device)  # [rows, 1]
+    batch = SequenceBatch([caches[row] for row in order[len(pooled_rows):]], pooled)
+    try:
+        with torch.inference_mode(), ragged_step(model):
+            out = model(input_ids=ids, position_ids=position_ids, past_key_values=batch,
+                        use_cache=True, logits_to_keep=1)
+    except RowFailed as e:  # the row as the caller numbers it
+        raise RowFailed(order[e.row]) from e.__cause__
+    if pooled:
+        pooled.advance()
+    logits = out.logits[:, -1, :].float()
+    if order == list(range(len(caches))):
+        return logits
+    return logits[torch.tensor(order, device=logits.device).argsort()]

@@ -3,16 +3,19 @@
 One thread owns the model. Each sequence (a single-pass document, a map chunk, a merge pass) is
 prefilled on its own, into its own cache, and then joins the decoding batch; every decode step runs
 all joined sequences in one forward pass (runner/engine/ragged.py: shared weight matmuls, attention
-per sequence, no padding), and a finished sequence leaves at once, freeing its slot for the next.
+per sequence, no padding; the sequences whose caches are slots of the worker's KV pool attend as one
+group), and a finished sequence leaves at once, freeing its slot for the next.
 
 Admission keeps the batch within `batch.max_sequences` and the worker's budgets: the sum of the
 joined sequences' device KV, and of their host KV (tiered rungs), each at its full length (prompt +
 new tokens), must fit. A memory error in a step with several sequences splits the batch (every
 sequence of it starts again, at most half as many at a time) before any task is told, so only a
-sequence that runs out of memory alone moves its task down the cache ladder; after enough calm
-decode steps the limit grows back (jobs.batch_limit). Any other error in one sequence's cache, token
-choice or finish fails that sequence only, at once; an error the loop cannot pin on one sequence
-fails every sequence waiting or decoding with it, and the loop goes on. No future is left unresolved.
+sequence that runs out of memory alone moves its task down the cache ladder; a cache that cannot be
+made beside the batch for lack of memory (a full KV pool) waits for a smaller batch the same way;
+after enough calm decode steps the limit grows back (jobs.batch_limit). Any other error in one
+sequence's cache, token choice or finish fails that sequence only, at once; an error the loop cannot
+pin on one sequence fails every sequence waiting or decoding with it, and the loop goes on. No
+future is left unresolved.
 """
 
 from __future__ import annotations
@@ -244,8 +247,8 @@ class BatchScheduler:
         started = time.perf_counter()
         try:
             handle = request.make_cache()
-        except Exception as e:  # noqa: BLE001 - the task's error, e.g. no room on the offload disk
-            self._fail(queued, e)
+        except Exception as e:  # noqa: BLE001 - the task's error (no room on the offload disk), or a full KV pool
+            self._wait_or_fail(queued, e)
             return
         cache = handle.generate_kwargs.get("past_key_values")
         if cache is None:  # transformers' own cache_implementation: generate() runs it, alone
@@ -257,11 +260,7 @@ class BatchScheduler:
             first = picker.pick(logits)
         except Exception as e:  # noqa: BLE001 - sorted out just below
             handle.close()
-            if self.is_memory_error(e) and self._active:  # no room beside the batch: wait for a smaller one
-                self.max_sequences = max(1, len(self._active))
-                self._requeue([queued])
-            else:
-                self._fail(queued, e)
+            self._wait_or_fail(queued, e)
             return
         seq = _Sequence(queued, handle, picker, [first], len(request.prompt_ids), started, time.perf_counter(),
                         self.settings.loop_stop)
@@ -274,6 +273,14 @@ class BatchScheduler:
             self._fail_sequence(seq, e)
             return
         self._active.append(seq)
+
+    def _wait_or_fail(self, queued: _Queued, error: BaseException) -> None:
+        """A memory error beside the batch waits for a smaller one; any other error is the task's."""
+        if self.is_memory_error(error) and self._active:
+            self.max_sequences = max(1, len(self._active))
+            self._requeue([queued])
+        else:
+            self._fail(queued, error)
 
     def _run_whole(self, queued: _Queued, handle: CacheHandle, started: float) -> None:
         request = queued.request

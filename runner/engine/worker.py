@@ -27,6 +27,7 @@ import psutil
 import torch
 
 from jobs.chunking import ContextTooSmallError
+from jobs.attention import attention_path
 from jobs.config import ConfigError, JobConfig
 from jobs.documents import DocumentError, load_task_text
 from jobs.faults import FaultRule, fault_for
@@ -46,6 +47,7 @@ from jobs.rungs import RUNGS
 from jobs.task import Task
 from runner.engine.generation import Generation
 from runner.engine.kvcache import ResidentMeter, build_cache, kv_shape, resolve_budgets
+from runner.engine.kvpool import KVPool
 from runner.engine.models import load_model
 from runner.engine.probes import StageMemory, memory_snapshot
 from runner.engine.scheduler import BatchScheduler, PassRequest, TaskClock
@@ -209,6 +211,10 @@ class SummaryWorker:
         # one meter of the device and one of host RAM for every cache of the sequences batched here
         self.device_pool = ResidentMeter(self.device_budget, "the batch's resident device", "cache.device_kv_budget_bytes")
         self.host_pool = ResidentMeter(self.host_budget, "the batch's host RAM", "cache.host_kv_budget_bytes")
+        self.attention = attention_path(self.cfg.batch.attention, self.loaded.device.type,
+                                        any(window is not None for window in self.kv_shape.layer_windows))
+        self.kv_pool = (KVPool.for_model(self.loaded.model.config, self.loaded.dtype, self.loaded.device,
+                                         self.device_pool) if self.attention == "pooled" else None)
         self.scheduler = BatchScheduler(self.loaded, self.cfg.summarize, self.cfg.cache.prefill,
                                         self.cfg.batch.sequences, self.device_budget, _is_memory_error,
                                         host_budget=self.host_budget)
@@ -227,6 +233,7 @@ class SummaryWorker:
             "node_workers": self.node_workers,
             "device_kv_budget_bytes": self.device_budget,
             "host_kv_budget_bytes": self.host_budget,
+            "attention": self.attention,
         }
 
     def running_s(self, call_id: str) -> float | None:
@@ -341,7 +348,7 @@ class SummaryWorker:
                     make_cache=lambda: build_cache(rung, self.loaded.model, self.cfg.cache, pass_dir,
                                                    self.device_budget, self.host_budget, placement,
                                                    expected_tokens=tokens, device_pool=self.device_pool,
-                                                   host_pool=self.host_pool),
+                                                   host_pool=self.host_pool, kv_pool=self.kv_pool),
                     device_bytes=device_kv_bytes(self.kv_shape, rung, tokens, placement),
                     host_bytes=host_kv_bytes(self.kv_shape, rung, tokens, placement, self.cfg.cache.block_tokens),
                     memory=memory, clock=request.clock,

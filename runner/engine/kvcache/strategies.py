@@ -25,6 +25,7 @@ from jobs.rungs import RUNGS
 from runner.engine.kvcache.budget import ResidentMeter
 from runner.engine.kvcache.dynamic import BudgetedDynamicCache
 from runner.engine.kvcache.tiered import TieredCache
+from runner.engine.kvpool import KVPool, PooledCache
 
 CUDA_SAFETY_MARGIN = 0.10
 """Share of a GPU's memory left for activations and the allocator when the device budget is auto."""
@@ -107,14 +108,19 @@ def build_cache(
     expected_tokens: int | None = None,
     device_pool: ResidentMeter | None = None,
     host_pool: ResidentMeter | None = None,
+    kv_pool: KVPool | None = None,
 ) -> CacheHandle:
     """A fresh cache for one generate() call; `offload_dir` is the task's scratch dir (disk tier);
     `placement` says which layers a tiered rung keeps on the device (default: none);
     `expected_tokens` (prompt + new tokens) lets `dynamic` allocate once instead of growing;
     `device_pool` and `host_pool` are the worker's meters of the device and of host RAM, which every
-    cache of a batch counts against."""
+    cache of a batch counts against; `kv_pool` (when the worker's attention is pooled) is where a
+    `dynamic` cache takes its slot."""
     check_strategy(strategy)
     rung = RUNGS[strategy]
+    if strategy == "dynamic" and kv_pool is not None:
+        pooled = PooledCache(kv_pool, expected_tokens)
+        return CacheHandle(strategy, {"past_key_values": pooled}, pooled.stats, pooled.close)
     if strategy == "dynamic":
         cache = BudgetedDynamicCache(model.config, device_budget_bytes, expected_tokens, device_pool)
         return CacheHandle(strategy, {"past_key_values": cache}, cache.stats, cache.close)

@@ -1,0 +1,151 @@
+"""What one batched decode step costs the host: aten ops, kernel-launching ops, host ms, by rows.
+
+The model is Llama-3-8B's attention shape (32 layers, 32 query / 8 KV heads, head_dim 128) with a
+small hidden and MLP width, random weights, bf16, 1 CPU thread, so a step runs in milliseconds and
+its time is mostly the host work around the kernels, as on a GPU. The ops are counted where they
+really run: a `TorchDispatchMode` sees every aten op one `decode_step` dispatches (token choice is
+not in it). "Kernel-launching" counts every op except views (`OpOverload.is_view`) and the ops that
+only make or describe a tensor without touching its data (`METADATA_OPS`): on a GPU each counted op
+is at least one kernel launch (or a copy). Host ms is the step's wall time on the CPU, so it
+includes the kernels' own work there (attention over every row's KV grows with the rows on a CPU;
+on a GPU it is the part that runs asynchronously); prompts are short (`PROMPT_TOKENS`) so that part
+stays small. `compute ms` is the part of a step spent in the matmul and attention kernels (torch
+profiler, one step), `other ms` the rest of the host time: the host work a GPU would not hide.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel
+
+from runner.engine.kvcache import BudgetedDynamicCache, ResidentMeter, TieredCache
+from runner.engine.kvpool import KVPool, PooledCache
+from runner.engine.ragged import decode_step
+
+COMPUTE_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_scaled_dot_product")
+"""The kernels whose CPU time is the step's device work (weight matmuls, attention), by name prefix."""
+METADATA_OPS = {"empty", "empty_strided", "empty_like", "lift_fresh", "detach", "alias", "size", "stride",
+                "sym_size", "sym_stride", "sym_numel", "is_same_size", "_local_scalar_dense_meta"}
+ROWS = (1, 8, 32)
+PROMPT_TOKENS = 32
+CASES = (("dynamic", "per-row"), ("dynamic", "pooled"), ("tiered-host", "per-row"))
+
+
+class OpCounter(TorchDispatchMode):
+    """Every aten op dispatched while active, and those that launch work on the device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+        self.launching = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        self.ops += 1
+        if not func.is_view and func.overloadpacket.__name__ not in METADATA_OPS:
+            self.launching += 1
+        return func(*args, **(kwargs or {}))
+
+
+def shaped_model() -> PreTrainedModel:
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8, head_dim=128, vocab_size=1024, max_position_embeddings=4096,
+                         attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+
+
+def _caches(model: PreTrainedModel, strategy: str, attention: str, rows: int) -> tuple[list, list[int], KVPool | None]:
+    """`rows` prefilled caches (distinct prompts), and their first tokens."""
+    pool = (KVPool.for_model(model.config, torch.bfloat16, torch.device("cpu"), ResidentMeter(None, "device", ""))
+            if attention == "pooled" else None)
+    make: Callable[[], Any] = {
+        "dynamic": lambda: PooledCache(pool, PROMPT_TOKENS + 64) if pool else
+        BudgetedDynamicCache(model.config, None, PROMPT_TOKENS + 64),
+        "tiered-host": lambda: TieredCache(model.config, tier="host"),
+    }[strategy]
+    caches, first = [], []
+    generator = torch.Generator().manual_seed(rows)
+    for _ in range(rows):
+        ids = torch.randint(0, 1024, (PROMPT_TOKENS,), generator=generator).tolist()
+        cache = make()
+        with torch.inference_mode():
+            logits = model(input_ids=torch.tensor([ids]), past_key_values=cache, use_cache=True).logits
+        first.append(int(logits[0, -1].argmax()))
+        caches.append(cache)
+    return caches, first, pool
+
+
+class _Case:
+    """One row of the table: its prefilled caches, and a decode step over them."""
+
+    def __init__(self, model: PreTrainedModel, strategy: str, attention: str, rows: int) -> None:
+        self.model, self.strategy, self.attention, self.rows = model, strategy, attention, rows
+        self.caches, self.tokens, self.pool = _caches(model, strategy, attention, rows)
+        self.positions = [PROMPT_TOKENS] * rows
+        self.best_ms = float("inf")
+
+    def step(self) -> None:
+        decode_step(self.model, self.tokens, self.positions, self.caches)
+        self.positions = [p + 1 for p in self.positions]
+
+    def timed_step(self) -> None:
+        t0 = time.perf_counter()
+        self.step()
+        self.best_ms = min(self.best_ms, (time.perf_counter() - t0) * 1e3)
+
+    def counted_step(self) -> OpCounter:
+        counter = OpCounter()
+        with counter:
+            self.step()
+        assert self.pool is None or self.pool.most_rows == self.rows, "the pooled path did not run"
+        return counter
+
+    def compute_ms(self) -> float:
+        """The self CPU time of the step's matmul and attention kernels (torch profiler, one step)."""
+        with torch.profiler.profile() as prof:
+            self.step()
+        return sum(e.self_cpu_time_total for e in prof.events() if e.name.startswith(COMPUTE_OPS)) / 1e3
+
+    def close(self) -> None:
+        for cache in self.caches:
+            cache.close()
+
+
+def step_ops(steps: int) -> dict[str, Any]:
+    """The table and the 32-row / 1-row ratios of each case. Each case's host ms is its fastest of
+    `steps` steps, the cases taking turns step by step, so they share the machine's state (on a
+    shared machine the fastest is the least disturbed by other work)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = shaped_model()
+        cases = [_Case(model, strategy, attention, rows) for strategy, attention in CASES for rows in ROWS]
+        for case in cases:
+            case.step()  # warm-up
+        counters = [case.counted_step() for case in cases]
+        compute = [case.compute_ms() for case in cases]
+        for _ in range(steps):
+            for case in cases:
+                case.timed_step()
+        for case in cases:
+            case.close()
+    finally:
+        torch.set_num_threads(before)
+    table = [{"cache": case.strategy, "attention": case.attention, "rows": case.rows, "aten_ops": counter.ops,
+              "launching_ops": counter.launching, "host_ms": case.best_ms, "compute_ms": kernels,
+              "other_ms": max(case.best_ms - kernels, 0.0)}
+             for case, counter, kernels in zip(cases, counters, compute)]
+    ratios = []
+    for strategy, attention in CASES:
+        one, most = (next(r for r in table if (r["cache"], r["attention"], r["rows"]) == (strategy, attention, n))
+                     for n in (ROWS[0], ROWS[-1]))
+        ratios.append({"cache": strategy, "attention": attention,
+                       "launching_ratio": most["launching_ops"] / one["launching_ops"],
+                       "host_ratio": most["host_ms"] / one["host_ms"],
+                       "other_ratio": most["other_ms"] / one["other_ms"]})
+    return {"prompt_tokens": PROMPT_TOKENS, "table": table, "ratios": ratios}

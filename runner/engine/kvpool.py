@@ -1,0 +1,192 @@
+"""One KV pool per worker for the device-resident (`dynamic`) sequences of its batch.
+
+Every pooled sequence's KV lives in one slot of two buffers, keys and values, each
+[layers, slots, kv_heads, tokens, head_dim]: a decode step writes every pooled row's new K/V with one
+indexed write per layer and attends over all of them with one attention call per layer
+(runner/engine/pooled_attention.py). Slots, not paged blocks: a slot is one row of an ordinary
+[batch, heads, tokens, head_dim] tensor, which SDPA reads in place; paged blocks would need a gather
+of every row's KV per layer per step (a second read of all of it) or a paged kernel that torch does
+not ship for the CPU. The price is padding: every slot has the room of the longest sequence
+(docs/kv-cache.md, "The pooled decode step").
+
+The live slots are kept packed at the front (a sequence leaving moves the last one into its slot),
+so the step's attention reads a view `[:live]` of the pool, and the pool's allocation is what it
+holds in the worker's device meter: admission, the split on OOM and the budget guard see it there.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from transformers import PretrainedConfig
+from transformers.cache_utils import Cache, DynamicLayer, get_layer_types_and_kwargs
+
+from runner.engine.kvcache.budget import KVBudgetExceeded, ResidentMeter
+from runner.engine.kvcache.resident import GRANULE_TOKENS, GROWTH
+
+METER_SLOT = "kv-pool"
+
+
+class KVPool:
+    """The worker's pooled KV: `claim` a slot for a sequence, `release` it when the sequence leaves."""
+
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+                 meter: ResidentMeter) -> None:
+        self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
+        self.dtype, self.device = dtype, device
+        self.meter = meter
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+        self.owners: list[PooledCache] = []
+        """Slot i's sequence; the live slots are 0 .. len(owners) - 1."""
+        self.token_bytes = 2 * num_layers * kv_heads * head_dim * dtype.itemsize
+        """Keys and values of one token of one slot, all layers."""
+        self.steps = 0
+        """Decode steps run over the pool: what a test or a bench asks to know the pooled path ran."""
+        self.most_rows = 0
+        """The most rows one pooled step has attended in one call."""
+
+    @classmethod
+    def for_model(cls, config: PretrainedConfig, dtype: torch.dtype, device: torch.device,
+                  meter: ResidentMeter) -> "KVPool":
+        text = config.get_text_config(decoder=True)
+        layer_types, _ = get_layer_types_and_kwargs(text)
+        if any(kind != "full_attention" for kind in layer_types):
+            raise ValueError(f"the KV pool keeps full-attention layers only; this model has {sorted(set(layer_types))}")
+        heads = text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        kv_heads = getattr(text, "num_key_value_heads", None) or heads
+        return cls(text.num_hidden_layers, kv_heads, head_dim, dtype, device, meter)
+
+    @property
+    def slots(self) -> int:
+        """Slots allocated (live or free)."""
+        return self.keys.shape[1] if self.keys is not None else 0
+
+    @property
+    def tokens(self) -> int:
+        """Tokens of room in every slot."""
+        return self.keys.shape[3] if self.keys is not None else 0
+
+    def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer_idx`'s keys and values of every slot: [slots, kv_heads, tokens, head_dim] views."""
+        assert self.keys is not None and self.values is not None, "the pool holds no sequence"
+        return self.keys[layer_idx], self.values[layer_idx]
+
+    def claim(self, cache: "PooledCache", tokens: int) -> int:
+        """A slot for `cache` with room for `tokens`; raises `KVBudgetExceeded` (a memory error: the
+        scheduler waits for a smaller batch, or the task moves down the ladder) when it does not fit."""
+        self.ensure(len(self.owners) + 1, tokens)
+        self.owners.append(cache)
+        return len(self.owners) - 1
+
+    def release(self, cache: "PooledCache") -> None:
+        """The sequence leaves: the last live slot moves into its place; an empty pool frees its buffers."""
+        slot = self.owners.index(cache)
+        last = self.owners.pop()
+        if last is not cache:
+            assert self.keys is not None and self.values is not None
+            for buffer in (self.keys, self.values):
+                buffer[:, slot, :, : last.length].copy_(buffer[:, len(self.owners), :, : last.length])
+            self.owners[slot] = last
+            last.slot = slot
+        if not self.owners:
+            self.keys = self.values = None
+            self.meter.drop(METER_SLOT)
+
+    def ensure(self, slots: int, tokens: int) -> None:
+        """Room for `slots` sequences of `tokens`: geometrically while the budget allows, else exactly."""
+        if slots <= self.slots and tokens <= self.tokens:
+            return
+        exact = (max(slots, len(self.owners)), _granule(max(tokens, self.longest())))
+        wanted = (self.slots if exact[0] <= self.slots else max(exact[0], 2 * self.slots),
+                  self.tokens if exact[1] <= self.tokens else _granule(max(exact[1], math.ceil(self.tokens * GROWTH))))
+        try:
+            self.meter.hold(METER_SLOT, self.bytes_for(*wanted))
+            shape = wanted
+        except KVBudgetExceeded:
+            self.meter.hold(METER_SLOT, self.bytes_for(*exact))  # raises when even that does not fit
+            shape = exact
+        try:
+            self._reallocate(*shape)
+        except BaseException:  # a real device OOM: the meter goes back to what the pool still holds
+            self.meter.hold(METER_SLOT, self.bytes_for(self.slots, self.tokens))
+            raise
+
+    def bytes_for(self, slots: int, tokens: int) -> int:
+        return slots * tokens * self.token_bytes
+
+    def longest(self) -> int:
+        """The most tokens a live sequence holds now."""
+        return max((owner.length for owner in self.owners), default=0)
+
+    def _reallocate(self, slots: int, tokens: int) -> None:
+        shape = (self.num_layers, slots, self.kv_heads, tokens, self.head_dim)
+        # zeros, not empty: a row's masked tail is still read, and garbage NaN times a zero weight is NaN
+        keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        values = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        if self.keys is not None and self.values is not None and self.owners:
+            live, held = len(self.owners), min(self.tokens, tokens)  # a prefill's uncommitted tokens too
+            keys[:, :live, :, :held].copy_(self.keys[:, :live, :, :held])
+            values[:, :live, :, :held].copy_(self.values[:, :live, :, :held])
+        self.keys, self.values = keys, values
+
+
+def _granule(tokens: int) -> int:
+    return -(-max(tokens, 1) // GRANULE_TOKENS) * GRANULE_TOKENS
+
+
+class PooledLayer(DynamicLayer):
+    """One layer of a pooled sequence: its KV is its slot of the pool's buffers."""
+
+    def __init__(self, cache: "PooledCache", layer_idx: int) -> None:
+        super().__init__()
+        self.cache, self.layer_idx = cache, layer_idx
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Prefill (and a sequence decoding on its own): write into its slot, attend to a view of it."""
+        cache = self.cache
+        start, end = cache.length, cache.length + key_states.shape[-2]
+        cache.pool.ensure(len(cache.pool.owners), end)
+        keys, values = cache.pool.layer(self.layer_idx)
+        keys[cache.slot, :, start:end].copy_(key_states[0])
+        values[cache.slot, :, start:end].copy_(value_states[0])
+        if self.layer_idx == cache.pool.num_layers - 1:  # every layer has them: the sequence is longer
+            cache.length = end
+        self.is_initialized = True
+        return keys[cache.slot : cache.slot + 1, :, :end], values[cache.slot : cache.slot + 1, :, :end]
+
+    def get_seq_length(self) -> int:
+        return self.cache.length
+
+
+class PooledCache(Cache):
+    """A sequence's cache on the `dynamic` rung when the worker's attention path is pooled."""
+
+    def __init__(self, pool: KVPool, expected_tokens: int | None) -> None:
+        super().__init__(layers=[PooledLayer(self, i) for i in range(pool.num_layers)])
+        self.pool = pool
+        self.length = 0
+        """Tokens every layer holds (committed after the last layer's write)."""
+        self.slot = pool.claim(self, expected_tokens or GRANULE_TOKENS)
+        self._closed = False
+        self._resident_peak = pool.bytes_for(1, pool.tokens)
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "kv_bytes": self.length * self.pool.token_bytes,
+            "kv_resident_peak_bytes": max(self._resident_peak, self.pool.bytes_for(1, self.pool.tokens)),
+            "offload_bytes_written": 0,
+            "offload_bytes_read": 0,
+            "compression_ratio": None,
+        }
+
+    def close(self) -> None:
+        """Give the slot back (once: a handle may be closed on several paths)."""
+        if not self._closed:
+            self._closed = True
+            self._resident_peak = max(self._resident_peak, self.pool.bytes_for(1, self.pool.tokens))
+            self.pool.release(self)

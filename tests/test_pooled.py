@@ -1,0 +1,184 @@
+"""The pooled decode step (runner/engine/kvpool.py, pooled_attention.py) on real tiny random models.
+
+Like tests/test_batching.py: the reference is plain `model.generate` one prompt at a time, and
+every test asserts that the path it targets really ran (the pool's own count of the rows it
+attended in one call, the scheduler's largest batch), so none passes by running rows one by one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import LICENSES, TINY_CONFIG
+from test_batching import BIG, LENGTHS, NEW, _alone, _loaded, tokenizer  # noqa: F401 - the fixture applies here
+from test_kvcache import _model, _one_torch_thread, _prompt  # noqa: F401 - the fixture applies here too
+from transformers import PreTrainedModel
+
+from jobs.attention import attention_path
+from jobs.config import CacheConfig, ConfigError, SummarizeConfig, load_config
+from jobs.kvplan import kv_bytes
+from jobs.task import Task
+from runner.engine.kvcache import KVBudgetExceeded, ResidentMeter, build_cache, kv_shape
+from runner.engine.kvpool import KVPool
+from runner.engine.probes import StageMemory
+from runner.engine.scheduler import BatchScheduler, PassRequest
+from runner.engine.worker import SummaryWorker, _is_memory_error
+
+
+def _pool(model: PreTrainedModel, budget: int | None = None) -> KVPool:
+    meter = ResidentMeter(budget, "the batch's resident device", "cache.device_kv_budget_bytes")
+    return KVPool.for_model(model.config, torch.float32, torch.device("cpu"), meter)
+
+
+def _run(scheduler: BatchScheduler, model: PreTrainedModel, strategies: list[str], tmp_path: Path,
+         prompts: list[list[int]], new: list[int], pool: KVPool | None, expected: bool = True) -> list:
+    """Sequence i on `strategies[i]`; its `dynamic` cache a slot of `pool` (None: the per-row path)."""
+    cfg = CacheConfig(block_tokens=8)
+
+    def request(i: int) -> PassRequest:
+        tokens = len(prompts[i]) + new[i]
+        return PassRequest(
+            prompts[i], new[i],
+            make_cache=lambda: build_cache(strategies[i], model, cfg, tmp_path / f"seq-{i}", None, None,
+                                           expected_tokens=tokens if expected else None, kv_pool=pool),
+            device_bytes=kv_bytes(kv_shape(model.config), tokens), memory=StageMemory(),
+        )
+
+    futures = [scheduler.submit(request(i)) for i in range(len(prompts))]
+    return [f.result(timeout=300).generation.tokens for f in futures]
+
+
+@pytest.mark.parametrize("path", ["pooled", "per-row"])
+def test_batched_tokens_equal_tokens_alone_on_both_paths(path: str, tokenizer, tmp_path: Path) -> None:
+    """Mixed prompt lengths, rows leaving at different steps and others joining (4 at a time of 5)."""
+    model = _model("llama-gqa")
+    prompts = [_prompt(n)[0].tolist() for n in LENGTHS]
+    pool = _pool(model) if path == "pooled" else None
+    scheduler = BatchScheduler(_loaded(model, tokenizer), SummarizeConfig(prefill_chunk_size=16), "auto", 4, BIG,
+                               _is_memory_error)
+    try:
+        got = _run(scheduler, model, ["dynamic"] * 5, tmp_path, prompts, NEW, pool)
+    finally:
+        scheduler.close()
+    assert got == [_alone(model, p, n) for p, n in zip(prompts, NEW)]
+    assert scheduler.most_rows == 4
+    if pool is not None:
+        assert pool.most_rows == 4 and pool.steps >= max(NEW) - 1  # every step attended the pool in one call
+        assert pool.owners == [] and pool.keys is None and pool.meter.total == 0  # every slot given back
+
+
+def test_a_step_with_pooled_and_tiered_rows_gives_each_its_tokens_alone(tokenizer, tmp_path: Path) -> None:
+    """Tiered rows stay per row beside the pooled group, in the same forward pass."""
+    model = _model("llama-gqa")
+    prompts = [_prompt(n)[0].tolist() for n in LENGTHS]
+    strategies = ["dynamic", "tiered-host", "dynamic", "tiered-disk", "dynamic"]
+    pool = _pool(model)
+    scheduler = BatchScheduler(_loaded(model, tokenizer), SummarizeConfig(), "auto", 5, BIG, _is_memory_error)
+    try:
+        got = _run(scheduler, model, strategies, tmp_path, prompts, NEW, pool)
+    finally:
+        scheduler.close()
+    assert got == [_alone(model, p, n) for p, n in zip(prompts, NEW)]
+    assert scheduler.most_rows == 5 and pool.most_rows == 3 and pool.meter.total == 0
+
+
+def test_a_full_pool_makes_a_sequence_wait_for_room(tokenizer, tmp_path: Path) -> None:
+    """The pool's budget holds two slots: a third sequence is not failed (as a cache it could not
+    make would be) but waits until one leaves; the batch never holds more than the pool does."""
+    model = _model("llama-gqa")
+    prompts = [_prompt(n)[0].tolist() for n in LENGTHS[:4]]
+    new = [12, 12, 12, 12]
+    pool = _pool(model)
+    slot = pool.bytes_for(1, 64)  # every sequence here fits one 64-token granule
+    pool.meter.budget_bytes = 2 * slot
+    scheduler = BatchScheduler(_loaded(model, tokenizer), SummarizeConfig(), "auto", 4, BIG, _is_memory_error)
+    try:
+        got = _run(scheduler, model, ["dynamic"] * 4, tmp_path, prompts, new, pool)
+    finally:
+        scheduler.close()
+    assert got == [_alone(model, p, n) for p, n in zip(prompts, new)]
+    assert pool.most_rows == 2 and scheduler.max_sequences == 2 and scheduler.splits == 0
+    assert pool.meter.peak <= 2 * slot and pool.meter.total == 0
+
+
+def test_a_pool_that_cannot_grow_mid_step_splits_the_batch(tokenizer, tmp_path: Path) -> None:
+    """Without the expected length, slots start at 64 tokens; four of them fit the budget, but the
+    step that needs 128 tokens each does not: the batch splits (in pool units) and every sequence
+    finishes with its tokens alone."""
+    model = _model("llama-gqa")
+    prompts = [_prompt(n)[0].tolist() for n in LENGTHS[:4]]
+    new = [30, 30, 30, 30]  # the 51-token prompt passes 64 tokens mid-decode
+    pool = _pool(model)
+    pool.meter.budget_bytes = pool.bytes_for(4, 64) + pool.bytes_for(1, 64)
+    scheduler = BatchScheduler(_loaded(model, tokenizer), SummarizeConfig(), "auto", 4, BIG, _is_memory_error)
+    try:
+        got = _run(scheduler, model, ["dynamic"] * 4, tmp_path, prompts, new, pool, expected=False)
+    finally:
+        scheduler.close()
+    assert scheduler.splits >= 1 and scheduler.max_sequences <= 2 and pool.most_rows == 4
+    assert got == [_alone(model, p, n) for p, n in zip(prompts, new)]
+    assert pool.meter.total == 0
+
+
+def test_a_sequence_too_long_for_the_pool_alone_is_a_memory_error(tokenizer, tmp_path: Path) -> None:
+    """What moves its task down the cache ladder: the budget guard's error, from the pool."""
+    model = _model("llama-gqa")
+    pool = _pool(model)
+    pool.meter.budget_bytes = pool.bytes_for(1, 64)
+    scheduler = BatchScheduler(_loaded(model, tokenizer), SummarizeConfig(), "auto", 4, BIG, _is_memory_error)
+    try:
+        with pytest.raises(KVBudgetExceeded, match=r"cache\.device_kv_budget_bytes"):
+            _run(scheduler, model, ["dynamic"], tmp_path, [_prompt(60)[0].tolist()], [20], pool)
+    finally:
+        scheduler.close()
+    assert pool.steps == 0 and pool.meter.total == 0
+
+
+def test_batch_attention_is_validated_and_auto_chooses_by_device() -> None:
+    assert load_config(None, ["batch.attention=pooled"]).batch.attention == "pooled"
+    assert load_config(None, []).batch.attention == "auto"
+    with pytest.raises(ConfigError, match=r"batch\.attention"):
+        load_config(None, ["batch.attention=paged"])
+    assert attention_path("auto", "cuda", windowed_layers=False) == "pooled"
+    assert attention_path("auto", "cpu", windowed_layers=False) == "per-row"
+    assert attention_path("pooled", "cpu", windowed_layers=False) == "pooled"
+    assert attention_path("pooled", "cuda", windowed_layers=True) == "per-row"  # the pool holds full attention only
+    with pytest.raises(ValueError, match="full-attention layers only"):
+        _pool(_model("mistral-sliding"))
+
+
+def _task(i: int, name: str) -> Task:
+    text = (LICENSES / name).read_text()[:3000]
+    return Task(task_id=f"t{i:06d}", doc_id=f"doc-{i}", source_type="text", source=text, n_chars=len(text),
+                n_bytes=len(text.encode()), sha256=hashlib.sha256(text.encode()).hexdigest(), overrides={}, meta={})
+
+
+def _summaries(worker: SummaryWorker, tasks: list[Task]) -> list[dict]:
+    """The tasks run at once (as the worker's Ray actor runs them, one thread each)."""
+    with ThreadPoolExecutor(len(tasks)) as threads:
+        return list(threads.map(lambda task: worker.run(dataclasses.asdict(task), 1, 1024), tasks))
+
+
+def test_a_worker_on_the_pooled_path_summarises_as_the_per_row_path_does(tmp_path: Path) -> None:
+    tasks = [_task(i, name) for i, name in enumerate(["BSD", "GPL-2", "Apache-2.0", "MPL-2.0"])]
+    outcomes = {}
+    for path in ("pooled", "per-row"):
+        config = load_config(TINY_CONFIG, [f"batch.attention={path}", "cache.strategy=dynamic"])
+        worker = SummaryWorker(config.model_dump(mode="json"), "job", str(tmp_path / path), threads=1)
+        try:
+            outcomes[path] = _summaries(worker, tasks)
+        finally:
+            worker.scheduler.close()
+        assert worker.info()["attention"] == path
+        if path == "pooled":
+            assert worker.kv_pool is not None and worker.kv_pool.most_rows >= 2 and worker.device_pool.total == 0
+        else:
+            assert worker.kv_pool is None
+    assert all(o["status"] == "done" for o in outcomes["pooled"]), outcomes["pooled"]
+    assert [o["summary"] for o in outcomes["pooled"]] == [o["summary"] for o in outcomes["per-row"]]
+
