@@ -22,7 +22,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from conftest import TINY_CONFIG
 from jobs.config import CacheConfig, SummarizeConfig, load_config
 from jobs.task import Task
-from runner.engine.kvcache import TieredCache, build_cache
+from runner.engine.kvcache import ResidentMeter, TieredCache, build_cache
+from runner.engine.kvpool import KVPool
 from runner.engine.models import LoadedModel, word_tokenizer
 from runner.engine.ragged import decode_step
 from runner.engine.scheduler import BatchScheduler, PassRequest
@@ -75,11 +76,17 @@ def fp32() -> Iterator[LoadedModel]:
         torch.cuda.empty_cache()
 
 
-def run_scheduled(loaded: LoadedModel, strategy: str, max_sequences: int, tmp_path: Path) -> tuple[list[list[int]], int]:
+def run_scheduled(loaded: LoadedModel, strategy: str, max_sequences: int, tmp_path: Path,
+                  pooled: bool = False) -> tuple[list[list[int]], int]:
     """Every prompt through one BatchScheduler at `max_sequences` at a time: the tokens, and the
-    largest batch a decode step ran."""
-    settings = SummarizeConfig(max_new_tokens=NEW_TOKENS, prefill_chunk_size=256)
+    largest batch a decode step ran. `pooled`: `dynamic` rows are slots of one KV pool
+    (`batch.attention: pooled`, one attention call per layer for them all)."""
+    # the random model loops: the loop stop off, so every sequence runs its full length
+    settings = SummarizeConfig(max_new_tokens=NEW_TOKENS, prefill_chunk_size=256, loop_stop={"enabled": False})
     cache_cfg = CacheConfig(block_tokens=BLOCK)
+    kv_pool = (KVPool.for_model(loaded.model.config, loaded.dtype, loaded.device,
+                                ResidentMeter(None, "the test's device", "cache.device_kv_budget_bytes"))
+               if pooled else None)
     scheduler = BatchScheduler(loaded, settings, "auto", max_sequences, 1 << 40, _is_memory_error)
     try:
         futures = []
@@ -88,7 +95,7 @@ def run_scheduled(loaded: LoadedModel, strategy: str, max_sequences: int, tmp_pa
 
             def make_cache(i: int = i, tokens: int = tokens):
                 return build_cache(strategy, loaded.model, cache_cfg, tmp_path / f"{strategy}-{max_sequences}-{i}",
-                                   None, None, expected_tokens=tokens)
+                                   None, None, expected_tokens=tokens, kv_pool=kv_pool)
 
             futures.append(scheduler.submit(PassRequest(ids, NEW_TOKENS, make_cache, tokens * TOKEN_KV_BYTES_FP32)))
         return [f.result(timeout=300).generation.tokens for f in futures], scheduler.most_rows
@@ -99,12 +106,13 @@ def run_scheduled(loaded: LoadedModel, strategy: str, max_sequences: int, tmp_pa
 def test_fp32_tokens_identical_across_strategies_and_batched_vs_alone(fp32: LoadedModel, tmp_path: Path) -> None:
     reference, _ = run_scheduled(fp32, "dynamic", 1, tmp_path)
     assert all(len(t) == NEW_TOKENS for t in reference) and len({tuple(t) for t in reference}) == len(reference)
-    for strategy in STRATEGIES:
+    for strategy, pooled in [(s, False) for s in STRATEGIES] + [("dynamic", True)]:
         for max_sequences in (1, len(PROMPT_LENGTHS)):
-            tokens, most_rows = run_scheduled(fp32, strategy, max_sequences, tmp_path)
+            tokens, most_rows = run_scheduled(fp32, strategy, max_sequences, tmp_path, pooled)
+            what = f"{strategy}{' pooled' if pooled else ''} at max_sequences={max_sequences}"
             if strategy != "offloaded":  # transformers' own cache runs whole, one sequence at a time
-                assert most_rows == max_sequences, f"{strategy}: the batch never reached {max_sequences} rows"
-            assert tokens == reference, f"{strategy} at max_sequences={max_sequences}"
+                assert most_rows == max_sequences, f"{what}: the batch never reached {max_sequences} rows"
+            assert tokens == reference, what
 
 
 def test_bf16_agreement_with_fp32_is_printed(fp32: LoadedModel, tmp_path: Path) -> None:
