@@ -211,7 +211,8 @@ def _prefilled(loaded: LoadedModel, prompts: list[list[int]], tier: str | None, 
                ) -> tuple[list, list[int]]:
     settings = SummarizeConfig(prefill_chunk_size=512)
     caches, first = [], []
-    pool = KVPool.for_model(loaded.model.config, loaded.dtype, loaded.device, ResidentMeter(None, "device", ""))
+    pool = (KVPool.for_model(loaded.model.config, loaded.dtype, loaded.device, ResidentMeter(None, "device", ""))
+            if attention == "pooled" else None)
     for ids in prompts:
         cache = (TieredCache(loaded.model.config, tier=tier) if tier is not None
                  else PooledCache(pool, len(ids) + 64) if attention == "pooled"
@@ -485,21 +486,24 @@ def device_section(args: argparse.Namespace) -> dict:
     print(f"{loaded.name} on {report['device']}, {prompt_tokens}-token prompts, {steps} decode steps; "
           f"memory read at {read_gbs:.0f} GB/s", flush=True)
     alone_rate, alone_tokens = decode_rate(loaded, prompts, 1, steps)  # every prompt alone: the reference
-    print(f"{'rows':>4} {'tok/s':>9} {'bound':>9} {'of bound':>8} {'gen_batch':>9} {'x gen_batch':>11} "
+    print(f"{'rows':>4} {'attention':>9} {'tok/s':>9} {'bound':>9} {'of bound':>8} {'gen_batch':>9} {'x gen_batch':>11} "
           f"{'same as alone':>13} {'gen_batch same':>14}")
     for width in widths:
-        rate, tokens = (alone_rate, alone_tokens) if width == 1 else decode_rate(loaded, prompts[:width], width, steps)
-        _free(device)
         batch_rate, batch_tokens = generate_batch_decode_rate(loaded, prompts[:width], steps)
         _free(device)
         bound = width * read_gbs * 1e9 / step_bytes(loaded, width, prompt_tokens + steps // 2)
-        row = {"rows": width, "decode_tok_s": rate, "bound_tok_s": bound, "of_bound": rate / bound,
-               "generate_batch_tok_s": batch_rate, "agree_with_alone": agreement(tokens, alone_tokens[:width]),
-               "generate_batch_agree_with_alone": agreement(batch_tokens, alone_tokens[:width])}
-        report["rows"].append(row)
-        versus = f"{batch_rate:>9.1f} {rate / batch_rate:>11.2f}" if batch_rate else f"{'n/a':>9} {'n/a':>11}"
-        print(f"{width:>4} {rate:>9.1f} {bound:>9.1f} {rate / bound:>8.1%} {versus} {row['agree_with_alone']:>13.1%} "
-              f"{row['generate_batch_agree_with_alone']:>14.1%}", flush=True)
+        for attention in ("per-row", "pooled"):  # batch.attention's two paths, the same prompts
+            rate, tokens = ((alone_rate, alone_tokens) if (width, attention) == (1, "per-row")
+                            else decode_rate(loaded, prompts[:width], width, steps, attention=attention))
+            _free(device)
+            row = {"rows": width, "attention": attention, "decode_tok_s": rate, "bound_tok_s": bound,
+                   "of_bound": rate / bound, "generate_batch_tok_s": batch_rate,
+                   "agree_with_alone": agreement(tokens, alone_tokens[:width]),
+                   "generate_batch_agree_with_alone": agreement(batch_tokens, alone_tokens[:width])}
+            report["rows"].append(row)
+            versus = f"{batch_rate:>9.1f} {rate / batch_rate:>11.2f}" if batch_rate else f"{'n/a':>9} {'n/a':>11}"
+            print(f"{width:>4} {attention:>9} {rate:>9.1f} {bound:>9.1f} {rate / bound:>8.1%} {versus} "
+                  f"{row['agree_with_alone']:>13.1%} {row['generate_batch_agree_with_alone']:>14.1%}", flush=True)
     report["offload"] = offload_rates(loaded, args.offload_tokens or offload_tokens, 16)
     for row in report["offload"]:
         print(f"{row['prompt_tokens']}-token prompt, {row['cache']:<12}: prefill {row['prefill_s']:6.1f} s, "
