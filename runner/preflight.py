@@ -51,6 +51,7 @@ def check_settings(config: JobConfig) -> None:
     """Everything that needs neither Ray nor the model's weights."""
     check_model(config)
     check_generation(config.summarize)
+    check_token_ids(config)
     check_context(config)
     check_answer_room(config.summarize)
     check_quantization(config)
@@ -77,6 +78,39 @@ def check_generation(settings: SummarizeConfig) -> None:
         GenerationConfig(**fields).validate(strict=True)
     except (ValueError, TypeError) as e:
         raise ConfigError(f"summarize.generation is not a valid generation config: {e}") from None
+
+
+#: GenerationConfig fields that hold token ids (an int, a list of them, or a list of lists).
+TOKEN_ID_FIELDS = ("bos_token_id", "eos_token_id", "decoder_start_token_id", "forced_bos_token_id",
+                   "forced_eos_token_id", "suppress_tokens", "begin_suppress_tokens", "bad_words_ids",
+                   "force_words_ids")
+
+
+def _ids_in(value: Any) -> list[Any]:
+    return [i for item in value for i in _ids_in(item)] if isinstance(value, (list, tuple)) else [value]
+
+
+def check_token_ids(config: JobConfig) -> None:
+    """Token ids in `summarize.generation` within the model's vocabulary (when its config can be read):
+    an id past it fails every document inside the logits processors. A value that is no integer at all
+    is transformers' to refuse (inside the task, which then fails at once as a setting error)."""
+    from runner.engine.models import model_vocab_size
+
+    fields = {name: config.summarize.generation[name] for name in TOKEN_ID_FIELDS
+              if config.summarize.generation.get(name) is not None}
+    if not fields:
+        return
+    vocab = model_vocab_size(config.model)
+    for name, value in fields.items():
+        for token in _ids_in(value):
+            if not isinstance(token, int) or isinstance(token, bool):
+                continue
+            if token < 0 or (vocab is not None and token >= vocab):
+                limit = f"0 to {vocab - 1}" if vocab is not None else "0 or more"
+                raise ConfigError(
+                    f"summarize.generation.{name}: {token!r} is not a token id of model {config.model.name} "
+                    f"(its ids are {limit}): use ids of its tokenizer"
+                )
 
 
 def check_context(config: JobConfig) -> None:

@@ -1,21 +1,21 @@
 """The worker's scheduler never dies: an error in one sequence fails that sequence at once, an error it
 cannot pin on one fails every waiting future with it, and it keeps serving afterwards.
 
-Real BatchScheduler, real tiny random models and caches (tests/test_batching.py's); the CLI case is
-the issue's own setting, through real Ray workers.
+Real BatchScheduler, real tiny random models and caches (tests/test_batching.py's). Through the CLI
+the issue's own setting (an out-of-vocabulary forced_eos_token_id) is refused at submit now
+(tests/test_submit_checks.py), and a setting that fails every task inside the scheduler ends the batch
+within seconds (tests/test_setting_failures.py).
 """
 
 from __future__ import annotations
 
 import time
-from pathlib import Path
 
 import pytest
 import torch
 from test_batching import BIG, _loaded, tokenizer  # noqa: F401 - the fixture
 from test_kvcache import _model, _one_torch_thread, _prompt  # noqa: F401 - the fixture applies here too
 
-from conftest import TINY_CONFIG, export_rows, kvbatch, write_jsonl
 from jobs.config import CacheConfig, SummarizeConfig
 from runner.engine.kvcache import build_cache
 from runner.engine.scheduler import BatchScheduler, PassRequest
@@ -87,22 +87,3 @@ def test_an_error_the_loop_cannot_pin_on_a_sequence_fails_every_waiting_future_a
         scheduler.close()
     assert all(isinstance(o, TypeError) for o in outcomes), outcomes
     assert isinstance(after, list) and len(after) == 8
-
-
-def test_a_setting_that_breaks_token_choice_ends_the_batch_with_the_real_error(tmp_path: Path,
-                                                                              ray_address: str) -> None:
-    """Through the CLI, with the default hour-long task timeout: the documents fail within seconds
-    with the IndexError of the token choice, not a TimeoutError an hour later."""
-    manifest = write_jsonl(tmp_path / "m.jsonl", [{"id": "a", "text": "A meeting about the budget."},
-                                                   {"id": "b", "text": "A report about the park."}])
-    job = tmp_path / "job"
-    started = time.monotonic()
-    kvbatch("submit", str(manifest), "-c", str(TINY_CONFIG), "-j", str(job), "--address", ray_address,
-            "--set", f"summarize.generation.forced_eos_token_id={OUT_OF_VOCAB}", "--set", "retry.max_attempts=1",
-            "--set", "retry.task_timeout_s=3600", timeout=120)
-    assert time.monotonic() - started < 90
-    rows = export_rows(job)
-    assert {r["doc_id"] for r in rows} == {"a", "b"}
-    for row in rows:
-        assert row["status"] == "failed" and row["error_type"] == "IndexError", row
-        assert str(OUT_OF_VOCAB) in row["error"], row

@@ -35,6 +35,10 @@ BAD_SETTINGS = [
     (["--set", "workers.cpus_per_worker=4"], "workers.cpus_per_worker=4: no node of the Ray cluster has 4 CPUs"),
     (["--set", "workers.count=3"], "workers.count=3"),
     (["--set", "cache.ladder=[tiered-host]"], "cache.ladder ['tiered-host']"),
+    # token ids past the vocabulary failed every document inside the logits processors
+    (["--set", "summarize.generation.forced_eos_token_id=1000000"], "forced_eos_token_id: 1000000 is not a token id"),
+    (["--set", "summarize.generation.bad_words_ids=[[5],[49152]]"], "bad_words_ids: 49152 is not a token id"),
+    (["--set", "summarize.generation.suppress_tokens=[-1]"], "suppress_tokens: -1 is not a token id"),
 ]
 
 

