@@ -1,6 +1,6 @@
 """What to do after a failure, as plain functions: the coordinator and workers apply them.
 
-Failure classes (DESIGN.md "Failures"):
+Failure classes (docs/design.md "Failures"):
 - input: the document itself is bad; retrying cannot help, so the task fails at once.
 - setting: a setting the task cannot run with (a ConfigError, a TypeError or ValueError raised on a
   value from the config); the same settings fail again and a shorter context changes none, so the

@@ -1,4 +1,4 @@
-"""The `kvbatch` command line (DESIGN.md "Command line" is its contract)."""
+"""The `kvbatch` command line (docs/design.md "Command line" is its contract)."""
 
 from __future__ import annotations
 

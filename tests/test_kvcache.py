@@ -1,6 +1,6 @@
 """The KV cache strategies against transformers' DynamicCache, on tiny random models.
 
-Token identity is the contract (DESIGN.md): with greedy decoding every strategy gives exactly the
+Token identity is the contract (docs/design.md): with greedy decoding every strategy gives exactly the
 tokens of `dynamic`, and sampling with a fixed seed too.
 """
 
