@@ -218,7 +218,7 @@ def test_the_report_renders_in_headless_chromium(job, tmp_path):
 def test_a_job_with_nothing_run_still_gets_a_report(tmp_path):
     manifest = write_jsonl(tmp_path / "m.jsonl", [{"id": "ghost", "path": "missing.txt"}])
     job_dir = tmp_path / "job"
-    kvbatch("submit", str(manifest), "-c", str(TINY_CONFIG), "-j", str(job_dir), check=0)
+    kvbatch("submit", str(manifest), "-c", str(TINY_CONFIG), "-j", str(job_dir), check=3)  # every row rejected
     kvbatch("report", str(job_dir), "-o", str(tmp_path / "r.html"), check=0)
     page = _Page()
     text = (tmp_path / "r.html").read_text(encoding="utf-8")
