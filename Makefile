@@ -43,7 +43,7 @@ bench: venv
 DEVICE_WHEELS ?= .whl
 DEVICE_PACKAGES := transformers==5.23.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 \
 	typing-inspection==0.4.5 typing-extensions==4.16.0 regex==2026.11.19 zstandard==0.25.0 tenacity==9.2.1 \
-	pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1
+	pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1 torchao==0.18.0 accelerate==1.15.0
 DEVICE_PLATFORMS := manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64
 
 device-wheels: venv

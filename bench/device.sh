@@ -41,8 +41,9 @@ mkdir -p "$out"
 report="$out/device-report.md"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-if [ "$device" = cuda ]; then tests_s=200 bench_s=250 bench_args=(); else
-    tests_s=420 bench_args=(--sections device --rows 1,8 --decode-steps 16 --offload-tokens 512) bench_s=300; fi
+if [ "$device" = cuda ]; then tests_s=150 bench_s=200 quant_s=110 bench_args=() quant_args=(); else
+    tests_s=420 bench_args=(--sections device --rows 1,8 --decode-steps 16 --offload-tokens 512) bench_s=300
+    quant_s=200 quant_args=(--decode-steps 8 --prompt-tokens 128); fi
 
 started=$(date +%s)
 timeout "$tests_s" "$python" -m pytest -q -s -p no:cacheprovider tests/test_cuda.py >"$work/tests.log" 2>&1
@@ -50,6 +51,9 @@ tests_rc=$?
 timeout "$bench_s" "$python" bench/throughput.py --device "$device" "${bench_args[@]}" --report "$work/bench.json" \
     >"$work/bench.log" 2>&1
 bench_rc=$?
+timeout "$quant_s" "$python" bench/throughput.py --device "$device" --sections device-quant "${quant_args[@]}" \
+    --report "$work/quant.json" >"$work/quant.log" 2>&1
+quant_rc=$?
 
 {
     echo "# kvbatch device report"
@@ -58,7 +62,7 @@ bench_rc=$?
     echo "- commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
     echo "- device: $device$(command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | sed 's/^/, /')"
     echo "- $("$python" -c 'import sys, torch, transformers; print(f"python {sys.version.split()[0]}, torch {torch.__version__}, transformers {transformers.__version__}")' 2>&1)"
-    echo "- tests/test_cuda.py: exit $tests_rc$([ $tests_rc = 124 ] && echo " (stopped after $tests_s s)"); bench/throughput.py: exit $bench_rc$([ $bench_rc = 124 ] && echo " (stopped after $bench_s s)")"
+    echo "- tests/test_cuda.py: exit $tests_rc$([ $tests_rc = 124 ] && echo " (stopped after $tests_s s)"); bench/throughput.py: exit $bench_rc$([ $bench_rc = 124 ] && echo " (stopped after $bench_s s)"); quantized weights: exit $quant_rc$([ $quant_rc = 124 ] && echo " (stopped after $quant_s s)")"
     echo
     echo "## tests/test_cuda.py"
     echo
@@ -70,6 +74,12 @@ bench_rc=$?
     echo
     echo '```'
     sed -E 's/USDT:.*profiler_(start|stop)//' "$work/bench.log" | grep -v -e '^$' -e 'ContinuousBatchingLogger - WARNING'
+    echo '```'
+    echo
+    echo "## bench/throughput.py --sections device-quant (quantized weights)"
+    echo
+    echo '```'
+    sed -E 's/USDT:.*profiler_(start|stop)//' "$work/quant.log" | grep -v -e '^$' -e 'Loading weights' -e 'Warning'
     echo '```'
     if [ -s "$work/bench.json" ]; then
         echo

@@ -18,6 +18,8 @@ Sections (all in one run, so the ratios share the machine's state):
   matmuls, attention, the rest) and how fast attention reads the KV against a plain read of memory.
 - step-ops: what one decode step costs the host (aten ops, kernel-launching ops, host ms) at 1, 8
   and 32 rows of a model with Llama-3-8B's attention shape, per-row and pooled (bench/step_ops.py).
+- device-quant (`--sections device-quant`): decode tok/s and weight memory under each
+  `model.quantization` the machine can run, the same random checkpoint loaded through kvbatch's loader.
 - device (`--device cuda`, or `--device cpu --sections device` for a dry run with small shapes):
   tokenizer-free, a random Llama (Llama-3-8B's shape in bf16 on CUDA): decode tok/s of kvbatch's
   batched step at 1/8/32 rows against the bandwidth bound and against transformers' `generate_batch`
@@ -511,6 +513,67 @@ def device_section(args: argparse.Namespace) -> dict:
     return report
 
 
+QUANT_METHODS = ("none", "torchao-int8", "torchao-int4", "bnb-8bit", "bnb-4bit")
+QUANT_LAYERS = {"cuda": 8, "cpu": 2}
+"""Layers of the model the quantized rows load: Llama-3-8B's layer shapes on CUDA, a quarter of its
+depth, so that saving and loading it once per method fits the device script's few minutes."""
+
+
+def device_quant_section(args: argparse.Namespace) -> dict:
+    """Decode tok/s and weight memory under each `model.quantization` this machine can run, the weights
+    loaded through kvbatch's own loader (transformers' quantizers) from one saved random checkpoint;
+    tokens against the unquantized model's (random weights: speed and memory only, not quality)."""
+    from runner.engine.quantization import unavailable
+
+    device = torch.device(args.device)
+    fields, prompt_tokens, _, _ = DEVICE_SHAPES[device.type]
+    fields = {**fields, "num_hidden_layers": QUANT_LAYERS[device.type]}
+    prompt_tokens = min(args.prompt_tokens or prompt_tokens, 2048)
+    steps = args.decode_steps
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, fields["vocab_size"], (prompt_tokens,), generator=generator).tolist() for _ in range(8)]
+    report = {"layers": fields["num_hidden_layers"], "prompt_tokens": prompt_tokens, "rows": []}
+    print(f"quantized weights: llama {fields['num_hidden_layers']}x{fields['hidden_size']} (Llama-3-8B's layers), "
+          f"{prompt_tokens}-token prompts, {steps} decode steps, pooled attention")
+    print(f"{'method':<13} {'weights MiB':>11} {'peak MiB':>9} {'tok/s 1 row':>11} {'tok/s 8 rows':>12} {'same as none':>12}")
+    reference: list[list[int]] | None = None
+    with tempfile.TemporaryDirectory(prefix="kvbatch-quant-") as folder:
+        made = synthetic_llama(device, fields)
+        made.model.save_pretrained(folder)
+        made.tokenizer.save_pretrained(folder)
+        del made
+        _free(device)
+        for method in QUANT_METHODS:
+            why = unavailable(method, device.type)
+            if why is not None:
+                print(f"{method:<13} not run: {why}", flush=True)
+                report["rows"].append({"method": method, "skipped": why})
+                continue
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            dtype = "bfloat16" if device.type == "cuda" else "float32"
+            try:
+                loaded = load_model(ModelConfig(name=folder, dtype=dtype, device=str(device), quantization=method))
+            except Exception as e:  # noqa: BLE001 - a library this machine's torch cannot run: say so, go on
+                print(f"{method:<13} failed to load: {type(e).__name__}: {str(e).splitlines()[0][:200]}", flush=True)
+                report["rows"].append({"method": method, "failed": f"{type(e).__name__}: {e}"})
+                continue
+            loaded.model.generation_config.eos_token_id = None
+            one, tokens = decode_rate(loaded, prompts[:1], 1, steps, attention="pooled")
+            eight, _ = decode_rate(loaded, prompts, 8, steps, attention="pooled")
+            reference = reference or tokens
+            peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+            row = {"method": method, "weight_bytes": loaded.weight_bytes, "peak_device_bytes": peak,
+                   "decode_tok_s_1": one, "decode_tok_s_8": eight, "agree_with_none": agreement(tokens, reference)}
+            report["rows"].append(row)
+            peak_text = f"{peak / 2**20:>9,.0f}" if peak is not None else f"{'n/a':>9}"
+            print(f"{method:<13} {loaded.weight_bytes / 2**20:>11,.0f} {peak_text} {one:>11.1f} {eight:>12.1f} "
+                  f"{row['agree_with_none']:>12.1%}", flush=True)
+            del loaded
+            _free(device)
+    return report
+
+
 SECTIONS = {"docs": docs_section, "anchors": anchors_section, "decode": decode_section, "step-ops": step_ops_section}
 WITHOUT_SMOLLM2 = {"step-ops"}
 
@@ -533,6 +596,11 @@ def main() -> None:
     parser.add_argument("--offload-tokens", type=int, help="device section: the long prompt streamed from host RAM")
     parser.add_argument("--report", type=Path, help="device section: also write its figures to this JSON file")
     args = parser.parse_args()
+    if args.sections == "device-quant":
+        report = device_quant_section(args)
+        if args.report:
+            args.report.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        return
     if args.device == "cuda" or args.sections == "device":
         report = device_section(args)
         if args.report:
