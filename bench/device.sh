@@ -88,5 +88,5 @@ quant_rc=$?
         echo '```'
     fi
 } >"$report"
-echo "bench/device.sh: report in $report (tests exit $tests_rc, bench exit $bench_rc)"
-[ $tests_rc = 0 ] && [ $bench_rc = 0 ]
+echo "bench/device.sh: report in $report (tests exit $tests_rc, bench exit $bench_rc, quantized exit $quant_rc)"
+[ $tests_rc = 0 ] && [ $bench_rc = 0 ] && [ $quant_rc = 0 ]
