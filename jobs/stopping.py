@@ -1,14 +1,17 @@
 """Why a generated sequence ended, and the loop stop: a sequence whose tail repeats itself ends there.
 
 Greedy decoding of a small model often falls into a loop (the same sentence again and again until
-`max_new_tokens`). Such a loop is exact: once the model emits the same block of tokens `repeats`
-times back to back, it keeps doing so. `repeated_tail` spots that at the step it happens, so the
-sequence stops paying decode steps for text a reader throws away, and says how many tokens to cut
-so the summary keeps the block once. Pure: no torch, called once per decode step per sequence.
+`max_new_tokens`). Most such loops are exact: once the model emits the same block of tokens `repeats`
+times back to back, it keeps doing so; `repeated_tail` spots that. Some are near-copies (a paragraph
+again with one word or line break changed), which no fixed period matches; `LoopWatch` spots those by
+the share of recent n-grams that already occurred. Either way the sequence stops at the step it
+happens, so it stops paying decode steps for text a reader throws away, and the summary keeps the
+looped text once. Pure: no torch, run once per decode step per sequence.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from enum import StrEnum
 
@@ -54,12 +57,63 @@ def repeated_ngram_share(tokens: Sequence[int], n: int = 4) -> float:
     return repeated / len(grams) if grams else 0.0
 
 
+class LoopWatch:
+    """The loop stop for one sequence, fed its tokens as they are generated; it keeps counts so a step
+    costs one n-gram lookup (plus `repeated_tail`), not a rescan of the sequence."""
+
+    def __init__(self, rule: LoopStopConfig) -> None:
+        self.rule = rule
+        self.tokens: list[int] = []
+        self.cut = 0  # tokens to cut once the sequence has looped; 0 while it has not
+        self._first_at: dict[tuple[int, ...], int] = {}  # n-gram -> where it first began
+        # for each n-gram inside the last `window` tokens, oldest first: did it occur before?
+        self._recent: deque[bool] = deque(maxlen=max(rule.window - rule.ngram + 1, 1))
+        self._recent_repeated = 0
+
+    def update(self, tokens: Sequence[int]) -> int:
+        """Take the tokens of `tokens` not fed yet (it is the whole sequence so far) and say how many to
+        cut from its end (at most what was fed when it looped); 0 while it does not loop."""
+        if not self.rule.enabled:
+            return 0
+        for token in tokens[len(self.tokens):]:
+            if self.cut:
+                break
+            self.tokens.append(token)
+            self.cut = repeated_tail(self.tokens, self.rule) or self._near_copy()
+        return self.cut
+
+    def kept(self, tokens: Sequence[int]) -> list[int]:
+        """`tokens` (the whole sequence) without the looped tail, once fed."""
+        cut = self.update(tokens)
+        return self.tokens[: len(self.tokens) - cut] if cut else list(tokens)
+
+    def _near_copy(self) -> int:
+        n, window = self.rule.ngram, self.rule.window
+        start = len(self.tokens) - n
+        if not window or start < 0:
+            return 0
+        gram = tuple(self.tokens[start:])
+        repeated = gram in self._first_at
+        self._first_at.setdefault(gram, start)
+        if len(self._recent) == self._recent.maxlen:
+            self._recent_repeated -= self._recent[0]
+        self._recent.append(repeated)
+        self._recent_repeated += repeated
+        if len(self._recent) < self._recent.maxlen or self._recent_repeated < self.rule.window_share * len(self._recent):
+            return 0
+        # the copy began at the earliest repeated n-gram from which on the share holds: cut from there
+        flags = list(self._recent)
+        suffix_repeated, begin = 0, len(flags)
+        for i in range(len(flags) - 1, -1, -1):
+            suffix_repeated += flags[i]
+            if flags[i] and suffix_repeated >= self.rule.window_share * (len(flags) - i):
+                begin = i
+        return len(flags) - begin + n - 1
+
+
 def loop_stopped(tokens: Sequence[int], rule: LoopStopConfig) -> tuple[list[int], bool]:
     """What a sequence keeps when the loop stop watches it token by token (as the batched decode does),
     and whether it stopped: for tokens generated without it, e.g. by a plain generate() call."""
-    tokens = list(tokens)
-    for end in range(1, len(tokens) + 1):
-        cut = repeated_tail(tokens[:end], rule)
-        if cut:
-            return tokens[: end - cut], True
-    return tokens, False
+    watch = LoopWatch(rule)
+    kept = watch.kept(tokens)
+    return kept, bool(watch.cut)
