@@ -11,7 +11,6 @@ looped text once. Pure: no torch, run once per decode step per sequence.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Sequence
 from enum import StrEnum
 
@@ -66,9 +65,9 @@ class LoopWatch:
         self.tokens: list[int] = []
         self.cut = 0  # tokens to cut once the sequence has looped; 0 while it has not
         self._first_at: dict[tuple[int, ...], int] = {}  # n-gram -> where it first began
-        # for each n-gram inside the last `window` tokens, oldest first: did it occur before?
-        self._recent: deque[bool] = deque(maxlen=max(rule.window - rule.ngram + 1, 1))
-        self._recent_repeated = 0
+        self._repeated: list[bool] = []  # per n-gram, by where it begins: did it occur before?
+        self._span = max(rule.window - rule.ngram + 1, 1)  # the n-grams inside the last `window` tokens
+        self._recent_repeated = 0  # how many of those did
 
     def update(self, tokens: Sequence[int]) -> int:
         """Take the tokens of `tokens` not fed yet (it is the whole sequence so far) and say how many to
@@ -88,27 +87,39 @@ class LoopWatch:
         return self.tokens[: len(self.tokens) - cut] if cut else list(tokens)
 
     def _near_copy(self) -> int:
-        n, window = self.rule.ngram, self.rule.window
-        start = len(self.tokens) - n
-        if not window or start < 0:
+        n, flags = self.rule.ngram, self._repeated
+        begin = len(self.tokens) - n
+        if not self.rule.window or begin < 0:
             return 0
-        gram = tuple(self.tokens[start:])
-        repeated = gram in self._first_at
-        self._first_at.setdefault(gram, start)
-        if len(self._recent) == self._recent.maxlen:
-            self._recent_repeated -= self._recent[0]
-        self._recent.append(repeated)
-        self._recent_repeated += repeated
-        if len(self._recent) < self._recent.maxlen or self._recent_repeated < self.rule.window_share * len(self._recent):
+        gram = tuple(self.tokens[begin:])
+        flags.append(gram in self._first_at)
+        self._first_at.setdefault(gram, begin)
+        self._recent_repeated += flags[-1] - (flags[-self._span - 1] if len(flags) > self._span else 0)
+        if len(flags) < self._span or self._recent_repeated < self.rule.window_share * self._span:
             return 0
-        # the copy began at the earliest repeated n-gram from which on the share holds: cut from there
-        flags = list(self._recent)
-        suffix_repeated, begin = 0, len(flags)
-        for i in range(len(flags) - 1, -1, -1):
-            suffix_repeated += flags[i]
-            if flags[i] and suffix_repeated >= self.rule.window_share * (len(flags) - i):
-                begin = i
-        return len(flags) - begin + n - 1
+        return len(self.tokens) - self._copy_start()
+
+    def _copy_start(self) -> int:
+        """Where the copy began: the earliest repeated n-gram of the window from which on the share holds,
+        then back over the changes inside the copy (a run of at most 2 x `ngram` new n-grams: a word
+        changed, or a line break, which also changes the next word's token), up to a longer run of new
+        text, which is the first copy's."""
+        flags, share = self._repeated, self.rule.window_share
+        longest_change = 2 * self.rule.ngram
+        start, repeated = len(flags), 0
+        for i in range(len(flags) - 1, len(flags) - self._span - 1, -1):
+            repeated += flags[i]
+            if flags[i] and repeated >= share * (len(flags) - i):
+                start = i
+        while True:
+            while start > 0 and flags[start - 1]:
+                start -= 1
+            gap = 0
+            while gap <= longest_change and start - gap > 0 and not flags[start - gap - 1]:
+                gap += 1
+            if gap > longest_change or start - gap == 0:
+                return start
+            start -= gap
 
 
 def loop_stopped(tokens: Sequence[int], rule: LoopStopConfig) -> tuple[list[int], bool]:
