@@ -8,9 +8,9 @@ each row's summaries are to float32's: the share of tokens agreeing up to the fi
 the ROUGE-L F1 of their words. The rows run with the loop stop off, so every row decodes the same
 number of steps and the comparison is of the weights alone.
 
-Then the loop stop on the float32 summaries: the repeated-4-gram share of each (the share of its
-4-grams that occurred earlier in it), without and with the default `summarize.loop_stop`, and the
-decode tokens it saves. Greedy decoding makes this exact after the fact: the batched decode stops at
+Then the loop stop on the float32 summaries (run `--rows float32` for this part alone): the
+repeated-4-gram share of each (the share of its 4-grams that occurred earlier in it), without and with
+the default `summarize.loop_stop` (exact copies and near-copies), and the decode tokens it saves. Greedy decoding makes this exact after the fact: the batched decode stops at
 the step where `jobs.stopping.loop_stopped` cuts (tests/test_batching.py holds it to that).
 
 Run: python bench/quantization.py [--docs N] [--prompt-tokens 1024] [--new-tokens 120] [--threads 2]
@@ -168,7 +168,8 @@ def main() -> None:
               f"{same}/{docs} | {sum(agree) / docs:.2f} | {min(rouge):.2f}-{max(rouge):.2f} |")
 
     rule = LoopStopConfig()
-    print(f"\nloop stop (default: {rule.repeats} copies of a {rule.ngram}-{rule.max_period} token block) "
+    print(f"\nloop stop (default: {rule.repeats} copies of a {rule.ngram}-{rule.max_period} token block, or "
+          f"{rule.window_share:.0%} of the last {rule.window} tokens' {rule.ngram}-grams seen before) "
           "on the float32 summaries:\n")
     print("| document | tokens | repeated 4-grams | with loop stop: tokens | repeated 4-grams | saved |")
     print("|---|---:|---:|---:|---:|---:|")
