@@ -34,7 +34,6 @@ def repeated_tail(tokens: Sequence[int], rule: LoopStopConfig) -> int:
     """
     if not rule.enabled:
         return 0
-    tokens = list(tokens)
     n, repeats = len(tokens), rule.repeats
     for period in range(rule.ngram, min(rule.max_period, n // repeats) + 1):
         span = period * repeats

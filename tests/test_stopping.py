@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jobs.config import ConfigError, LoopStopConfig, config_from_dict
@@ -109,6 +109,7 @@ def test_window_zero_turns_the_near_copy_rule_off() -> None:
     assert loop_stopped(tokens, LoopStopConfig(window=0)) == (tokens, False)
 
 
+@settings(deadline=None)
 @given(st.lists(st.integers(0, 5000), max_size=300))
 def test_a_sequence_without_a_repeated_ngram_is_never_cut(tokens) -> None:
     if repeated_ngram_share(tokens) > 0:  # hypothesis rarely draws one; such a draw is no test of this
@@ -116,6 +117,7 @@ def test_a_sequence_without_a_repeated_ngram_is_never_cut(tokens) -> None:
     assert loop_stopped(tokens, LoopStopConfig()) == (tokens, False)
 
 
+@settings(deadline=None)
 @given(st.integers(4, 12), st.lists(st.integers(20, 180), min_size=1, max_size=6))
 def test_a_phrase_quoted_again_now_and_then_is_not_a_loop(phrase_len, gaps) -> None:
     """Text that is not a loop may quote an earlier phrase ("the Software", a clause's name) now and
