@@ -57,13 +57,14 @@ def repeated_ngram_share(tokens: Sequence[int], n: int = 4) -> float:
 
 class LoopWatch:
     """The loop stop for one sequence, fed its tokens as they are generated; it keeps counts so a step
-    costs one n-gram lookup (plus `repeated_tail`), not a rescan of the sequence."""
+    costs one n-gram lookup (and `repeated_tail` only when that n-gram occurred before), not a rescan
+    of the sequence."""
 
     def __init__(self, rule: LoopStopConfig) -> None:
         self.rule = rule
         self.tokens: list[int] = []
         self.cut = 0  # tokens to cut once the sequence has looped; 0 while it has not
-        self._first_at: dict[tuple[int, ...], int] = {}  # n-gram -> where it first began
+        self._seen: set[tuple[int, ...]] = set()  # every n-gram so far
         self._repeated: list[bool] = []  # per n-gram, by where it begins: did it occur before?
         self._span = max(rule.window - rule.ngram + 1, 1)  # the n-grams inside the last `window` tokens
         self._recent_repeated = 0  # how many of those did
@@ -77,7 +78,9 @@ class LoopWatch:
             if self.cut:
                 break
             self.tokens.append(token)
-            self.cut = repeated_tail(self.tokens, self.rule) or self._near_copy()
+            # a tail of copies ends in an n-gram seen before, so only then is the exact rule run
+            repeated = self._note_newest_gram()
+            self.cut = (repeated_tail(self.tokens, self.rule) if repeated else 0) or self._near_copy()
         return self.cut
 
     def kept(self, tokens: Sequence[int]) -> list[int]:
@@ -85,16 +88,21 @@ class LoopWatch:
         cut = self.update(tokens)
         return self.tokens[: len(self.tokens) - cut] if cut else list(tokens)
 
-    def _near_copy(self) -> int:
-        n, flags = self.rule.ngram, self._repeated
-        begin = len(self.tokens) - n
-        if not self.rule.window or begin < 0:
-            return 0
+    def _note_newest_gram(self) -> bool:
+        """Record the n-gram the newest token completes; whether it occurred before."""
+        flags, begin = self._repeated, len(self.tokens) - self.rule.ngram
+        if begin < 0:
+            return False
         gram = tuple(self.tokens[begin:])
-        flags.append(gram in self._first_at)
-        self._first_at.setdefault(gram, begin)
+        flags.append(gram in self._seen)
+        self._seen.add(gram)
         self._recent_repeated += flags[-1] - (flags[-self._span - 1] if len(flags) > self._span else 0)
-        if len(flags) < self._span or self._recent_repeated < self.rule.window_share * self._span:
+        return flags[-1]
+
+    def _near_copy(self) -> int:
+        if not self.rule.window or len(self._repeated) < self._span:
+            return 0
+        if self._recent_repeated < self.rule.window_share * self._span:
             return 0
         return len(self.tokens) - self._copy_start()
 

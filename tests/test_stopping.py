@@ -139,6 +139,21 @@ def test_fed_a_token_at_a_time_or_at_once_it_cuts_the_same() -> None:
     assert watch.kept(stream) == loop_stopped(stream, LoopStopConfig())[0] == [5, 6, *PARAGRAPH]
 
 
+@settings(deadline=None)
+@given(st.lists(st.integers(0, 3), max_size=120), st.integers(4, 8), st.integers(2, 4))
+def test_the_watch_stops_where_the_exact_rule_first_fires(tokens, ngram, repeats) -> None:
+    """LoopWatch runs `repeated_tail` only after an n-gram seen before: it stops exactly where running
+    it after every token would (small alphabets, so loops are common)."""
+    rule = LoopStopConfig(ngram=ngram, repeats=repeats, max_period=16, window=0)
+    expected = (tokens, False)
+    for end in range(1, len(tokens) + 1):
+        cut = repeated_tail(tokens[:end], rule)
+        if cut:
+            expected = (tokens[: end - cut], True)
+            break
+    assert loop_stopped(tokens, rule) == expected
+
+
 def test_repeated_ngram_share() -> None:
     assert repeated_ngram_share([1, 2, 3, 4, 5]) == 0.0
     assert repeated_ngram_share([1, 2, 3, 4] * 3) == pytest.approx(5 / 9)  # 4 distinct of 9
