@@ -8,9 +8,9 @@ each row's summaries are to float32's: the share of tokens agreeing up to the fi
 the ROUGE-L F1 of their words. The rows run with the loop stop off, so every row decodes the same
 number of steps and the comparison is of the weights alone.
 
-Then the loop stop on the float32 summaries: the repeated-4-gram share of each (the share of its
-4-grams that occurred earlier in it), without and with the default `summarize.loop_stop`, and the
-decode tokens it saves. Greedy decoding makes this exact after the fact: the batched decode stops at
+Then the loop stop on the float32 summaries (run `--rows float32` for this part alone): the
+repeated-4-gram share of each (the share of its 4-grams that occurred earlier in it), without and with
+the default `summarize.loop_stop` (exact copies and near-copies), and the decode tokens it saves. Greedy decoding makes this exact after the fact: the batched decode stops at
 the step where `jobs.stopping.loop_stopped` cuts (tests/test_batching.py holds it to that).
 
 Run: python bench/quantization.py [--docs N] [--prompt-tokens 1024] [--new-tokens 120] [--threads 2]
@@ -27,6 +27,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from jobs.config import LoopStopConfig
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -132,7 +136,6 @@ def main() -> None:
         return
 
     from jobs.config import LoopStopConfig
-    from jobs.stopping import loop_stopped, repeated_ngram_share
     from runner.engine.models import resolve_device
     from runner.engine.quantization import unavailable
 
@@ -168,19 +171,32 @@ def main() -> None:
               f"{same}/{docs} | {sum(agree) / docs:.2f} | {min(rouge):.2f}-{max(rouge):.2f} |")
 
     rule = LoopStopConfig()
-    print(f"\nloop stop (default: {rule.repeats} copies of a {rule.ngram}-{rule.max_period} token block) "
+    print(f"\nloop stop (default: {rule.repeats} copies of a {rule.ngram}-{rule.max_period} token block, or "
+          f"{rule.window_share:.0%} of the last {rule.window} tokens' {rule.ngram}-grams seen before) "
           "on the float32 summaries:\n")
-    print("| document | tokens | repeated 4-grams | with loop stop: tokens | repeated 4-grams | saved |")
-    print("|---|---:|---:|---:|---:|---:|")
     ids = [json.loads(line)["id"] for line in MANIFEST.read_text().splitlines() if line.strip()]
+    print(loop_stop_table(ids, base["tokens"], rule))
+
+
+def loop_stop_table(ids: list[str], summaries: list[list[int]], rule: LoopStopConfig) -> str:
+    """Each summary decoded without the loop stop, and with it: the tokens decoded before it stopped
+    (what the batched decode pays for), the tokens kept, their repeated-4-gram shares, and the decode
+    tokens saved (those it did not decode)."""
+    from jobs.stopping import LoopWatch, repeated_ngram_share
+
+    lines = ["| document | tokens | repeated 4-grams | with loop stop: decoded | kept | repeated 4-grams | "
+             "decode tokens saved |", "|---|---:|---:|---:|---:|---:|---:|"]
     saved_total = 0
-    for doc, tokens in zip(ids, base["tokens"]):
-        kept, _ = loop_stopped(tokens, rule)
-        saved_total += len(tokens) - len(kept)
-        print(f"| {doc} | {len(tokens)} | {repeated_ngram_share(tokens):.0%} | {len(kept)} | "
-              f"{repeated_ngram_share(kept):.0%} | {len(tokens) - len(kept)} |")
-    total = sum(len(t) for t in base["tokens"])
-    print(f"\ndecode tokens saved: {saved_total} of {total} ({saved_total / total:.0%})")
+    for doc, tokens in zip(ids, summaries):
+        watch = LoopWatch(rule)
+        kept = watch.kept(tokens)
+        decoded = len(watch.tokens) if watch.cut else len(tokens)
+        saved_total += len(tokens) - decoded
+        lines.append(f"| {doc} | {len(tokens)} | {repeated_ngram_share(tokens):.0%} | {decoded} | {len(kept)} | "
+                     f"{repeated_ngram_share(kept):.0%} | {len(tokens) - decoded} |")
+    total = sum(len(t) for t in summaries)
+    lines.append(f"\ndecode tokens saved: {saved_total} of {total} ({saved_total / total:.0%})")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -46,12 +46,24 @@ class ModelConfig(_Section):
 
 class LoopStopConfig(_Section):
     """A sequence that ends in `repeats` back-to-back copies of one block of `ngram` to `max_period`
-    tokens stops there, and the copies after the first are cut (jobs/stopping.py)."""
+    tokens, or whose last `window` tokens are near-copies of earlier text (at least `window_share` of
+    their `ngram`-grams occurred before), stops there, and what came after the first copy is cut
+    (jobs/stopping.py). `window: 0` turns the near-copy rule off."""
 
     enabled: bool = True
     ngram: int = Field(4, gt=0)
     repeats: int = Field(3, ge=2)
     max_period: int = Field(64, gt=0)
+    window: int = Field(32, ge=0)
+    window_share: float = Field(0.6, gt=0.0, le=1.0)
+
+    @field_validator("window")
+    @classmethod
+    def _window_spans_ngrams(cls, window: int, info: Any) -> int:
+        ngram = info.data.get("ngram", 1)
+        if 0 < window < 2 * ngram:
+            raise ValueError(f"must be 0 (off) or at least 2 x ngram ({2 * ngram}) tokens")
+        return window
 
     @model_validator(mode="after")
     def _periods(self) -> "LoopStopConfig":

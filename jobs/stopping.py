@@ -1,10 +1,12 @@
 """Why a generated sequence ended, and the loop stop: a sequence whose tail repeats itself ends there.
 
 Greedy decoding of a small model often falls into a loop (the same sentence again and again until
-`max_new_tokens`). Such a loop is exact: once the model emits the same block of tokens `repeats`
-times back to back, it keeps doing so. `repeated_tail` spots that at the step it happens, so the
-sequence stops paying decode steps for text a reader throws away, and says how many tokens to cut
-so the summary keeps the block once. Pure: no torch, called once per decode step per sequence.
+`max_new_tokens`). Most such loops are exact: once the model emits the same block of tokens `repeats`
+times back to back, it keeps doing so; `repeated_tail` spots that. Some are near-copies (a paragraph
+again with one word or line break changed), which no fixed period matches; `LoopWatch` spots those by
+the share of recent n-grams that already occurred. Either way the sequence stops at the step it
+happens, so it stops paying decode steps for text a reader throws away, and the summary keeps the
+looped text once. Pure: no torch, run once per decode step per sequence.
 """
 
 from __future__ import annotations
@@ -32,7 +34,6 @@ def repeated_tail(tokens: Sequence[int], rule: LoopStopConfig) -> int:
     """
     if not rule.enabled:
         return 0
-    tokens = list(tokens)
     n, repeats = len(tokens), rule.repeats
     for period in range(rule.ngram, min(rule.max_period, n // repeats) + 1):
         span = period * repeats
@@ -54,12 +55,83 @@ def repeated_ngram_share(tokens: Sequence[int], n: int = 4) -> float:
     return repeated / len(grams) if grams else 0.0
 
 
+class LoopWatch:
+    """The loop stop for one sequence, fed its tokens as they are generated; it keeps counts so a step
+    costs one n-gram lookup (and `repeated_tail` only when that n-gram occurred before), not a rescan
+    of the sequence."""
+
+    def __init__(self, rule: LoopStopConfig) -> None:
+        self.rule = rule
+        self.tokens: list[int] = []
+        self.cut = 0  # tokens to cut once the sequence has looped; 0 while it has not
+        self._seen: set[tuple[int, ...]] = set()  # every n-gram so far
+        self._repeated: list[bool] = []  # per n-gram, by where it begins: did it occur before?
+        self._span = max(rule.window - rule.ngram + 1, 1)  # the n-grams inside the last `window` tokens
+        self._recent_repeated = 0  # how many of those did
+
+    def update(self, tokens: Sequence[int]) -> int:
+        """Take the tokens of `tokens` not fed yet (it is the whole sequence so far) and say how many to
+        cut from its end (at most what was fed when it looped); 0 while it does not loop."""
+        if not self.rule.enabled:
+            return 0
+        for token in tokens[len(self.tokens):]:
+            if self.cut:
+                break
+            self.tokens.append(token)
+            # a tail of copies ends in an n-gram seen before, so only then is the exact rule run
+            repeated = self._note_newest_gram()
+            self.cut = (repeated_tail(self.tokens, self.rule) if repeated else 0) or self._near_copy()
+        return self.cut
+
+    def kept(self, tokens: Sequence[int]) -> list[int]:
+        """`tokens` (the whole sequence) without the looped tail, once fed."""
+        cut = self.update(tokens)
+        return self.tokens[: len(self.tokens) - cut] if cut else list(tokens)
+
+    def _note_newest_gram(self) -> bool:
+        """Record the n-gram the newest token completes; whether it occurred before."""
+        flags, begin = self._repeated, len(self.tokens) - self.rule.ngram
+        if begin < 0:
+            return False
+        gram = tuple(self.tokens[begin:])
+        flags.append(gram in self._seen)
+        self._seen.add(gram)
+        self._recent_repeated += flags[-1] - (flags[-self._span - 1] if len(flags) > self._span else 0)
+        return flags[-1]
+
+    def _near_copy(self) -> int:
+        if not self.rule.window or len(self._repeated) < self._span:
+            return 0
+        if self._recent_repeated < self.rule.window_share * self._span:
+            return 0
+        return len(self.tokens) - self._copy_start()
+
+    def _copy_start(self) -> int:
+        """Where the copy began: the earliest repeated n-gram of the window from which on the share holds,
+        then back over the changes inside the copy (a run of at most 2 x `ngram` new n-grams: a word
+        changed, or a line break, which also changes the next word's token), up to a longer run of new
+        text, which is the first copy's."""
+        flags, share = self._repeated, self.rule.window_share
+        longest_change = 2 * self.rule.ngram
+        start, repeated = len(flags), 0
+        for i in range(len(flags) - 1, len(flags) - self._span - 1, -1):
+            repeated += flags[i]
+            if flags[i] and repeated >= share * (len(flags) - i):
+                start = i
+        while True:
+            while start > 0 and flags[start - 1]:
+                start -= 1
+            gap = 0
+            while gap <= longest_change and start - gap > 0 and not flags[start - gap - 1]:
+                gap += 1
+            if gap > longest_change or start - gap == 0:
+                return start
+            start -= gap
+
+
 def loop_stopped(tokens: Sequence[int], rule: LoopStopConfig) -> tuple[list[int], bool]:
     """What a sequence keeps when the loop stop watches it token by token (as the batched decode does),
     and whether it stopped: for tokens generated without it, e.g. by a plain generate() call."""
-    tokens = list(tokens)
-    for end in range(1, len(tokens) + 1):
-        cut = repeated_tail(tokens[:end], rule)
-        if cut:
-            return tokens[: end - cut], True
-    return tokens, False
+    watch = LoopWatch(rule)
+    kept = watch.kept(tokens)
+    return kept, bool(watch.cut)

@@ -14,7 +14,8 @@ from transformers import DynamicCache
 
 from jobs.config import CacheConfig, ModelConfig, SummarizeConfig
 from jobs.kvplan import kv_bytes
-from runner.engine.kvcache import build_cache, kv_shape
+from runner.engine.kvcache import build_cache, kv_shape, ram_left_by_weights
+from runner.engine.kvcache.strategies import RAM_SHARE
 from runner.engine.models import load_model
 from runner.engine.probes import StageMemory
 from runner.engine.quantization import weight_bytes
@@ -101,8 +102,9 @@ def test_batch_mates_do_not_change_the_builtin_models_quantized_tokens(method, t
 
 
 def test_the_worker_plans_with_the_quantized_weights(tmp_path) -> None:
-    """The worker reports the quantized weights' real bytes and the method, and its `auto` device budget
-    is what is left after loading them (read after the load, so the smaller weights leave more)."""
+    """The worker reports the quantized weights' real bytes and the method, and derives its `auto`
+    budgets from them: the RAM available before the load less those bytes (never more than is available
+    after it), this worker's RAM_SHARE of that."""
     config = {"model": {"name": "builtin:tiny-random", "quantization": "bnb-4bit"}}
     worker = SummaryWorker(config, "job", str(tmp_path / "offload"))
     try:
@@ -110,8 +112,24 @@ def test_the_worker_plans_with_the_quantized_weights(tmp_path) -> None:
         assert info["quantization"] == "bnb-4bit"
         assert info["weight_bytes"] == weight_bytes(worker.loaded.model)
         assert info["weight_bytes"] < load_model(ModelConfig(name="builtin:tiny-random")).weight_bytes
+        assert 0 < info["ram_left"] <= info["ram_before_load"] - info["weight_bytes"]
+        budget = int(info["ram_left"] * RAM_SHARE)
+        assert info["device_kv_budget_bytes"] == info["host_kv_budget_bytes"] == budget
     finally:
         worker.scheduler.close()
+
+
+def test_the_auto_budget_counts_a_quantized_models_packed_bytes() -> None:
+    """Before the same free RAM, the bnb-4bit model leaves the caches exactly the bytes its packed weights
+    save over float32's; what is free after the load caps it (a load's leftovers count too)."""
+    packed = load_model(ModelConfig(name="builtin:tiny-random", quantization="bnb-4bit")).weight_bytes
+    full = load_model(ModelConfig(name="builtin:tiny-random")).weight_bytes
+    assert packed < full
+    free = 16 << 30
+    gained = ram_left_by_weights(free, packed, free) - ram_left_by_weights(free, full, free)
+    assert gained == full - packed
+    assert ram_left_by_weights(free, packed, 1 << 30) == 1 << 30
+    assert ram_left_by_weights(1 << 20, full, free) == 0
 
 
 def test_a_method_this_machine_cannot_run_is_exit_2_at_submit(tmp_path) -> None:

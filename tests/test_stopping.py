@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jobs.config import ConfigError, LoopStopConfig, config_from_dict
-from jobs.stopping import repeated_ngram_share, repeated_tail
+from jobs.stopping import LoopWatch, loop_stopped, repeated_ngram_share, repeated_tail
 
 RULE = LoopStopConfig(ngram=4, repeats=3, max_period=64)
 
@@ -69,6 +69,91 @@ def test_a_sequence_without_repeated_tokens_is_never_cut(tokens) -> None:
     assert repeated_ngram_share(tokens) == 0.0
 
 
+PARAGRAPH = list(range(200, 240))  # 40 tokens, like a licence's disclaimer paragraph
+
+
+def test_a_paragraph_repeated_with_one_word_changed_keeps_it_once() -> None:
+    """The demo's bsd summary: the paragraph again and again, one word different in each copy, so no
+    fixed period matches; the near-copy rule stops it inside the second copy and keeps the first."""
+    copies = [PARAGRAPH[:k] + [999] + PARAGRAPH[k + 1:] for k in (10, 20, 30)]
+    tokens = [1, 2, 3, *PARAGRAPH, *copies[0], *copies[1], *copies[2]]
+    assert repeated_tail(tokens, RULE) == 0  # the exact rule alone never stops it
+    kept, looped = loop_stopped(tokens, LoopStopConfig())
+    assert looped and kept == [1, 2, 3, *PARAGRAPH]
+    assert repeated_ngram_share(kept) == 0.0
+
+
+def test_a_paragraph_repeated_with_a_line_break_inserted_keeps_it_once() -> None:
+    """The demo's artistic summary: copies differ by an extra line-break token."""
+    tokens = [1, 2, 3, *PARAGRAPH, *PARAGRAPH[:15], 198, *PARAGRAPH[15:], *PARAGRAPH[:25], 198, *PARAGRAPH[25:]]
+    kept, looped = loop_stopped(tokens, LoopStopConfig())
+    assert looped and kept == [1, 2, 3, *PARAGRAPH]
+
+
+def test_the_near_copy_rule_stops_while_the_second_copy_is_written() -> None:
+    """It stops inside the second copy: it pays for about window x share tokens of it, not three copies."""
+    rule = LoopStopConfig()
+    watch = LoopWatch(rule)
+    stream = [1, 2, 3, *PARAGRAPH, *PARAGRAPH, *PARAGRAPH]
+    for end in range(1, len(stream) + 1):
+        if watch.update(stream[:end]):
+            break
+    written_of_second_copy = end - 3 - len(PARAGRAPH)
+    assert written_of_second_copy <= rule.window
+    assert watch.kept(stream[:end]) == [1, 2, 3, *PARAGRAPH]
+
+
+def test_window_zero_turns_the_near_copy_rule_off() -> None:
+    copies = [PARAGRAPH[:k] + [999] + PARAGRAPH[k + 1:] for k in (10, 20, 30)]
+    tokens = [*PARAGRAPH, *copies[0], *copies[1], *copies[2]]
+    assert loop_stopped(tokens, LoopStopConfig(window=0)) == (tokens, False)
+
+
+@settings(deadline=None)
+@given(st.lists(st.integers(0, 5000), max_size=300))
+def test_a_sequence_without_a_repeated_ngram_is_never_cut(tokens) -> None:
+    if repeated_ngram_share(tokens) > 0:  # hypothesis rarely draws one; such a draw is no test of this
+        return
+    assert loop_stopped(tokens, LoopStopConfig()) == (tokens, False)
+
+
+@settings(deadline=None)
+@given(st.integers(4, 12), st.lists(st.integers(20, 180), min_size=1, max_size=6))
+def test_a_phrase_quoted_again_now_and_then_is_not_a_loop(phrase_len, gaps) -> None:
+    """Text that is not a loop may quote an earlier phrase ("the Software", a clause's name) now and
+    then: up to 12 tokens at a time, at least 20 new tokens apart. It is never cut."""
+    fresh = iter(range(10_000, 100_000))  # tokens not seen before
+    phrase = [next(fresh) for _ in range(phrase_len)]
+    tokens = [*phrase]
+    for gap in gaps:
+        tokens += [next(fresh) for _ in range(gap)] + phrase
+    tokens += [next(fresh) for _ in range(20)]
+    assert loop_stopped(tokens, LoopStopConfig()) == (tokens, False)
+
+
+def test_fed_a_token_at_a_time_or_at_once_it_cuts_the_same() -> None:
+    stream = [5, 6, *PARAGRAPH, *PARAGRAPH[:30], 7, *PARAGRAPH]
+    watch = LoopWatch(LoopStopConfig())
+    for end in range(1, len(stream) + 1):
+        watch.update(stream[:end])
+    assert watch.kept(stream) == loop_stopped(stream, LoopStopConfig())[0] == [5, 6, *PARAGRAPH]
+
+
+@settings(deadline=None)
+@given(st.lists(st.integers(0, 3), max_size=120), st.integers(4, 8), st.integers(2, 4))
+def test_the_watch_stops_where_the_exact_rule_first_fires(tokens, ngram, repeats) -> None:
+    """LoopWatch runs `repeated_tail` only after an n-gram seen before: it stops exactly where running
+    it after every token would (small alphabets, so loops are common)."""
+    rule = LoopStopConfig(ngram=ngram, repeats=repeats, max_period=16, window=0)
+    expected = (tokens, False)
+    for end in range(1, len(tokens) + 1):
+        cut = repeated_tail(tokens[:end], rule)
+        if cut:
+            expected = (tokens[: end - cut], True)
+            break
+    assert loop_stopped(tokens, rule) == expected
+
+
 def test_repeated_ngram_share() -> None:
     assert repeated_ngram_share([1, 2, 3, 4, 5]) == 0.0
     assert repeated_ngram_share([1, 2, 3, 4] * 3) == pytest.approx(5 / 9)  # 4 distinct of 9
@@ -80,6 +165,8 @@ def test_repeated_ngram_share() -> None:
     ({"ngram": 0}, "summarize.loop_stop.ngram"),
     ({"ngram": 8, "max_period": 4}, "summarize.loop_stop"),
     ({"window": 3}, "summarize.loop_stop.window"),
+    ({"window_share": 0}, "summarize.loop_stop.window_share"),
+    ({"window_share": 1.5}, "summarize.loop_stop.window_share"),
 ])
 def test_bad_loop_stop_settings_name_the_key(loop_stop, key) -> None:
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):

@@ -34,7 +34,7 @@ import torch
 from jobs.batch_limit import GROW_BACK_STEPS, BatchLimit
 from jobs.config import LoopStopConfig, PrefillMode, SummarizeConfig
 from jobs.outcome import CacheStats
-from jobs.stopping import StopReason, repeated_tail
+from jobs.stopping import LoopWatch, StopReason
 from runner.engine.generation import Generation, TokenPicker, generate_once, prefill
 from runner.engine.kvcache import CacheHandle
 from runner.engine.models import LoadedModel
@@ -105,6 +105,10 @@ class _Sequence:
     loop_stop: LoopStopConfig
     steps: int = 0
     rows_seen: int = 0  # sum over its decode steps of the rows in the step
+    watch: LoopWatch = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.watch = LoopWatch(self.loop_stop)
 
     @property
     def request(self) -> PassRequest:
@@ -114,9 +118,13 @@ class _Sequence:
         """Why the sequence ends after its latest token; None while it goes on."""
         if self.picker.done:  # generate()'s own stopping criteria
             return self.picker.stop_reason(self.tokens)
-        if repeated_tail(self.tokens, self.loop_stop):
+        if self.watch.update(self.tokens):
             return StopReason.REPETITION
         return None
+
+    def kept_tokens(self) -> list[int]:
+        """Its tokens without the looped tail the loop stop cuts."""
+        return self.watch.kept(self.tokens)
 
     def done(self) -> bool:
         return self.stop_reason() is not None
@@ -364,7 +372,7 @@ class BatchScheduler:
         seq.request.memory.decode_done(memory_snapshot(self.loaded.device))
         reason = seq.stop_reason() or StopReason.LENGTH
         generation = Generation(
-            tokens=seq.tokens[: len(seq.tokens) - repeated_tail(seq.tokens, seq.loop_stop)],
+            tokens=seq.kept_tokens(),
             input_tokens=len(seq.request.prompt_ids),
             ttft_s=seq.first_token_at - seq.started,
             decode_s=now - seq.first_token_at,

@@ -46,7 +46,7 @@ from jobs.policy import FailureClass, cache_fallback_note
 from jobs.rungs import RUNGS
 from jobs.task import Task
 from runner.engine.generation import Generation
-from runner.engine.kvcache import ResidentMeter, build_cache, kv_shape, resolve_budgets
+from runner.engine.kvcache import ResidentMeter, build_cache, kv_shape, ram_left_by_weights, resolve_budgets
 from runner.engine.kvpool import KVPool
 from runner.engine.models import load_model
 from runner.engine.probes import StageMemory, memory_snapshot
@@ -199,14 +199,17 @@ class SummaryWorker:
         self.name = f"{socket.gethostname()}:{os.getpid()}"
         ensure_offload_root(self.offload_root)
         self.swept = sweep_orphans(self.offload_root)
+        self.ram_before_load = psutil.virtual_memory().available
         self.loaded = load_model(self.cfg.model)
         self.after_load = memory_snapshot(self.loaded.device)
+        self.ram_left = ram_left_by_weights(self.ram_before_load, self.loaded.weight_bytes,
+                                            psutil.virtual_memory().available)
         self.summarizer = Summarizer(self.loaded, self.cfg.summarize.chunk_overlap_tokens)
         self.kv_shape = kv_shape(self.loaded.model.config, self.loaded.dtype)
         self.node_workers = max(1, node_workers)
         self.device_budget, self.host_budget = resolve_budgets(
             self.cfg.cache, self.loaded.device, self.node_workers,
-            workers_per_device(self.node_workers, self.cfg.workers.gpus_per_worker),
+            workers_per_device(self.node_workers, self.cfg.workers.gpus_per_worker), self.ram_left,
         )
         # one meter of the device and one of host RAM for every cache of the sequences batched here
         self.device_pool = ResidentMeter(self.device_budget, "the batch's resident device", "cache.device_kv_budget_bytes")
@@ -227,6 +230,8 @@ class SummaryWorker:
             "model": self.loaded.name,
             "quantization": self.loaded.quantization,
             "weight_bytes": self.loaded.weight_bytes,
+            "ram_before_load": self.ram_before_load,
+            "ram_left": self.ram_left,
             "load_s": self.loaded.load_s,
             "swept_dirs": len(self.swept),
             "max_sequences": self.cfg.batch.sequences,

@@ -7,6 +7,7 @@ from runner.engine.kvcache.strategies import (
     CacheHandle,
     build_cache,
     kv_shape,
+    ram_left_by_weights,
     resolve_budgets,
 )
 from runner.engine.kvcache.tiered import TieredCache
@@ -20,5 +21,6 @@ __all__ = [
     "TieredCache",
     "build_cache",
     "kv_shape",
+    "ram_left_by_weights",
     "resolve_budgets",
 ]

@@ -81,12 +81,21 @@ def _window(layer_type: str, kwargs: dict[str, Any]) -> int | None:
     return 0 if layer_type == "dummy" else kwargs.get("sliding_window")
 
 
+def ram_left_by_weights(available_before_load: int, weight_bytes: int, available_after_load: int) -> int:
+    """The RAM a worker's caches may count on: what was available before the model loaded less its
+    weights' real bytes (a quantized model's packed bytes, runner/engine/quantization.py:weight_bytes),
+    and never more than what is available after the load (which also loses the load's leftovers)."""
+    return max(min(available_before_load - weight_bytes, available_after_load), 0)
+
+
 def resolve_budgets(cache_cfg: CacheConfig, device: torch.device, node_workers: int = 1,
-                    device_workers: int = 1) -> tuple[int, int]:
-    """(device, host) KV budgets in bytes; `auto` reads what this machine has free right now, and
-    takes this worker's share of it: the node's RAM is split among its `node_workers`, a GPU's free
-    memory among the `device_workers` that share it (jobs.node_share)."""
-    available_ram = int(psutil.virtual_memory().available * RAM_SHARE) // max(node_workers, 1)
+                    device_workers: int = 1, ram_left: int | None = None) -> tuple[int, int]:
+    """(device, host) KV budgets in bytes; `auto` takes this worker's share of what this machine has
+    free: `ram_left` (the worker's `ram_left_by_weights`; default: the RAM available right now) split
+    among the node's `node_workers`, a GPU's free memory among the `device_workers` that share it
+    (jobs.node_share)."""
+    ram = psutil.virtual_memory().available if ram_left is None else ram_left
+    available_ram = int(ram * RAM_SHARE) // max(node_workers, 1)
     host = available_ram if cache_cfg.host_kv_budget_bytes == "auto" else cache_cfg.host_kv_budget_bytes
     if cache_cfg.device_kv_budget_bytes != "auto":
         return cache_cfg.device_kv_budget_bytes, host
