@@ -1,13 +1,15 @@
-"""What one batched decode step costs the host: aten ops, kernel-launching ops, host ms, by rows.
+"""What one batched decode step and its token choice cost the host: aten ops, kernel-launching ops,
+host ms, host syncs, by rows.
 
 The model is Llama-3-8B's attention shape (32 layers, 32 query / 8 KV heads, head_dim 128) with a
 small hidden and MLP width, random weights, bf16, 1 CPU thread, so a step runs in milliseconds and
 its time is mostly the host work around the kernels, as on a GPU. The ops are counted where they
 really run: a `TorchDispatchMode` sees every aten op one `decode_step` dispatches; the step's token
 choice is counted apart (`choice_*`), each row's own `TokenPicker.pick` against the batch's
-`greedy_tokens`, with its host reads (scalar reads and `tolist()`: each one device-to-host sync). "Kernel-launching" counts every op except views (`OpOverload.is_view`) and the ops that
-only make or describe a tensor without touching its data (`METADATA_OPS`): on a GPU each counted op
-is at least one kernel launch (or a copy). Host ms is the step's wall time on the CPU, so it
+`greedy_tokens`, with its host reads (scalar reads and `tolist()`: each one device-to-host sync).
+"Kernel-launching" counts every op except views (`OpOverload.is_view`) and the ops that only make or
+describe a tensor without touching its data (`METADATA_OPS`): on a GPU each counted op is at least
+one kernel launch (or a copy). Host ms is the step's wall time on the CPU, so it
 includes the kernels' own work there (attention over every row's KV grows with the rows on a CPU;
 on a GPU it is the part that runs asynchronously); prompts are short (`PROMPT_TOKENS`) so that part
 stays small. `compute ms` is the part of a step spent in the matmul and attention kernels (torch
@@ -204,5 +206,5 @@ def step_ops(steps: int) -> dict[str, Any]:
                        "launching_ratio": most["launching_ops"] / one["launching_ops"],
                        "with_choice_ratio": most["launching_with_choice"] / one["launching_with_choice"],
                        "host_ratio": most["host_ms"] / one["host_ms"],
-                       "other_ratio": most["other_ms"] / one["other_ms"]})
+                       "other_ratio": most["other_ms"] / one["other_ms"] if one["other_ms"] else float("nan")})
     return {"prompt_tokens": PROMPT_TOKENS, "table": table, "ratios": ratios}

@@ -16,8 +16,9 @@ Sections (all in one run, so the ratios share the machine's state):
   (`batch.attention`: per-row, pooled), and whether the tokens agree with one at a time; beside
   plain `model.generate` one prompt at a time; then where a step's time goes at 3,000 tokens (weight
   matmuls, attention, the rest) and how fast attention reads the KV against a plain read of memory.
-- step-ops: what one decode step costs the host (aten ops, kernel-launching ops, host ms) at 1, 8
-  and 32 rows of a model with Llama-3-8B's attention shape, per-row and pooled (bench/step_ops.py).
+- step-ops: what one decode step and its token choice cost the host (aten ops, kernel-launching ops,
+  host ms, host syncs) at 1, 8 and 32 rows of a model with Llama-3-8B's attention shape, per-row and
+  pooled (bench/step_ops.py).
 - device (`--device cuda`, or `--device cpu --sections device` for a dry run with small shapes):
   tokenizer-free, a random Llama (Llama-3-8B's shape in bf16 on CUDA): decode tok/s of kvbatch's
   batched step at 1/8/32 rows against the bandwidth bound and against transformers' `generate_batch`
