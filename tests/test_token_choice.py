@@ -8,11 +8,14 @@ decode step; transfers are counted where they happen, by torch's own function an
 
 from __future__ import annotations
 
+import time
+from concurrent.futures import Future
 from typing import Any
 
 import torch
-from test_batching import _loaded, tokenizer  # noqa: F401 - the fixture
+from test_batching import BIG, _loaded, tokenizer  # noqa: F401 - the fixture
 from test_kvcache import _model, _one_torch_thread, _prompt  # noqa: F401 - the fixture applies here too
+from test_scheduler import _request
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import DynamicCache
@@ -20,6 +23,8 @@ from transformers import DynamicCache
 from jobs.config import SummarizeConfig
 from runner.engine.generation import TokenPicker, generate_once, greedy_tokens, prefill
 from runner.engine.ragged import decode_step
+from runner.engine.scheduler import BatchScheduler, _Queued
+from runner.engine.worker import _is_memory_error
 
 ROWS = 6
 NEW = 12
@@ -77,7 +82,29 @@ def _prefilled(loaded, settings: list[SummarizeConfig], prompts: list[list[int]]
     return caches, pickers, tokens
 
 
-def test_a_step_of_plain_greedy_rows_makes_one_transfer_to_the_host(tokenizer) -> None:
+def test_the_schedulers_step_of_plain_greedy_rows_makes_one_transfer_to_the_host(tokenizer) -> None:
+    """The worker's own decode step over ROWS joined greedy sequences reads the host once for all
+    their tokens (the code before made one read a row: ROWS). The scheduler's thread is closed first
+    so that the step runs here, inside the counter (torch's modes are per thread)."""
+    model = _model("llama-gqa")
+    scheduler = BatchScheduler(_loaded(model, tokenizer), SummarizeConfig(), "auto", ROWS, BIG, _is_memory_error)
+    scheduler.close()
+    prompts = [_prompt(8 + row)[0].tolist() for row in range(ROWS)]
+    for prompt in prompts:
+        scheduler._join(_Queued(_request(model, prompt, NEW), Future(), time.perf_counter()))
+    with HostTransfers() as step:
+        scheduler._step()
+    assert scheduler.most_rows == ROWS and len(scheduler._active) == ROWS  # one batched step, none ended
+    assert step.count == 1
+    with torch.no_grad():
+        alone = [model.generate(torch.tensor([p]), max_new_tokens=2, do_sample=False)[0, len(p):].tolist()
+                 for p in prompts]
+    assert [seq.tokens for seq in scheduler._active] == alone
+    for seq in scheduler._active:
+        seq.handle.close()
+
+
+def test_greedy_tokens_chooses_every_pickers_token_with_one_transfer(tokenizer) -> None:
     """Each picker alone syncs once per row (the step before this change); the batch chooses the same
     tokens with one transfer."""
     model = _model("llama-gqa")
