@@ -1,12 +1,15 @@
-"""What one batched decode step costs the host: aten ops, kernel-launching ops, host ms, by rows.
+"""What one batched decode step and its token choice cost the host: aten ops, kernel-launching ops,
+host ms, host syncs, by rows.
 
 The model is Llama-3-8B's attention shape (32 layers, 32 query / 8 KV heads, head_dim 128) with a
 small hidden and MLP width, random weights, bf16, 1 CPU thread, so a step runs in milliseconds and
 its time is mostly the host work around the kernels, as on a GPU. The ops are counted where they
-really run: a `TorchDispatchMode` sees every aten op one `decode_step` dispatches (token choice is
-not in it). "Kernel-launching" counts every op except views (`OpOverload.is_view`) and the ops that
-only make or describe a tensor without touching its data (`METADATA_OPS`): on a GPU each counted op
-is at least one kernel launch (or a copy). Host ms is the step's wall time on the CPU, so it
+really run: a `TorchDispatchMode` sees every aten op one `decode_step` dispatches; the step's token
+choice is counted apart (`choice_*`), each row's own `TokenPicker.pick` against the batch's
+`greedy_tokens`, with its host reads (scalar reads and `tolist()`: each one device-to-host sync).
+"Kernel-launching" counts every op except views (`OpOverload.is_view`) and the ops that only make or
+describe a tensor without touching its data (`METADATA_OPS`): on a GPU each counted op is at least
+one kernel launch (or a copy). Host ms is the step's wall time on the CPU, so it
 includes the kernels' own work there (attention over every row's KV grows with the rows on a CPU;
 on a GPU it is the part that runs asynchronously); prompts are short (`PROMPT_TOKENS`) so that part
 stays small. `compute ms` is the part of a step spent in the matmul and attention kernels (torch
@@ -20,11 +23,15 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel
 
+from jobs.config import SummarizeConfig
+from runner.engine.generation import TokenPicker, greedy_tokens
 from runner.engine.kvcache import BudgetedDynamicCache, ResidentMeter, TieredCache
 from runner.engine.kvpool import KVPool, PooledCache
+from runner.engine.models import LoadedModel, word_tokenizer
 from runner.engine.ragged import decode_step
 
 COMPUTE_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_scaled_dot_product")
@@ -37,17 +44,32 @@ CASES = (("dynamic", "per-row"), ("dynamic", "pooled"), ("tiered-host", "per-row
 
 
 class OpCounter(TorchDispatchMode):
-    """Every aten op dispatched while active, and those that launch work on the device."""
+    """Every aten op dispatched while active, those that launch work on the device, and the scalar
+    reads by the host (int(), item(), bool(): each a sync)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.ops = 0
         self.launching = 0
+        self.scalar_reads = 0
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         self.ops += 1
         if not func.is_view and func.overloadpacket.__name__ not in METADATA_OPS:
             self.launching += 1
+        self.scalar_reads += func is torch.ops.aten._local_scalar_dense.default
+        return func(*args, **(kwargs or {}))
+
+
+class ListReads(TorchFunctionMode):
+    """tolist() calls: a copy to the host on a device, which dispatches no op on a CPU tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        self.count += func is torch.Tensor.tolist
         return func(*args, **(kwargs or {}))
 
 
@@ -80,6 +102,13 @@ def _caches(model: PreTrainedModel, strategy: str, attention: str, rows: int) ->
     return caches, first, pool
 
 
+def _pickers(model: PreTrainedModel, rows: int) -> list[TokenPicker]:
+    """Plain greedy pickers (the default settings), one a row, that never end within the bench."""
+    loaded = LoadedModel(model, word_tokenizer(model.config.vocab_size), "step-ops", torch.device("cpu"),
+                         torch.bfloat16, 0.0)
+    return [TokenPicker(loaded, SummarizeConfig(), [0] * PROMPT_TOKENS, 1 << 30) for _ in range(rows)]
+
+
 class _Case:
     """One row of the table: its prefilled caches, and a decode step over them."""
 
@@ -87,11 +116,34 @@ class _Case:
         self.model, self.strategy, self.attention, self.rows = model, strategy, attention, rows
         self.caches, self.tokens, self.pool = _caches(model, strategy, attention, rows)
         self.positions = [PROMPT_TOKENS] * rows
+        self.pickers = _pickers(model, rows)
         self.best_ms = float("inf")
+        self.choice_best_ms = {"per-row": float("inf"), "batched": float("inf")}
+        self.logits: torch.Tensor | None = None
 
     def step(self) -> None:
-        decode_step(self.model, self.tokens, self.positions, self.caches)
+        self.logits = decode_step(self.model, self.tokens, self.positions, self.caches)
         self.positions = [p + 1 for p in self.positions]
+
+    def choose(self, way: str) -> list[int]:
+        """The last step's tokens, each row by its own picker (`per-row`) or the batch's (`batched`)."""
+        if way == "per-row":
+            return [picker.pick(self.logits[row : row + 1]) for row, picker in enumerate(self.pickers)]
+        greedy = greedy_tokens(self.pickers, self.logits)
+        return [picker.take(greedy[row]) for row, picker in enumerate(self.pickers)]
+
+    def counted_choice(self, way: str) -> tuple[OpCounter, int]:
+        """The choice's ops and its host reads (scalar reads and tolist() calls)."""
+        counter, lists = OpCounter(), ListReads()
+        with lists, counter:
+            self.choose(way)
+        return counter, counter.scalar_reads + lists.count
+
+    def timed_choice(self) -> None:
+        for way in self.choice_best_ms:
+            t0 = time.perf_counter()
+            self.choose(way)
+            self.choice_best_ms[way] = min(self.choice_best_ms[way], (time.perf_counter() - t0) * 1e3)
 
     def timed_step(self) -> None:
         t0 = time.perf_counter()
@@ -128,24 +180,31 @@ def step_ops(steps: int) -> dict[str, Any]:
         for case in cases:
             case.step()  # warm-up
         counters = [case.counted_step() for case in cases]
+        choices = [{way: case.counted_choice(way) for way in case.choice_best_ms} for case in cases]
         compute = [case.compute_ms() for case in cases]
         for _ in range(steps):
             for case in cases:
                 case.timed_step()
+                case.timed_choice()
         for case in cases:
             case.close()
     finally:
         torch.set_num_threads(before)
     table = [{"cache": case.strategy, "attention": case.attention, "rows": case.rows, "aten_ops": counter.ops,
               "launching_ops": counter.launching, "host_ms": case.best_ms, "compute_ms": kernels,
-              "other_ms": max(case.best_ms - kernels, 0.0)}
-             for case, counter, kernels in zip(cases, counters, compute)]
+              "other_ms": max(case.best_ms - kernels, 0.0),
+              "launching_with_choice": counter.launching + choice["batched"][0].launching,
+              **{f"choice_{key}_{way.replace('-', '_')}": value for way, (ops, reads) in choice.items()
+                 for key, value in (("launching_ops", ops.launching), ("host_reads", reads),
+                                    ("ms", case.choice_best_ms[way]))}}
+             for case, counter, kernels, choice in zip(cases, counters, compute, choices, strict=True)]
     ratios = []
     for strategy, attention in CASES:
         one, most = (next(r for r in table if (r["cache"], r["attention"], r["rows"]) == (strategy, attention, n))
                      for n in (ROWS[0], ROWS[-1]))
         ratios.append({"cache": strategy, "attention": attention,
                        "launching_ratio": most["launching_ops"] / one["launching_ops"],
+                       "with_choice_ratio": most["launching_with_choice"] / one["launching_with_choice"],
                        "host_ratio": most["host_ms"] / one["host_ms"],
-                       "other_ratio": most["other_ms"] / one["other_ms"]})
+                       "other_ratio": most["other_ms"] / one["other_ms"] if one["other_ms"] else float("nan")})
     return {"prompt_tokens": PROMPT_TOKENS, "table": table, "ratios": ratios}

@@ -16,8 +16,9 @@ Sections (all in one run, so the ratios share the machine's state):
   (`batch.attention`: per-row, pooled), and whether the tokens agree with one at a time; beside
   plain `model.generate` one prompt at a time; then where a step's time goes at 3,000 tokens (weight
   matmuls, attention, the rest) and how fast attention reads the KV against a plain read of memory.
-- step-ops: what one decode step costs the host (aten ops, kernel-launching ops, host ms) at 1, 8
-  and 32 rows of a model with Llama-3-8B's attention shape, per-row and pooled (bench/step_ops.py).
+- step-ops: what one decode step and its token choice cost the host (aten ops, kernel-launching ops,
+  host ms, host syncs) at 1, 8 and 32 rows of a model with Llama-3-8B's attention shape, per-row and
+  pooled (bench/step_ops.py).
 - device-quant (`--sections device-quant`): decode tok/s and weight memory under each
   `model.quantization` the machine can run, the same random checkpoint loaded through kvbatch's loader.
 - device (`--device cuda`, or `--device cpu --sections device` for a dry run with small shapes):
@@ -344,15 +345,22 @@ def step_ops_section(loaded: LoadedModel | None, args: argparse.Namespace) -> di
     """bench/step_ops.py's table: what one decode step costs the host, by rows, per path."""
     result = step_ops(args.step_ops_steps)
     print(f"Llama-3-8B attention shape (32 layers, 32 q / 8 kv heads, head_dim 128; hidden 64), bf16, 1 thread, "
-          f"{result['prompt_tokens']}-token prompts; one decode_step (token choice not included)")
+          f"{result['prompt_tokens']}-token prompts; one decode_step, then its greedy token choice "
+          f"(choice: each row's own picker -> the batch's greedy_tokens)")
     print(f"{'cache':<12} {'attention':>9} {'rows':>4} {'aten ops':>8} {'launching':>9} {'host ms/step':>12} "
-          f"{'compute ms':>10} {'other ms':>8}")
+          f"{'compute ms':>10} {'other ms':>8} {'choice launching':>16} {'choice syncs':>12} {'choice ms':>11} "
+          f"{'launching+choice':>16}")
     for row in result["table"]:
+        launching = f"{row['choice_launching_ops_per_row']}->{row['choice_launching_ops_batched']}"
+        syncs = f"{row['choice_host_reads_per_row']}->{row['choice_host_reads_batched']}"
+        ms = f"{row['choice_ms_per_row']:.2f}->{row['choice_ms_batched']:.2f}"
         print(f"{row['cache']:<12} {row['attention']:>9} {row['rows']:>4} {row['aten_ops']:>8,} "
-              f"{row['launching_ops']:>9,} {row['host_ms']:>12.1f} {row['compute_ms']:>10.1f} {row['other_ms']:>8.1f}")
+              f"{row['launching_ops']:>9,} {row['host_ms']:>12.1f} {row['compute_ms']:>10.1f} {row['other_ms']:>8.1f} "
+              f"{launching:>16} {syncs:>12} {ms:>11} {row['launching_with_choice']:>16,}")
     print("\n32 rows against 1 row:")
     for ratio in result["ratios"]:
-        print(f"  {ratio['cache']:<12} {ratio['attention']:>9}: launching ops {ratio['launching_ratio']:.2f}x, "
+        print(f"  {ratio['cache']:<12} {ratio['attention']:>9}: launching ops {ratio['launching_ratio']:.2f}x "
+              f"({ratio['with_choice_ratio']:.2f}x with token choice), "
               f"host ms {ratio['host_ratio']:.2f}x, other ms {ratio['other_ratio']:.2f}x")
     return result
 

@@ -4,12 +4,14 @@ tests) one whole `model.generate` call, timed.
 The prompt is prefilled in chunks of `summarize.prefill_chunk_size`, token-major (transformers') or,
 for tiered caches, layer-major first (`cache.prefill`, runner/engine/kvcache/layer_major.py): same tokens.
 The worker's scheduler decodes (runner/engine/scheduler.py); a sequence's next token is chosen by its
-own `TokenPicker` exactly as generate() chooses it, so batching never changes a sequence's tokens.
+own `TokenPicker` exactly as generate() chooses it, so batching never changes a sequence's tokens;
+a step's plain greedy rows are chosen together (`greedy_tokens`), one argmax and one host transfer.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
@@ -170,14 +172,22 @@ class TokenPicker:
             token = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=self.generator)[0, 0]
         else:
             token = logits[0].argmax()
-        picked = int(token)
-        self._picked += 1
         if self._plain:
-            self.done = self._picked >= self.max_new_tokens or picked in self.eos
-        else:
-            self._ids = torch.cat([self._ids, token.view(1, 1)], dim=1)
-            self.done = bool(self.criteria(self._ids, None)[0])
-        return picked
+            return self.take(int(token))
+        self._ids = torch.cat([self._ids, token.view(1, 1)], dim=1)
+        self.done = bool(self.criteria(self._ids, None)[0])
+        return int(token)
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Whether its token is the bare argmax and its end a host check: one `greedy_tokens` row."""
+        return self._plain and not self.do_sample
+
+    def take(self, token: int) -> int:
+        """Record the token a plain row's logits chose (by `pick`, or the batch's `greedy_tokens`); sets `done`."""
+        self._picked += 1
+        self.done = self._picked >= self.max_new_tokens or token in self.eos
+        return token
 
     def stop_reason(self, tokens: list[int]) -> StopReason:
         """Which of generate()'s stopping criteria ended `tokens` (this sequence's new tokens)."""
@@ -189,6 +199,19 @@ class TokenPicker:
 
 
 _PLAIN_CRITERIA = (MaxLengthCriteria, EosTokenCriteria)
+
+
+def greedy_tokens(pickers: Sequence[TokenPicker], logits: torch.Tensor) -> dict[int, int]:
+    """The token of every plain greedy row of a step's logits ([rows, vocab]), by row: one argmax over
+    those rows and one transfer to the host for all of them, where each row's own `pick` would sync
+    once per row. argmax takes the first of tied maxima either way, so each token is the one generate()
+    alone chooses. Rows with processors, sampling or other stopping criteria are left to their own
+    picker: sampling draws from each row's own generator, so its tokens never depend on the batch."""
+    rows = [row for row, picker in enumerate(pickers) if picker.plain_greedy]
+    if not rows:
+        return {}
+    chosen = logits if len(rows) == len(pickers) else logits[rows]
+    return dict(zip(rows, chosen.argmax(dim=-1).tolist(), strict=True))
 
 
 def _prepared_config(loaded: LoadedModel, settings: SummarizeConfig, ids: torch.Tensor,
