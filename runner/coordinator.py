@@ -1,7 +1,8 @@
 """The coordinator: runs a job's open tasks on the worker pool and checkpoints every step.
 
 Each worker gets `batch.max_sequences` tasks at a time (one feeding thread each; the worker batches
-their sequences), the longest open task first (long documents must not straggle at the end). Each
+their sequences), the longest expected task first, to the worker with the least expected work in
+flight (jobs/balance.py: long documents must not straggle at the end, nor pile up on one worker). Each
 task runs under one tenacity policy for transient failures (I/O error, worker died, timeout); a
 task whose worker died or hung goes back to the front of the shared queue, so any worker (on any
 node) takes it while the lost one restarts. A loss while batch-mates shared the worker is not held
@@ -380,8 +381,8 @@ class Coordinator:
         with self.alerts.watching(), NodeSweeper(self.offload_root, self.log), \
                 BatchProgress(self.console, total, already_done, len(workers), self.alerts.active) as progress:
             self.recorder.progress = progress
-            # as many tasks in flight per worker as it batches sequences, so its batch stays full; started
-            # round robin over the workers, so a short queue is shared out evenly, not all to the first
+            # as many tasks in flight per worker as it batches sequences, so its batch stays full; the
+            # queue deals each task to the least loaded worker, so a short queue is shared out evenly
             threads = [threading.Thread(target=self._feed, args=(w, work, errors), daemon=True)
                        for _ in range(self.cfg.batch.sequences) for w in workers]
             for t in threads:
