@@ -38,10 +38,11 @@ def test_a_longer_answer_is_more_work():
 
 
 def test_a_map_reduced_document_counts_every_chunk_and_merge_pass():
-    passes = pass_counts(10_000, 1024, 16, 16)
-    budget = 1024 - 64 - 16
-    chunks = chunk_count(10_000, budget, 16)
-    assert chunks >= 10 and passes[:chunks] == [budget] * chunks and len(passes) > chunks  # its chunks, then at least one merge of their summaries
+    # 10,000 tokens in chunks of 944 (1024 less prompt and answer) overlapping by 16: 11 chunks, then
+    # one pass merging their 11 summaries of 16 tokens
+    assert pass_counts(10_000, 1024, 16, 16) == [944] * 11 + [11 * 16]
+    # 60 summaries, 59 to a merge pass: two rounds
+    assert pass_counts(60 * 928 + 16, 1024, 16, 16) == [944] * 60 + [59 * 16] + [2 * 16]
     assert expected_work(_task("long", 30_000), CONFIG) > 10 * expected_work(_task("one", 2_800), CONFIG)
 
 
@@ -180,7 +181,8 @@ def test_two_workers_get_the_long_documents_first_and_equal_expected_work(ray_ad
     assert [e["doc_id"] for e in assigned[:3]] == ["gpl-3", "gpl-2", "mpl-2.0"], assigned
     assert {e["doc_id"] for e in assigned} == set(results)
     assert all(e["expected_work"] == round(work[e["doc_id"]]) for e in assigned)
-    assert _grouped({e["doc_id"]: e["worker"] for e in assigned}) == _grouped({d: r["worker"] for d, r in results.items()})
+    logged = _grouped({e["doc_id"]: e["worker"] for e in assigned})
+    assert logged == _grouped({doc: r["worker"] for doc, r in results.items()})
 
 
 def _grouped(worker_of: dict[str, str]) -> list[list[str]]:
