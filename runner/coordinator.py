@@ -1,7 +1,8 @@
 """The coordinator: runs a job's open tasks on the worker pool and checkpoints every step.
 
 Each worker gets `batch.max_sequences` tasks at a time (one feeding thread each; the worker batches
-their sequences), the longest open task first (long documents must not straggle at the end). Each
+their sequences), the longest expected task first, to the worker with the least expected work in
+flight (jobs/balance.py: long documents must not straggle at the end, nor pile up on one worker). Each
 task runs under one tenacity policy for transient failures (I/O error, worker died, timeout); a
 task whose worker died or hung goes back to the front of the shared queue, so any worker (on any
 node) takes it while the lost one restarts. A loss while batch-mates shared the worker is not held
@@ -23,7 +24,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from rich.console import Console
 from tenacity import (
@@ -35,6 +36,7 @@ from tenacity import (
 )
 from tenacity.stop import stop_base
 
+from jobs.balance import expected_work, may_take
 from jobs.config import JobConfig, RetryConfig
 from jobs.faults import FaultRule
 from jobs.outcome import TaskOutcome
@@ -118,43 +120,66 @@ def task_retrying(retry: RetryConfig, before_sleep: Any, sleep: Any) -> Retrying
 
 
 class WorkQueue:
-    """Open tasks, longest first, shared by the feeding threads; a task handed back by a lost worker
-    goes in front. `take` waits while other threads still hold tasks they may hand back."""
+    """Open tasks, the longest expected first, shared by the feeding threads; a task handed back by a
+    lost worker goes in front, with its work at its (maybe shorter) context. A worker takes the next
+    task only while no other worker with a free slot has less expected work in flight, so the long
+    documents spread over the workers instead of one worker's queue setting the batch's end. `take`
+    waits while other threads still hold tasks they may hand back."""
 
-    def __init__(self, runs: list[TaskRun]) -> None:
+    def __init__(self, runs: list[TaskRun], work_of: Callable[[TaskRun], float], workers: list[Worker],
+                 slots: int, is_down: Callable[[Worker], bool]) -> None:
         self._order = itertools.count()
-        self._heap = [(1, -run.task.n_chars, next(self._order), run) for run in runs]
+        self._work_of = work_of
+        self._heap = [self._entry(1, run) for run in runs]
         heapq.heapify(self._heap)
-        self._held = 0
+        self._held: dict[Worker, list[TaskRun]] = {w: [] for w in workers}
+        self._slots = slots
+        self._is_down = is_down
         self._changed = threading.Condition()
 
-    def take(self, stop: threading.Event) -> TaskRun | None:
-        """The next task, or None once none is left and none can come back (or the batch stops)."""
+    def _entry(self, priority: int, run: TaskRun) -> tuple[int, float, int, TaskRun]:
+        return priority, -self._work_of(run), next(self._order), run
+
+    def _load(self, worker: Worker) -> float:
+        return sum(self._work_of(run) for run in self._held[worker])
+
+    def take(self, worker: Worker, stop: threading.Event) -> TaskRun | None:
+        """The next task for `worker`, or None once none is left and none can come back (or the batch
+        stops)."""
         with self._changed:
             while not stop.is_set():
                 if self._heap:
-                    self._held += 1
-                    return heapq.heappop(self._heap)[-1]
-                if self._held == 0:
+                    free = [w for w, held in self._held.items() if len(held) < self._slots and not self._is_down(w)]
+                    if may_take(worker, {w: self._load(w) for w in self._held}, free):
+                        run = heapq.heappop(self._heap)[-1]
+                        self._held[worker].append(run)
+                        self._changed.notify_all()
+                        return run
+                elif not any(self._held.values()):
                     return None
                 self._changed.wait(0.2)
             return None
 
-    def finished(self) -> None:
+    def load(self, worker: Worker) -> float:
+        """The expected work of the tasks `worker` holds now."""
         with self._changed:
-            self._held -= 1
+            return self._load(worker)
+
+    def finished(self, worker: Worker, run: TaskRun) -> None:
+        with self._changed:
+            self._held[worker].remove(run)
             self._changed.notify_all()
 
-    def hand_back(self, run: TaskRun) -> None:
+    def hand_back(self, worker: Worker, run: TaskRun) -> None:
         with self._changed:
-            heapq.heappush(self._heap, (0, -run.task.n_chars, next(self._order), run))
-            self._held -= 1
+            heapq.heappush(self._heap, self._entry(0, run))
+            self._held[worker].remove(run)
             self._changed.notify_all()
 
     def drained(self) -> bool:
         """Nothing left to run and nothing in flight that could come back."""
         with self._changed:
-            return not self._heap and self._held == 0
+            return not self._heap and not any(self._held.values())
 
     def left(self) -> int:
         with self._changed:
@@ -229,6 +254,9 @@ class Coordinator:
         if self.stop.wait(seconds):
             raise Interrupted()
 
+    def _work_of(self, run: TaskRun) -> float:
+        return expected_work(run.task, self.cfg, run.context_tokens)
+
     # -- one task -------------------------------------------------------------------------------
     def _finish(self, run: TaskRun, outcome: TaskOutcome) -> None:
         self.recorder.finish(run.task, run.attempt, run.context_tokens, run.fallbacks, run.queue_wait_s,
@@ -272,27 +300,30 @@ class Coordinator:
         while True:
             if self.pool.is_down(worker) and not self._await_restart(worker, errors, until_drained=work):
                 return
-            if (run := work.take(self.stop)) is None:
+            if (run := work.take(worker, self.stop)) is None:
                 return
+            self.log.info("task_assigned", task_id=run.task.task_id, doc_id=run.task.doc_id,
+                          worker=self.pool.slot_name(worker), context_tokens=run.context_tokens,
+                          expected_work=round(self._work_of(run)), worker_work=round(work.load(worker)))
             try:
                 finished, lost = self._run_task(worker, run)
             except Interrupted:
-                work.finished()
+                work.finished(worker, run)
                 return
             except BaseException as e:  # a bug must stop the batch loudly, not hang it
-                work.finished()
+                work.finished(worker, run)
                 errors.append(e)
                 self.stop.set()
                 return
             if not finished:
-                work.hand_back(run)  # another worker takes it now; this one waits for its restart
+                work.hand_back(worker, run)  # another worker takes it now; this one waits for its restart
                 if not self._await_restart(worker, errors, until_drained=work):
                     return
                 continue
             # a task that ended on a lost worker still holds the batch open until the worker is back:
             # its restart sweeps the dead process's scratch dir
             restarted = self._await_restart(worker, errors) if lost else True
-            work.finished()
+            work.finished(worker, run)
             if not restarted:
                 return
 
@@ -328,7 +359,7 @@ class Coordinator:
 
     def _run(self, open_tasks: list[Task], already_done: int, total: int) -> int:
         context = self.cfg.summarize.context_tokens
-        work = WorkQueue([TaskRun(task=task, context_tokens=context) for task in open_tasks])
+        runs = [TaskRun(task=task, context_tokens=context) for task in open_tasks]
         count = self.pool.worker_count(len(open_tasks))
         self.log.info("batch_start", open_tasks=len(open_tasks), workers=count,
                       sequences_per_worker=self.cfg.batch.sequences)
@@ -346,11 +377,12 @@ class Coordinator:
         self._queued_at = time.time()  # queue wait counts from here: waiting for a free worker
         errors: list[BaseException] = []
         workers = self.pool.workers
+        work = WorkQueue(runs, self._work_of, workers, self.cfg.batch.sequences, self.pool.is_down)
         with self.alerts.watching(), NodeSweeper(self.offload_root, self.log), \
                 BatchProgress(self.console, total, already_done, len(workers), self.alerts.active) as progress:
             self.recorder.progress = progress
-            # as many tasks in flight per worker as it batches sequences, so its batch stays full; started
-            # round robin over the workers, so a short queue is shared out evenly, not all to the first
+            # as many tasks in flight per worker as it batches sequences, so its batch stays full; the
+            # queue deals each task to the least loaded worker, so a short queue is shared out evenly
             threads = [threading.Thread(target=self._feed, args=(w, work, errors), daemon=True)
                        for _ in range(self.cfg.batch.sequences) for w in workers]
             for t in threads:

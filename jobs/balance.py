@@ -1,0 +1,66 @@
+"""Balancing the workers: tasks go out by the work they are expected to take, not by arrival order.
+
+A batch ends when its busiest worker does, so the longest expected task goes first, to the worker
+with the least expected work in flight (greedy longest-processing-time scheduling). A task's work is
+estimated before it is tokenised, with the planner's characters-per-token (jobs/kvplan.py): the
+tokens it prefills over all its passes (chunks, then merge rounds of their summaries) plus the
+tokens it decodes, weighted, since a decoded token costs one forward step of its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Hashable, Mapping
+from math import ceil
+
+from jobs.config import JobConfig
+from jobs.kvplan import CHARS_PER_TOKEN, PROMPT_TOKENS
+from jobs.task import Task
+
+#: What one decoded token costs in prefilled tokens: prefill runs a whole chunk per forward pass,
+#: decode one token per sequence per step (shared by the batch's rows, so far less than a full step).
+DECODE_TOKEN_WEIGHT = 4.0
+
+
+def chunk_count(doc_tokens: int, budget_tokens: int, overlap_tokens: int) -> int:
+    """About how many chunks jobs/chunking.py cuts: each brings its budget less the overlap."""
+    if doc_tokens <= budget_tokens:
+        return 1
+    overlap = min(overlap_tokens, budget_tokens // 4)
+    return ceil((doc_tokens - overlap) / (budget_tokens - overlap))
+
+
+def pass_counts(doc_tokens: int, context_tokens: int, max_new_tokens: int, overlap_tokens: int) -> list[int]:
+    """Document tokens of each pass a summary takes: its chunks, then each merge of their summaries.
+
+    Mirrors jobs/chunking.py in the large: chunks of the pass budget overlapping by `overlap_tokens`
+    (capped at a quarter of the budget), and merges of as many `max_new_tokens` summaries as fit.
+    """
+    budget = max(1, context_tokens - PROMPT_TOKENS - max_new_tokens)
+    if doc_tokens <= budget:
+        return [doc_tokens]
+    chunks = chunk_count(doc_tokens, budget, overlap_tokens)
+    passes = [budget] * chunks
+    per_merge = max(2, budget // max(1, max_new_tokens))
+    summaries = chunks
+    while summaries > 1:  # a group of one is carried over as it is, the others merge in one pass each
+        groups = [per_merge] * (summaries // per_merge) + ([summaries % per_merge] if summaries % per_merge else [])
+        passes += [size * max_new_tokens for size in groups if size > 1]
+        summaries = len(groups)
+    return passes
+
+
+def expected_work(task: Task, config: JobConfig, context_tokens: int | None = None) -> float:
+    """A task's expected work at `context_tokens` (the configured context unless it was moved to a
+    shorter one), in prefilled-token units: every pass's prompt plus its weighted decode."""
+    summarize = config.summarize
+    context = context_tokens or summarize.context_tokens
+    max_new = int(task.overrides.get("max_new_tokens", summarize.max_new_tokens))
+    passes = pass_counts(task.n_chars // CHARS_PER_TOKEN, context, max_new, summarize.chunk_overlap_tokens)
+    return sum(tokens + PROMPT_TOKENS for tokens in passes) + len(passes) * max_new * DECODE_TOKEN_WEIGHT
+
+
+def may_take(worker: Hashable, loads: Mapping[Hashable, float], free: Collection[Hashable]) -> bool:
+    """Whether `worker` takes the next task now: no other worker that has a free slot has less work in
+    flight (a worker with every slot busy, or down, does not hold the task back from the others)."""
+    return all(loads.get(worker, 0.0) <= loads.get(other, 0.0) for other in free)
+

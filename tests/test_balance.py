@@ -1,0 +1,193 @@
+"""Balanced workers: a task's expected work (its passes' prefill and decode), the longest-first,
+least-loaded rule on its own, in the coordinator's queue with real threads, and through the CLI."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+from conftest import LICENSES, TINY_CONFIG, done_summaries, export_rows, kvbatch, write_jsonl
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jobs.balance import chunk_count, expected_work, may_take, pass_counts
+from jobs.chunking import plan_chunks
+from jobs.config import load_config
+from jobs.kvplan import CHARS_PER_TOKEN
+from jobs.task import Task
+from runner.coordinator import TaskRun, WorkQueue
+
+CONFIG = load_config(TINY_CONFIG)
+
+
+def _task(doc_id: str, n_chars: int, **overrides: int) -> Task:
+    return Task(task_id=doc_id, doc_id=doc_id, source_type="text", source="", n_chars=n_chars, n_bytes=n_chars,
+                sha256="", overrides=overrides, meta={})
+
+
+# -- the estimate -----------------------------------------------------------------------------------
+def test_a_document_that_fits_one_pass_is_its_prompt_plus_its_weighted_answer():
+    short, longer = expected_work(_task("a", 300), CONFIG), expected_work(_task("b", 600), CONFIG)
+    assert len(pass_counts(200, 1024, 16, 16)) == 1
+    assert longer - short == 100  # 300 more characters are 100 more prompt tokens to prefill, same decode
+
+
+def test_a_longer_answer_is_more_work():
+    assert expected_work(_task("a", 300, max_new_tokens=64), CONFIG) > expected_work(_task("a", 300), CONFIG)
+
+
+def test_a_map_reduced_document_counts_every_chunk_and_merge_pass():
+    # 10,000 tokens in chunks of 944 (1024 less prompt and answer) overlapping by 16: 11 chunks, then
+    # one pass merging their 11 summaries of 16 tokens
+    assert pass_counts(10_000, 1024, 16, 16) == [944] * 11 + [11 * 16]
+    # 60 summaries, 59 to a merge pass: two rounds
+    assert pass_counts(60 * 928 + 16, 1024, 16, 16) == [944] * 60 + [59 * 16] + [2 * 16]
+    assert expected_work(_task("long", 30_000), CONFIG) > 10 * expected_work(_task("one", 2_800), CONFIG)
+
+
+@given(st.integers(1_000, 12_000), st.sampled_from([512, 1024, 4096]), st.integers(0, 64))
+@settings(max_examples=20, deadline=None)
+def test_the_chunk_count_matches_the_chunk_planner(n_tokens, context, overlap):
+    """One token per word: the estimate's chunks are within one of what jobs/chunking.py cuts."""
+    text = "w " * n_tokens
+    spans = [(2 * i, 2 * i + 1) for i in range(n_tokens)]
+    budget = context - 64 - 16
+    planned = len(plan_chunks(text, spans, budget, overlap))
+    estimated = chunk_count(n_tokens, budget, overlap)
+    assert abs(estimated - planned) <= 1, (estimated, planned)
+
+
+def test_a_shorter_context_is_more_passes_and_more_work():
+    task = _task("long", 30_000)
+    assert expected_work(task, CONFIG, 512) > expected_work(task, CONFIG, 1024)
+    assert expected_work(task, CONFIG) == expected_work(task, CONFIG, CONFIG.summarize.context_tokens)
+    assert expected_work(_task("x", 100 * CHARS_PER_TOKEN), CONFIG) > 0
+
+
+# -- the rule ---------------------------------------------------------------------------------------
+def _assign(works: list[float], workers: int, asking: list[int]) -> dict[int, list[int]]:
+    """Every worker free at once, asking in the order `asking` cycles through: the rule deals the
+    tasks, longest first, as the coordinator's queue does."""
+    loads = dict.fromkeys(range(workers), 0.0)
+    got: dict[int, list[int]] = {w: [] for w in range(workers)}
+    order = sorted(range(len(works)), key=lambda i: -works[i])
+    turn = 0
+    for i in order:
+        takers = [w for w in asking if may_take(w, loads, list(range(workers)))]
+        assert takers, "no worker may take the next task: the queue would hang"
+        w = takers[turn % len(takers)]
+        turn += 1
+        got[w].append(i)
+        loads[w] += works[i]
+    return got
+
+
+@given(st.lists(st.floats(1, 1e6), min_size=1, max_size=60), st.integers(1, 6), st.randoms())
+@settings(max_examples=200, deadline=None)
+def test_every_task_goes_to_one_worker_and_no_worker_is_more_than_one_task_over_the_mean(works, workers, rnd):
+    asking = list(range(workers))
+    rnd.shuffle(asking)
+    got = _assign(works, workers, asking)
+    assert sorted(i for tasks in got.values() for i in tasks) == list(range(len(works)))
+    loads = [sum(works[i] for i in tasks) for tasks in got.values()]
+    mean = sum(works) / workers
+    assert max(loads) <= mean + max(works) + 1e-6 * sum(works)
+
+
+def test_a_busy_or_down_worker_does_not_hold_the_task_back():
+    loads = {"a": 10.0, "b": 1.0}
+    assert not may_take("a", loads, ["a", "b"])
+    assert may_take("a", loads, ["a"])  # b has no free slot (or is down)
+    assert may_take("b", loads, ["a", "b"])
+
+
+# -- the coordinator's queue, real threads ----------------------------------------------------------
+def _queue(sizes: dict[str, int], down: set[str] = frozenset(), slots: int = 2) -> WorkQueue:
+    runs = [TaskRun(task=_task(doc, n), context_tokens=1024) for doc, n in sizes.items()]
+    return WorkQueue(runs, lambda run: expected_work(run.task, CONFIG, run.context_tokens), ["w0", "w1"],
+                     slots, lambda w: w in down)
+
+
+def _take_soon(queue: WorkQueue, worker: str, wait_s: float = 0.5) -> TaskRun | None:
+    """What `take` gives within `wait_s` (None when it is still waiting then)."""
+    stop = threading.Event()
+    timer = threading.Timer(wait_s, stop.set)
+    timer.start()
+    try:
+        return queue.take(worker, stop)
+    finally:
+        timer.cancel()
+
+
+def test_the_queue_deals_the_longest_to_the_least_loaded_worker():
+    queue = _queue({"huge": 30_000, "mid1": 15_000, "mid2": 14_000, "tiny": 300})
+    assert _take_soon(queue, "w0").task.doc_id == "huge"
+    assert _take_soon(queue, "w1").task.doc_id == "mid1"
+    started = time.monotonic()
+    assert _take_soon(queue, "w0", wait_s=0.3) is None  # w1, with a free slot, has less work in flight
+    assert time.monotonic() - started >= 0.3
+    assert _take_soon(queue, "w1").task.doc_id == "mid2"
+    assert _take_soon(queue, "w0").task.doc_id == "tiny"  # w1's slots are full now
+
+
+def test_a_down_worker_does_not_hold_the_queue_back():
+    queue = _queue({"huge": 30_000, "mid": 15_000}, down={"w1"})
+    assert _take_soon(queue, "w0").task.doc_id == "huge"
+    assert _take_soon(queue, "w0").task.doc_id == "mid"
+
+
+def test_a_task_handed_back_at_a_shorter_context_goes_first_with_its_new_work():
+    queue = _queue({"huge": 30_000, "mid": 15_000}, slots=1)
+    huge = _take_soon(queue, "w0")
+    before = queue.load("w0")
+    huge.context_tokens = 512
+    assert queue.load("w0") > before  # the work in flight follows the task's context
+    queue.hand_back("w0", huge)
+    assert queue.load("w0") == 0
+    assert _take_soon(queue, "w1") is huge
+    queue.finished("w1", huge)
+    assert _take_soon(queue, "w1").task.doc_id == "mid"
+    assert not queue.drained()
+
+
+# -- through the CLI --------------------------------------------------------------------------------
+LONG = {"gpl-3": "GPL-3", "gpl-2": "GPL-2", "mpl-2.0": "MPL-2.0"}
+SHORT = {"short-1": "A short note on licensing. " * 20, "short-2": "Another short document. " * 25}
+
+
+def test_two_workers_get_the_long_documents_first_and_equal_expected_work(ray_address, tmp_path):
+    """gpl-3's work is about gpl-2's and mpl-2.0's together: arrival order (round robin over the
+    workers' slots) gives one worker gpl-3 and mpl-2.0; by expected work gpl-3 runs beside the
+    shorts on one worker while the other takes both middle ones."""
+    rows = [{"id": doc, "path": str(LICENSES / name)} for doc, name in LONG.items()]
+    rows += [{"id": doc, "text": text} for doc, text in SHORT.items()]
+    job = tmp_path / "job"
+    kvbatch("submit", str(write_jsonl(tmp_path / "manifest.jsonl", rows)), "-c", str(TINY_CONFIG), "-j", str(job),
+            "--address", ray_address, "--set", "workers.count=2", "--set", "batch.max_sequences=2", check=0)
+    assert len(done_summaries(job)) == 5
+    results = {r["doc_id"]: r for r in export_rows(job)}
+    work = {doc: expected_work(_task(doc, r["n_chars"]), CONFIG) for doc, r in results.items()}
+    per_worker: dict[str, float] = {}
+    for doc, r in results.items():
+        per_worker[r["worker"]] = per_worker.get(r["worker"], 0.0) + work[doc]
+    assert results["gpl-2"]["worker"] == results["mpl-2.0"]["worker"] != results["gpl-3"]["worker"], \
+        {doc: r["worker"] for doc, r in results.items()}
+    assert len(per_worker) == 2
+    assert abs(max(per_worker.values()) - min(per_worker.values())) <= sum(work[doc] for doc in SHORT), per_worker
+
+    log = [json.loads(line) for line in (job / "job.log").read_text().splitlines()]
+    assigned = [e for e in log if e["event"] == "task_assigned"]
+    assert [e["doc_id"] for e in assigned[:3]] == ["gpl-3", "gpl-2", "mpl-2.0"], assigned
+    assert {e["doc_id"] for e in assigned} == set(results)
+    assert all(e["expected_work"] == round(work[e["doc_id"]]) for e in assigned)
+    logged = _grouped({e["doc_id"]: e["worker"] for e in assigned})
+    assert logged == _grouped({doc: r["worker"] for doc, r in results.items()})
+
+
+def _grouped(worker_of: dict[str, str]) -> list[list[str]]:
+    """The documents each worker ran, whatever the worker is called (a slot in job.log, a process in results)."""
+    groups: dict[str, list[str]] = {}
+    for doc, worker in worker_of.items():
+        groups.setdefault(worker, []).append(doc)
+    return sorted(sorted(docs) for docs in groups.values())
