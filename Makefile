@@ -37,9 +37,10 @@ bench: venv
 	$(PY) bench/runner_overhead.py
 	$(PY) bench/checkpoint.py
 	$(PY) bench/offload.py --threads 1
+	$(PY) bench/quantization.py
 
 # What bench/device.sh installs on a GPU machine that cannot download (docs/device.md): the engine's
-# imports that machine lacks, at the versions tested here, as Python 3.12 x86-64 wheels (about 23 MB)
+# imports that machine lacks, at the versions tested here, as Python 3.12 x86-64 wheels (about 27 MB)
 DEVICE_WHEELS ?= .whl
 DEVICE_PACKAGES := transformers==5.23.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 \
 	typing-inspection==0.4.5 typing-extensions==4.16.0 regex==2026.11.19 zstandard==0.25.0 tenacity==9.2.1 \
