@@ -76,9 +76,15 @@ def test_a_document_that_crashes_its_worker_does_not_use_up_its_batch_mates_atte
     log = [json.loads(line) for line in (job / "job.log").read_text().splitlines()]
     lost = [e for e in log if e["event"] == "task_lost_in_batch"]
     assert any(e["doc_id"] != "bsd" for e in lost), "no batch-mate shared a loss: nothing was tested"
-    assert any(e["doc_id"] == "bsd" and e["runs_alone_next"] for e in lost)
-    # bsd's own attempts (alone) used up retry.max_attempts; its batch-mates' losses were not counted
-    assert rows["bsd"]["attempts"] >= 2 + 2
+    # Whether bsd's second crash finds batch-mates still in flight is timing (the tiny model finishes
+    # a document in a fraction of a second), so count instead: every loss bsd shared was not charged
+    # to it, and every loss it had alone was, retry.max_attempts=2 at each context size it tried.
+    bsd_shared = [e for e in lost if e["doc_id"] == "bsd"]
+    contexts = {e["context_tokens"] for e in log if e["event"] == "task_assigned" and e["doc_id"] == "bsd"}
+    assert rows["bsd"]["attempts"] == len(bsd_shared) + 2 * len(contexts), (bsd_shared, contexts)
+    # once flagged to run alone, no loss of bsd's is shared any more
+    flagged = [i for i, e in enumerate(bsd_shared) if e["runs_alone_next"]]
+    assert not flagged or flagged[0] == len(bsd_shared) - 1, bsd_shared
 
 
 def test_a_short_queue_is_shared_out_over_every_worker(ray_address, tmp_path):
