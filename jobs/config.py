@@ -33,15 +33,20 @@ Quantization = Literal["none", "bnb-8bit", "bnb-4bit", "torchao-int8", "torchao-
 
 
 class ModelConfig(_Section):
-    name: str = "builtin:smollm2-135m"
-    dtype: Dtype = "auto"
-    device: str = "auto"
-    attn_implementation: str = "sdpa"
-    # weights loaded through transformers' own quantizers (runner/engine/quantization.py); a checkpoint
-    # that is quantized already loads as it is, with `none`
-    quantization: Quantization = "none"
-    # what bnb-4bit dequantises to for its matmuls; auto: model.dtype
-    quantization_compute_dtype: Dtype = "auto"
+    """The model every worker loads, and how."""
+
+    name: str = Field("builtin:smollm2-135m", description=(
+        "`builtin:smollm2-135m`, `builtin:tiny-random`, a Hugging Face id (from the local cache when "
+        "offline) or a local folder"))
+    dtype: Dtype = Field("auto", description=(
+        "weights' dtype; `auto`: bfloat16 on a CUDA GPU that supports it, else float32"))
+    device: str = Field("auto", description="`cpu`, `cuda`, `cuda:N`; `auto`: the first CUDA device when there is one, else the CPU")
+    attn_implementation: str = Field("sdpa", description="transformers' `attn_implementation` the model is loaded with (`sdpa`, `eager`, ...)")
+    quantization: Quantization = Field("none", description=(
+        "weights loaded through transformers' own quantizers (`pip install 'kvbatch[quant]'`; "
+        "`torchao-int4` needs CUDA); a checkpoint that is quantized already loads as it is with `none`"))
+    quantization_compute_dtype: Dtype = Field("auto", description=(
+        "what `bnb-4bit` dequantises to for its matmuls; `auto`: `model.dtype`"))
 
 
 class LoopStopConfig(_Section):
@@ -50,12 +55,14 @@ class LoopStopConfig(_Section):
     their `ngram`-grams occurred before), stops there, and what came after the first copy is cut
     (jobs/stopping.py). `window: 0` turns the near-copy rule off."""
 
-    enabled: bool = True
-    ngram: int = Field(4, gt=0)
-    repeats: int = Field(3, ge=2)
-    max_period: int = Field(64, gt=0)
-    window: int = Field(32, ge=0)
-    window_share: float = Field(0.6, gt=0.0, le=1.0)
+    enabled: bool = Field(True, description="stop a summary that loops (`stop_reason: repetition`)")
+    ngram: int = Field(4, gt=0, description="tokens in the smallest repeated block, and in the near-copy rule's n-grams")
+    repeats: int = Field(3, ge=2, description="back-to-back copies of one block that end a sequence")
+    max_period: int = Field(64, gt=0, description="tokens in the longest repeated block looked for")
+    window: int = Field(32, ge=0, description=(
+        "the near-copy rule's last tokens looked at; `0` turns the rule off, else at least 2 x `ngram`"))
+    window_share: float = Field(0.6, gt=0.0, le=1.0, description=(
+        "share (0-1] of the window's n-grams that occurred before for it to count as a near-copy"))
 
     @field_validator("window")
     @classmethod
@@ -73,17 +80,24 @@ class LoopStopConfig(_Section):
 
 
 class SummarizeConfig(_Section):
-    prompt: str = DEFAULT_PROMPT
-    max_new_tokens: int = Field(200, gt=0)
-    context_tokens: int = Field(8192, gt=0)
-    min_context_tokens: int = Field(1024, gt=0)
-    chunk_overlap_tokens: int = Field(64, ge=0)
-    prefill_chunk_size: int = Field(512, ge=0)
-    do_sample: bool = False
-    seed: int = 0
-    # transformers GenerationConfig fields passed to generate(), e.g. repetition_penalty: 1.15;
-    # checked against transformers at submit (runner/preflight.py)
-    generation: dict[str, Any] = Field(default_factory=dict)
+    """What the model is asked and how much of a document one pass holds."""
+
+    prompt: str = Field(DEFAULT_PROMPT, description="the instruction before each document (a manifest row's `prompt` overrides it)")
+    max_new_tokens: int = Field(120, gt=0, description=(
+        "most tokens a summary (each chunk's and each merge pass's too) may have; at most half of "
+        "`context_tokens` (a manifest row's `max_new_tokens` overrides it)"))
+    context_tokens: int = Field(8192, gt=0, description=(
+        "tokens one pass holds (prompt + document + `max_new_tokens`); a longer document is chunked and "
+        "its summaries merged"))
+    min_context_tokens: int = Field(1024, gt=0, description=(
+        "tokens below which a failing document's context is not shrunk further (it fails instead)"))
+    chunk_overlap_tokens: int = Field(64, ge=0, description="tokens each chunk of a long document shares with the one before")
+    prefill_chunk_size: int = Field(512, ge=0, description="prompt tokens prefilled per forward pass; `0`: the whole prompt at once")
+    do_sample: bool = Field(False, description="sample instead of greedy decoding")
+    seed: int = Field(0, description="the sampling seed (each sequence gets its own generator)")
+    generation: dict[str, Any] = Field(default_factory=dict, description=(
+        "transformers `GenerationConfig` fields passed to `generate()`, e.g. `{repetition_penalty: 1.15}`; "
+        "checked at submit, one the batched decode cannot honour is refused (docs/input.md)"))
     loop_stop: LoopStopConfig = Field(default_factory=LoopStopConfig)
 
     @model_validator(mode="after")
@@ -101,18 +115,30 @@ PrefillMode = Literal["auto", "chunked", "layer-major"]
 
 
 class CacheConfig(_Section):
-    strategy: str = "auto"
-    ladder: list[str] = Field(default_factory=lambda: ["dynamic", "tiered-host", "tiered-disk"])
-    device_kv_budget_bytes: ByteBudget = "auto"
-    host_kv_budget_bytes: ByteBudget = "auto"
-    offload_root: str | None = None
-    block_tokens: int = Field(512, gt=0)
-    compression: Literal["zstd", "none"] = "zstd"
-    zstd_level: int = Field(1, ge=-7, le=22)
-    shuffle: bool = True
-    # layer-major: prefill a layer at a time, so a tiered cache reads the prompt's KV back once (for its
-    # last chunk), not once per chunk; auto: that for tiered caches on covered models (runner/engine/kvcache/layer_major.py)
-    prefill: PrefillMode = "auto"
+    """Where each task's KV cache lives while it generates (docs/kv-cache.md)."""
+
+    strategy: str = Field("auto", description=(
+        "`dynamic`, `tiered-host`, `tiered-disk`, `static`, `offloaded`, `offloaded_static` (CUDA); "
+        "`auto`: the first rung of `ladder` whose budget fits the task's KV"))
+    ladder: list[str] = Field(default_factory=lambda: ["dynamic", "tiered-host", "tiered-disk"], description=(
+        "the strategies a task moves down on a memory error, in order"))
+    device_kv_budget_bytes: ByteBudget = Field("auto", description=(
+        "bytes of KV a worker keeps on its device; `auto`: a GPU's free memory after the load shared among "
+        "its workers, on the CPU half the available RAM shared among the node's workers"))
+    host_kv_budget_bytes: ByteBudget = Field("auto", description=(
+        "bytes of KV a worker keeps in host RAM on tiered rungs; `auto`: half the available RAM shared "
+        "among the node's workers"))
+    offload_root: str | None = Field(None, description=(
+        "folder (ideally NVMe, the same path on every node) for tiered-disk block files; `null`: "
+        "`$KVBATCH_OFFLOAD_ROOT`, else `JOB_DIR/scratch/kvbatch` (`~/.cache/kvbatch/offload` for a job on S3)"))
+    block_tokens: int = Field(512, gt=0, description="tokens per KV block file on tiered-disk")
+    compression: Literal["zstd", "none"] = Field("zstd", description="how block files are written: `zstd`, or raw with `none`")
+    zstd_level: int = Field(1, ge=-7, le=22, description="zstd level of block files (-7 fastest, 22 smallest)")
+    shuffle: bool = Field(True, description="byte-plane shuffle before zstd (lossless; compresses float KV better)")
+    prefill: PrefillMode = Field("auto", description=(
+        "`layer-major` prefills a layer at a time, so a tiered cache reads the prompt's KV back once, not "
+        "once per chunk; `chunked`: transformers' order; `auto`: layer-major on tiered rungs of covered "
+        "models with 2+ prefill chunks, else chunked"))
 
     @field_validator("device_kv_budget_bytes", "host_kv_budget_bytes")
     @classmethod
@@ -142,19 +168,28 @@ class CacheConfig(_Section):
 
 
 class RetryConfig(_Section):
-    max_attempts: int = Field(3, gt=0)
-    backoff_initial_s: float = Field(1.0, ge=0)
-    backoff_max_s: float = Field(60.0, ge=0)
-    context_shrink: float = Field(0.5, gt=0, lt=1)
-    task_timeout_s: float = Field(3600.0, gt=0)
+    """How transient failures are retried and failing documents shortened (docs/cluster.md)."""
+
+    max_attempts: int = Field(3, gt=0, description="attempts per task at one context size before it is shortened or failed")
+    backoff_initial_s: float = Field(1.0, ge=0, description="seconds before the first retry; doubles each retry")
+    backoff_max_s: float = Field(60.0, ge=0, description="the longest wait between retries, in seconds")
+    context_shrink: float = Field(0.5, gt=0, lt=1, description=(
+        "factor (0-1) on `context_tokens` for a document that keeps failing, down to `min_context_tokens`"))
+    task_timeout_s: float = Field(3600.0, gt=0, description=(
+        "seconds a task may run once its first sequence begins before its worker is restarted; waiting "
+        "behind batch-mates has its own limit, this x `batch.max_sequences`"))
 
 
 class WorkersConfig(_Section):
-    count: int | Literal["auto"] = "auto"
-    gpus_per_worker: float = Field(1.0, ge=0)
-    cpus_per_worker: float = Field(1.0, gt=0)
-    # how long a worker may take to be placed, start and load its model before the batch gives up on it
-    start_timeout_s: float = Field(300.0, gt=0)
+    """The Ray actors that hold the model, one model each."""
+
+    count: int | Literal["auto"] = Field("auto", description=(
+        "workers; `auto`: one per GPU, else one per `cpus_per_worker` CPUs, across the cluster"))
+    gpus_per_worker: float = Field(1.0, ge=0, description="GPUs Ray gives each worker (fractions share a GPU); 0 on a cluster without GPUs")
+    cpus_per_worker: float = Field(1.0, gt=0, description="CPUs Ray gives each worker")
+    start_timeout_s: float = Field(300.0, gt=0, description=(
+        "seconds a worker may take to be placed, start and load its model before the run stops (exit 4, "
+        "resumable)"))
 
     @field_validator("count")
     @classmethod
@@ -165,17 +200,21 @@ class WorkersConfig(_Section):
 
 
 AUTO_MAX_SEQUENCES = 16
-"""`batch.max_sequences: auto`: this many; admission lets fewer decode together when the budgets hold fewer."""
+"""`batch.max_sequences: auto`: this many, whatever the budgets; admission lets fewer decode together
+when the budgets hold fewer."""
 
 
 class BatchConfig(_Section):
-    # sequences (documents, map chunks, merge passes) sharing a worker's decode steps; the worker also
-    # keeps that many tasks in flight, and admits a sequence only while the batch's device and host KV
-    # fit the worker's budgets (a memory error lowers the limit for a while: jobs/batch_limit.py)
-    max_sequences: int | Literal["auto"] = "auto"
-    # how a decode step attends: one call per layer over the worker's KV pool (device-resident rows),
-    # or each row over its own cache; auto picks by device (jobs/attention.py)
-    attention: Literal["auto", "pooled", "per-row"] = "auto"
+    """How many sequences (documents, map chunks, merge passes) share a worker's decode steps."""
+
+    max_sequences: int | Literal["auto"] = Field("auto", description=(
+        f"tasks a worker keeps in flight and the most sequences it decodes together; `auto`: {AUTO_MAX_SEQUENCES} "
+        "(a constant). Whatever the value, a sequence joins only while the batch's KV at full length fits "
+        "the worker's device (and, on tiered rungs, host) budget, and a memory error lowers the limit for "
+        "a while (jobs/batch_limit.py)"))
+    attention: Literal["auto", "pooled", "per-row"] = Field("auto", description=(
+        "`pooled`: one attention call per layer over the worker's KV pool (device-resident rows); "
+        "`per-row`: each row over its own cache; `auto`: pooled on CUDA, per-row on the CPU"))
 
     @field_validator("max_sequences")
     @classmethod
@@ -190,13 +229,19 @@ class BatchConfig(_Section):
 
 
 class CheckpointConfig(_Section):
-    flush_every: int = Field(32, gt=0)
-    flush_interval_s: float = Field(5.0, gt=0)
+    """How often finished documents are published to `JOB_DIR/results/` (a crash loses only unpublished ones)."""
+
+    flush_every: int = Field(32, gt=0, description="results buffered before a Parquet part is published")
+    flush_interval_s: float = Field(5.0, gt=0, description="seconds after which buffered results are published anyway")
 
 
 class InputConfig(_Section):
-    documents_root: str | None = None
-    max_document_bytes: int = Field(50_000_000, gt=0)
+    """What a manifest row may point at."""
+
+    documents_root: str | None = Field(None, description=(
+        "folder every `path` must resolve inside (symlinks followed); `null`: anywhere"))
+    max_document_bytes: int = Field(50_000_000, gt=0, description=(
+        "bytes above which a document is rejected from its size, unread (a DOCX from its expanded size)"))
 
 
 class JobConfig(_Section):

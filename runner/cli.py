@@ -141,5 +141,23 @@ def doctor(config: Annotated[Optional[Path], typer.Option("-c", "--config", help
     _run(lambda: run_doctor(load_config(config), console))
 
 
+@app.command("config")
+def show_config(
+    config: Annotated[Path | None, typer.Option("-c", "--config", help="YAML config (default: the defaults)")] = None,
+    set_: SetOption = [],
+    explain: Annotated[bool, typer.Option("--explain", help="a Markdown table per section: key, value, meaning")] = False,
+) -> None:
+    """Print the config a submit would run with, every key with what it means (no -c: configs/default.yaml)."""
+    from jobs.config import load_config
+    from jobs.config_reference import config_yaml, reference_tables
+
+    def show() -> int:
+        resolved = load_config(config, set_)
+        sys.stdout.write(reference_tables(resolved, "value") if explain else config_yaml(resolved).lstrip("\n"))
+        return 0
+
+    _run(show)
+
+
 def main() -> None:
     app()
