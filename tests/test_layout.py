@@ -1,7 +1,7 @@
 """The code's layout holds: imports flow one way and never in a circle.
 
 Walks the AST of every module (function-level imports included), so a new import that crosses a
-line the README's Layout section draws fails here, naming the module and the import.
+line docs/development.md's Layout section draws fails here, naming the module and the import.
 """
 
 from __future__ import annotations
@@ -122,7 +122,7 @@ def test_imports_flow_one_way(importer: str) -> None:
     crossings = [f"{module} imports {target}"
                  for module, targets in GRAPH.items() if _under(module, importer)
                  for target in sorted(targets) for banned in FORBIDDEN[importer] if _under(target, banned)]
-    assert not crossings, "imports against the layout (see README, Layout):\n" + "\n".join(crossings)
+    assert not crossings, "imports against the layout (see docs/development.md, Layout):\n" + "\n".join(crossings)
 
 
 @pytest.mark.parametrize(("part", "library"), [*((p, "ray") for p in NO_RAY), *((p, "torch") for p in NO_TORCH)])
