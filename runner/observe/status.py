@@ -2,8 +2,8 @@
 
 Everything comes from files a running coordinator publishes atomically (results/ and events/
 parts, job.log, .lock), so another shell, or another machine on shared storage, can watch a batch
-without talking to Ray. `job_status` returns the figures `status --json` prints; README.md
-("Watching a batch") documents its keys.
+without talking to Ray. `job_status` returns the figures `status --json` prints; docs/status.md
+documents its keys.
 """
 
 from __future__ import annotations
