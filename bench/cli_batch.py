@@ -109,10 +109,10 @@ def step_rates(run: JobRun) -> list[float]:
 
 
 # -- mix: real documents, max_sequences=1 against batched -----------------------------------------
-def mix_documents(loaded: LoadedModel) -> list[dict[str, str]]:
-    """The licence texts of MIX, each whole or cut at the last paragraph end within its tokens."""
+def mix_documents(loaded: LoadedModel, count: int) -> list[dict[str, str]]:
+    """The first `count` licence texts of MIX, each whole or cut at the last paragraph end within its tokens."""
     rows = []
-    for name, most in MIX:
+    for name, most in MIX[:count]:
         text = (LICENSES / name).read_text(encoding="utf-8")
         if most is not None:
             kept, paragraphs = "", text.split("\n\n")
@@ -131,7 +131,7 @@ def _settings(base: list[str], sequences: str, extra: list[str]) -> list[str]:
 
 
 def mix_section(loaded: LoadedModel, args: argparse.Namespace) -> dict:
-    documents = mix_documents(loaded)
+    documents = mix_documents(loaded, args.mix_docs)
     tokens = [len(loaded.tokenizer(d["text"], add_special_tokens=False).input_ids) for d in documents]
     workers, threads = (int(x) for x in args.mix_layout.split("x"))
     base = [f"summarize.max_new_tokens={MIX_NEW_TOKENS}", f"summarize.context_tokens={MIX_CONTEXT}",

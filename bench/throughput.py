@@ -54,7 +54,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch
-from cli_batch import cli_step_section, mix_section
+from cli_batch import MIX, cli_step_section, mix_section
 from common import LICENSES, REPO, JobRun, local_ray, submit, write_manifest
 from step_ops import step_ops
 from transformers import AutoModelForCausalLM, ContinuousBatchingConfig, GenerationConfig, LlamaConfig
@@ -582,6 +582,7 @@ def main() -> None:
                         help="a config override for every kvbatch submit of docs, mix and cli-step (after the bench's own)")
     parser.add_argument("--mix-sequences", default="1,auto", help="mix: batch.max_sequences of each run, the first the base")
     parser.add_argument("--mix-layout", default="2x1", help="mix: workers x torch threads per worker")
+    parser.add_argument("--mix-docs", type=int, default=len(MIX), help="mix: the first this many documents (a quick check)")
     parser.add_argument("--step-rows", type=int, default=28, help="cli-step: sequences decoding together")
     parser.add_argument("--step-words", type=int, default=48, help="cli-step: words (tokens) per document")
     parser.add_argument("--step-tokens", type=int, default=96, help="cli-step: new tokens per sequence")
