@@ -9,9 +9,11 @@ rows (`JobRun.rows`, deduplicated as `kvbatch results` reads them).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -52,19 +54,24 @@ def local_ray(cpus: int) -> Iterator[str]:
 def kvbatch(args: list[str], watch: Callable[[], None] | None = None) -> tuple[float, str]:
     """Run `kvbatch <args>` (this checkout's, from the repository root) and return its wall seconds and
     stdout; `watch` is called every 50 ms while it runs. A non-zero exit ends the bench with the
-    command's output, since every figure after it would be wrong."""
-    started = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "runner", *args], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    while watch is not None and proc.poll() is None:
-        watch()
-        time.sleep(0.05)
-    out, err = proc.communicate()
-    elapsed = time.perf_counter() - started
+    command's output, since every figure after it would be wrong. The output goes to files, not pipes,
+    so a chatty command cannot fill a pipe and stall while `watch` polls."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        started = time.perf_counter()
+        proc = subprocess.Popen([sys.executable, "-m", "runner", *args], cwd=REPO, stdout=out, stderr=err, text=True)
+        while proc.poll() is None:
+            if watch is not None:
+                watch()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=0.05)  # returns at the exit, so the wall time is not rounded up to a poll
+        elapsed = time.perf_counter() - started
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
     if proc.returncode != 0:
-        raise SystemExit(f"kvbatch {' '.join(args[:2])} exited {proc.returncode}:\n{out[-TAIL_CHARS:]}\n"
-                         f"{err[-TAIL_CHARS:]}")
-    return elapsed, out
+        raise SystemExit(f"kvbatch {' '.join(args[:2])} exited {proc.returncode}:\n{stdout[-TAIL_CHARS:]}\n"
+                         f"{stderr[-TAIL_CHARS:]}")
+    return elapsed, stdout
 
 
 @dataclass(frozen=True)
