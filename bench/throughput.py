@@ -19,7 +19,7 @@ Sections (all in one run, so the ratios share the machine's state):
 - step-ops: what one decode step and its token choice cost the host (aten ops, kernel-launching ops,
   host ms, host syncs) at 1, 8 and 32 rows of a model with Llama-3-8B's attention shape, per-row and
   pooled (bench/step_ops.py).
-- mix and cli-step (`--sections mix,cli-step`, by name only; bench/cli_batch.py): 14 real documents
+- mix and cli-step (`--sections mix,cli-step`, by name only; bench/cli_batch.py): 13 real documents
   of 400-4,000 tokens (some map-reduced at context 2048) with max_sequences=1 and batched, docs/hour
   and where the workers' decode time went (prefill, decode steps, rows stalled behind another's
   prefill, mean batch); and ~28 short sequences of step-ops' model through the CLI with the pooled
