@@ -15,18 +15,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from common import LICENSES, REPO, kvbatch, submit
 
-from storage.checkpoint import load_state  # noqa: E402
+from storage.checkpoint import load_state
 
-LICENSES = Path("/usr/share/common-licenses")
 TINY_CONFIG = REPO / "configs" / "tiny.yaml"
 
 
@@ -41,15 +37,6 @@ def write_manifest(path: Path, n_docs: int) -> int:
             body = (text[start:] + text)[:length]
             f.write(json.dumps({"id": f"doc-{i:05d}", "text": body, "source": i % len(texts)}) + "\n")
     return path.stat().st_size
-
-
-def _timed(args: list[str]) -> tuple[float, subprocess.CompletedProcess[str]]:
-    started = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "runner", *args], cwd=REPO, capture_output=True, text=True)
-    elapsed = time.perf_counter() - started
-    if proc.returncode != 0:
-        raise SystemExit(f"kvbatch {' '.join(args[:2])} exited {proc.returncode}:\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}")
-    return elapsed, proc
 
 
 def folder_figures(job: Path) -> tuple[int, int]:
@@ -70,11 +57,10 @@ def main() -> None:
     manifest, job = base / "manifest.jsonl", base / "job"
     manifest_bytes = write_manifest(manifest, args.docs)
 
-    batch_s, _ = _timed(["submit", str(manifest), "-c", str(TINY_CONFIG), "-j", str(job),
-                         "--set", f"summarize.max_new_tokens={args.max_new_tokens}",
-                         "--set", f"workers.count={args.workers}"])
-    status_s, proc = _timed(["status", str(job), "--json"])
-    counts = json.loads(proc.stdout)["counts"]
+    batch_s = submit(manifest, TINY_CONFIG, job, [f"summarize.max_new_tokens={args.max_new_tokens}",
+                                                  f"workers.count={args.workers}"]).wall_s
+    status_s, status = kvbatch(["status", str(job), "--json"])
+    counts = json.loads(status)["counts"]
     started = time.perf_counter()
     state = load_state(job)
     load_s = time.perf_counter() - started

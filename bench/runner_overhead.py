@@ -23,29 +23,25 @@ Run: python bench/runner_overhead.py [--model builtin:tiny-random] [--docs BSD C
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from common import LICENSES, REPO, submit, write_manifest
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import psutil  # noqa: E402
-import torch  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+import psutil
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from jobs.config import ModelConfig, load_config  # noqa: E402
-from runner.engine.models import BUILTIN_PREFIX, TINY_RANDOM, builtin_model_dir, load_model  # noqa: E402
-from runner.observe.joblog import read_log  # noqa: E402
+from jobs.config import ModelConfig, load_config
+from runner.engine.models import BUILTIN_PREFIX, TINY_RANDOM, builtin_model_dir, load_model
+from runner.observe.joblog import read_log
 
-LICENSES = Path("/usr/share/common-licenses")
 DEFAULT_DOCS = ["BSD", "CC0-1.0", "Artistic", "LGPL-3"]
 TARGET_RATIO = 1.10
 
@@ -140,42 +136,27 @@ def model_folder(name: str, tmp: Path) -> Path | str:
 
 
 def kvbatch_run(manifest: Path, job: Path, config: Path, overrides: list[str]) -> BatchRun:
-    sets = [arg for item in overrides for arg in ("--set", item)]
-    cmd = [sys.executable, "-m", "runner", "submit", str(manifest), "-c", str(config), "-j", str(job), *sets]
-    started = time.time()
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     worker_cpu = WorkerCpu(job / "job.log")
-    while proc.poll() is None:
-        worker_cpu.sample()
-        time.sleep(0.05)
-    ended = time.time()
-    out, err = proc.communicate()
-    if proc.returncode != 0:
-        raise SystemExit(f"kvbatch submit failed ({proc.returncode}):\n{out}\n{err}")
-    log = read_log(job / "job.log")
-    first = {e["event"]: e for e in reversed(log)}  # each event's first occurrence
-    ready = [e for e in log if e["event"] == "worker_ready"]
-    last_ready = max(e["ts"] for e in ready)
-    load_s = max(e["load_s"] for e in ready)
-    exported = subprocess.run([sys.executable, "-m", "runner", "results", str(job)], cwd=REPO,
-                              capture_output=True, text=True, check=True).stdout
-    rows = [json.loads(line) for line in exported.splitlines()]
+    run = submit(manifest, config, job, overrides, watch=worker_cpu.sample)
+    ended = run.started_at + run.wall_s
+    batch_start, batch_end = run.first("batch_start")["ts"], run.first("batch_end")["ts"]
+    load_s = max(e["load_s"] for e in run.ready)
     return BatchRun(
-        wall_s=ended - started,
-        startup_s=first["batch_start"]["ts"] - started,
-        worker_start_s=last_ready - first["batch_start"]["ts"] - load_s,
+        wall_s=run.wall_s,
+        startup_s=batch_start - run.started_at,
+        worker_start_s=run.batch_started_at - batch_start - load_s,
         load_s=load_s,
-        summarise_s=first["batch_end"]["ts"] - last_ready,
-        finish_s=ended - first["batch_end"]["ts"],
+        summarise_s=run.batch_s,
+        finish_s=ended - batch_end,
         worker_cpu_s=worker_cpu.cpu_s,
-        summaries={r["doc_id"]: r["summary"] for r in rows if r["status"] == "done"},
-        map_reduced={r["doc_id"]: r["chunks"] for r in rows if (r["chunks"] or 0) > 1},
+        summaries=run.summaries,
+        map_reduced={r["doc_id"]: r["chunks"] for r in run.rows if (r["chunks"] or 0) > 1},
     )
 
 
 def print_table(model: str, n_docs: int, threads: int, plain: list[PlainRun], batch: BatchRun) -> None:
     def row(label: str, ours: float | None, *theirs: float | None) -> None:
-        cell = lambda v: f"{v:10.2f}" if v is not None else f"{'-':>10}"  # noqa: E731
+        cell = lambda v: f"{v:10.2f}" if v is not None else f"{'-':>10}"
         print(f"{label:<44}{cell(ours)}" + "".join(cell(v) for v in theirs))
 
     plain_s = sum(p.summarise_s for p in plain) / len(plain)
@@ -232,8 +213,7 @@ def main() -> None:
             return plain_transformers(folder, paths, settings.prompt, settings.max_new_tokens, settings.context_tokens,
                                       args.device, getattr(torch, args.dtype), args.threads)
 
-        manifest = Path(tmp) / "manifest.jsonl"
-        manifest.write_text("".join(json.dumps({"id": p.name.lower(), "path": str(p)}) + "\n" for p in paths))
+        manifest = write_manifest(Path(tmp) / "manifest.jsonl", [{"id": p.name.lower(), "path": str(p)} for p in paths])
         before = plain()
         batch = kvbatch_run(manifest, Path(tmp) / "job", args.config, overrides)
         after = plain()

@@ -5,7 +5,7 @@ Sections (all in one run, so the ratios share the machine's state):
   need map-reduce at context_tokens=2048), 120 new tokens, SmolLM2-135M fp32, through the real
   `kvbatch submit` on one local Ray, for max_sequences 1, 2, 4, 8, 16 and two layouts of the two
   cores: 2 workers x 1 thread and 1 worker x 2 threads. Docs/hour and output tokens/s are taken
-  over the batch phase (last worker ready -> last result, from job.log and the results), and every
+  over the batch phase (last worker ready -> batch_end in job.log, bench/common.py), and every
   summary is compared with the same layout's max_sequences=1 run.
 - anchors: what a user writes without kvbatch, on the same documents (the two long ones cut to fit
   the context, as a plain loop must): a batch-1 `model.generate` loop (transformers' default cache),
@@ -19,6 +19,11 @@ Sections (all in one run, so the ratios share the machine's state):
 - step-ops: what one decode step and its token choice cost the host (aten ops, kernel-launching ops,
   host ms, host syncs) at 1, 8 and 32 rows of a model with Llama-3-8B's attention shape, per-row and
   pooled (bench/step_ops.py).
+- mix and cli-step (`--sections mix,cli-step`, by name only; bench/cli_batch.py): 13 real documents
+  of 400-4,000 tokens (some map-reduced at context 2048) with max_sequences=1 and batched, docs/hour
+  and where the workers' decode time went (prefill, decode steps, rows stalled behind another's
+  prefill, mean batch); and ~28 short sequences of step-ops' model through the CLI with the pooled
+  path: each one's decode tok/s alone and in one batch.
 - device-quant (`--sections device-quant`): decode tok/s and weight memory under each
   `model.quantization` the machine can run, the same random checkpoint loaded through kvbatch's loader.
 - device (`--device cuda`, or `--device cpu --sections device` for a dry run with small shapes):
@@ -30,7 +35,7 @@ Sections (all in one run, so the ratios share the machine's state):
 
 Run: python bench/throughput.py [--sections docs,anchors,decode,step-ops] [--sequences 1,2,4,8,16]
      [--layouts 2x1,1x2] [--decode-shapes 500x16,3000x8] [--attention per-row,pooled] [--json]
-     [--device cuda] [--report device.json]
+     [--set KEY=VALUE ...] [--mix-sequences 1,auto] [--step-rows 28] [--device cuda] [--report device.json]
 """
 
 from __future__ import annotations
@@ -38,34 +43,29 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(REPO / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/, for common.py and step_ops.py
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import pyarrow.parquet as pq  # noqa: E402
-import torch  # noqa: E402
-from transformers import AutoModelForCausalLM, ContinuousBatchingConfig, GenerationConfig, LlamaConfig  # noqa: E402
+import torch
+from cli_batch import MIX, cli_step_section, mix_section
+from common import LICENSES, REPO, JobRun, local_ray, submit, write_manifest
+from step_ops import step_ops
+from transformers import AutoModelForCausalLM, ContinuousBatchingConfig, GenerationConfig, LlamaConfig
 
-from jobs.config import ModelConfig, SummarizeConfig, load_config  # noqa: E402
-from runner.engine.generation import TokenClock, prefill  # noqa: E402
-from runner.engine.kvcache import BudgetedDynamicCache, ResidentMeter, TieredCache  # noqa: E402
-from runner.engine.kvpool import KVPool, PooledCache  # noqa: E402
-from runner.engine.models import LoadedModel, load_model, word_tokenizer  # noqa: E402
-from runner.engine.ragged import decode_step  # noqa: E402
-from runner.observe.joblog import read_log  # noqa: E402
+from jobs.config import ModelConfig, SummarizeConfig, load_config
+from runner.engine.generation import TokenClock, prefill
+from runner.engine.kvcache import BudgetedDynamicCache, ResidentMeter, TieredCache
+from runner.engine.kvpool import KVPool, PooledCache
+from runner.engine.models import LoadedModel, load_model, word_tokenizer
+from runner.engine.ragged import decode_step
 
-from step_ops import step_ops  # noqa: E402
-
-LICENSES = Path("/usr/share/common-licenses")
 # (file, tokens): 14 documents that fit one pass at context 2048, and two that need map-reduce
 DOCUMENTS = [("BSD", 500), ("CC0-1.0", 1500), ("Artistic", 1300), ("LGPL-3", 1650), ("Apache-2.0", 1800),
              ("GPL-1", 1700), ("MPL-2.0", 1400), ("GPL-2", 1200), ("LGPL-2.1", 1000), ("GFDL-1.2", 900),
@@ -79,15 +79,11 @@ CONTEXT = 2048
 class DocsRun:
     layout: str
     sequences: int
-    batch_s: float
-    docs: int
-    output_tokens: int
-    mean_batch: float
-    summaries: dict[str, str]
+    run: JobRun
 
     @property
     def docs_per_hour(self) -> float:
-        return self.docs / self.batch_s * 3600
+        return self.run.docs_per_hour
 
 
 def documents(loaded: LoadedModel) -> list[dict[str, str]]:
@@ -103,56 +99,38 @@ def documents(loaded: LoadedModel) -> list[dict[str, str]]:
 
 
 # -- docs: the real CLI ----------------------------------------------------------------------------
-def run_kvbatch(manifest: Path, address: str, workdir: Path, layout: str, sequences: int) -> DocsRun:
+def run_kvbatch(manifest: Path, address: str, workdir: Path, layout: str, sequences: int, extra: list[str]
+                ) -> DocsRun:
     workers, threads = (int(x) for x in layout.split("x"))
-    job = workdir / f"job-{layout}-{sequences}"
     settings = [f"summarize.max_new_tokens={NEW_TOKENS}", f"summarize.context_tokens={CONTEXT}",
                 "summarize.min_context_tokens=1024", "model.dtype=float32", f"batch.max_sequences={sequences}",
-                f"workers.count={workers}", f"workers.cpus_per_worker={threads}"]
-    command = [sys.executable, "-m", "runner", "submit", str(manifest), "-c", str(REPO / "configs/default.yaml"),
-               "-j", str(job), "--address", address, *(a for s in settings for a in ("--set", s))]
-    proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"kvbatch submit failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
-    results = pq.read_table(job / "results").to_pylist()
-    ready = max(e["ts"] for e in read_log(job / "job.log") if e.get("event") == "worker_ready")
-    batch_s = max(r["finished_at"] for r in results) - ready
-    steps = sum(max(r["output_tokens"] - 1, 0) for r in results)
-    mean_batch = sum(r["batch_size"] * max(r["output_tokens"] - 1, 0) for r in results) / max(steps, 1)
-    return DocsRun(layout, sequences, batch_s, len(results), sum(r["output_tokens"] for r in results), mean_batch,
-                   {r["doc_id"]: r["summary"] for r in results})
+                f"workers.count={workers}", f"workers.cpus_per_worker={threads}", *extra]
+    job = workdir / f"job-{layout}-{sequences}"
+    return DocsRun(layout, sequences, submit(manifest, REPO / "configs/default.yaml", job, settings, address))
 
 
 def docs_section(loaded: LoadedModel, args: argparse.Namespace) -> None:
-    import ray
-
-    from runner.cluster import init_local_ray
-
-    rows = documents(loaded)
-    init_local_ray(num_cpus=2, log_to_driver=False)
-    address = ray.get_runtime_context().gcs_address
     runs: list[DocsRun] = []
-    with tempfile.TemporaryDirectory(prefix="kvbench-throughput-") as tmp:
-        manifest = Path(tmp) / "docs.jsonl"
-        manifest.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    with tempfile.TemporaryDirectory(prefix="kvbench-throughput-") as tmp, local_ray(2) as address:
+        manifest = write_manifest(Path(tmp) / "docs.jsonl", documents(loaded))
         for layout in args.layouts.split(","):
             for sequences in (int(s) for s in args.sequences.split(",")):
-                run = run_kvbatch(manifest, address, Path(tmp), layout, sequences)
+                run = run_kvbatch(manifest, address, Path(tmp), layout, sequences, args.set)
                 runs.append(run)
                 print(f"  {layout} (workers x threads), max_sequences {sequences}: {run.docs_per_hour:.0f} docs/h",
                       flush=True)
-    ray.shutdown()
     print(f"\n{'layout':>7} {'max_seq':>7} {'batch s':>8} {'docs/h':>7} {'x seq=1':>7} {'out tok/s':>9} "
           f"{'mean batch':>10} {'same':>5}")
     for run in runs:
         base = next(r for r in runs if r.layout == run.layout and r.sequences == min(
             x.sequences for x in runs if x.layout == run.layout))
-        print(f"{run.layout:>7} {run.sequences:>7} {run.batch_s:>8.1f} {run.docs_per_hour:>7.0f} "
-              f"{run.docs_per_hour / base.docs_per_hour:>7.2f} {run.output_tokens / run.batch_s:>9.1f} "
-              f"{run.mean_batch:>10.2f} {str(run.summaries == base.summaries):>5}")
+        job, same = run.run, run.run.summaries == base.run.summaries
+        print(f"{run.layout:>7} {run.sequences:>7} {job.batch_s:>8.1f} {run.docs_per_hour:>7.0f} "
+              f"{run.docs_per_hour / base.docs_per_hour:>7.2f} "
+              f"{sum(r['output_tokens'] for r in job.rows) / job.batch_s:>9.1f} {job.mean_batch:>10.2f} {same!s:>5}")
     best = max(runs, key=lambda r: r.docs_per_hour)
     print(f"\nbest: {best.layout} with max_sequences {best.sequences}; summaries identical across every run: "
-          f"{all(r.summaries == runs[0].summaries for r in runs)}")
+          f"{all(r.run.summaries == runs[0].run.summaries for r in runs)}")
 
 
 # -- anchors: plain transformers -------------------------------------------------------------------
@@ -585,7 +563,9 @@ def device_quant_section(args: argparse.Namespace) -> dict:
 
 
 SECTIONS = {"docs": docs_section, "anchors": anchors_section, "decode": decode_section, "step-ops": step_ops_section}
-WITHOUT_SMOLLM2 = {"step-ops"}
+CLI_SECTIONS = {"mix": mix_section, "cli-step": cli_step_section}
+"""Run by name only (`--sections mix,cli-step`): the issue-21 end-to-end figures, several minutes each."""
+WITHOUT_SMOLLM2 = {"step-ops", "cli-step"}
 
 
 def main() -> None:
@@ -598,6 +578,14 @@ def main() -> None:
     parser.add_argument("--decode-widths", default="1,2,4,8,16", help="sequences per decode step")
     parser.add_argument("--attention", default="per-row,pooled", help="decode attention paths (batch.attention)")
     parser.add_argument("--step-ops-steps", type=int, default=10, help="timed steps per step-ops row")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override for every kvbatch submit of docs, mix and cli-step (after the bench's own)")
+    parser.add_argument("--mix-sequences", default="1,auto", help="mix: batch.max_sequences of each run, the first the base")
+    parser.add_argument("--mix-layout", default="2x1", help="mix: workers x torch threads per worker")
+    parser.add_argument("--mix-docs", type=int, default=len(MIX), help="mix: the first this many documents (a quick check)")
+    parser.add_argument("--step-rows", type=int, default=28, help="cli-step: sequences decoding together")
+    parser.add_argument("--step-words", type=int, default=48, help="cli-step: words (tokens) per document")
+    parser.add_argument("--step-tokens", type=int, default=96, help="cli-step: new tokens per sequence")
     parser.add_argument("--json", action="store_true", help="end with one JSON line of every section's figures")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                         help="cuda: the device section alone (an 8B-shaped random Llama, no tokenizer)")
@@ -626,7 +614,7 @@ def main() -> None:
     figures = {}
     for section in sections:
         print(f"\n## {section}\n", flush=True)
-        figures[section] = SECTIONS[section](loaded, args)
+        figures[section] = {**SECTIONS, **CLI_SECTIONS}[section](loaded, args)
     if args.json:
         print(json.dumps({name: value for name, value in figures.items() if value is not None}))
 

@@ -1,0 +1,226 @@
+"""Batching through the real CLI, and where a batched worker's decode time goes, from its result rows.
+
+Two sections of bench/throughput.py, each one `kvbatch submit` per setting on one shared local Ray:
+
+- mix: real documents of 400-4,000 tokens (licence texts, whole or cut at a paragraph end; those
+  over one pass at context 2048 are map-reduced), SmolLM2-135M fp32, 2 workers x 1 thread, with
+  `batch.max_sequences=1` and batched. Docs/hour over the batch phase, and where the workers' time
+  went: prefill (one sequence at a time), decode steps, the rows' decode time and how much of it they
+  spent waiting on another row's prefill (a stall: the worker's one model thread was prefilling).
+- cli-step: ~28 short sequences of bench/step_ops.py's model (Llama-3-8B's attention shape, random
+  weights, saved to a folder with a word tokenizer so the worker loads it like any model), one worker,
+  `batch.attention=pooled`: each sequence's decode tok/s alone (`max_sequences=1`) against in one
+  batch of all of them.
+
+The timeline comes from the result rows: a document's prefill ran for `prefill_s` and its decode for
+`decode_s` up to `finished_at`, on `worker`. That is exact for a single-pass document; a map-reduced
+one's passes (chunks side by side, then merges) are placed as one prefill followed by one decode, as
+the rows do not say when each pass ran. Every setting can be changed with `--set KEY=VALUE`, given
+after the bench's own (e.g. a scheduler key), so the same figures can be taken either way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from common import LICENSES, REPO, JobRun, decoded_tokens, local_ray, submit, write_manifest
+from step_ops import shaped_model
+
+from runner.engine.models import LoadedModel, word_tokenizer
+
+CONFIG = REPO / "configs" / "default.yaml"
+MIX_CONTEXT = 2048
+MIX_NEW_TOKENS = 120
+# (licence file, most tokens): None keeps the whole text, a number cuts it at the last paragraph end
+# within that many tokens
+MIX = [("Artistic", None), ("CC0-1.0", None), ("LGPL-3", None), ("Apache-2.0", None), ("GPL-1", 1200),
+       ("MPL-2.0", None), ("GPL-2", 4000), ("GFDL-1.3", 1800), ("MPL-1.1", 1700), ("LGPL-2.1", 1100),
+       ("GFDL-1.2", 700), ("GPL-3", 1500), ("LGPL-2", 3000)]
+STEP_VOCAB = 1024
+
+
+# -- the timeline of a worker, from its result rows --------------------------------------------------
+@dataclass(frozen=True)
+class RowTimes:
+    """One document on its worker: when its prefill and its decode ran (wall clock)."""
+
+    row: dict[str, Any]
+
+    @property
+    def decode_end(self) -> float:
+        return self.row["finished_at"]
+
+    @property
+    def decode_start(self) -> float:
+        return self.decode_end - self.row["decode_s"]
+
+    @property
+    def prefill_start(self) -> float:
+        return self.decode_start - self.row["prefill_s"]
+
+    def stalled_s(self, others: list[RowTimes]) -> float:
+        """Seconds of its decode during which another document's prefill held the worker's model."""
+        return sum(max(0.0, min(self.decode_end, o.decode_start) - max(self.decode_start, o.prefill_start))
+                   for o in others if o is not self)
+
+    def step_tok_s(self, others: list[RowTimes]) -> float:
+        """Its decode tok/s over the decode steps it was in: its decode time less its stalls."""
+        return decoded_tokens(self.row) / max(self.row["decode_s"] - self.stalled_s(others), 1e-9)
+
+
+@dataclass(frozen=True)
+class WorkerTime:
+    """Where one worker's batch phase went (seconds)."""
+
+    worker: str
+    docs: int
+    prefill_s: float  # its model prefilling, one sequence at a time
+    decode_s: float  # the rest of its time up to its last result: decode steps
+    row_decode_s: float  # the rows' decode time (first token to last), stalls included
+    stalled_s: float  # of that, rows waiting on another row's prefill
+
+
+def _by_worker(run: JobRun) -> dict[str, list[RowTimes]]:
+    by_worker: dict[str, list[RowTimes]] = defaultdict(list)
+    for row in run.rows:
+        by_worker[row["worker"]].append(RowTimes(row))
+    return dict(sorted(by_worker.items()))
+
+
+def worker_times(run: JobRun) -> list[WorkerTime]:
+    times = []
+    for worker, rows in _by_worker(run).items():
+        prefill_s = sum(r.row["prefill_s"] for r in rows)
+        span = max(r.decode_end for r in rows) - run.batch_started_at
+        times.append(WorkerTime(worker, len(rows), prefill_s, span - prefill_s, sum(r.row["decode_s"] for r in rows),
+                                sum(r.stalled_s(rows) for r in rows)))
+    return times
+
+
+def step_rates(run: JobRun) -> list[float]:
+    """Each document's decode tok/s in the steps it was in (its stalls taken out)."""
+    return [r.step_tok_s(rows) for rows in _by_worker(run).values() for r in rows]
+
+
+# -- mix: real documents, max_sequences=1 against batched -----------------------------------------
+def mix_documents(loaded: LoadedModel, count: int) -> list[dict[str, str]]:
+    """The first `count` licence texts of MIX, each whole or cut at the last paragraph end within its tokens."""
+    rows = []
+    for name, most in MIX[:count]:
+        text = (LICENSES / name).read_text(encoding="utf-8")
+        if most is not None:
+            kept, paragraphs = "", text.split("\n\n")
+            for paragraph in paragraphs:
+                longer = f"{kept}\n\n{paragraph}" if kept else paragraph
+                if len(loaded.tokenizer(longer, add_special_tokens=False).input_ids) > most:
+                    break
+                kept = longer
+            text = kept
+        rows.append({"id": name.lower(), "text": text})
+    return rows
+
+
+def _settings(base: list[str], sequences: str, extra: list[str]) -> list[str]:
+    return [*base, f"batch.max_sequences={sequences}", *extra]
+
+
+def mix_section(loaded: LoadedModel, args: argparse.Namespace) -> dict:
+    documents = mix_documents(loaded, args.mix_docs)
+    tokens = [len(loaded.tokenizer(d["text"], add_special_tokens=False).input_ids) for d in documents]
+    workers, threads = (int(x) for x in args.mix_layout.split("x"))
+    base = [f"summarize.max_new_tokens={MIX_NEW_TOKENS}", f"summarize.context_tokens={MIX_CONTEXT}",
+            "summarize.min_context_tokens=1024", "model.dtype=float32", f"workers.count={workers}",
+            f"workers.cpus_per_worker={threads}"]
+    print(f"{len(documents)} licence texts of {min(tokens)}-{max(tokens)} tokens ({sum(tokens):,} in all), "
+          f"{workers} workers x {threads} thread(s); settings: {' '.join(base + args.set)}", flush=True)
+    runs: list[tuple[str, JobRun]] = []
+    with tempfile.TemporaryDirectory(prefix="kvbench-mix-") as tmp, local_ray(workers * threads) as address:
+        manifest = write_manifest(Path(tmp) / "mix.jsonl", documents)
+        for sequences in args.mix_sequences.split(","):
+            run = submit(manifest, CONFIG, Path(tmp) / f"job-{sequences}", _settings(base, sequences, args.set),
+                         address)
+            runs.append((sequences, run))
+            print(f"  max_sequences {sequences}: {run.docs_per_hour:.0f} docs/h", flush=True)
+    alone = runs[0][1]
+    map_reduced = sorted(r["doc_id"] for r in alone.rows if (r["chunks"] or 0) > 1)
+    print(f"map-reduced at context {MIX_CONTEXT}: {', '.join(map_reduced) or 'none'}")
+    print(f"\n{'max_seq':>7} {'batch s':>8} {'docs/h':>7} {'x first':>7} {'prefill s':>9} {'decode s':>8} "
+          f"{'row decode s':>12} {'stalled s':>9} {'stalled':>7} {'mean batch':>10} {'same':>5}  prefill s by worker")
+    figures = []
+    for sequences, run in runs:
+        times = worker_times(run)
+        row_decode, stalled = sum(t.row_decode_s for t in times), sum(t.stalled_s for t in times)
+        figure = {"max_sequences": sequences, "batch_s": run.batch_s, "docs_per_hour": run.docs_per_hour,
+                  "ratio": run.docs_per_hour / alone.docs_per_hour, "prefill_s": sum(t.prefill_s for t in times),
+                  "decode_s": sum(t.decode_s for t in times), "row_decode_s": row_decode, "stalled_s": stalled,
+                  "mean_batch": run.mean_batch, "same_as_first": run.summaries == alone.summaries,
+                  "workers": [t.__dict__ for t in times]}
+        figures.append(figure)
+        print(f"{sequences:>7} {run.batch_s:>8.1f} {run.docs_per_hour:>7.0f} {figure['ratio']:>7.2f} "
+              f"{figure['prefill_s']:>9.1f} {figure['decode_s']:>8.1f} {row_decode:>12.1f} {stalled:>9.1f} "
+              f"{stalled / max(row_decode, 1e-9):>7.1%} {run.mean_batch:>10.2f} {figure['same_as_first']!s:>5}  "
+              + " / ".join(f"{t.prefill_s:.1f}" for t in times), flush=True)
+    print("\nprefill s: the workers' prefill (one sequence at a time); decode s: the rest of each worker's time up "
+          "to its last result;\nrow decode s: the documents' decode time, first token to last; stalled: the part "
+          "of it spent waiting on another\ndocument's prefill on the same worker (bench/cli_batch.py: exact for "
+          "single-pass documents)")
+    return {"documents": len(documents), "tokens": tokens, "map_reduced": map_reduced, "runs": figures}
+
+
+# -- cli-step: one pooled step of ~28 short sequences, through the CLI --------------------------------
+def save_step_model(folder: Path) -> None:
+    """bench/step_ops.py's model and a word tokenizer as a folder the worker loads; no end token, so every
+    sequence decodes `max_new_tokens`."""
+    model = shaped_model()
+    model.config.eos_token_id = model.generation_config.eos_token_id = None
+    model.save_pretrained(folder)
+    word_tokenizer(STEP_VOCAB).save_pretrained(folder)
+
+
+def step_documents(count: int, words: int) -> list[dict[str, str]]:
+    generator = torch.Generator().manual_seed(0)
+    return [{"id": f"seq-{i:02d}", "text": " ".join(f"t{t}" for t in torch.randint(
+        3, STEP_VOCAB, (words,), generator=generator).tolist())} for i in range(count)]
+
+
+def cli_step_section(loaded: LoadedModel | None, args: argparse.Namespace) -> dict:
+    rows, steps = args.step_rows, args.step_tokens
+    with tempfile.TemporaryDirectory(prefix="kvbench-step-") as tmp, local_ray(1) as address:
+        folder = Path(tmp) / "llama-8b-attention"
+        save_step_model(folder)
+        base = [f"model.name={folder}", "model.dtype=float32", "model.device=cpu", "batch.attention=pooled",
+                "workers.count=1", "workers.cpus_per_worker=1", f"summarize.max_new_tokens={steps}",
+                "summarize.context_tokens=1024", "summarize.min_context_tokens=256", "summarize.loop_stop.enabled=false"]
+        print(f"step_ops.py's model (32 layers, 32 q / 8 kv heads, head_dim 128, hidden 64), fp32, 1 worker x 1 thread; "
+              f"{rows} sequences of {args.step_words} words, {steps} new tokens each; settings: "
+              f"{' '.join(base + args.set)}", flush=True)
+        runs = {}
+        for label, count, sequences in (("alone", min(rows, 8), 1), ("batched", rows, rows)):
+            manifest = write_manifest(Path(tmp) / f"{label}.jsonl", step_documents(count, args.step_words))
+            runs[label] = submit(manifest, CONFIG, Path(tmp) / f"job-{label}", _settings(base, str(sequences), args.set),
+                                 address)
+    print(f"\n{'run':<8} {'sequences':>9} {'mean batch':>10} {'tok/s per seq':>13} {'in steps':>8} {'stalled':>7}")
+    figures = {}
+    for label, run in runs.items():
+        as_rows = [r["decode_tokens_per_s"] for r in run.rows]
+        in_steps = step_rates(run)
+        times = worker_times(run)
+        stalled = sum(t.stalled_s for t in times) / max(sum(t.row_decode_s for t in times), 1e-9)
+        figures[label] = {"sequences": len(run.rows), "mean_batch": run.mean_batch,
+                          "tok_s_per_sequence": sum(as_rows) / len(as_rows),
+                          "tok_s_per_sequence_in_steps": sum(in_steps) / len(in_steps), "stalled_share": stalled}
+        f = figures[label]
+        print(f"{label:<8} {f['sequences']:>9} {f['mean_batch']:>10.2f} {f['tok_s_per_sequence']:>13.1f} "
+              f"{f['tok_s_per_sequence_in_steps']:>8.1f} {stalled:>7.1%}")
+    ratio = figures["batched"]["tok_s_per_sequence_in_steps"] / figures["alone"]["tok_s_per_sequence_in_steps"]
+    figures["ratio"] = ratio
+    print(f"\neach sequence in a batch of {figures['batched']['mean_batch']:.1f} (mean) decodes at {ratio:.2f}x its "
+          f"speed alone (in its steps; {figures['batched']['tok_s_per_sequence'] / figures['alone']['tok_s_per_sequence']:.2f}x "
+          "with the waits on the others' prefill)")
+    return figures
