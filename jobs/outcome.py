@@ -29,7 +29,7 @@ class TaskOutcome(TypedDict, total=False):
     worker: str  # "host:pid"
     model: str
     quantization: str  # how the model's weights are quantized: ModelConfig.quantization, or the checkpoint's
-    fallbacks: list[str]  # cache rungs this attempt moved down (jobs.policy.cache_fallback_note)
+    fallbacks: list[str]  # cache rungs this attempt moved down, as notes (str of a jobs.fallback.Fallback)
     summary: str
     input_tokens: int
     output_tokens: int

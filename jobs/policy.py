@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from enum import StrEnum
 
+from jobs.fallback import Fallback, FallbackKind
+
 
 class FailureClass(StrEnum):
     INPUT = "input"
@@ -29,12 +31,13 @@ def shorter_context(current: int, shrink: float, minimum: int) -> int | None:
 
 
 def cache_fallback_note(from_rung: str, to_rung: str | None, reason: str) -> str:
-    """How a cache move reads in a result's `fallbacks` and in job.log."""
-    return f"cache:{from_rung}->{to_rung or 'exhausted'} ({reason})"
+    """How a cache move reads in a result's `fallbacks` and in job.log (to_rung None: the ladder ran out)."""
+    return str(Fallback(FallbackKind.CACHE, from_rung, to_rung, reason))
 
 
 def context_fallback_note(from_tokens: int, to_tokens: int, reason: str) -> str:
-    return f"context:{from_tokens}->{to_tokens} ({reason})"
+    """How a move to a shorter context reads there."""
+    return str(Fallback(FallbackKind.CONTEXT, str(from_tokens), str(to_tokens), reason))
 
 
 #: Failures a retry or a shorter context cannot fix: the task ends with them at once.

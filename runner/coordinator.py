@@ -22,9 +22,12 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from enum import Enum
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from rich.console import Console
 from tenacity import (
@@ -78,19 +81,29 @@ class Interrupted(Exception):
     """The user asked the batch to stop; the task is left for `resume`."""
 
 
-@dataclass
+@dataclass(eq=False)  # a task's record, compared by identity
 class TaskRun:
     """One task's progress through the batch: attempts, context size, fallbacks so far."""
 
     task: Task
     attempt: int = 0
     context_tokens: int = 0
-    tries_at_context: int = 0  # attempts at the current context size, on whichever workers
+    tries_at_context: int = 0  # its own attempts at the current context size, on whichever workers (a
+    # loss while batch-mates shared the worker is not one of them, until it runs alone)
     fallbacks: list[str] = field(default_factory=list)
     queue_wait_s: float | None = None
     slow_alerted: bool = False
     batch_losses: int = 0  # worker losses while batch-mates were in flight: not counted as its attempts
     alone: bool = False  # after BATCH_LOSSES_BEFORE_ALONE of those, it runs with no batch-mates
+
+
+class TaskEnd(Enum):
+    """How `Coordinator._run_task` left a task, which says what its feeding thread does next."""
+
+    FINISHED = "finished"  # its result row is written
+    WORKER_LOST = "worker lost"  # its result row is written, but its worker was lost on the way: the task
+    # holds the batch open until the worker is back (the restart sweeps the dead process's scratch dir)
+    HANDED_BACK = "handed back"  # its worker was lost and the task goes on: back to the queue, for any worker
 
 
 class attempts_at_context_reach(stop_base):  # noqa: N801 - named like tenacity's own stops
@@ -143,9 +156,18 @@ class WorkQueue:
     def _load(self, worker: Worker) -> float:
         return sum(self._work_of(run) for run in self._held[worker])
 
-    def take(self, worker: Worker, stop: threading.Event) -> TaskRun | None:
-        """The next task for `worker`, or None once none is left and none can come back (or the batch
-        stops)."""
+    @contextmanager
+    def taking(self, worker: Worker, stop: threading.Event) -> Iterator[TaskRun | None]:
+        """The next task for `worker`, held by it until the block ends or it is handed back; None once
+        none is left and none can come back (or the batch stops)."""
+        run = self._take(worker, stop)
+        try:
+            yield run
+        finally:
+            if run is not None:
+                self._release(worker, run)
+
+    def _take(self, worker: Worker, stop: threading.Event) -> TaskRun | None:
         with self._changed:
             while not stop.is_set():
                 if self._heap:
@@ -165,12 +187,14 @@ class WorkQueue:
         with self._changed:
             return self._load(worker)
 
-    def finished(self, worker: Worker, run: TaskRun) -> None:
+    def _release(self, worker: Worker, run: TaskRun) -> None:
         with self._changed:
-            self._held[worker].remove(run)
-            self._changed.notify_all()
+            if run in self._held[worker]:  # not handed back
+                self._held[worker].remove(run)
+                self._changed.notify_all()
 
     def hand_back(self, worker: Worker, run: TaskRun) -> None:
+        """Another worker takes `run` on now (in front of the queue); `worker` no longer holds it."""
         with self._changed:
             heapq.heappush(self._heap, self._entry(0, run))
             self._held[worker].remove(run)
@@ -184,6 +208,12 @@ class WorkQueue:
     def left(self) -> int:
         with self._changed:
             return len(self._heap)
+
+
+def _transient_failure(e: TransientFailure) -> TaskOutcome:
+    """The outcome of a task whose transient failures used up its attempts at a context size."""
+    return TaskOutcome(status="failed", failure_class=FailureClass.TRANSIENT.value, error_type=e.error_type,
+                       error=str(e))
 
 
 class Coordinator:
@@ -211,11 +241,11 @@ class Coordinator:
         if self.stop.is_set():
             raise Interrupted()
         run.attempt += 1
-        run.tries_at_context += 1
         if run.queue_wait_s is None:
             run.queue_wait_s = time.time() - self._queued_at
         slot = self.pool.slot_name(worker)
         self.recorder.started(run.task, run.attempt, run.context_tokens, slot)
+        own = True  # whether the attempt counts against the task
         try:
             outcome = self.pool.run(worker, run.task, run.attempt, run.context_tokens, run.alone)
         except PoolStopped:
@@ -223,23 +253,28 @@ class Coordinator:
         except WorkerLost as lost:
             if self.stop.is_set():
                 raise Interrupted() from None
-            self._lost(slot, run, lost)
+            own = self._lost(slot, run, lost)
             raise
         finally:
             run.slow_alerted = self.recorder.stopped(run.task)
+            if own:
+                run.tries_at_context += 1
         if outcome.get("failure_class") == FailureClass.TRANSIENT:
             raise TransientFailure(outcome["error_type"], outcome["error"])
         return outcome
 
-    def _lost(self, slot: str, run: TaskRun, lost: WorkerLost) -> None:
+    def _lost(self, slot: str, run: TaskRun, lost: WorkerLost) -> bool:
+        """Records a lost worker; whether the loss is the task's own (not one shared with batch-mates
+        before it ran alone)."""
         if lost.first_to_see:  # one loss, however many tasks it ended; a document is blamed only when it was alone
             self.recorder.worker_lost(slot, lost.error_type, None if lost.shared else run.task.doc_id)
-        if lost.shared and not run.alone:
-            run.tries_at_context -= 1
-            run.batch_losses += 1
-            run.alone = run.batch_losses >= BATCH_LOSSES_BEFORE_ALONE
-            self.log.warning("task_lost_in_batch", task_id=run.task.task_id, doc_id=run.task.doc_id,
-                             losses=run.batch_losses, runs_alone_next=run.alone)
+        if not lost.shared or run.alone:
+            return True
+        run.batch_losses += 1
+        run.alone = run.batch_losses >= BATCH_LOSSES_BEFORE_ALONE
+        self.log.warning("task_lost_in_batch", task_id=run.task.task_id, doc_id=run.task.doc_id,
+                         losses=run.batch_losses, runs_alone_next=run.alone)
+        return False
 
     def _before_retry(self, state: RetryCallState) -> None:
         run: TaskRun = state.args[-1]
@@ -262,37 +297,44 @@ class Coordinator:
         self.recorder.finish(run.task, run.attempt, run.context_tokens, run.fallbacks, run.queue_wait_s,
                              run.slow_alerted, outcome)
 
-    def _run_task(self, worker: Worker, run: TaskRun) -> tuple[bool, bool]:
-        """Runs `run` until it ends (finished: True) or its worker is lost and another worker must
-        take it on (False); the second value says whether this worker was lost."""
-        retry = self.cfg.retry
+    def _run_task(self, worker: Worker, run: TaskRun) -> TaskEnd:
+        """Runs `run`, at shorter contexts while its ladder fails, until it ends or its worker is lost
+        and another worker must take it on."""
         while True:
             lost = False
             try:
                 outcome = self.retrying.copy()(self._attempt, worker, run)
-            except TransientFailure as e:
-                lost = isinstance(e, WorkerLost)
-                if lost and run.tries_at_context < retry.max_attempts:
+            except WorkerLost as e:
+                if run.tries_at_context < self.cfg.retry.max_attempts:
                     self._note_retry(run, e, 0.0)
-                    return False, lost
-                outcome = TaskOutcome(status="failed", failure_class=FailureClass.TRANSIENT.value,
-                                      error_type=e.error_type, error=str(e))
-            if outcome["status"] == "done" or outcome["failure_class"] in FINAL_CLASSES:
-                self._finish(run, outcome)
-                return True, lost
-            run.fallbacks.extend(outcome.get("fallbacks", []))
-            outcome = TaskOutcome(outcome, fallbacks=[])  # a copy: its cache moves are in run.fallbacks now
-            smaller = shorter_context(run.context_tokens, retry.context_shrink, self.cfg.summarize.min_context_tokens)
+                    return TaskEnd.HANDED_BACK
+                outcome, lost = _transient_failure(e), True
+            except TransientFailure as e:
+                outcome = _transient_failure(e)
+            smaller = self._shorter_context(run, outcome)
             if smaller is None:
                 self._finish(run, outcome)
-                return True, lost
-            run.fallbacks.append(context_fallback_note(run.context_tokens, smaller, outcome["error_type"]))
-            self.recorder.context_fallback(run.task, run.attempt, run.context_tokens, smaller,
-                                           outcome["error_type"], outcome["error"])
-            run.context_tokens = smaller
-            run.tries_at_context = 0
+                return TaskEnd.WORKER_LOST if lost else TaskEnd.FINISHED
+            self._fall_back(run, outcome, smaller)
             if lost:  # the shorter context goes to whichever worker is free
-                return False, lost
+                return TaskEnd.HANDED_BACK
+
+    def _shorter_context(self, run: TaskRun, outcome: TaskOutcome) -> int | None:
+        """The context to try next, or None when the task ends with `outcome`: it is done, it failed in
+        a way a shorter context cannot fix, or the context is as short as it may be."""
+        if outcome["status"] == "done" or outcome["failure_class"] in FINAL_CLASSES:
+            return None
+        return shorter_context(run.context_tokens, self.cfg.retry.context_shrink, self.cfg.summarize.min_context_tokens)
+
+    def _fall_back(self, run: TaskRun, outcome: TaskOutcome, smaller: int) -> None:
+        """The task goes on at `smaller` tokens: the failed attempt's cache moves and this move join its
+        fallbacks, and its attempts at the new size start from none."""
+        run.fallbacks.extend(outcome.get("fallbacks", []))
+        run.fallbacks.append(context_fallback_note(run.context_tokens, smaller, outcome["error_type"]))
+        self.recorder.context_fallback(run.task, run.attempt, run.context_tokens, smaller,
+                                       outcome["error_type"], outcome["error"])
+        run.context_tokens = smaller
+        run.tries_at_context = 0
 
     def _feed(self, worker: Worker, work: WorkQueue, errors: list[BaseException]) -> None:
         """One of a worker's feeding threads: takes tasks until none is left (while its worker is down
@@ -300,31 +342,25 @@ class Coordinator:
         while True:
             if self.pool.is_down(worker) and not self._await_restart(worker, errors, until_drained=work):
                 return
-            if (run := work.take(worker, self.stop)) is None:
-                return
-            self.log.info("task_assigned", task_id=run.task.task_id, doc_id=run.task.doc_id,
-                          worker=self.pool.slot_name(worker), context_tokens=run.context_tokens,
-                          expected_work=round(self._work_of(run)), worker_work=round(work.load(worker)))
-            try:
-                finished, lost = self._run_task(worker, run)
-            except Interrupted:
-                work.finished(worker, run)
-                return
-            except BaseException as e:  # a bug must stop the batch loudly, not hang it
-                work.finished(worker, run)
-                errors.append(e)
-                self.stop.set()
-                return
-            if not finished:
-                work.hand_back(worker, run)  # another worker takes it now; this one waits for its restart
-                if not self._await_restart(worker, errors, until_drained=work):
+            with work.taking(worker, self.stop) as run:
+                if run is None:
                     return
-                continue
-            # a task that ended on a lost worker still holds the batch open until the worker is back:
-            # its restart sweeps the dead process's scratch dir
-            restarted = self._await_restart(worker, errors) if lost else True
-            work.finished(worker, run)
-            if not restarted:
+                self.log.info("task_assigned", task_id=run.task.task_id, doc_id=run.task.doc_id,
+                              worker=self.pool.slot_name(worker), context_tokens=run.context_tokens,
+                              expected_work=round(self._work_of(run)), worker_work=round(work.load(worker)))
+                try:
+                    end = self._run_task(worker, run)
+                except Interrupted:
+                    return
+                except BaseException as e:  # a bug must stop the batch loudly, not hang it
+                    errors.append(e)
+                    self.stop.set()
+                    return
+                if end is TaskEnd.HANDED_BACK:
+                    work.hand_back(worker, run)  # another worker takes it now; this one waits for its restart
+                elif end is TaskEnd.WORKER_LOST and not self._await_restart(worker, errors):
+                    return
+            if end is TaskEnd.HANDED_BACK and not self._await_restart(worker, errors, until_drained=work):
                 return
 
     def _await_restart(self, worker: Worker, errors: list[BaseException],

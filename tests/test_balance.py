@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 import threading
 import time
+from contextlib import ExitStack
 
+import pytest
 from conftest import LICENSES, TINY_CONFIG, done_summaries, export_rows, kvbatch, write_jsonl
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -109,46 +111,62 @@ def _queue(sizes: dict[str, int], down: set[str] = frozenset(), slots: int = 2) 
                      slots, lambda w: w in down)
 
 
-def _take_soon(queue: WorkQueue, worker: str, wait_s: float = 0.5) -> TaskRun | None:
-    """What `take` gives within `wait_s` (None when it is still waiting then)."""
+def _take_soon(queue: WorkQueue, worker: str, held: ExitStack, wait_s: float = 0.5) -> TaskRun | None:
+    """What `taking` gives within `wait_s` (None when it is still waiting then), held until `held` closes."""
     stop = threading.Event()
     timer = threading.Timer(wait_s, stop.set)
     timer.start()
     try:
-        return queue.take(worker, stop)
+        return held.enter_context(queue.taking(worker, stop))
     finally:
         timer.cancel()
 
 
 def test_the_queue_deals_the_longest_to_the_least_loaded_worker():
     queue = _queue({"huge": 30_000, "mid1": 15_000, "mid2": 14_000, "tiny": 300})
-    assert _take_soon(queue, "w0").task.doc_id == "huge"
-    assert _take_soon(queue, "w1").task.doc_id == "mid1"
-    started = time.monotonic()
-    assert _take_soon(queue, "w0", wait_s=0.3) is None  # w1, with a free slot, has less work in flight
-    assert time.monotonic() - started >= 0.3
-    assert _take_soon(queue, "w1").task.doc_id == "mid2"
-    assert _take_soon(queue, "w0").task.doc_id == "tiny"  # w1's slots are full now
+    with ExitStack() as held:
+        assert _take_soon(queue, "w0", held).task.doc_id == "huge"
+        assert _take_soon(queue, "w1", held).task.doc_id == "mid1"
+        started = time.monotonic()
+        assert _take_soon(queue, "w0", held, wait_s=0.3) is None  # w1, with a free slot, has less work in flight
+        assert time.monotonic() - started >= 0.3
+        assert _take_soon(queue, "w1", held).task.doc_id == "mid2"
+        assert _take_soon(queue, "w0", held).task.doc_id == "tiny"  # w1's slots are full now
 
 
 def test_a_down_worker_does_not_hold_the_queue_back():
     queue = _queue({"huge": 30_000, "mid": 15_000}, down={"w1"})
-    assert _take_soon(queue, "w0").task.doc_id == "huge"
-    assert _take_soon(queue, "w0").task.doc_id == "mid"
+    with ExitStack() as held:
+        assert _take_soon(queue, "w0", held).task.doc_id == "huge"
+        assert _take_soon(queue, "w0", held).task.doc_id == "mid"
 
 
 def test_a_task_handed_back_at_a_shorter_context_goes_first_with_its_new_work():
     queue = _queue({"huge": 30_000, "mid": 15_000}, slots=1)
-    huge = _take_soon(queue, "w0")
-    before = queue.load("w0")
-    huge.context_tokens = 512
-    assert queue.load("w0") > before  # the work in flight follows the task's context
-    queue.hand_back("w0", huge)
-    assert queue.load("w0") == 0
-    assert _take_soon(queue, "w1") is huge
-    queue.finished("w1", huge)
-    assert _take_soon(queue, "w1").task.doc_id == "mid"
-    assert not queue.drained()
+    with ExitStack() as held:
+        huge = _take_soon(queue, "w0", held)
+        before = queue.load("w0")
+        huge.context_tokens = 512
+        assert queue.load("w0") > before  # the work in flight follows the task's context
+        queue.hand_back("w0", huge)
+        assert queue.load("w0") == 0
+        with ExitStack() as on_w1:
+            assert _take_soon(queue, "w1", on_w1) is huge
+        assert queue.load("w1") == 0  # its block ended: w1 no longer holds it
+        assert _take_soon(queue, "w1", held).task.doc_id == "mid"
+        assert not queue.drained()
+    assert queue.drained()  # w0's block ending after its hand-back released nothing twice
+
+
+def test_a_task_is_held_while_its_block_runs_and_released_however_the_block_ends():
+    queue = _queue({"huge": 30_000}, slots=1)
+    with pytest.raises(RuntimeError, match="a bug in the task loop"), ExitStack() as held:
+        run = _take_soon(queue, "w0", held)
+        assert queue.load("w0") == expected_work(run.task, CONFIG, run.context_tokens) > 0 and not queue.drained()
+        raise RuntimeError("a bug in the task loop")
+    assert queue.load("w0") == 0 and queue.drained()
+    with ExitStack() as held:
+        assert _take_soon(queue, "w1", held) is None  # nothing left and nothing in flight
 
 
 # -- through the CLI --------------------------------------------------------------------------------

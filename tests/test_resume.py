@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 from conftest import TINY_CONFIG, done_summaries, export_rows, kvbatch, license_manifest, start_submit, wait_for
 
+from jobs.fallback import Fallback, FallbackKind
+
 DOCS = ["GPL-2", "LGPL-2.1", "Apache-2.0", "MPL-2.0", "Artistic", "BSD", "CC0-1.0", "LGPL-3"]
 FAST = ["--set", "checkpoint.flush_every=1"]
 
@@ -104,7 +106,7 @@ def test_memory_failures_fall_back_to_a_shorter_context(ray_address, tmp_path):
             "--address", ray_address, env={"KVBATCH_FAULTS": faults}, check=0)
     [row] = export_rows(job)
     assert row["status"] == "done" and row["context_tokens"] == 512
-    assert any(f.startswith("cache:") for f in row["fallbacks"])
+    assert any(Fallback.parse(f).kind is FallbackKind.CACHE for f in row["fallbacks"])
     assert "context:1024->512 (OutOfMemoryError)" in row["fallbacks"]
 
 

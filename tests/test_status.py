@@ -17,12 +17,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import get_args, get_origin, get_type_hints, is_typeddict
 
 import pytest
 from conftest import REPO, kvbatch, start_submit, wait_for, write_jsonl
 
 from runner.observe.joblog import read_log
-from runner.observe.status import job_status
+from runner.observe.status import JobStatus, job_status
 from storage.jobdir import JobDirError
 
 SENTENCE = "The committee reviewed the quarterly figures and agreed to publish them next week. "
@@ -33,6 +34,18 @@ DOCUMENTED_KEYS = {
     "throughput_docs_per_s", "tokens_per_s", "output_tokens", "eta_s", "strategies", "batch", "fallbacks", "running",
     "slowest", "alerts", "corrupt_parts", "as_of", "quantization", "stop_reasons",
 }
+
+
+def assert_shaped_like(value: dict, typed: type, where: str = "status") -> None:
+    """`value` has `typed`'s keys in its order, and so has each nested TypedDict (lists of them too)."""
+    hints = get_type_hints(typed)
+    assert list(value) == list(hints), where
+    for key, hint in hints.items():
+        if is_typeddict(hint):
+            assert_shaped_like(value[key], hint, f"{where}.{key}")
+        elif get_origin(hint) is list and is_typeddict(get_args(hint)[0]):
+            for i, item in enumerate(value[key]):
+                assert_shaped_like(item, get_args(hint)[0], f"{where}.{key}[{i}]")
 
 
 def status_json(job: Path) -> dict:
@@ -180,6 +193,13 @@ def test_status_of_a_finished_job(watched):
     assert s["fallbacks"] == {"tasks": 0, "total": 0, "by_kind": {}}
     assert s["alerts"]["total"] >= 2 and s["alerts"]["recent"][-1]["message"]
     assert "not running" in watched["finished_text"] and "slowest documents" in watched["finished_text"]
+
+
+def test_status_json_has_the_shape_of_job_status_typed_dict(watched):
+    """`status --json` prints a JobStatus, in its key order, nested keys included (what scripts read)."""
+    assert watched["running_json"]["running"] and watched["finished_json"]["alerts"]["recent"]  # lists to check
+    for name in ("running_json", "stopped_json", "finished_json"):
+        assert_shaped_like(watched[name], JobStatus, name)
 
 
 def test_docs_document_every_status_json_key():

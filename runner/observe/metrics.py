@@ -11,6 +11,8 @@ from typing import Any
 
 from ray.util.metrics import Counter, Gauge, Histogram
 
+from jobs.fallback import Fallback
+
 _TASK_SECONDS_BOUNDARIES = [1, 5, 15, 30, 60, 120, 300, 600, 1800, 3600]
 
 
@@ -40,7 +42,7 @@ class BatchMetrics:
             if row.get(f"{kind}_tokens"):
                 self.tokens.inc(row[f"{kind}_tokens"], {**self._tags, "kind": kind})
         for note in row.get("fallbacks") or []:
-            self.fallbacks.inc(1, {**self._tags, "kind": note.split(":", 1)[0]})
+            self.fallbacks.inc(1, {**self._tags, "kind": Fallback.parse(note).kind.value})
         for direction, key in (("written", "offload_bytes_written"), ("read", "offload_bytes_read")):
             if row.get(key):
                 self.kv_offload.inc(row[key], {**self._tags, "direction": direction})

@@ -20,9 +20,9 @@ from rich.console import Console
 from runner.observe.joblog import read_log
 from runner.observe.progress import format_duration
 from runner.observe.report_plots import PLOTS, fallback_path
-from runner.observe.status import job_status
+from runner.observe.status import JobStatus, job_status
 from storage.export import output_error, results_table
-from storage.jobdir import JobDir, read_job
+from storage.jobdir import JobDir, JobInfo, read_job
 from storage.location import Location, StorageError, Where
 
 _CSS = """
@@ -87,6 +87,28 @@ def _figure(title: str, question: str, png: bytes | None) -> str:
             f"<figcaption>{html.escape(title)}: {html.escape(question)}</figcaption></figure>")
 
 
+def _summary_rows(info: JobInfo, status: JobStatus, alerts: int) -> list[list[Any]]:
+    """The Summary table: the job, its config's main keys, and `status`'s figures (the same as the CLI's)."""
+    c = status["counts"]
+    cfg = info.config
+    batch = status["batch"]
+    return [
+        ["job id", info.job_id], ["job folder", status["job_dir"]],
+        ["created", time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info.created))],
+        ["state", f"running ({status['coordinator']})" if status["coordinator"] else "not running"],
+        ["model", cfg["model"]["name"]], ["cache strategy (config)", cfg["cache"]["strategy"]],
+        ["context tokens", cfg["summarize"]["context_tokens"]],
+        ["documents", (f"{status['total']}: done {c['done']}, failed {c['failed']}, rejected {c['rejected']}, "
+                       f"running {c['running']}, pending {c['pending']}")],
+        ["latest run", (f"{format_duration(status['run_elapsed_s'])}, "
+                        f"{status['throughput_docs_per_s'] * 60:.2f} docs/min, {status['tokens_per_s']:.1f} tok/s")],
+        ["fallbacks", f"{status['fallbacks']['total']} in {status['fallbacks']['tasks']} task(s)"],
+        ["batch occupancy", "n/a" if batch["mean_sequences"] is None else
+         f"{batch['mean_sequences']:.1f} sequences per decode step, {batch['padding_share']:.0%} padding"],
+        ["alerts", alerts],
+    ]
+
+
 def render_report(job_dir: Where) -> str:
     """The HTML page of a job, as a string."""
     job = JobDir(job_dir)
@@ -94,24 +116,8 @@ def render_report(job_dir: Where) -> str:
     status = job_status(job_dir, slowest=10)
     rows = results_table(job_dir, errors_only=False).to_pylist()
     alerts = [e for e in read_log(job.log) if e.get("event") == "alert"]
-    c = status["counts"]
     cfg = info.config
-    summary = [
-        ["job id", info.job_id], ["job folder", str(job.path)],
-        ["created", time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(info.created))],
-        ["state", f"running ({status['coordinator']})" if status["coordinator"] else "not running"],
-        ["model", cfg["model"]["name"]], ["cache strategy (config)", cfg["cache"]["strategy"]],
-        ["context tokens", cfg["summarize"]["context_tokens"]],
-        ["documents", f"{status['total']}: done {c['done']}, failed {c['failed']}, rejected {c['rejected']}, "
-                      f"running {c['running']}, pending {c['pending']}"],
-        ["latest run", f"{format_duration(status['run_elapsed_s'])}, "
-                       f"{status['throughput_docs_per_s'] * 60:.2f} docs/min, {status['tokens_per_s']:.1f} tok/s"],
-        ["fallbacks", f"{status['fallbacks']['total']} in {status['fallbacks']['tasks']} task(s)"],
-        ["batch occupancy", "n/a" if status["batch"]["mean_sequences"] is None else
-         f"{status['batch']['mean_sequences']:.1f} sequences per decode step, "
-         f"{status['batch']['padding_share']:.0%} padding"],
-        ["alerts", len(alerts)],
-    ]
+    summary = _summary_rows(info, status, len(alerts))
     failures = [[r["doc_id"], r["status"], r["error_type"], r["error"], r["attempts"],
                  "; ".join(r["fallbacks"] or [])] for r in rows if r["status"] != "done"]
     fell_back = [[r["doc_id"], r["status"], fallback_path(r), r["context_tokens"]]

@@ -7,7 +7,6 @@ when the job has nothing to draw for it, so the report can say so instead of sho
 from __future__ import annotations
 
 import io
-import re
 import statistics
 from collections import Counter
 from typing import Any
@@ -18,10 +17,11 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402 - the backend must be chosen first
 from matplotlib.figure import Figure  # noqa: E402
 
+from jobs.fallback import Fallback, FallbackKind
+
 Row = dict[str, Any]
 MIB = 2**20
 _MARKERS = "osD^vP*X"
-_NOTE = re.compile(r"(?P<kind>cache|context):(?P<src>.+?)->(?P<dst>\S+)")
 
 
 def _png(fig: Figure) -> bytes:
@@ -80,17 +80,14 @@ def memory_vs_length(rows: list[Row]) -> bytes | None:
 def fallback_path(row: Row) -> str:
     """The ladder a task climbed, e.g. "dynamic → tiered-disk → ctx 512 → dynamic"."""
     steps: list[str] = []
-    for note in row.get("fallbacks") or []:
-        m = _NOTE.match(note)
-        if not m:
-            steps.append(note)
-        elif m["kind"] == "cache":
-            if not steps or steps[-1] != m["src"]:
-                steps.append(m["src"])
-            if m["dst"] != "exhausted":
-                steps.append(m["dst"])
-        else:
-            steps.append(f"ctx {m['dst']}")
+    for move in map(Fallback.parse, row.get("fallbacks") or []):
+        if move.kind is FallbackKind.CONTEXT:
+            steps.append(f"ctx {move.target}")
+            continue
+        if not steps or steps[-1] != move.source:
+            steps.append(move.source)
+        if move.target is not None:
+            steps.append(move.target)
     final = row.get("cache_strategy")
     if final and (not steps or steps[-1] != final):
         steps.append(final)

@@ -2,15 +2,16 @@
 
 Everything comes from files a running coordinator publishes atomically (results/ and events/
 parts, job.log, .lock), so another shell, or another machine on shared storage, can watch a batch
-without talking to Ray. `job_status` returns the figures `status --json` prints; docs/status.md
-documents its keys.
+without talking to Ray. `job_status` returns a `JobStatus`, the figures `status --json` prints in its
+key order; docs/status.md documents its keys.
 """
 
 from __future__ import annotations
 
 import time
 from collections import Counter
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, TypedDict
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -18,6 +19,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from jobs.fallback import Fallback
 from jobs.schema import TaskState
 from runner.observe.joblog import read_log
 from runner.observe.progress import format_duration
@@ -29,6 +31,91 @@ from storage.owner import OwnerLiveness, ProcessOwner
 from storage.parts import CORRUPT_PART_ADVICE
 
 RECENT_ALERTS = 5
+
+
+class StateCounts(TypedDict):
+    pending: int  # in the manifest, neither finished nor on a worker
+    running: int  # on a worker now (only while a coordinator holds the job)
+    done: int
+    failed: int
+    rejected: int  # refused at submit: never in the manifest
+
+
+class BatchOccupancy(TypedDict):
+    mean_sequences: float | None  # sequences sharing a done document's decode steps, on average
+    padding_share: float | None  # the padded share of them (0: ragged steps); None before parts had it
+
+
+class FallbackCounts(TypedDict):
+    tasks: int  # result rows that fell back at least once
+    total: int  # moves, all rows together
+    by_kind: dict[str, int]  # moves per jobs.fallback.FallbackKind value
+
+
+class RunningTask(TypedDict):
+    task_id: str
+    doc_id: str | None
+    attempt: int
+    state: str  # TaskState: running or retrying
+    context_tokens: int
+    since_s: float  # since its latest event
+
+
+class SlowTask(TypedDict):
+    doc_id: str
+    task_id: str
+    wall_s: float
+    input_tokens: int
+    cache_strategy: str | None
+
+
+class RecentAlert(TypedDict):
+    ts: float
+    kind: str | None
+    message: str | None
+
+
+class AlertCounts(TypedDict):
+    total: int
+    by_kind: dict[str | None, int]
+    recent: list[RecentAlert]  # the latest RECENT_ALERTS, oldest first
+
+
+class JobStatus(TypedDict):
+    """What `status` shows and `status --json` prints, in this key order (README.md "Watching a batch")."""
+
+    job_id: str
+    job_dir: str
+    created: float
+    coordinator: str | None  # "pid N on host H" while a live coordinator holds the lock
+    total: int  # manifest rows and rejected documents
+    counts: StateCounts
+    run_started: float  # when the latest coordinator run began (the job's creation before any)
+    run_elapsed_s: float
+    throughput_docs_per_s: float  # this run's finished documents per second
+    tokens_per_s: float  # this run's output tokens per second
+    output_tokens: int  # of every done document
+    eta_s: float | None  # 0.0 when nothing is left; None when unknown or not running
+    strategies: dict[str, int]  # done documents per cache strategy
+    quantization: dict[str, int]  # done documents per weights' method
+    stop_reasons: dict[str, int]  # done documents per stop_reason
+    batch: BatchOccupancy
+    fallbacks: FallbackCounts
+    running: list[RunningTask]  # the longest-running first
+    slowest: list[SlowTask]  # done documents, the slowest first
+    alerts: AlertCounts
+    corrupt_parts: list[str]  # parts that did not read (skipped)
+    as_of: float
+
+
+@dataclass(frozen=True)
+class _RunPace:
+    """The latest run's pace: throughput and ETA are this run's, not the job's."""
+
+    started: float
+    elapsed_s: float
+    docs_per_s: float
+    tokens_per_s: float
 
 
 def coordinator_holding(job: JobDir) -> ProcessOwner | None:
@@ -47,14 +134,51 @@ def _last_events(events: pa.Table) -> dict[str, dict[str, Any]]:
     return last
 
 
+def _running(events: pa.Table, finished: set[str], doc_ids: dict[str, str], now: float) -> list[RunningTask]:
+    """Tasks whose latest event says a worker has them and that have no result row yet."""
+    running: list[RunningTask] = [
+        {"task_id": task_id, "doc_id": doc_ids.get(task_id), "attempt": ev["attempt"], "state": ev["state"],
+         "context_tokens": ev["context_tokens"], "since_s": round(now - ev["ts"], 3)}
+        for task_id, ev in _last_events(events).items()
+        if ev["state"] in (TaskState.RUNNING, TaskState.RETRYING) and task_id not in finished
+    ]
+    return sorted(running, key=lambda r: r["since_s"], reverse=True)
+
+
+def _state_counts(results: pa.Table, manifest_rows: int, running: int) -> StateCounts:
+    counts = Counter(results["status"].to_pylist())
+    done, failed, rejected = (counts.get(s, 0) for s in (TaskState.DONE, TaskState.FAILED, TaskState.REJECTED))
+    pending = max(manifest_rows - done - failed - running, 0)
+    return {"pending": pending, "running": running, "done": done, "failed": failed, "rejected": rejected}
+
+
 def _run_started(log: list[dict[str, Any]], created: float) -> float:
     """When the latest coordinator run began: throughput and ETA are this run's, not the job's."""
     starts = [e["ts"] for e in log if e.get("event") == "batch_start"]
     return max(starts) if starts else created
 
 
-def _fallback_kinds(fallbacks: list[list[str] | None]) -> dict[str, int]:
-    return dict(Counter(note.split(":", 1)[0] for notes in fallbacks for note in notes or []))
+def _run_pace(results: pa.Table, started: float, running_until: float | None) -> _RunPace:
+    """The pace of the rows this run finished; `running_until`: now while a coordinator runs, else None
+    (the run ended with its last row)."""
+    finished_at = results["finished_at"]
+    this_run = results.filter(pc.and_(
+        pc.greater_equal(finished_at, started),
+        pc.is_in(results["status"], pa.array([TaskState.DONE.value, TaskState.FAILED.value])),
+    ))
+    end = running_until if running_until is not None else (pc.max(finished_at).as_py() or started)
+    elapsed = max(end - started, 0.0)
+    tokens = pc.sum(this_run["output_tokens"]).as_py() or 0
+    return _RunPace(started, elapsed, this_run.num_rows / elapsed if elapsed > 0 else 0.0,
+                    tokens / elapsed if elapsed > 0 else 0.0)
+
+
+def _eta(counts: StateCounts, docs_per_s: float, running: bool) -> float | None:
+    """Seconds left at this run's pace: 0.0 with nothing left, None without a pace or a coordinator."""
+    remaining = counts["pending"] + counts["running"]
+    if not remaining:
+        return 0.0
+    return remaining / docs_per_s if docs_per_s > 0 and running else None
 
 
 def _column_counts(rows: pa.Table, column: str) -> dict[str, int]:
@@ -62,7 +186,7 @@ def _column_counts(rows: pa.Table, column: str) -> dict[str, int]:
     return dict(Counter(v for v in rows[column].to_pylist() if v)) if column in rows.schema.names else {}
 
 
-def _batch_occupancy(done_rows: pa.Table) -> dict[str, float | None]:
+def _batch_occupancy(done_rows: pa.Table) -> BatchOccupancy:
     """Mean sequences sharing a document's decode steps, and the padded share of them (older parts: null)."""
     def mean(column: str) -> float | None:
         values = [v for v in done_rows[column].to_pylist() if v is not None] if column in done_rows.schema.names else []
@@ -71,85 +195,66 @@ def _batch_occupancy(done_rows: pa.Table) -> dict[str, float | None]:
     return {"mean_sequences": mean("batch_size"), "padding_share": mean("padding_share")}
 
 
-def job_status(job_dir: Where, slowest: int = 5) -> dict[str, Any]:
-    """The figures `status` shows; also the documented keys of `status --json`."""
+def _fallback_counts(notes_per_row: list[list[str] | None]) -> FallbackCounts:
+    kinds = Counter(Fallback.parse(note).kind.value for notes in notes_per_row for note in notes or [])
+    return {"tasks": sum(1 for notes in notes_per_row if notes), "total": sum(kinds.values()), "by_kind": dict(kinds)}
+
+
+def _slowest(done_rows: pa.Table, limit: int) -> list[SlowTask]:
+    rows = done_rows.select(["doc_id", "task_id", "wall_s", "input_tokens", "cache_strategy"]).to_pylist()
+    return sorted((r for r in rows if r["wall_s"] is not None), key=lambda r: r["wall_s"], reverse=True)[:limit]
+
+
+def _alert_counts(log: list[dict[str, Any]]) -> AlertCounts:
+    alerts = [e for e in log if e.get("event") == "alert"]
+    return {"total": len(alerts), "by_kind": dict(Counter(a.get("kind") for a in alerts)),
+            "recent": [{"ts": a["ts"], "kind": a.get("kind"), "message": a.get("message")}
+                       for a in alerts[-RECENT_ALERTS:]]}
+
+
+def job_status(job_dir: Where, slowest: int = 5) -> JobStatus:
+    """The figures `status` shows; also what `status --json` prints."""
     job = JobDir(job_dir)
     info = read_job(job)
     manifest = read_manifest_table(job)
-    doc_ids = dict(zip(manifest["task_id"].to_pylist(), manifest["doc_id"].to_pylist()))
     state = load_state(job.path)
     log = read_log(job.log)
     now = time.time()
     holder = coordinator_holding(job)
     results = state.results
-    finished = set(results["task_id"].to_pylist())
-    running = []
-    if holder is not None:
-        for task_id, ev in _last_events(state.events).items():
-            if ev["state"] in (TaskState.RUNNING, TaskState.RETRYING) and task_id not in finished:
-                running.append({
-                    "task_id": task_id, "doc_id": doc_ids.get(task_id), "attempt": ev["attempt"],
-                    "state": ev["state"], "context_tokens": ev["context_tokens"],
-                    "since_s": round(now - ev["ts"], 3),
-                })
-        running.sort(key=lambda r: r["since_s"], reverse=True)
-    counts = Counter(results["status"].to_pylist())
-    done, failed, rejected = (counts.get(s, 0) for s in (TaskState.DONE, TaskState.FAILED, TaskState.REJECTED))
-    pending = max(manifest.num_rows - done - failed - len(running), 0)
-
-    run_started = _run_started(log, info.created)
-    finished_at = results["finished_at"]
-    this_run = results.filter(pc.and_(
-        pc.greater_equal(finished_at, run_started),
-        pc.is_in(results["status"], pa.array([TaskState.DONE.value, TaskState.FAILED.value])),
-    ))
-    run_end = now if holder is not None else (pc.max(finished_at).as_py() or run_started)
-    run_elapsed = max(run_end - run_started, 0.0)
-    throughput = this_run.num_rows / run_elapsed if run_elapsed > 0 else 0.0
-    run_tokens = pc.sum(this_run["output_tokens"]).as_py() or 0
-    remaining = pending + len(running)
-    eta = 0.0 if not remaining else (remaining / throughput if throughput > 0 and holder else None)
-
+    running = [] if holder is None else _running(
+        state.events, set(results["task_id"].to_pylist()),
+        dict(zip(manifest["task_id"].to_pylist(), manifest["doc_id"].to_pylist())), now)
+    counts = _state_counts(results, manifest.num_rows, len(running))
+    pace = _run_pace(results, _run_started(log, info.created), now if holder is not None else None)
     done_rows = results.filter(pc.equal(results["status"], TaskState.DONE.value))
-    slow = sorted(
-        (r for r in done_rows.select(["doc_id", "task_id", "wall_s", "input_tokens", "cache_strategy"]).to_pylist()
-         if r["wall_s"] is not None),
-        key=lambda r: r["wall_s"], reverse=True,
-    )[:slowest]
-    fallback_lists = results["fallbacks"].to_pylist()
-    alerts = [e for e in log if e.get("event") == "alert"]
     return {
         "job_id": info.job_id,
         "job_dir": str(job.path),
         "created": info.created,
         "coordinator": holder.describe() if holder else None,
-        "total": manifest.num_rows + rejected,
-        "counts": {"pending": pending, "running": len(running), "done": done, "failed": failed,
-                   "rejected": rejected},
-        "run_started": run_started,
-        "run_elapsed_s": round(run_elapsed, 3),
-        "throughput_docs_per_s": throughput,
-        "tokens_per_s": run_tokens / run_elapsed if run_elapsed > 0 else 0.0,
+        "total": manifest.num_rows + counts["rejected"],
+        "counts": counts,
+        "run_started": pace.started,
+        "run_elapsed_s": round(pace.elapsed_s, 3),
+        "throughput_docs_per_s": pace.docs_per_s,
+        "tokens_per_s": pace.tokens_per_s,
         "output_tokens": pc.sum(done_rows["output_tokens"]).as_py() or 0,
-        "eta_s": eta,
+        "eta_s": _eta(counts, pace.docs_per_s, holder is not None),
         "strategies": dict(Counter(s for s in done_rows["cache_strategy"].to_pylist() if s)),
         "quantization": _column_counts(done_rows, "quantization"),
         "stop_reasons": _column_counts(done_rows, "stop_reason"),
         "batch": _batch_occupancy(done_rows),
-        "fallbacks": {"tasks": sum(1 for fs in fallback_lists if fs),
-                      "total": sum(len(fs or []) for fs in fallback_lists),
-                      "by_kind": _fallback_kinds(fallback_lists)},
+        "fallbacks": _fallback_counts(results["fallbacks"].to_pylist()),
         "running": running,
-        "slowest": slow,
-        "alerts": {"total": len(alerts), "by_kind": dict(Counter(a.get("kind") for a in alerts)),
-                   "recent": [{"ts": a["ts"], "kind": a.get("kind"), "message": a.get("message")}
-                              for a in alerts[-RECENT_ALERTS:]]},
+        "slowest": _slowest(done_rows, slowest),
+        "alerts": _alert_counts(log),
         "corrupt_parts": [str(p) for p in state.corrupt],
         "as_of": now,
     }
 
 
-def print_status(status: dict[str, Any], console: Console) -> None:
+def print_status(status: JobStatus, console: Console) -> None:
     c = status["counts"]
     where = f"running ({status['coordinator']})" if status["coordinator"] else "not running"
     console.print(f"job {status['job_id']}  ({status['job_dir']})  {where}", highlight=False, soft_wrap=True)
