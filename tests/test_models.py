@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from jobs.config import ModelConfig
-from runner.engine import models
-from runner.engine.models import (
+from runner.engine import model_loader
+from runner.engine.model_loader import (
     LoadedModel,
     ModelLoadError,
     builtin_cache_dir,
@@ -63,7 +63,7 @@ def _is_plain_english(text: str) -> bool:
 
 def test_import_is_cheap() -> None:
     proc = _run_python(
-        "import sys, runner.engine.models; print(sorted({'ray', 'torch', 'transformers'} & set(sys.modules)))", {}
+        "import sys, runner.engine.model_loader; print(sorted({'ray', 'torch', 'transformers'} & set(sys.modules)))", {}
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
@@ -149,7 +149,7 @@ def test_unknown_hub_id_offline_names_the_model(tmp_path: Path) -> None:
     # a fresh process, so HF_HUB_OFFLINE is read at import like in a real run; an empty HF cache
     code = (
         "from jobs.config import ModelConfig\n"
-        "from runner.engine.models import load_model, ModelLoadError\n"
+        "from runner.engine.model_loader import load_model, ModelLoadError\n"
         "try:\n"
         "    load_model(ModelConfig(name='kvbatch-test/definitely-not-cached'))\n"
         "except ModelLoadError as e:\n"
@@ -188,7 +188,7 @@ def test_failed_conversion_leaves_nothing_and_stale_temps_are_swept(tmp_path: Pa
         raise OSError("disk full")
 
     with pytest.raises(OSError, match="disk full"):
-        models._cached_conversion(dest, broken, "building (test)")
+        model_loader._cached_conversion(dest, broken, "building (test)")
     assert not dest.exists()
     assert not list(tmp_path.glob(".converted.tmp-*"))
 
@@ -200,8 +200,8 @@ def test_failed_conversion_leaves_nothing_and_stale_temps_are_swept(tmp_path: Pa
         calls.append(out)
         (out / "weights").write_text("ok")
 
-    assert models._cached_conversion(dest, good, "building (test)") == dest
-    assert models._cached_conversion(dest, good, "building (test)") == dest
+    assert model_loader._cached_conversion(dest, good, "building (test)") == dest
+    assert model_loader._cached_conversion(dest, good, "building (test)") == dest
     assert len(calls) == 1
     assert (dest / "weights").read_text() == "ok"
     assert not stale.exists()
@@ -212,7 +212,7 @@ def test_concurrent_first_loads_convert_once(tmp_path: Path) -> None:
     code = (
         "import hashlib\n"
         "from jobs.config import ModelConfig\n"
-        "from runner.engine.models import load_model\n"
+        "from runner.engine.model_loader import load_model\n"
         "m = load_model(ModelConfig(name='builtin:tiny-random')).model\n"
         "h = hashlib.sha256()\n"
         "for k, v in sorted(m.state_dict().items()):\n"

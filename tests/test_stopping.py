@@ -184,7 +184,7 @@ def test_the_batched_decode_stops_a_looping_sequence_at_its_third_copy(tmp_path)
     from jobs.config import CacheConfig, SummarizeConfig
     from jobs.stopping import StopReason, loop_stopped
     from runner.engine.kvcache import build_cache
-    from runner.engine.models import LoadedModel, _smollm2_tokenizer_dir
+    from runner.engine.model_loader import LoadedModel, _smollm2_tokenizer_dir
     from runner.engine.scheduler import BatchScheduler, PassRequest
     from runner.engine.worker import _is_memory_error
 

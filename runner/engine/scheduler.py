@@ -37,7 +37,7 @@ from jobs.outcome import CacheStats
 from jobs.stopping import LoopWatch, StopReason
 from runner.engine.generation import Generation, TokenPicker, generate_once, greedy_tokens, prefill
 from runner.engine.kvcache import CacheHandle
-from runner.engine.models import LoadedModel
+from runner.engine.model_loader import LoadedModel
 from runner.engine.probes import StageMemory, memory_snapshot
 from runner.engine.ragged import RowFailed, decode_step
 

@@ -48,7 +48,7 @@ from jobs.task import Task
 from runner.engine.generation import Generation
 from runner.engine.kvcache import ResidentMeter, build_cache, kv_shape, ram_left_by_weights, resolve_budgets
 from runner.engine.kvpool import KVPool
-from runner.engine.models import load_model
+from runner.engine.model_loader import load_model
 from runner.engine.probes import StageMemory, memory_snapshot
 from runner.engine.scheduler import BatchScheduler, PassRequest, TaskClock
 from runner.engine.summarize import Summarizer, Summary
