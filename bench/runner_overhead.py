@@ -42,7 +42,8 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from jobs.config import ModelConfig, load_config  # noqa: E402
-from runner.engine.model_loader import BUILTIN_PREFIX, TINY_RANDOM, builtin_model_dir, load_model  # noqa: E402
+from runner.engine.model_loader import load_model  # noqa: E402
+from runner.engine.model_registry import BUILTIN_PREFIX, TINY_RANDOM, builtin_model_dir  # noqa: E402
 from runner.observe.joblog import read_log  # noqa: E402
 
 LICENSES = Path("/usr/share/common-licenses")

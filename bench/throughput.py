@@ -59,7 +59,8 @@ from jobs.config import ModelConfig, SummarizeConfig, load_config  # noqa: E402
 from runner.engine.generation import TokenClock, prefill  # noqa: E402
 from runner.engine.kvcache import BudgetedDynamicCache, ResidentMeter, TieredCache  # noqa: E402
 from runner.engine.kvpool import KVPool, PooledCache  # noqa: E402
-from runner.engine.model_loader import LoadedModel, load_model, word_tokenizer  # noqa: E402
+from runner.engine.model_loader import LoadedModel, load_model  # noqa: E402
+from runner.engine.model_registry import word_tokenizer  # noqa: E402
 from runner.engine.ragged import decode_step  # noqa: E402
 from runner.observe.joblog import read_log  # noqa: E402
 
