@@ -71,6 +71,36 @@ def unknown_builtin(name: str) -> ModelLoadError:
     return ModelLoadError(f"unknown builtin model '{name}': use one of {known}")
 
 
+def check_builtin(name: str) -> None:
+    """Raises `ModelLoadError` when builtin `name` is unknown or its package is missing."""
+    if name[len(BUILTIN_PREFIX):] not in BUILTINS:
+        raise unknown_builtin(name)
+    _smollm2_gguf()  # both builtins take SmolLM2's tokenizer from the package
+
+
+def smollm2_config() -> Any:
+    """SmolLM2's model config, read without its weights."""
+    from transformers import AutoConfig
+
+    converted = _smollm2_cache_name("safetensors")
+    if converted.is_dir():
+        return AutoConfig.from_pretrained(str(converted))
+    # reading the GGUF's header costs seconds, converting it tens of seconds
+    gguf, _ = _smollm2_gguf()
+    return AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+
+
+def smollm2_tokenizer(name: str) -> PreTrainedTokenizerBase:
+    """SmolLM2's tokenizer, which both builtins use; `name` is the builtin it is loaded for."""
+    from transformers import AutoTokenizer
+
+    source = smollm2_tokenizer_dir()
+    try:
+        return AutoTokenizer.from_pretrained(str(source))
+    except (OSError, ValueError) as err:
+        raise ModelLoadError(f"cannot load the tokenizer of model '{name}' from {source}: {err}") from err
+
+
 def tiny_random_model(
     tokenizer: PreTrainedTokenizerBase, attn_implementation: str, dtype: torch.dtype, name: str
 ) -> PreTrainedModel:
@@ -136,7 +166,7 @@ def tiny_random_dir() -> Path:
 def _save_tiny_random(out: Path) -> None:
     import torch
 
-    tokenizer = _load_tokenizer(smollm2_tokenizer_dir(), BUILTIN_PREFIX + TINY_RANDOM)
+    tokenizer = smollm2_tokenizer(BUILTIN_PREFIX + TINY_RANDOM)
     tiny_random_model(tokenizer, "sdpa", torch.float32, BUILTIN_PREFIX + TINY_RANDOM).save_pretrained(out)
     tokenizer.save_pretrained(out)
 
@@ -215,17 +245,8 @@ def _convert_smollm2_model(out: Path) -> None:
         )
     model.tie_weights()
     model.save_pretrained(out)
-    _load_tokenizer(smollm2_tokenizer_dir(), BUILTIN_PREFIX + SMOLLM2).save_pretrained(out)
+    smollm2_tokenizer(BUILTIN_PREFIX + SMOLLM2).save_pretrained(out)
 
-
-
-def _load_tokenizer(source: str | Path, name: str) -> PreTrainedTokenizerBase:
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(source))
-    except (OSError, ValueError) as err:
-        raise ModelLoadError(f"cannot load the tokenizer of model '{name}' from {source}: {err}") from err
 
 
 def _announce(message: str) -> None:
@@ -234,27 +255,3 @@ def _announce(message: str) -> None:
 
     logger.info(message)
     Console(stderr=True).print(f"kvbatch: {message}", markup=False, highlight=False, soft_wrap=True)
-
-
-def check_builtin(name: str) -> None:
-    """Raises `ModelLoadError` when builtin `name` is unknown or its package is missing."""
-    if name[len(BUILTIN_PREFIX):] not in BUILTINS:
-        raise unknown_builtin(name)
-    _smollm2_gguf()  # both builtins take SmolLM2's tokenizer from the package
-
-
-def smollm2_config() -> Any:
-    """SmolLM2's model config, read without its weights."""
-    from transformers import AutoConfig
-
-    converted = _smollm2_cache_name("safetensors")
-    if converted.is_dir():
-        return AutoConfig.from_pretrained(str(converted))
-    # reading the GGUF's header costs seconds, converting it tens of seconds
-    gguf, _ = _smollm2_gguf()
-    return AutoConfig.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-
-
-def smollm2_tokenizer(name: str) -> PreTrainedTokenizerBase:
-    """SmolLM2's tokenizer, which both builtins use; `name` is the builtin it is loaded for."""
-    return _load_tokenizer(smollm2_tokenizer_dir(), name)
