@@ -32,7 +32,8 @@ import torch
 from common import LICENSES, REPO, JobRun, decoded_tokens, local_ray, submit, write_manifest
 from step_ops import shaped_model
 
-from runner.engine.models import LoadedModel, word_tokenizer
+from runner.engine.model_loader import LoadedModel
+from runner.engine.model_registry import word_tokenizer
 
 CONFIG = REPO / "configs" / "default.yaml"
 MIX_CONTEXT = 2048

@@ -40,7 +40,7 @@ from offload_resident import resident_section
 from jobs.config import ModelConfig
 from jobs.kvplan import kv_bytes
 from runner.engine.kvcache import kv_shape
-from runner.engine.models import LoadedModel, load_model
+from runner.engine.model_loader import LoadedModel, load_model
 from storage.kvblocks import BlockCodec
 
 STRATEGIES = ["dynamic", "tiered-host", "tiered-disk:zstd", "tiered-disk:none"]

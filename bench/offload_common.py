@@ -16,7 +16,7 @@ from jobs.config import CacheConfig, SummarizeConfig
 from jobs.kvplan import Placement
 from runner.engine.generation import generate_once
 from runner.engine.kvcache import TieredCache, build_cache
-from runner.engine.models import LoadedModel
+from runner.engine.model_loader import LoadedModel
 from storage.kvblocks import KVBlockStore
 
 TEXT = Path("/usr/share/common-licenses/GPL-3")

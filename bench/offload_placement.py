@@ -24,7 +24,7 @@ from offload_common import fmt, real_prompt, run_one  # bench/ is on sys.path as
 from jobs.kvplan import KVShape, Placement, kv_bytes, plan_placement
 from jobs.rungs import RUNGS
 from runner.engine.kvcache import kv_shape
-from runner.engine.models import LoadedModel
+from runner.engine.model_loader import LoadedModel
 
 MiB = 1 << 20
 SHARES = (0.25, 0.5, 0.75)

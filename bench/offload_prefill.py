@@ -26,7 +26,7 @@ from jobs.config import CacheConfig, PrefillMode, SummarizeConfig
 from jobs.kvplan import kv_bytes
 from runner.engine.generation import generate_once
 from runner.engine.kvcache import build_cache, kv_shape
-from runner.engine.models import LoadedModel
+from runner.engine.model_loader import LoadedModel
 from storage.kvblocks import BlockCodec, KVBlockError, KVBlockStore
 
 MiB = 1 << 20

@@ -24,7 +24,7 @@ from jobs.kvplan import kv_bytes
 from runner.engine.generation import Generation, generate_once
 from runner.engine.kvcache import build_cache, kv_shape
 from runner.engine.kvcache.resident import GrowingLayer
-from runner.engine.models import LoadedModel
+from runner.engine.model_loader import LoadedModel
 
 MiB = 1 << 20
 VARIANTS = ("DynamicCache", "dynamic")

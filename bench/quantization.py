@@ -60,7 +60,7 @@ def child(label: str, args: argparse.Namespace) -> dict:
 
     from jobs.config import CacheConfig, ModelConfig, SummarizeConfig
     from runner.engine.kvcache import build_cache
-    from runner.engine.models import load_model
+    from runner.engine.model_loader import load_model
     from runner.engine.probes import StageMemory
     from runner.engine.scheduler import BatchScheduler, PassRequest
     from runner.engine.summarize import Summarizer
@@ -136,7 +136,7 @@ def main() -> None:
         return
 
     from jobs.config import LoopStopConfig
-    from runner.engine.models import resolve_device
+    from runner.engine.model_loader import resolve_device
     from runner.engine.quantization import unavailable
 
     device = resolve_device("cpu").type

@@ -39,7 +39,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from jobs.config import ModelConfig, load_config
-from runner.engine.models import BUILTIN_PREFIX, TINY_RANDOM, builtin_model_dir, load_model
+from runner.engine.model_loader import load_model
+from runner.engine.model_registry import BUILTIN_PREFIX, TINY_RANDOM, builtin_model_dir
 from runner.observe.joblog import read_log
 
 DEFAULT_DOCS = ["BSD", "CC0-1.0", "Artistic", "LGPL-3"]

@@ -31,7 +31,8 @@ from jobs.config import SummarizeConfig
 from runner.engine.generation import TokenPicker, greedy_tokens
 from runner.engine.kvcache import BudgetedDynamicCache, ResidentMeter, TieredCache
 from runner.engine.kvpool import KVPool, PooledCache
-from runner.engine.models import LoadedModel, word_tokenizer
+from runner.engine.model_loader import LoadedModel
+from runner.engine.model_registry import word_tokenizer
 from runner.engine.ragged import decode_step
 
 COMPUTE_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::_scaled_dot_product")

@@ -63,7 +63,8 @@ from jobs.config import ModelConfig, SummarizeConfig, load_config
 from runner.engine.generation import TokenClock, prefill
 from runner.engine.kvcache import BudgetedDynamicCache, ResidentMeter, TieredCache
 from runner.engine.kvpool import KVPool, PooledCache
-from runner.engine.models import LoadedModel, load_model, word_tokenizer
+from runner.engine.model_loader import LoadedModel, load_model
+from runner.engine.model_registry import word_tokenizer
 from runner.engine.ragged import decode_step
 
 # (file, tokens): 14 documents that fit one pass at context 2048, and two that need map-reduce

@@ -15,7 +15,8 @@ from typing import Any
 from jobs.config import ConfigError, JobConfig, SummarizeConfig
 from jobs.node_share import workers_that_fit
 from jobs.rungs import RUNGS
-from runner.engine.models import ModelLoadError, check_model_name
+from runner.engine.model_errors import ModelLoadError
+from runner.engine.model_loader import check_model_name
 from runner.pool import cluster_nodes, describe_cluster, gpus_per_worker
 
 #: GenerationConfig fields kvbatch sets itself, and where the user sets them instead.
@@ -94,7 +95,7 @@ def check_token_ids(config: JobConfig) -> None:
     """Token ids in `summarize.generation` within the model's vocabulary (when its config can be read):
     an id past it fails every document inside the logits processors. A value that is no integer at all
     is transformers' to refuse (inside the task, which then fails at once as a setting error)."""
-    from runner.engine.models import model_vocab_size
+    from runner.engine.model_loader import model_vocab_size
 
     fields = {name: config.summarize.generation[name] for name in TOKEN_ID_FIELDS
               if config.summarize.generation.get(name) is not None}
@@ -115,7 +116,7 @@ def check_token_ids(config: JobConfig) -> None:
 
 def check_context(config: JobConfig) -> None:
     """`summarize.context_tokens` within the model's position embeddings (when its config can be read)."""
-    from runner.engine.models import model_max_positions
+    from runner.engine.model_loader import model_max_positions
 
     limit = model_max_positions(config.model)
     if limit is not None and config.summarize.context_tokens > limit:
@@ -221,7 +222,7 @@ def check_device(config: JobConfig, nodes: list[dict[str, float]]) -> None:
 def check_quantization(config: JobConfig) -> None:
     """`model.quantization` runs with the installed libraries on the configured device, and is not asked
     of a checkpoint quantized already."""
-    from runner.engine.models import model_quantization, resolve_device
+    from runner.engine.model_loader import model_quantization, resolve_device
     from runner.engine.quantization import NONE, unavailable
 
     method = config.model.quantization

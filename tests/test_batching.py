@@ -21,7 +21,7 @@ from jobs.config import CacheConfig, LoopStopConfig, ModelConfig, SummarizeConfi
 from jobs.kvplan import kv_bytes
 from jobs.stopping import loop_stopped
 from runner.engine.kvcache import ResidentMeter, build_cache, kv_shape
-from runner.engine.models import LoadedModel, load_model
+from runner.engine.model_loader import LoadedModel, load_model
 from runner.engine.probes import StageMemory
 from runner.engine.scheduler import BatchScheduler, PassRequest
 from runner.engine.worker import _is_memory_error

@@ -24,7 +24,8 @@ from jobs.config import CacheConfig, SummarizeConfig, load_config
 from jobs.task import Task
 from runner.engine.kvcache import ResidentMeter, TieredCache, build_cache
 from runner.engine.kvpool import KVPool
-from runner.engine.models import LoadedModel, word_tokenizer
+from runner.engine.model_loader import LoadedModel
+from runner.engine.model_registry import word_tokenizer
 from runner.engine.ragged import decode_step
 from runner.engine.scheduler import BatchScheduler, PassRequest
 from runner.engine.worker import SummaryWorker, _is_memory_error

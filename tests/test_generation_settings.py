@@ -11,7 +11,7 @@ import pytest
 from conftest import TINY_CONFIG, kvbatch, write_jsonl
 from jobs.config import ConfigError, ModelConfig, SummarizeConfig, load_config
 from runner.engine.generation import generate_once
-from runner.engine.models import load_model
+from runner.engine.model_loader import load_model
 from runner.preflight import check_settings
 
 

@@ -9,7 +9,7 @@ import pytest
 from jobs.config import CacheConfig, ModelConfig, SummarizeConfig
 from runner.engine.generation import generate_once
 from runner.engine.kvcache import build_cache
-from runner.engine.models import load_model
+from runner.engine.model_loader import load_model
 
 DOCUMENT = Path("/usr/share/common-licenses/GPL-3")
 

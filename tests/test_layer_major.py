@@ -24,7 +24,7 @@ from runner.engine.kvcache.layer_major import (
     prefilled,
     unsupported_reason,
 )
-from runner.engine.models import LoadedModel, load_model
+from runner.engine.model_loader import LoadedModel, load_model
 
 CHUNK = 11
 NEW_TOKENS = 8

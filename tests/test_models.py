@@ -12,15 +12,9 @@ import pytest
 import torch
 
 from jobs.config import ModelConfig
-from runner.engine import models
-from runner.engine.models import (
-    LoadedModel,
-    ModelLoadError,
-    builtin_cache_dir,
-    builtin_model_dir,
-    load_model,
-    resolve_device,
-)
+from runner.engine.model_errors import ModelLoadError
+from runner.engine.model_loader import LoadedModel, load_model, resolve_device
+from runner.engine.model_registry import builtin_cache_dir, builtin_model_dir
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ModelConfig(name="builtin:tiny-random")
@@ -63,7 +57,7 @@ def _is_plain_english(text: str) -> bool:
 
 def test_import_is_cheap() -> None:
     proc = _run_python(
-        "import sys, runner.engine.models; print(sorted({'ray', 'torch', 'transformers'} & set(sys.modules)))", {}
+        "import sys, runner.engine.model_loader, runner.engine.model_registry; print(sorted({'ray', 'torch', 'transformers'} & set(sys.modules)))", {}
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"
@@ -149,7 +143,8 @@ def test_unknown_hub_id_offline_names_the_model(tmp_path: Path) -> None:
     # a fresh process, so HF_HUB_OFFLINE is read at import like in a real run; an empty HF cache
     code = (
         "from jobs.config import ModelConfig\n"
-        "from runner.engine.models import load_model, ModelLoadError\n"
+        "from runner.engine.model_errors import ModelLoadError\n"
+        "from runner.engine.model_loader import load_model\n"
         "try:\n"
         "    load_model(ModelConfig(name='kvbatch-test/definitely-not-cached'))\n"
         "except ModelLoadError as e:\n"
@@ -180,39 +175,12 @@ def test_builtin_cache_dir_follows_env(monkeypatch: pytest.MonkeyPatch, tmp_path
     assert builtin_cache_dir() == tmp_path / "xdg" / "kvbatch" / "models"
 
 
-def test_failed_conversion_leaves_nothing_and_stale_temps_are_swept(tmp_path: Path) -> None:
-    dest = tmp_path / "converted"
-
-    def broken(out: Path) -> None:
-        (out / "half-written").write_bytes(b"x" * 100)
-        raise OSError("disk full")
-
-    with pytest.raises(OSError, match="disk full"):
-        models._cached_conversion(dest, broken, "building (test)")
-    assert not dest.exists()
-    assert not list(tmp_path.glob(".converted.tmp-*"))
-
-    stale = tmp_path / ".converted.tmp-killed"  # what a kill -9 mid-build leaves behind
-    stale.mkdir()
-    calls = []
-
-    def good(out: Path) -> None:
-        calls.append(out)
-        (out / "weights").write_text("ok")
-
-    assert models._cached_conversion(dest, good, "building (test)") == dest
-    assert models._cached_conversion(dest, good, "building (test)") == dest
-    assert len(calls) == 1
-    assert (dest / "weights").read_text() == "ok"
-    assert not stale.exists()
-
-
 def test_concurrent_first_loads_convert_once(tmp_path: Path) -> None:
     """Several workers starting together on a cold cache: one converts, the others wait and reuse it."""
     code = (
         "import hashlib\n"
         "from jobs.config import ModelConfig\n"
-        "from runner.engine.models import load_model\n"
+        "from runner.engine.model_loader import load_model\n"
         "m = load_model(ModelConfig(name='builtin:tiny-random')).model\n"
         "h = hashlib.sha256()\n"
         "for k, v in sorted(m.state_dict().items()):\n"

@@ -16,7 +16,7 @@ from jobs.config import CacheConfig, ModelConfig, SummarizeConfig
 from jobs.kvplan import kv_bytes
 from runner.engine.kvcache import build_cache, kv_shape, ram_left_by_weights
 from runner.engine.kvcache.strategies import RAM_SHARE
-from runner.engine.models import load_model
+from runner.engine.model_loader import load_model
 from runner.engine.probes import StageMemory
 from runner.engine.quantization import weight_bytes
 from runner.engine.scheduler import BatchScheduler, PassRequest

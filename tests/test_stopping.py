@@ -184,7 +184,8 @@ def test_the_batched_decode_stops_a_looping_sequence_at_its_third_copy(tmp_path)
     from jobs.config import CacheConfig, SummarizeConfig
     from jobs.stopping import StopReason, loop_stopped
     from runner.engine.kvcache import build_cache
-    from runner.engine.models import LoadedModel, _smollm2_tokenizer_dir
+    from runner.engine.model_loader import LoadedModel
+    from runner.engine.model_registry import smollm2_tokenizer_dir
     from runner.engine.scheduler import BatchScheduler, PassRequest
     from runner.engine.worker import _is_memory_error
 
@@ -194,7 +195,7 @@ def test_the_batched_decode_stops_a_looping_sequence_at_its_third_copy(tmp_path)
         plain = model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False)[0, len(prompt):].tolist()
     kept, looped = loop_stopped(plain, RULE)
     assert looped and len(kept) < new - 10, plain  # the model really loops, early
-    loaded = LoadedModel(model=model, tokenizer=AutoTokenizer.from_pretrained(str(_smollm2_tokenizer_dir())),
+    loaded = LoadedModel(model=model, tokenizer=AutoTokenizer.from_pretrained(str(smollm2_tokenizer_dir())),
                          name="tiny", device=torch.device("cpu"), dtype=torch.float32, load_s=0.0)
     results = {}
     for enabled in (True, False):

@@ -2,7 +2,7 @@
 
 An exception kept past its `except` block keeps its traceback, whose frames hold the failed
 rung's cache and activations; on a GPU the next rung then meets a real OOM. The worker runs here
-for real (the tiny model, a real forced OOM on the first rung); the hook is the worker's own call
+for real (the tiny model, a real forced OOM on the first rung); the hook is the cache recipe's call
 that builds each rung's cache, wrapped to look at what is still alive at that moment.
 """
 
@@ -14,7 +14,7 @@ import weakref
 from pathlib import Path
 
 
-import runner.engine.worker as worker_module
+import runner.engine.cache_recipe as cache_recipe_module
 from conftest import LICENSES, TINY_CONFIG
 from jobs.config import load_config
 from jobs.task import Task
@@ -27,15 +27,15 @@ def test_the_failed_rungs_cache_is_freed_before_the_next_rung_starts(tmp_path: P
     worker = SummaryWorker(config.model_dump(mode="json"), "job", str(tmp_path / "kv"), faults, threads=1)
     built: list[tuple[str, weakref.ref]] = []
     alive_when_built: list[tuple[str, list[str]]] = []
-    real_build_cache = worker_module.build_cache
+    real_build_cache = cache_recipe_module.build_cache
 
     def build_and_watch(rung: str, *args, **kwargs):
         alive_when_built.append((rung, [r for r, cache in built if r != rung and cache() is not None]))
         handle = real_build_cache(rung, *args, **kwargs)
-        built.append((rung, weakref.ref(handle.generate_kwargs["past_key_values"])))
+        built.append((rung, weakref.ref(handle.cache)))
         return handle
 
-    monkeypatch.setattr(worker_module, "build_cache", build_and_watch)
+    monkeypatch.setattr(cache_recipe_module, "build_cache", build_and_watch)
     text = (LICENSES / "BSD").read_text()
     task = Task(task_id="t000001", doc_id="doc-1", source_type="text", source=text, n_chars=len(text),
                 n_bytes=len(text.encode()), sha256=hashlib.sha256(text.encode()).hexdigest(), overrides={}, meta={})

@@ -15,7 +15,7 @@ import pytest
 
 from conftest import TINY_CONFIG, done_summaries, kvbatch, start_submit, wait_for, write_jsonl
 from jobs.config import ModelConfig
-from runner.engine.models import load_model
+from runner.engine.model_loader import load_model
 from runner.observe.joblog import read_log
 
 

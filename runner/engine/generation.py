@@ -29,7 +29,7 @@ from runner.engine.kvcache.layer_major import (
     layer_major_prefill,
     prefilled,
 )
-from runner.engine.models import LoadedModel
+from runner.engine.model_loader import LoadedModel
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ from jobs.outcome import CacheStats
 from jobs.stopping import LoopWatch, StopReason
 from runner.engine.generation import Generation, TokenPicker, generate_once, greedy_tokens, prefill
 from runner.engine.kvcache import CacheHandle
-from runner.engine.models import LoadedModel
+from runner.engine.model_loader import LoadedModel
 from runner.engine.probes import StageMemory, memory_snapshot
 from runner.engine.ragged import RowFailed, decode_step
 
@@ -258,8 +258,8 @@ class BatchScheduler:
         except Exception as e:  # noqa: BLE001 - the task's error (no room on the offload disk), or a full KV pool
             self._wait_or_fail(queued, e)
             return
-        cache = handle.generate_kwargs.get("past_key_values")
-        if cache is None:  # transformers' own cache_implementation: generate() runs it, alone
+        cache = handle.cache
+        if cache is None:  # transformers' own cache_implementation: generate() builds and runs it, alone
             self._run_whole(queued, handle, started)
             return
         try:
@@ -310,7 +310,7 @@ class BatchScheduler:
         device = self.loaded.device
         try:
             logits = decode_step(self.loaded.model, [s.tokens[-1] for s in rows], [s.position for s in rows],
-                                 [s.handle.generate_kwargs["past_key_values"] for s in rows])  # [rows, vocab]
+                                 [s.handle.cache for s in rows])  # [rows, vocab]
         except RowFailed as e:
             error = e.__cause__ or e
             if self.is_memory_error(error) and len(rows) > 1:

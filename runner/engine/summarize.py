@@ -20,7 +20,7 @@ from jobs.chunking import (
     summary_budget,
 )
 from runner.engine.generation import Generation
-from runner.engine.models import LoadedModel
+from runner.engine.model_loader import LoadedModel
 
 #: Re-tokenising a chunk inside the chat template can merge tokens differently at its edges.
 _EDGE_MARGIN_TOKENS = 8

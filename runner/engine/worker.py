@@ -18,7 +18,7 @@ import os
 import socket
 import threading
 import time
-from contextlib import ExitStack
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,31 +26,24 @@ from typing import Any
 import psutil
 import torch
 
-from jobs.chunking import ContextTooSmallError
 from jobs.attention import attention_path
+from jobs.chunking import ContextTooSmallError
 from jobs.config import ConfigError, JobConfig
 from jobs.documents import DocumentError, load_task_text
 from jobs.faults import FaultRule, fault_for
-from jobs.kvplan import (
-    Placement,
-    device_kv_bytes,
-    estimated_tokens,
-    host_kv_bytes,
-    kv_bytes,
-    plan_placement,
-    plan_rungs,
-)
+from jobs.kvplan import estimated_tokens, kv_bytes, plan_rungs
 from jobs.node_share import workers_per_device
-from jobs.outcome import CacheStats, TaskOutcome
+from jobs.outcome import TaskOutcome
 from jobs.policy import FailureClass, cache_fallback_note
 from jobs.rungs import RUNGS
 from jobs.task import Task
-from runner.engine.generation import Generation
-from runner.engine.kvcache import ResidentMeter, build_cache, kv_shape, ram_left_by_weights, resolve_budgets
+from runner.engine.cache_recipe import CacheKit
+from runner.engine.kvcache import ResidentMeter, kv_shape, ram_left_by_weights, resolve_budgets
 from runner.engine.kvpool import KVPool
-from runner.engine.models import load_model
+from runner.engine.model_loader import load_model
 from runner.engine.probes import StageMemory, memory_snapshot
-from runner.engine.scheduler import BatchScheduler, PassRequest, TaskClock
+from runner.engine.rung_attempt import CacheTotals, RungAttempt
+from runner.engine.scheduler import BatchScheduler, TaskClock
 from runner.engine.summarize import Summarizer, Summary
 from storage.scratch import (
     ScratchSpaceError,
@@ -83,43 +76,6 @@ class _PeakRss:
         self._stop.set()
         self._thread.join()
         self.peak = max(self.peak, self._proc.memory_info().rss)
-
-
-@dataclass
-class _CacheTotals:
-    """Cache figures over all generate passes of one task."""
-
-    kv_bytes: int = 0
-    kv_resident_peak_bytes: int = 0
-    offload_bytes_written: int = 0
-    offload_bytes_read: int = 0
-    _raw: int = 0
-    _stored: int = 0
-    passes: int = 0
-    placement: Placement | None = None  # the pass that streamed the most layers
-
-    def add_placement(self, placement: Placement | None) -> None:
-        if placement is not None and (
-            self.placement is None or len(placement.streamed_layers) > len(self.placement.streamed_layers)
-        ):
-            self.placement = placement
-
-    def add(self, stats: CacheStats) -> None:
-        self.kv_bytes = max(self.kv_bytes, stats.get("kv_bytes") or 0)
-        self.kv_resident_peak_bytes = max(
-            self.kv_resident_peak_bytes, stats.get("kv_resident_peak_bytes") or 0
-        )
-        self.offload_bytes_written += stats.get("offload_bytes_written") or 0
-        self.offload_bytes_read += stats.get("offload_bytes_read") or 0
-        ratio = stats.get("compression_ratio")
-        written = stats.get("offload_bytes_written") or 0
-        if ratio and written:
-            self._stored += written
-            self._raw += int(written * ratio)
-
-    @property
-    def compression_ratio(self) -> float | None:
-        return self._raw / self._stored if self._stored else None
 
 
 _ALLOCATION_FAILURES = (
@@ -159,23 +115,6 @@ class TaskRequest:
     instruction: str
     clock: TaskClock = field(default_factory=TaskClock)
     """Started when the task's first sequence begins to run: what `running_s` reports."""
-
-
-def _fire(fault: str | None, task: Task, rung: str) -> None:
-    """Injected faults raise what the real failure raises, where it would raise it."""
-    if fault is None:
-        return
-    where = f"injected for {task.doc_id} on {rung}"
-    if fault == "oom":
-        raise torch.OutOfMemoryError(f"CUDA out of memory ({where})")
-    if fault == "crash":
-        os._exit(17)
-    if fault == "io":
-        raise OSError(errno.EIO, f"Input/output error ({where})")
-    if fault == "hang":
-        while True:
-            time.sleep(1)
-    raise RuntimeError(f"injected error ({where})")
 
 
 class SummaryWorker:
@@ -218,6 +157,9 @@ class SummaryWorker:
                                         any(window is not None for window in self.kv_shape.layer_windows))
         self.kv_pool = (KVPool.for_model(self.loaded.model.config, self.loaded.dtype, self.loaded.device,
                                          self.device_pool) if self.attention == "pooled" else None)
+        self.cache_kit = CacheKit(self.loaded.model, self.cfg.cache, self.kv_shape, self.device_budget,
+                                  self.host_budget, self.device_pool, self.host_pool, self.kv_pool,
+                                  device_is_cpu=self.loaded.device.type == "cpu")
         self.scheduler = BatchScheduler(self.loaded, self.cfg.summarize, self.cfg.cache.prefill,
                                         self.cfg.batch.sequences, self.device_budget, _is_memory_error,
                                         host_budget=self.host_budget)
@@ -302,9 +244,8 @@ class SummaryWorker:
         rungs = self._rungs(request)
         last_error = ("OutOfMemoryError", "no cache rung fits the budgets")  # when the ladder is empty
         for i, rung in enumerate(rungs):
-            totals = _CacheTotals()
             try:
-                return _done(rung, self._summarize_on(rung, request, memory, totals), totals)
+                return self._summarize_on(rung, request, memory)
             except ContextTooSmallError as e:
                 return _failure(FailureClass.INPUT, type(e).__name__, str(e), started)
             except Exception as e:  # noqa: BLE001 - classified below, reported to the coordinator
@@ -319,66 +260,25 @@ class SummaryWorker:
             fallbacks.append(cache_fallback_note(rung, rungs[i + 1] if i + 1 < len(rungs) else None, last_error[0]))
         return _failure(FailureClass.MEMORY, *last_error, started)
 
-    def _placement(self, rung: str, tokens: int) -> Placement | None:
-        """On a tiered rung, which layers of this pass stay on the device. None (every layer streamed)
-        on other rungs, and when the whole KV would fit the device budget: then the tiered rung is
-        there because the config asked for it (`cache.strategy`, or the ladder's order), not for lack
-        of room, and it is honoured as asked."""
-        tier = RUNGS[rung].tier
-        if tier is None or kv_bytes(self.kv_shape, tokens) <= self.device_budget:
-            return None
-        return plan_placement(
-            self.kv_shape, tokens, tier, self.device_budget, self.host_budget,
-            self.cfg.cache.block_tokens, device_is_cpu=self.loaded.device.type == "cpu",
-        )
-
-    def _summarize_on(self, rung: str, request: TaskRequest, memory: StageMemory, totals: _CacheTotals) -> Summary:
+    def _summarize_on(self, rung: str, request: TaskRequest, memory: StageMemory) -> TaskOutcome:
+        """The task done on `rung` (its passes in the worker's batch); raises what stops it there."""
         task = request.task
-        with ExitStack() as stack:
-            offload_dir: Path | None = None
-            if RUNGS[rung].needs_offload_dir:
-                check_free_space(self.offload_root, kv_bytes(self.kv_shape, request.context_tokens))
-                offload_dir = stack.enter_context(
-                    task_scratch(self.offload_root, self.job_id, task.task_id, request.attempt)
-                )
-
-            def pass_request(prompt_ids: list[int], max_new: int) -> PassRequest:
-                pass_dir = offload_dir / f"pass-{totals.passes}" if offload_dir else None
-                totals.passes += 1
-                tokens = len(prompt_ids) + max_new
-                placement = self._placement(rung, tokens)
-                totals.add_placement(placement)
-                return PassRequest(
-                    prompt_ids, max_new,
-                    make_cache=lambda: build_cache(rung, self.loaded.model, self.cfg.cache, pass_dir,
-                                                   self.device_budget, self.host_budget, placement,
-                                                   expected_tokens=tokens, device_pool=self.device_pool,
-                                                   host_pool=self.host_pool, kv_pool=self.kv_pool),
-                    device_bytes=device_kv_bytes(self.kv_shape, rung, tokens, placement),
-                    host_bytes=host_kv_bytes(self.kv_shape, rung, tokens, placement, self.cfg.cache.block_tokens),
-                    memory=memory, clock=request.clock,
-                )
-
-            def generate(prompts: list[list[int]], max_new: int) -> list[Generation]:
-                futures = [self.scheduler.submit(pass_request(ids, max_new)) for ids in prompts]
-                generations, errors = [], []
-                for future in futures:  # every pass ends before the scratch dir goes
-                    try:
-                        result = future.result()
-                    except Exception as e:  # noqa: BLE001 - the first one is raised below
-                        errors.append(e)
-                        continue
-                    totals.add(result.cache_stats)
-                    generations.append(result.generation)
-                if errors:
-                    raise errors[0]
-                # an injected failure strikes mid-task, with the task's scratch dir in place
-                _fire(fault_for(self.faults, task.doc_id, request.attempt, rung, request.context_tokens), task, rung)
-                return generations
-
-            return self.summarizer.summarize(
-                request.text, request.instruction, request.max_new_tokens, request.context_tokens, generate
+        with self._scratch_dir(rung, request) as offload_dir:
+            attempt = RungAttempt(rung, self.cache_kit, self.scheduler, memory, request.clock, offload_dir,
+                                  task.doc_id, fault_for(self.faults, task.doc_id, request.attempt, rung,
+                                                         request.context_tokens))
+            summary = self.summarizer.summarize(
+                request.text, request.instruction, request.max_new_tokens, request.context_tokens, attempt
             )
+        return _done(rung, summary, attempt.totals)
+
+    def _scratch_dir(self, rung: str, request: TaskRequest) -> AbstractContextManager[Path | None]:
+        """The task's scratch dir on a rung that offloads to disk (once the disk has room for its
+        KV); none on the others."""
+        if not RUNGS[rung].needs_offload_dir:
+            return nullcontext(None)
+        check_free_space(self.offload_root, kv_bytes(self.kv_shape, request.context_tokens))
+        return task_scratch(self.offload_root, self.job_id, request.task.task_id, request.attempt)
 
     def _release_memory(self) -> None:
         gc.collect()
@@ -387,7 +287,7 @@ class SummaryWorker:
 
 
 # -- stage 3: the outcome ------------------------------------------------------------------------
-def _done(rung: str, summary: Summary, totals: _CacheTotals) -> TaskOutcome:
+def _done(rung: str, summary: Summary, totals: CacheTotals) -> TaskOutcome:
     return {
         "status": "done",
         "summary": summary.text,

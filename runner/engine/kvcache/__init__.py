@@ -2,9 +2,9 @@
 
 from runner.engine.kvcache.budget import KVBudgetExceeded, ResidentMeter
 from runner.engine.kvcache.dynamic import BudgetedDynamicCache
+from runner.engine.kvcache.handle import CacheHandle
 from runner.engine.kvcache.resident import GrowingLayer
 from runner.engine.kvcache.strategies import (
-    CacheHandle,
     build_cache,
     kv_shape,
     ram_left_by_weights,

@@ -8,8 +8,6 @@ guard's) moves it to the next rung.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,10 +18,10 @@ from transformers.cache_utils import get_layer_types_and_kwargs
 
 from jobs.config import CacheConfig, ConfigError
 from jobs.kvplan import KVShape, Placement, check_strategy
-from jobs.outcome import CacheStats
 from jobs.rungs import RUNGS
 from runner.engine.kvcache.budget import ResidentMeter
 from runner.engine.kvcache.dynamic import BudgetedDynamicCache
+from runner.engine.kvcache.handle import CacheHandle
 from runner.engine.kvcache.tiered import TieredCache
 from runner.engine.kvpool import KVPool, PooledCache
 
@@ -32,30 +30,6 @@ CUDA_SAFETY_MARGIN = 0.10
 CUDA_MIN_MARGIN_BYTES = 1 << 30
 RAM_SHARE = 0.5
 """Share of the currently available RAM a task's KV may take when a budget is auto on the host."""
-
-
-@dataclass
-class CacheHandle:
-    """What the worker needs for one generate() call with one cache strategy."""
-
-    strategy: str
-    generate_kwargs: dict[str, Any]
-    _stats: Callable[[], dict[str, Any]] = field(repr=False)
-    _close: Callable[[], None] = field(repr=False)
-
-    def stats(self) -> CacheStats:
-        """The result row's cache columns (None where the strategy cannot tell)."""
-        raw = self._stats()
-        return CacheStats(**{key: raw.get(key) for key in CacheStats.__annotations__})
-
-    def close(self) -> None:
-        self._close()
-
-    def __enter__(self) -> "CacheHandle":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def kv_shape(model_config: PretrainedConfig, dtype: torch.dtype | None = None) -> KVShape:
@@ -129,10 +103,10 @@ def build_cache(
     rung = RUNGS[strategy]
     if strategy == "dynamic" and kv_pool is not None:
         pooled = PooledCache(kv_pool, expected_tokens)
-        return CacheHandle(strategy, {"past_key_values": pooled}, pooled.stats, pooled.close)
+        return CacheHandle(strategy, pooled, pooled.stats, pooled.close)
     if strategy == "dynamic":
         cache = BudgetedDynamicCache(model.config, device_budget_bytes, expected_tokens, device_pool)
-        return CacheHandle(strategy, {"past_key_values": cache}, cache.stats, cache.close)
+        return CacheHandle(strategy, cache, cache.stats, cache.close)
     if rung.tier is not None:
         tier = rung.tier
         if rung.needs_offload_dir and offload_dir is None:
@@ -151,11 +125,11 @@ def build_cache(
             device_pool=device_pool,
             host_pool=host_pool,
         )
-        return CacheHandle(strategy, {"past_key_values": tiered}, tiered.stats, tiered.close)
+        return CacheHandle(strategy, tiered, tiered.stats, tiered.close)
     if rung.cuda_only and model.device.type != "cuda":
         raise ConfigError(
             f"cache.strategy {strategy!r} is transformers' own offloading, which needs a CUDA device; "
             f"this model runs on {model.device.type}: use tiered-host or tiered-disk instead"
         )
     # transformers' own `cache_implementation` values: generate() builds that cache itself
-    return CacheHandle(strategy, {"cache_implementation": strategy}, dict, lambda: None)
+    return CacheHandle.built_by_generate(strategy)

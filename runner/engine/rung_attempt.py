@@ -1,0 +1,133 @@
+"""One try of one task on one cache rung: what the summarizer calls as its `generate`.
+
+The worker's ladder makes one `RungAttempt` per rung it tries. The attempt turns each prompt the
+summarizer hands it into a pass for the worker's scheduler, with its cache recipe (numbered pass
+folders in the task's scratch dir on a disk rung), waits for every pass it handed over, adds up
+their cache figures, and raises the first pass's error only once all have ended (so no pass still
+writes into a scratch dir that is going away). A fault a test injected for this task and rung
+strikes after the passes, mid-task, with the scratch dir in place.
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import os
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from jobs.faults import FaultKind
+from jobs.kvplan import Placement
+from jobs.outcome import CacheStats
+from runner.engine.cache_recipe import CacheKit
+from runner.engine.generation import Generation
+from runner.engine.probes import StageMemory
+from runner.engine.scheduler import BatchScheduler, PassRequest, PassResult, TaskClock
+
+
+@dataclass
+class CacheTotals:
+    """Cache figures over all generate passes of one task."""
+
+    kv_bytes: int = 0
+    kv_resident_peak_bytes: int = 0
+    offload_bytes_written: int = 0
+    offload_bytes_read: int = 0
+    _raw: int = 0
+    _stored: int = 0
+    placement: Placement | None = None  # the pass that streamed the most layers
+
+    def add_placement(self, placement: Placement | None) -> None:
+        if placement is not None and (
+            self.placement is None or len(placement.streamed_layers) > len(self.placement.streamed_layers)
+        ):
+            self.placement = placement
+
+    def add(self, stats: CacheStats) -> None:
+        self.kv_bytes = max(self.kv_bytes, stats.get("kv_bytes") or 0)
+        self.kv_resident_peak_bytes = max(
+            self.kv_resident_peak_bytes, stats.get("kv_resident_peak_bytes") or 0
+        )
+        self.offload_bytes_written += stats.get("offload_bytes_written") or 0
+        self.offload_bytes_read += stats.get("offload_bytes_read") or 0
+        ratio = stats.get("compression_ratio")
+        written = stats.get("offload_bytes_written") or 0
+        if ratio and written:
+            self._stored += written
+            self._raw += int(written * ratio)
+
+    @property
+    def compression_ratio(self) -> float | None:
+        return self._raw / self._stored if self._stored else None
+
+
+class RungAttempt:
+    """One task's passes on one rung, and their cache totals."""
+
+    def __init__(self, rung: str, kit: CacheKit, scheduler: BatchScheduler, memory: StageMemory, clock: TaskClock,
+                 offload_dir: Path | None, doc_id: str, fault: FaultKind | None) -> None:
+        """`offload_dir`: the task's scratch dir on a rung that offloads to disk; `fault`: what a test
+        injected for this task on this rung (jobs.faults), None for a real run."""
+        self.rung = rung
+        self.totals = CacheTotals()
+        self._kit = kit
+        self._scheduler = scheduler
+        self._memory = memory
+        self._clock = clock
+        self._offload_dir = offload_dir
+        self._doc_id = doc_id
+        self._fault = fault
+        self._pass_numbers = itertools.count()
+
+    def __call__(self, prompts: list[list[int]], max_new_tokens: int) -> list[Generation]:
+        """Generate for every prompt, side by side in the worker's batch; their generations in order."""
+        futures = [self._scheduler.submit(self._pass(ids, max_new_tokens)) for ids in prompts]
+        generations = self._results(futures)
+        self._strike_injected_fault()
+        return generations
+
+    def _pass(self, prompt_ids: list[int], max_new_tokens: int) -> PassRequest:
+        recipe = self._kit.recipe(self.rung, len(prompt_ids) + max_new_tokens, self._pass_dir())
+        self.totals.add_placement(recipe.placement)
+        return PassRequest(prompt_ids, max_new_tokens, make_cache=recipe, device_bytes=recipe.device_bytes,
+                           host_bytes=recipe.host_bytes, memory=self._memory, clock=self._clock)
+
+    def _pass_dir(self) -> Path | None:
+        """Each pass's own folder in the scratch dir, numbered in the order the passes are handed over."""
+        number = next(self._pass_numbers)
+        return self._offload_dir / f"pass-{number}" if self._offload_dir else None
+
+    def _results(self, futures: list[Future[PassResult]]) -> list[Generation]:
+        """Every pass's generation once all have ended; the first error, if any, is raised then."""
+        generations, errors = [], []
+        for future in futures:
+            try:
+                result = future.result()
+            except Exception as e:  # noqa: BLE001 - the first one is raised below
+                errors.append(e)
+                continue
+            self.totals.add(result.cache_stats)
+            generations.append(result.generation)
+        if errors:
+            raise errors[0]
+        return generations
+
+    def _strike_injected_fault(self) -> None:
+        """Raise what the real failure raises, where it would raise it."""
+        if self._fault is None:
+            return
+        where = f"injected for {self._doc_id} on {self.rung}"
+        if self._fault == "oom":
+            raise torch.OutOfMemoryError(f"CUDA out of memory ({where})")
+        if self._fault == "crash":
+            os._exit(17)
+        if self._fault == "io":
+            raise OSError(errno.EIO, f"Input/output error ({where})")
+        if self._fault == "hang":
+            while True:
+                time.sleep(1)
+        raise RuntimeError(f"injected error ({where})")

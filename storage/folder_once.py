@@ -1,0 +1,72 @@
+"""A folder built once per machine and published whole: safe when many processes want it at once.
+
+`dest` only ever appears by an atomic rename of a finished, fsynced temp folder, so its existence
+means it is complete. Builders serialise on an fcntl lock next to it (which the kernel drops when a
+holder dies); whoever gets the lock second finds `dest` there and skips the work. Temp folders left
+by a killed builder are removed by the next lock holder.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from storage.location import fsync_directory
+
+Announce = Callable[[str], None]
+"""Tells people what is being built or waited for (a build can take tens of seconds)."""
+
+
+def build_folder_once(dest: Path, build: Callable[[Path], None], message: str, announce: Announce) -> Path:
+    """Return `dest`, calling `build(temp_folder)` first if it is not there yet; `message` is
+    announced when the build starts."""
+    if dest.is_dir():
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with _exclusive_lock(dest.parent / f".{dest.name}.lock", dest.name, announce):
+        if dest.is_dir():
+            return dest
+        for stale in dest.parent.glob(f".{dest.name}.tmp-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+        try:
+            announce(message)
+            started = time.perf_counter()
+            build(tmp)
+            tmp.chmod(0o755)  # mkdtemp makes it private; the folder is shared by every user's processes
+            _fsync_tree(tmp)
+            os.rename(tmp, dest)
+            fsync_directory(dest.parent)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        announce(f"done in {time.perf_counter() - started:.1f} s: {dest}")
+    return dest
+
+
+@contextmanager
+def _exclusive_lock(path: Path, what: str, announce: Announce) -> Iterator[None]:
+    with open(path, "a+b") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            announce(f"waiting for another process that is preparing {what} (lock {path})...")
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _fsync_tree(root: Path) -> None:
+    for path in root.rglob("*"):
+        if path.is_file():
+            with open(path, "rb") as handle:
+                os.fsync(handle.fileno())
+    fsync_directory(root)
