@@ -40,7 +40,7 @@ METADATA_OPS = {"empty", "empty_strided", "empty_like", "lift_fresh", "detach", 
                 "sym_size", "sym_stride", "sym_numel", "is_same_size", "_local_scalar_dense_meta"}
 ROWS = (1, 8, 32)
 PROMPT_TOKENS = 32
-CASES = (("dynamic", "per-row"), ("dynamic", "pooled"), ("tiered-host", "per-row"))
+CASES = (("dynamic", "per-row"), ("dynamic", "pooled"), ("tiered-host", "per-row"), ("tiered-host", "pooled"))
 
 
 class OpCounter(TorchDispatchMode):
@@ -84,11 +84,11 @@ def shaped_model() -> PreTrainedModel:
 def _caches(model: PreTrainedModel, strategy: str, attention: str, rows: int) -> tuple[list, list[int], KVPool | None]:
     """`rows` prefilled caches (distinct prompts), and their first tokens."""
     pool = (KVPool.for_model(model.config, torch.bfloat16, torch.device("cpu"), ResidentMeter(None, "device", ""))
-            if attention == "pooled" else None)
+            if (strategy, attention) == ("dynamic", "pooled") else None)
     make: Callable[[], Any] = {
         "dynamic": lambda: PooledCache(pool, PROMPT_TOKENS + 64) if pool else
         BudgetedDynamicCache(model.config, None, PROMPT_TOKENS + 64),
-        "tiered-host": lambda: TieredCache(model.config, tier="host"),
+        "tiered-host": lambda: TieredCache(model.config, tier="host", batched_attention=attention == "pooled"),
     }[strategy]
     caches, first = [], []
     generator = torch.Generator().manual_seed(rows)
@@ -155,6 +155,8 @@ class _Case:
         with counter:
             self.step()
         assert self.pool is None or self.pool.most_rows == self.rows, "the pooled path did not run"
+        if self.strategy.startswith("tiered") and self.attention == "pooled":
+            assert all(cache.most_batched_rows == self.rows for cache in self.caches), "the batched tiered path did not run"
         return counter
 
     def compute_ms(self) -> float:

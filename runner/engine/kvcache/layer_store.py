@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from concurrent.futures import Future
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -56,6 +57,16 @@ class Resident:
     @property
     def capacity(self) -> int:
         return self.keys.shape[-2]
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Device buffers a read fills instead of allocating its own: one row of a batched step's
+    staging buffers (runner/engine/tiered_attention.py), [1, heads, tokens of room, head_dim] views."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    free: torch.cuda.Event | None = None  # on CUDA: recorded after the slot's previous reader was queued
 
 
 @dataclass(frozen=True)
@@ -163,17 +174,18 @@ class LayerStore:
             self._copies_done,
         )
 
-    def load_async(self, extra_tokens: int) -> Future[Resident]:
-        """Start bringing the layer to the device on the IO thread, with room for `extra_tokens`."""
-        return self.io.submit(self._materialize, self._snapshot(), extra_tokens)
+    def load_async(self, extra_tokens: int, into: Slot | None = None) -> Future[Resident]:
+        """Start bringing the layer to the device on the IO thread, with room for `extra_tokens`
+        (into the buffers of `into` when given: a batched step's slot for this row)."""
+        return self.io.submit(self._materialize, self._snapshot(), extra_tokens, into)
 
-    def load(self, extra_tokens: int) -> Resident:
+    def load(self, extra_tokens: int, into: Slot | None = None) -> Resident:
         """Bring the layer to the device after the IO thread's queued work (its seals) is done."""
-        return self.io.run(self._materialize, self._snapshot(), extra_tokens)
+        return self.io.run(self._materialize, self._snapshot(), extra_tokens, into)
 
-    def load_here(self, extra_tokens: int) -> Resident:
+    def load_here(self, extra_tokens: int, into: Slot | None = None) -> Resident:
         """Bring the layer to the device on the calling thread (blocks still being sealed are waited for)."""
-        return self._materialize(self._snapshot(), extra_tokens)
+        return self._materialize(self._snapshot(), extra_tokens, into)
 
     def _read_block(self, block: SealedBlock) -> tuple[torch.Tensor, torch.Tensor]:
         keys, values = self.tier.load(block.payload.result(), block.stored_shape, self.dtype)
@@ -181,13 +193,25 @@ class LayerStore:
             keys, values = keys.index_select(0, block.rows), values.index_select(0, block.rows)
         return keys, values
 
-    def _materialize(self, snap: _Snapshot, extra_tokens: int) -> Resident:
+    def _materialize(self, snap: _Snapshot, extra_tokens: int, into: Slot | None = None) -> Resident:
         """Runs on the IO thread's stream (or the compute thread's, see `load_here`): on CUDA its
-        copies are ordered after the tail's by an event, and the result carries one for its reader."""
-        shape = (snap.batch, self.heads, snap.seq_len + extra_tokens, self.head_dim)
-        keys = torch.empty(shape, dtype=self.dtype, device=self.device)
-        values = torch.empty(shape, dtype=self.dtype, device=self.device)
+        copies are ordered after the tail's by an event (and after the slot's last reader, for a
+        slot), and the result carries one for its reader."""
+        # a slot made under inference mode (a decode step) is written under it, on whichever thread
+        with torch.inference_mode() if into is not None and into.keys.is_inference() else nullcontext():
+            return self._fill(snap, extra_tokens, into)
+
+    def _fill(self, snap: _Snapshot, extra_tokens: int, into: Slot | None) -> Resident:
         stream = torch.cuda.current_stream(self.device) if self.pinned else None
+        if into is None:
+            shape = (snap.batch, self.heads, snap.seq_len + extra_tokens, self.head_dim)
+            keys = torch.empty(shape, dtype=self.dtype, device=self.device)
+            values = torch.empty(shape, dtype=self.dtype, device=self.device)
+        else:
+            keys, values = into.keys, into.values
+            assert keys.shape[0] == snap.batch and keys.shape[-2] >= snap.seq_len + extra_tokens, "the slot is too small"
+            if into.free is not None:
+                stream.wait_event(into.free)
         if snap.copies_done is not None:
             stream.wait_event(snap.copies_done)
         copied = 0
