@@ -9,7 +9,10 @@ choice is counted apart (`choice_*`), each row's own `TokenPicker.pick` against 
 `greedy_tokens`, with its host reads (scalar reads and `tolist()`: each one device-to-host sync).
 "Kernel-launching" counts every op except views (`OpOverload.is_view`) and the ops that only make or
 describe a tensor without touching its data (`METADATA_OPS`): on a GPU each counted op is at least
-one kernel launch (or a copy). Host ms is the step's wall time on the CPU, so it
+one kernel launch (or a copy). A tiered cache reads its layers ahead on its own IO thread, where a
+dispatch mode of the compute thread does not see them: `io_*` counts those ops with a counter entered
+on each tiered row's IO thread for the step (the reads it queued, the next step's first layer
+included: one read per streamed layer per step). Host ms is the step's wall time on the CPU, so it
 includes the kernels' own work there (attention over every row's KV grows with the rows on a CPU;
 on a GPU it is the part that runs asynchronously); prompts are short (`PROMPT_TOKENS`) so that part
 stays small. `compute ms` is the part of a step spent in the matmul and attention kernels (torch
@@ -150,14 +153,23 @@ class _Case:
         self.step()
         self.best_ms = min(self.best_ms, (time.perf_counter() - t0) * 1e3)
 
-    def counted_step(self) -> OpCounter:
+    def counted_step(self) -> tuple[OpCounter, OpCounter]:
+        """The step's ops on the compute thread, and on the tiered rows' IO threads (summed)."""
         counter = OpCounter()
+        threads = [cache.shared.io(torch.device("cpu")) for cache in self.caches if isinstance(cache, TieredCache)]
+        on_io = [OpCounter() for _ in threads]
+        for io, io_counter in zip(threads, on_io):
+            io.run(io_counter.__enter__)  # after the jobs already queued: the mode is this thread's own
         with counter:
             self.step()
+        for io, io_counter in zip(threads, on_io):
+            io.run(io_counter.__exit__, None, None, None)  # after the step's queued reads
+        io_total = OpCounter()
+        io_total.ops, io_total.launching = sum(c.ops for c in on_io), sum(c.launching for c in on_io)
         assert self.pool is None or self.pool.most_rows == self.rows, "the pooled path did not run"
         if self.strategy.startswith("tiered") and self.attention == "pooled":
             assert all(cache.most_batched_rows == self.rows for cache in self.caches), "the batched tiered path did not run"
-        return counter
+        return counter, io_total
 
     def compute_ms(self) -> float:
         """The self CPU time of the step's matmul and attention kernels (torch profiler, one step)."""
@@ -193,19 +205,21 @@ def step_ops(steps: int) -> dict[str, Any]:
     finally:
         torch.set_num_threads(before)
     table = [{"cache": case.strategy, "attention": case.attention, "rows": case.rows, "aten_ops": counter.ops,
-              "launching_ops": counter.launching, "host_ms": case.best_ms, "compute_ms": kernels,
+              "launching_ops": counter.launching, "io_ops": io.ops, "io_launching_ops": io.launching,
+              "launching_with_io": counter.launching + io.launching, "host_ms": case.best_ms, "compute_ms": kernels,
               "other_ms": max(case.best_ms - kernels, 0.0),
               "launching_with_choice": counter.launching + choice["batched"][0].launching,
               **{f"choice_{key}_{way.replace('-', '_')}": value for way, (ops, reads) in choice.items()
                  for key, value in (("launching_ops", ops.launching), ("host_reads", reads),
                                     ("ms", case.choice_best_ms[way]))}}
-             for case, counter, kernels, choice in zip(cases, counters, compute, choices, strict=True)]
+             for case, (counter, io), kernels, choice in zip(cases, counters, compute, choices, strict=True)]
     ratios = []
     for strategy, attention in CASES:
         one, most = (next(r for r in table if (r["cache"], r["attention"], r["rows"]) == (strategy, attention, n))
                      for n in (ROWS[0], ROWS[-1]))
         ratios.append({"cache": strategy, "attention": attention,
                        "launching_ratio": most["launching_ops"] / one["launching_ops"],
+                       "with_io_ratio": most["launching_with_io"] / one["launching_with_io"],
                        "with_choice_ratio": most["launching_with_choice"] / one["launching_with_choice"],
                        "host_ratio": most["host_ms"] / one["host_ms"],
                        "other_ratio": most["other_ms"] / one["other_ms"] if one["other_ms"] else float("nan")})

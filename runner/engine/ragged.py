@@ -98,14 +98,15 @@ class SequenceBatch:
         """The tiered rows (rows `first` on) of a layer they all stream: each its own reads, one write."""
         step = self.tiered
         assert step is not None
+        keys, values = keys[first : first + step.count], values[first : first + step.count]
         step.prepare(layer_idx, keys)
+        outgoing = step.outgoing(keys, values)
         for i in range(step.count):
-            row = first + i
             try:
-                step.take(i, layer_idx, keys[row : row + 1], values[row : row + 1])
+                step.take(i, layer_idx, outgoing)
             except Exception as e:  # noqa: BLE001 - the scheduler fails this row, not its batch-mates
-                raise RowFailed(row) from e
-        return step.write(layer_idx, keys[first : first + step.count], values[first : first + step.count])
+                raise RowFailed(first + i) from e
+        return step.write(layer_idx, keys, values)
 
 
 def _inner_function(module: torch.nn.Module, implementation: str) -> Any:

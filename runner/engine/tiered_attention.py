@@ -72,11 +72,17 @@ class TieredStep:
         self._rows = torch.arange(self.count, device=like.device)
         self._positions = torch.tensor(lengths, device=like.device)
 
-    def take(self, row: int, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Row `row`'s old tokens of the layer into its slot, its new one ([1, kv_heads, 1, head_dim]) to its tier;
-        the next layer read ahead into its slot of the other buffer."""
+    def outgoing(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """Every row's new K/V ([rows, kv_heads, 1, head_dim] each) stacked as the tails hold a token
+        ([rows, 2, kv_heads, head_dim]): one op, so each row's copy to its tail is one contiguous copy."""
+        return torch.stack((keys[:, :, 0], values[:, :, 0]), dim=1)
+
+    def take(self, row: int, layer_idx: int, outgoing: torch.Tensor) -> None:
+        """Row `row`'s old tokens of the layer into its slot, its new one (its row of `outgoing`) to
+        its tier; the next layer read ahead into its slot of the other buffer."""
         slot = self.slots[layer_idx % 2][row]
-        self.caches[row].update_in_slot(keys, values, layer_idx, slot, self._following[row], self.count)
+        pair = outgoing[row : row + 1, :, None]  # (1 token, 2, 1 row, kv_heads, head_dim), a view
+        self.caches[row].update_in_slot(pair, layer_idx, slot, self._following[row], self.count)
 
     def write(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Every row's new K/V ([rows, kv_heads, 1, head_dim]) into its slot; the staged K/V of the layer."""

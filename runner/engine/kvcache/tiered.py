@@ -122,11 +122,12 @@ class TieredLayer(CacheLayerMixin):
         self._count_decode(new, old, copied_out, waited)
         return keys, values
 
-    def update_in_slot(self, key_states: torch.Tensor, value_states: torch.Tensor, slot: Slot) -> None:
+    def update_in_slot(self, pair: torch.Tensor, slot: Slot) -> None:
         """A batched decode step's share of this layer (runner/engine/tiered_attention.py): the old
-        tokens into `slot` (a prefetch into it already did that), the new one off to the tier. The
-        step writes the new token into the slot itself, with every other row's, and attends."""
-        assert self.store is not None and key_states.shape[-2] == 1
+        tokens into `slot` (a prefetch into it already did that), the new one (`pair`: its keys and
+        values as the tail holds them, layer_store.token_pairs) off to the tier. The step writes the
+        new token into the slot itself, with every other row's, and attends."""
+        assert self.store is not None and pair.shape[0] == 1
         waited_from = time.perf_counter()
         old = self._take_resident(extra_tokens=1, into=slot)
         waited = time.perf_counter() - waited_from
@@ -134,7 +135,7 @@ class TieredLayer(CacheLayerMixin):
         if old.keys is not slot.keys:  # read before the step had slots (its first layer's prefetch)
             slot.keys[:, :, : old.length].copy_(old.keys[:, :, : old.length])
             slot.values[:, :, : old.length].copy_(old.values[:, :, : old.length])
-        copied_out = self.store.append(key_states, value_states)
+        copied_out = self.store.append_pairs(pair)
         self.shared.host_meter.hold(self.layer_idx, self.store.host_bytes)
         self.shared.device_meter.hold(self.layer_idx, slot.keys.nbytes + slot.values.nbytes)
         self._count_decode(1, old, copied_out, waited)
@@ -318,16 +319,17 @@ class TieredCache(Cache):
         return isinstance(layer, TieredLayer) and layer.store is not None and layer.store.seq_len > 0 \
             and layer.store.batch == 1
 
-    def update_in_slot(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, slot: Slot,
-                       next_slot: Slot | None, rows: int) -> None:
+    def update_in_slot(self, pair: torch.Tensor, layer_idx: int, slot: Slot, next_slot: Slot | None,
+                       rows: int) -> None:
         """This row's share of streamed layer `layer_idx` in a batched decode step of `rows` tiered
-        rows (runner/engine/tiered_attention.py): its old tokens into `slot`, its new one to the tier;
+        rows (runner/engine/tiered_attention.py): its old tokens into `slot`, its new one (`pair`,
+        (1, 2, 1, kv_heads, head_dim)) to the tier;
         the next layer is read ahead into `next_slot` (this row's slot for layer `layer_idx + 1`)."""
         layer = self.layers[layer_idx]
         assert isinstance(layer, TieredLayer)
         self._count_step(layer_idx, 1)
         self._switch_to(layer_idx)
-        layer.update_in_slot(key_states, value_states, slot)
+        layer.update_in_slot(pair, slot)
         self._prefetch_after(layer_idx, 1, next_slot)
         self._note_kv_peak(layer_idx)
         self.batched_layers += 1
