@@ -106,7 +106,7 @@ class SequenceBatch:
                 step.take(i, layer_idx, outgoing)
             except Exception as e:  # noqa: BLE001 - the scheduler fails this row, not its batch-mates
                 raise RowFailed(first + i) from e
-        return step.write(layer_idx, keys, values)
+        return step.write(layer_idx, outgoing)
 
 
 def _inner_function(module: torch.nn.Module, implementation: str) -> Any:

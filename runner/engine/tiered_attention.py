@@ -3,7 +3,7 @@
 A tiered row's streamed layer lives in host RAM or block files and comes to the device for its turn
 in the forward pass (runner/engine/kvcache/tiered.py). Per row, that turn used to be its own buffers,
 its own write of the new token and its own attention call. Here the step's tiered rows share two
-staging buffers, [rows, kv_heads, span, head_dim] each for keys and values, used by alternate layers:
+staging buffers, [2, rows, kv_heads, span, head_dim] (keys, then values), used by alternate layers:
 each row's read of a layer (the prefetch on its IO thread, during the layer before) fills its slot
 of one, while the layer before attends over the other. The step then writes every row's new K/V with
 one indexed write and attends with one call of the model's attention, each row to its own length
@@ -36,8 +36,7 @@ class TieredStep:
         self.count = len(caches)
         self.lengths: list[int] = []
         self.span = 0
-        self.keys: list[torch.Tensor] = []  # the two staging buffers, by layer parity
-        self.values: list[torch.Tensor] = []
+        self.staged: list[torch.Tensor] = []  # the two staging buffers, by layer parity: [2 (keys, values), rows, ...]
         self.slots: list[list[Slot]] = []  # [parity][row]: views of the staging buffers
         self.mask: torch.Tensor | None = None
         self._following: list[Slot] = []
@@ -62,12 +61,10 @@ class TieredStep:
         if lengths == self.lengths:
             return
         self.lengths, self.span = lengths, max(lengths) + 1
-        shape = (self.count, like.shape[1], self.span, like.shape[3])
+        shape = (2, self.count, like.shape[1], self.span, like.shape[3])
         # zeros, not empty: a row's masked tail is still read, and garbage NaN times a zero weight is NaN
-        self.keys = [torch.zeros(shape, dtype=like.dtype, device=like.device) for _ in range(2)]
-        self.values = [torch.zeros(shape, dtype=like.dtype, device=like.device) for _ in range(2)]
-        self.slots = [[Slot(keys[row : row + 1], values[row : row + 1]) for row in range(self.count)]
-                      for keys, values in zip(self.keys, self.values)]
+        self.staged = [torch.zeros(shape, dtype=like.dtype, device=like.device) for _ in range(2)]
+        self.slots = [[Slot(staged[:, row : row + 1]) for row in range(self.count)] for staged in self.staged]
         self.mask = length_mask([n + 1 for n in lengths], self.span, like.dtype, like.device)
         self._rows = torch.arange(self.count, device=like.device)
         self._positions = torch.tensor(lengths, device=like.device)
@@ -84,14 +81,12 @@ class TieredStep:
         pair = outgoing[row : row + 1, :, None]  # (1 token, 2, 1 row, kv_heads, head_dim), a view
         self.caches[row].update_in_slot(pair, layer_idx, slot, self._following[row], self.count)
 
-    def write(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every row's new K/V ([rows, kv_heads, 1, head_dim]) into its slot; the staged K/V of the layer."""
-        parity = layer_idx % 2
-        staged_keys, staged_values = self.keys[parity], self.values[parity]
-        staged_keys[self._rows, :, self._positions] = keys[:, :, 0]  # one index_put_ each
-        staged_values[self._rows, :, self._positions] = values[:, :, 0]
+    def write(self, layer_idx: int, outgoing: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every row's new K/V (`outgoing`) into its slot, one index_put_; the staged K/V of the layer."""
+        staged = self.staged[layer_idx % 2]
+        staged[:, self._rows, :, self._positions] = outgoing  # indexed: [rows, 2, kv_heads, head_dim]
         self.batched_layers += 1
-        return staged_keys, staged_values
+        return staged[0], staged[1]
 
     def attend(self, inner: Callable[..., Any], module: torch.nn.Module, query: torch.Tensor,
                key: torch.Tensor, value: torch.Tensor, **kwargs: Any) -> torch.Tensor:

@@ -62,12 +62,19 @@ class Resident:
 
 @dataclass(frozen=True)
 class Slot:
-    """Device buffers a read fills instead of allocating its own: one row of a batched step's
-    staging buffers (runner/engine/tiered_attention.py), [1, heads, tokens of room, head_dim] views."""
+    """A device buffer a read fills instead of allocating its own: one row of a batched step's
+    staging buffer (runner/engine/tiered_attention.py), keys and values of one row side by side."""
 
-    keys: torch.Tensor
-    values: torch.Tensor
+    kv: torch.Tensor  # [2, 1, heads, tokens of room, head_dim], a view
     free: torch.cuda.Event | None = None  # on CUDA: recorded after the slot's previous reader was queued
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return self.kv[0]
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self.kv[1]
 
 
 @dataclass(frozen=True)
@@ -206,15 +213,15 @@ class LayerStore:
 
     def _fill(self, snap: _Snapshot, extra_tokens: int, into: Slot | None) -> Resident:
         stream = torch.cuda.current_stream(self.device) if self.pinned else None
-        if into is None:
-            shape = (snap.batch, self.heads, snap.seq_len + extra_tokens, self.head_dim)
-            keys = torch.empty(shape, dtype=self.dtype, device=self.device)
-            values = torch.empty(shape, dtype=self.dtype, device=self.device)
+        if into is None:  # keys and values side by side, as the tail holds them: one copy reads the tail into both
+            shape = (2, snap.batch, self.heads, snap.seq_len + extra_tokens, self.head_dim)
+            kv = torch.empty(shape, dtype=self.dtype, device=self.device)
         else:
-            keys, values = into.keys, into.values
-            assert keys.shape[0] == snap.batch and keys.shape[-2] >= snap.seq_len + extra_tokens, "the slot is too small"
+            kv = into.kv
+            assert kv.shape[1] == snap.batch and kv.shape[-2] >= snap.seq_len + extra_tokens, "the slot is too small"
             if into.free is not None:
                 stream.wait_event(into.free)
+        keys, values = kv[0], kv[1]
         if snap.copies_done is not None:
             stream.wait_event(snap.copies_done)
         copied = 0
@@ -227,7 +234,7 @@ class LayerStore:
             copied += _copy(keys[:, :, window], block_keys) + _copy(values[:, :, window], block_values)
         if snap.tail_len:
             window = slice(snap.seq_len - snap.tail_len, snap.seq_len)
-            copied += _copy_tail(keys[:, :, window], values[:, :, window], snap.tail[: snap.tail_len])
+            copied += _copy_tail(kv[:, :, :, window], snap.tail[: snap.tail_len])
         self.traffic.host_to_device += copied
         filled = stream.record_event() if stream is not None else None
         return Resident(keys, values, snap.seq_len, copied, filled)
@@ -293,13 +300,13 @@ def _head_major(tail: torch.Tensor, pinned: bool) -> torch.Tensor:
     return block
 
 
-def _copy_tail(keys: torch.Tensor, values: torch.Tensor, tail: torch.Tensor) -> int:
-    """Copy a token-major tail window (tokens, 2, batch, heads, head_dim) into head-major device
-    windows of keys and values. On CUDA the pinned window goes to the device in one contiguous
-    asynchronous copy and is split and transposed there."""
-    if tail.device != keys.device:
-        tail = tail.to(keys.device, non_blocking=True)
-    return _copy(token_major(keys), tail[:, 0]) + _copy(token_major(values), tail[:, 1])
+def _copy_tail(kv: torch.Tensor, tail: torch.Tensor) -> int:
+    """Copy a token-major tail window (tokens, 2, batch, heads, head_dim) into a head-major device
+    window of keys and values side by side (2, batch, heads, tokens, head_dim), in one copy. On CUDA
+    the pinned window goes to the device in one contiguous asynchronous copy and is transposed there."""
+    if tail.device != kv.device:
+        tail = tail.to(kv.device, non_blocking=True)
+    return _copy(kv.permute(3, 0, 1, 2, 4), tail)
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = True) -> int:

@@ -132,12 +132,12 @@ class TieredLayer(CacheLayerMixin):
         old = self._take_resident(extra_tokens=1, into=slot)
         waited = time.perf_counter() - waited_from
         assert old is not None, "a batched step's tiered rows hold tokens"
-        if old.keys is not slot.keys:  # read before the step had slots (its first layer's prefetch)
+        if old.keys.data_ptr() != slot.keys.data_ptr():  # read before the step had slots (its first layer's prefetch)
             slot.keys[:, :, : old.length].copy_(old.keys[:, :, : old.length])
             slot.values[:, :, : old.length].copy_(old.values[:, :, : old.length])
         copied_out = self.store.append_pairs(pair)
         self.shared.host_meter.hold(self.layer_idx, self.store.host_bytes)
-        self.shared.device_meter.hold(self.layer_idx, slot.keys.nbytes + slot.values.nbytes)
+        self.shared.device_meter.hold(self.layer_idx, slot.kv.nbytes)
         self._count_decode(1, old, copied_out, waited)
 
     def _count_decode(self, new: int, old: Resident | None, copied_out: int, waited: float) -> None:
@@ -167,7 +167,7 @@ class TieredLayer(CacheLayerMixin):
 
     def _resident_bytes(self, extra_tokens: int, into: Slot | None) -> int:
         assert self.store is not None
-        return into.keys.nbytes + into.values.nbytes if into is not None else self.store.resident_bytes(extra_tokens)
+        return into.kv.nbytes if into is not None else self.store.resident_bytes(extra_tokens)
 
     def _settle(self) -> None:
         """Finish a background read of this layer before anything reads or changes the layer."""
