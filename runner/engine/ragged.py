@@ -104,7 +104,7 @@ class SequenceBatch:
         for i in range(step.count):
             try:
                 step.take(i, layer_idx, outgoing)
-            except Exception as e:  # noqa: BLE001 - the scheduler fails this row, not its batch-mates
+            except Exception as e:  # the scheduler fails this row, not its batch-mates
                 raise RowFailed(first + i) from e
         return step.write(layer_idx, outgoing)
 

@@ -219,6 +219,8 @@ class LayerStore:
         else:
             kv = into.kv
             assert kv.shape[1] == snap.batch and kv.shape[-2] >= snap.seq_len + extra_tokens, "the slot is too small"
+            if stream is not None:  # written on this stream: its memory is not handed out again before
+                kv.record_stream(stream)  # these copies ran, even if the step that made it is gone
             if into.free is not None:
                 stream.wait_event(into.free)
         keys, values = kv[0], kv[1]
