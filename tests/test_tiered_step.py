@@ -16,8 +16,9 @@ from test_kvcache import _model, _one_torch_thread, _prompt  # noqa: F401 - the 
 from transformers import DynamicCache, PreTrainedModel
 
 from jobs.kvplan import Placement
-from runner.engine.kvcache import TieredCache
-from runner.engine.ragged import decode_step
+from runner.engine.kvcache import ResidentMeter, TieredCache
+from runner.engine.kvpool import KVPool, PooledCache
+from runner.engine.ragged import RowFailed, decode_step
 
 LENGTHS = (5, 19, 11, 30)
 STEPS = 14
@@ -118,3 +119,32 @@ def test_sliding_window_layers_stay_per_row(tmp_path: Path) -> None:
     got, caches = _run(model, "host", tmp_path, batched=True)
     assert got == [_alone(model, length) for length in LENGTHS]
     assert [c.batched_layers for c in caches] == [STEPS * full] * len(LENGTHS)
+
+
+def test_a_row_whose_blocks_are_damaged_fails_alone_by_its_own_number(tmp_path: Path) -> None:
+    """Beside a pooled row (caller's row 3, the step's first), tiered row 2's block files are cut
+    short between two batched steps: the step fails naming row 2 (the caller's numbering, not the
+    step's 3), with the tier's own read error as the cause, so the scheduler fails that sequence and
+    not its batch-mates."""
+    model = _model("llama-gqa")
+    caches, first = _prefilled(model, "disk", tmp_path, batched=True)
+    pool = KVPool.for_model(model.config, torch.float32, torch.device("cpu"), ResidentMeter(None, "device", ""))
+    pooled = PooledCache(pool, 64)
+    with torch.inference_mode():
+        pooled_first = int(model(input_ids=_prompt(7), past_key_values=pooled, use_cache=True).logits[0, -1].argmax())
+    rows = [*caches[:3], pooled, caches[3]]  # the pooled row in the middle: the step reorders rows
+    lengths = [*LENGTHS[:3], 7, LENGTHS[3]]
+    try:
+        last = decode_step(model, [*first[:3], pooled_first, first[3]], lengths, rows).argmax(dim=-1).tolist()
+        assert all(c.most_batched_rows == len(LENGTHS) for c in caches) and pool.most_rows == 1  # both groups ran
+        damaged = [block for block in (tmp_path / "True-2").rglob("*") if block.is_file()]  # caches[2]: row 2
+        assert damaged, "the row has sealed blocks on disk"
+        for block in damaged:
+            block.write_bytes(b"")
+        with pytest.raises(RowFailed) as failed:
+            decode_step(model, last, [n + 1 for n in lengths], rows)
+        assert failed.value.row == 2 and failed.value.__cause__ is not None
+        assert not isinstance(failed.value.__cause__, (MemoryError, torch.OutOfMemoryError))
+    finally:
+        for cache in rows:
+            cache.close()
