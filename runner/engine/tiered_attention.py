@@ -40,8 +40,8 @@ class TieredStep:
         self.slots: list[list[Slot]] = []  # [parity][row]: views of the staging buffers
         self.mask: torch.Tensor | None = None
         self._following: list[Slot] = []
-        self.batched_layers = 0
-        """Layers this step attended in one call: what a test or a bench asks to know the path ran."""
+        self._rows: torch.Tensor | None = None  # 0 .. rows - 1, and each row's position: where `write` puts them
+        self._positions: torch.Tensor | None = None
 
     def batches(self, layer_idx: int) -> bool:
         """Whether every tiered row streams layer `layer_idx` (else the layer goes row by row)."""
@@ -85,7 +85,6 @@ class TieredStep:
         """Every row's new K/V (`outgoing`) into its slot, one index_put_; the staged K/V of the layer."""
         staged = self.staged[layer_idx % 2]
         staged[:, self._rows, :, self._positions] = outgoing  # indexed: [rows, 2, kv_heads, head_dim]
-        self.batched_layers += 1
         return staged[0], staged[1]
 
     def attend(self, inner: Callable[..., Any], module: torch.nn.Module, query: torch.Tensor,
