@@ -328,20 +328,22 @@ def step_ops_section(loaded: LoadedModel | None, args: argparse.Namespace) -> di
     print(f"Llama-3-8B attention shape (32 layers, 32 q / 8 kv heads, head_dim 128; hidden 64), bf16, 1 thread, "
           f"{result['prompt_tokens']}-token prompts; one decode_step, then its greedy token choice "
           f"(choice: each row's own picker -> the batch's greedy_tokens)")
-    print(f"{'cache':<12} {'attention':>9} {'rows':>4} {'aten ops':>8} {'launching':>9} {'host ms/step':>12} "
-          f"{'compute ms':>10} {'other ms':>8} {'choice launching':>16} {'choice syncs':>12} {'choice ms':>11} "
+    print(f"{'cache':<12} {'attention':>9} {'rows':>4} {'aten ops':>8} {'launching':>9} {'io launching':>12} "
+          f"{'host ms/step':>12} "
+          f"{'compute ms':>10} {'other ms':>8} {'wait ms':>7} {'choice launching':>16} {'choice syncs':>12} {'choice ms':>11} "
           f"{'launching+choice':>16}")
     for row in result["table"]:
         launching = f"{row['choice_launching_ops_per_row']}->{row['choice_launching_ops_batched']}"
         syncs = f"{row['choice_host_reads_per_row']}->{row['choice_host_reads_batched']}"
         ms = f"{row['choice_ms_per_row']:.2f}->{row['choice_ms_batched']:.2f}"
         print(f"{row['cache']:<12} {row['attention']:>9} {row['rows']:>4} {row['aten_ops']:>8,} "
-              f"{row['launching_ops']:>9,} {row['host_ms']:>12.1f} {row['compute_ms']:>10.1f} {row['other_ms']:>8.1f} "
+              f"{row['launching_ops']:>9,} {row['io_launching_ops']:>12,} {row['host_ms']:>12.1f} "
+              f"{row['compute_ms']:>10.1f} {row['other_ms']:>8.1f} {row['wait_ms']:>7.1f} "
               f"{launching:>16} {syncs:>12} {ms:>11} {row['launching_with_choice']:>16,}")
     print("\n32 rows against 1 row:")
     for ratio in result["ratios"]:
         print(f"  {ratio['cache']:<12} {ratio['attention']:>9}: launching ops {ratio['launching_ratio']:.2f}x "
-              f"({ratio['with_choice_ratio']:.2f}x with token choice), "
+              f"({ratio['with_choice_ratio']:.2f}x with token choice, {ratio['with_io_ratio']:.2f}x with IO threads), "
               f"host ms {ratio['host_ratio']:.2f}x, other ms {ratio['other_ratio']:.2f}x")
     return result
 

@@ -80,8 +80,8 @@ def fp32() -> Iterator[LoadedModel]:
 def run_scheduled(loaded: LoadedModel, strategy: str, max_sequences: int, tmp_path: Path,
                   pooled: bool = False) -> tuple[list[list[int]], int]:
     """Every prompt through one BatchScheduler at `max_sequences` at a time: the tokens, and the
-    largest batch a decode step ran. `pooled`: `dynamic` rows are slots of one KV pool
-    (`batch.attention: pooled`, one attention call per layer for them all)."""
+    largest batch a decode step ran. `pooled`: `dynamic` rows are slots of one KV pool and tiered
+    rows attend as one group (`batch.attention: pooled`, one attention call per layer for them all)."""
     # the random model loops: the loop stop off, so every sequence runs its full length
     settings = SummarizeConfig(max_new_tokens=NEW_TOKENS, prefill_chunk_size=256, loop_stop={"enabled": False})
     cache_cfg = CacheConfig(block_tokens=BLOCK)
@@ -107,7 +107,7 @@ def run_scheduled(loaded: LoadedModel, strategy: str, max_sequences: int, tmp_pa
 def test_fp32_tokens_identical_across_strategies_and_batched_vs_alone(fp32: LoadedModel, tmp_path: Path) -> None:
     reference, _ = run_scheduled(fp32, "dynamic", 1, tmp_path)
     assert all(len(t) == NEW_TOKENS for t in reference) and len({tuple(t) for t in reference}) == len(reference)
-    for strategy, pooled in [(s, False) for s in STRATEGIES] + [("dynamic", True)]:
+    for strategy, pooled in [(s, False) for s in STRATEGIES] + [(s, True) for s in ("dynamic", "tiered-host", "tiered-disk")]:
         for max_sequences in (1, len(PROMPT_LENGTHS)):
             tokens, most_rows = run_scheduled(fp32, strategy, max_sequences, tmp_path, pooled)
             what = f"{strategy}{' pooled' if pooled else ''} at max_sequences={max_sequences}"
@@ -130,14 +130,15 @@ def test_bf16_agreement_with_fp32_is_printed(fp32: LoadedModel, tmp_path: Path) 
     assert runs["tiered-host", 1] == runs["dynamic", 1], "bf16: tiered-host and dynamic disagree one sequence at a time"
 
 
-def _prefilled_caches(loaded: LoadedModel, strategy: str, rows: int, tmp_path: Path) -> tuple[list, list[int]]:
+def _prefilled_caches(loaded: LoadedModel, strategy: str, rows: int, tmp_path: Path,
+                      kv_pool: KVPool | None = None) -> tuple[list, list[int]]:
     from runner.engine.generation import prefill
 
     settings = SummarizeConfig(prefill_chunk_size=256)
     caches, firsts = [], []
     for i, ids in enumerate((prompts()[:2] * rows)[:rows]):  # the short ones: the step is what is measured
         cache = build_cache(strategy, loaded.model, CacheConfig(block_tokens=BLOCK), tmp_path / f"p{i}", None, None,
-                            expected_tokens=len(ids) + 8).generate_kwargs["past_key_values"]
+                            expected_tokens=len(ids) + 8, kv_pool=kv_pool).generate_kwargs["past_key_values"]
         firsts.append(int(prefill(loaded, ids, settings, cache, "auto").argmax()))
         caches.append(cache)
     return caches, firsts
@@ -178,19 +179,24 @@ def test_kernels_per_decode_step_from_the_profiler(fp32: LoadedModel, tmp_path: 
 
 
 @cuda_only
-def test_a_tiered_decode_step_copies_to_pinned_memory_only(fp32: LoadedModel, tmp_path: Path) -> None:
-    caches, firsts = _prefilled_caches(fp32, "tiered-host", 2, tmp_path)
-    assert all(isinstance(c, TieredCache) for c in caches)
+@pytest.mark.parametrize("batched", [False, True])
+def test_a_tiered_decode_step_copies_to_pinned_memory_only(batched: bool, fp32: LoadedModel, tmp_path: Path) -> None:
+    """Per row, and batched (`batch.attention: pooled`: the rows' layers read into the step's slots)."""
+    kv_pool = (KVPool.for_model(fp32.model.config, fp32.dtype, fp32.device, ResidentMeter(None, "device", ""))
+               if batched else None)
+    caches, firsts = _prefilled_caches(fp32, "tiered-host", 2, tmp_path, kv_pool)
+    assert all(isinstance(c, TieredCache) and c.batched_attention == batched for c in caches)
     prof = _profiled_step(fp32, caches, firsts)
     names = [e.name for e in prof.events() if e.name.startswith("Memcpy")]
+    assert all(c.most_batched_rows == (2 if batched else 0) for c in caches)
     for cache in caches:
         cache.close()
     pageable = names.count("Memcpy DtoH (Device -> Pageable)")
     pinned = names.count("Memcpy DtoH (Device -> Pinned)")
-    print(f"tiered-host decode step, 2 rows: {pinned} DtoH copies into pinned memory, {pageable} into pageable; "
-          f"{names.count('Memcpy HtoD (Pinned -> Device)')} HtoD from pinned memory")
-    # each row's K and V of every streamed layer leave the device once, straight into the pinned tail
-    assert pinned >= 2 * 2 * LAYERS, names
+    print(f"tiered-host decode step, 2 rows{' batched' if batched else ''}: {pinned} DtoH copies into pinned memory, "
+          f"{pageable} into pageable; {names.count('Memcpy HtoD (Pinned -> Device)')} HtoD from pinned memory")
+    # each row's K and V of every streamed layer leave the device once, together, straight into the pinned tail
+    assert pinned >= 2 * LAYERS, names
     assert pageable == 0, names
 
 

@@ -1,5 +1,6 @@
-"""The streamed layer's host tail: token-major, so the bytes one decode step writes are one
-contiguous run (on CUDA: one asynchronous copy into pinned memory, no pageable temporary)."""
+"""The streamed layer's host tail: token-major, a token's keys and values side by side, so the bytes
+one decode step writes are one contiguous run (on CUDA: one asynchronous copy into pinned memory, no
+pageable temporary)."""
 
 from __future__ import annotations
 
@@ -30,14 +31,15 @@ def test_each_tokens_window_is_one_contiguous_run_of_the_tail_and_lands_byte_exa
     step_keys, step_values = _kv(1, dtype, 3), _kv(1, dtype, 4)
     written = store.append(step_keys, step_values)
     assert store.tail_len == 3 and written == 2 * BATCH * HEADS * HEAD_DIM * dtype.itemsize
-    token_bytes = BATCH * HEADS * HEAD_DIM * dtype.itemsize
-    for tail, new in ((store.tail_keys, step_keys), (store.tail_values, step_values)):
-        window = tail[2:3]
-        assert window.is_contiguous()
-        flat = tail.view(torch.uint8).reshape(-1)
-        # the decode token of every row and head: bytes 2*token_bytes..3*token_bytes of the tail, in order
-        assert torch.equal(flat[2 * token_bytes : 3 * token_bytes], new.contiguous().view(torch.uint8).reshape(-1))
-        assert torch.equal(window.view(torch.uint8), new.permute(2, 0, 1, 3).contiguous().view(torch.uint8))
+    token_bytes = 2 * BATCH * HEADS * HEAD_DIM * dtype.itemsize  # keys and values of every row and head
+    window = store.tail[2:3]
+    assert window.is_contiguous()
+    flat = store.tail.view(torch.uint8).reshape(-1)
+    # the decode token's keys of every row and head, then its values: bytes 2*token_bytes..3*token_bytes, in order
+    new = torch.cat([step_keys.contiguous().view(torch.uint8).reshape(-1), step_values.contiguous().view(torch.uint8).reshape(-1)])
+    assert torch.equal(flat[2 * token_bytes : 3 * token_bytes], new)
+    for i, kv in enumerate((step_keys, step_values)):
+        assert torch.equal(window[:, i].view(torch.uint8), kv.permute(2, 0, 1, 3).contiguous().view(torch.uint8))
     io.close()
 
 

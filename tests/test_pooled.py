@@ -36,16 +36,24 @@ def _pool(model: PreTrainedModel, budget: int | None = None) -> KVPool:
 
 
 def _run(scheduler: BatchScheduler, model: PreTrainedModel, strategies: list[str], tmp_path: Path,
-         prompts: list[list[int]], new: list[int], pool: KVPool | None, expected: bool = True) -> list:
-    """Sequence i on `strategies[i]`; its `dynamic` cache a slot of `pool` (None: the per-row path)."""
+         prompts: list[list[int]], new: list[int], pool: KVPool | None, expected: bool = True,
+         made: dict[int, object] | None = None) -> list:
+    """Sequence i on `strategies[i]`; its `dynamic` cache a slot of `pool` (None: the per-row path);
+    `made[i]`, when given, is sequence i's cache."""
     cfg = CacheConfig(block_tokens=8)
+
+    def make(i: int, tokens: int) -> object:
+        handle = build_cache(strategies[i], model, cfg, tmp_path / f"seq-{i}", None, None,
+                             expected_tokens=tokens if expected else None, kv_pool=pool)
+        if made is not None:
+            made[i] = handle.generate_kwargs["past_key_values"]
+        return handle
 
     def request(i: int) -> PassRequest:
         tokens = len(prompts[i]) + new[i]
         return PassRequest(
             prompts[i], new[i],
-            make_cache=lambda: build_cache(strategies[i], model, cfg, tmp_path / f"seq-{i}", None, None,
-                                           expected_tokens=tokens if expected else None, kv_pool=pool),
+            make_cache=lambda: make(i, tokens),
             device_bytes=kv_bytes(kv_shape(model.config), tokens), memory=StageMemory(),
         )
 
@@ -73,18 +81,22 @@ def test_batched_tokens_equal_tokens_alone_on_both_paths(path: str, tokenizer, t
 
 
 def test_a_step_with_pooled_and_tiered_rows_gives_each_its_tokens_alone(tokenizer, tmp_path: Path) -> None:
-    """Tiered rows stay per row beside the pooled group, in the same forward pass."""
+    """The tiered rows attend as a second group (runner/engine/tiered_attention.py) beside the
+    pooled group, in the same forward pass."""
     model = _model("llama-gqa")
     prompts = [_prompt(n)[0].tolist() for n in LENGTHS]
     strategies = ["dynamic", "tiered-host", "dynamic", "tiered-disk", "dynamic"]
     pool = _pool(model)
+    made: dict[int, object] = {}
     scheduler = BatchScheduler(_loaded(model, tokenizer), SummarizeConfig(), "auto", 5, BIG, _is_memory_error)
     try:
-        got = _run(scheduler, model, strategies, tmp_path, prompts, NEW, pool)
+        got = _run(scheduler, model, strategies, tmp_path, prompts, NEW, pool, made=made)
     finally:
         scheduler.close()
     assert got == [_alone(model, p, n) for p, n in zip(prompts, NEW)]
     assert scheduler.most_rows == 5 and pool.most_rows == 3 and pool.meter.total == 0
+    tiered = [made[i] for i, strategy in enumerate(strategies) if strategy.startswith("tiered")]
+    assert [(c.most_batched_rows, c.batched_layers > 0) for c in tiered] == [(2, True), (2, True)]
 
 
 def test_a_full_pool_makes_a_sequence_wait_for_room(tokenizer, tmp_path: Path) -> None:

@@ -19,6 +19,13 @@ import torch
 from runner.engine.kvpool import KVPool, PooledCache
 
 
+def length_mask(attended: Sequence[int], span: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The additive mask [rows, 1, 1, span] that lets row i attend to its first `attended[i]` tokens."""
+    valid = torch.arange(span, device=device) < torch.tensor(attended, device=device)[:, None]
+    return torch.zeros((len(attended), 1, 1, span), dtype=dtype, device=device).masked_fill_(
+        ~valid[:, None, None, :], torch.finfo(dtype).min)
+
+
 class PooledStep:
     """`caches` are the step's pooled rows, in the step's row order (ascending slots)."""
 
@@ -40,9 +47,7 @@ class PooledStep:
         attended = [1] * live  # a slot without a row in this step: any non-empty length, its output is dropped
         for slot, length in zip(slots, lengths):
             attended[slot] = length + 1
-        valid = torch.arange(self.span, device=device) < torch.tensor(attended, device=device)[:, None]
-        self.mask = torch.zeros((live, 1, 1, self.span), dtype=pool.dtype, device=device).masked_fill_(
-            ~valid[:, None, None, :], torch.finfo(pool.dtype).min)
+        self.mask = length_mask(attended, self.span, pool.dtype, device)
         pool.steps += 1
         pool.most_rows = max(pool.most_rows, self.count)
 

@@ -4,9 +4,10 @@ New tokens are copied off the device once, into the tail; a full tail is sealed 
 tier on the IO thread) and never rewritten. Beam reorders and batch changes do not move block
 data: each block keeps a row map (logical batch row -> stored row) applied when it is read.
 
-The tail is token-major, (tokens, batch, heads, head_dim), so the window a step writes is one
-contiguous run of bytes: on CUDA the copy into it goes straight from the device into pinned memory
-without a pageable temporary or a host sync. Sealing turns it into the head-major block the
+The tail is token-major with a token's keys and values side by side, (tokens, 2, batch, heads,
+head_dim), so the window a step writes, keys and values, is one contiguous run of bytes: on CUDA one
+copy takes it straight from the device into pinned memory, without a pageable temporary or a host
+sync (the device stacks the token's keys and values first, for a batched step all rows' at once). Sealing turns it into the head-major block the
 tiers store, (batch, heads, tokens, head_dim), which reads into a device buffer a block at a time.
 On CUDA every wait between the compute stream and the IO thread's stream is a CUDA event waited
 for on a stream; the host waits only where it touches the bytes itself (sealing, reshaping).
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from concurrent.futures import Future
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -59,12 +61,28 @@ class Resident:
 
 
 @dataclass(frozen=True)
+class Slot:
+    """A device buffer a read fills instead of allocating its own: one row of a batched step's
+    staging buffer (runner/engine/tiered_attention.py), keys and values of one row side by side."""
+
+    kv: torch.Tensor  # [2, 1, heads, tokens of room, head_dim], a view
+    free: torch.cuda.Event | None = None  # on CUDA: recorded after the slot's previous reader was queued
+
+    @property
+    def keys(self) -> torch.Tensor:
+        return self.kv[0]
+
+    @property
+    def values(self) -> torch.Tensor:
+        return self.kv[1]
+
+
+@dataclass(frozen=True)
 class _Snapshot:
     """What a background read needs, frozen at submission (the layer may change afterwards)."""
 
     blocks: tuple[SealedBlock, ...]
-    tail_keys: torch.Tensor | None
-    tail_values: torch.Tensor | None
+    tail: torch.Tensor | None
     tail_len: int
     seq_len: int
     batch: int
@@ -85,8 +103,8 @@ class LayerStore:
         self.device = like.device
         self.pinned = like.device.type == "cuda"
         self.blocks: list[SealedBlock] = []
-        self.tail_keys: torch.Tensor | None = None
-        self.tail_values: torch.Tensor | None = None
+        self.tail: torch.Tensor | None = None
+        """(block_tokens, 2, batch, heads, head_dim): `tail[t]` is token t's keys, then its values."""
         self.tail_len = 0
         self.seq_len = 0
         self._copies_done: torch.cuda.Event | None = None
@@ -100,7 +118,7 @@ class LayerStore:
     def host_bytes(self) -> int:
         """Host RAM this layer holds: the tail, plus the sealed blocks when the tier keeps them in RAM."""
         in_ram = len(self.blocks) if self.tier.keeps_blocks_in_ram else 0
-        tail = 1 if self.tail_keys is not None else 0
+        tail = 1 if self.tail is not None else 0
         return (in_ram + tail) * self.block_tokens * self.token_bytes
 
     def resident_bytes(self, extra_tokens: int) -> int:
@@ -108,10 +126,10 @@ class LayerStore:
 
     # --- writing -------------------------------------------------------------------------------
 
-    def _new_tail(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Token-major: `tail[a:b]` (tokens a..b of every row and head) is contiguous."""
-        shape = (self.block_tokens, self.batch, self.heads, self.head_dim)
-        return tuple(torch.empty(shape, dtype=self.dtype, pin_memory=self.pinned) for _ in range(2))  # type: ignore[return-value]
+    def _new_tail(self) -> torch.Tensor:
+        """Token-major: `tail[a:b]` (tokens a..b, keys and values, of every row and head) is contiguous."""
+        shape = (self.block_tokens, 2, self.batch, self.heads, self.head_dim)
+        return torch.empty(shape, dtype=self.dtype, pin_memory=self.pinned)
 
     def _mark_copies(self) -> torch.cuda.Event | None:
         """On CUDA the tail is filled by asynchronous copies; readers wait for this event."""
@@ -123,17 +141,20 @@ class LayerStore:
         return event
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> int:
-        """Copy only the new tokens off the device, sealing each tail that fills up; returns the
-        bytes the copies wrote."""
-        new = keys.shape[-2]
+        """Copy only the new tokens ((batch, heads, tokens, head_dim) each) off the device, sealing
+        each tail that fills up; returns the bytes the copies wrote."""
+        return self.append_pairs(token_pairs(keys, values))
+
+    def append_pairs(self, pairs: torch.Tensor) -> int:
+        """`append` for new tokens already stacked as the tail holds them: (tokens, 2, batch, heads,
+        head_dim), contiguous (a batched step stacks every row's at once, `token_pairs`)."""
+        new = pairs.shape[0]
         done = copied = 0
         while done < new:
-            if self.tail_keys is None:
-                self.tail_keys, self.tail_values = self._new_tail()
+            if self.tail is None:
+                self.tail = self._new_tail()
             n = min(new - done, self.block_tokens - self.tail_len)
-            window = slice(self.tail_len, self.tail_len + n)
-            copied += _copy(self.tail_keys[window], token_major(keys[:, :, done : done + n]), self.pinned)
-            copied += _copy(self.tail_values[window], token_major(values[:, :, done : done + n]), self.pinned)
+            copied += _copy(self.tail[self.tail_len : self.tail_len + n], pairs[done : done + n], self.pinned)
             self.tail_len += n
             done += n
             if self.tail_len == self.block_tokens:
@@ -144,36 +165,37 @@ class LayerStore:
         return copied
 
     def _seal_tail(self) -> None:
-        keys, values, copies_done = self.tail_keys, self.tail_values, self._mark_copies()
-        payload = self.io.submit(self._seal, keys, values, copies_done)
+        tail, copies_done = self.tail, self._mark_copies()
+        payload = self.io.submit(self._seal, tail, copies_done)
         self.blocks.append(SealedBlock(torch.Size((self.batch, self.heads, self.block_tokens, self.head_dim)), payload))
-        self.tail_keys = self.tail_values = None
+        self.tail = None
         self.tail_len = 0
 
-    def _seal(self, keys: torch.Tensor, values: torch.Tensor, copies_done: torch.cuda.Event | None) -> object:
+    def _seal(self, tail: torch.Tensor, copies_done: torch.cuda.Event | None) -> object:
         if copies_done is not None:
             copies_done.synchronize()  # the bytes are read here, on the host
-        return self.tier.seal(self.layer_idx, *(_head_major(t, self.pinned) for t in (keys, values)))
+        return self.tier.seal(self.layer_idx, *(_head_major(tail[:, i], self.pinned) for i in range(2)))
 
     # --- reading -------------------------------------------------------------------------------
 
     def _snapshot(self) -> _Snapshot:
         return _Snapshot(
-            tuple(self.blocks), self.tail_keys, self.tail_values, self.tail_len, self.seq_len, self.batch,
+            tuple(self.blocks), self.tail, self.tail_len, self.seq_len, self.batch,
             self._copies_done,
         )
 
-    def load_async(self, extra_tokens: int) -> Future[Resident]:
-        """Start bringing the layer to the device on the IO thread, with room for `extra_tokens`."""
-        return self.io.submit(self._materialize, self._snapshot(), extra_tokens)
+    def load_async(self, extra_tokens: int, into: Slot | None = None) -> Future[Resident]:
+        """Start bringing the layer to the device on the IO thread, with room for `extra_tokens`
+        (into the buffers of `into` when given: a batched step's slot for this row)."""
+        return self.io.submit(self._materialize, self._snapshot(), extra_tokens, into)
 
-    def load(self, extra_tokens: int) -> Resident:
+    def load(self, extra_tokens: int, into: Slot | None = None) -> Resident:
         """Bring the layer to the device after the IO thread's queued work (its seals) is done."""
-        return self.io.run(self._materialize, self._snapshot(), extra_tokens)
+        return self.io.run(self._materialize, self._snapshot(), extra_tokens, into)
 
-    def load_here(self, extra_tokens: int) -> Resident:
+    def load_here(self, extra_tokens: int, into: Slot | None = None) -> Resident:
         """Bring the layer to the device on the calling thread (blocks still being sealed are waited for)."""
-        return self._materialize(self._snapshot(), extra_tokens)
+        return self._materialize(self._snapshot(), extra_tokens, into)
 
     def _read_block(self, block: SealedBlock) -> tuple[torch.Tensor, torch.Tensor]:
         keys, values = self.tier.load(block.payload.result(), block.stored_shape, self.dtype)
@@ -181,13 +203,27 @@ class LayerStore:
             keys, values = keys.index_select(0, block.rows), values.index_select(0, block.rows)
         return keys, values
 
-    def _materialize(self, snap: _Snapshot, extra_tokens: int) -> Resident:
+    def _materialize(self, snap: _Snapshot, extra_tokens: int, into: Slot | None = None) -> Resident:
         """Runs on the IO thread's stream (or the compute thread's, see `load_here`): on CUDA its
-        copies are ordered after the tail's by an event, and the result carries one for its reader."""
-        shape = (snap.batch, self.heads, snap.seq_len + extra_tokens, self.head_dim)
-        keys = torch.empty(shape, dtype=self.dtype, device=self.device)
-        values = torch.empty(shape, dtype=self.dtype, device=self.device)
+        copies are ordered after the tail's by an event (and after the slot's last reader, for a
+        slot), and the result carries one for its reader."""
+        # a slot made under inference mode (a decode step) is written under it, on whichever thread
+        with torch.inference_mode() if into is not None and into.keys.is_inference() else nullcontext():
+            return self._fill(snap, extra_tokens, into)
+
+    def _fill(self, snap: _Snapshot, extra_tokens: int, into: Slot | None) -> Resident:
         stream = torch.cuda.current_stream(self.device) if self.pinned else None
+        if into is None:  # keys and values side by side, as the tail holds them: one copy reads the tail into both
+            shape = (2, snap.batch, self.heads, snap.seq_len + extra_tokens, self.head_dim)
+            kv = torch.empty(shape, dtype=self.dtype, device=self.device)
+        else:
+            kv = into.kv
+            assert kv.shape[1] == snap.batch and kv.shape[-2] >= snap.seq_len + extra_tokens, "the slot is too small"
+            if stream is not None:  # written on this stream: its memory is not handed out again before
+                kv.record_stream(stream)  # these copies ran, even if the step that made it is gone
+            if into.free is not None:
+                stream.wait_event(into.free)
+        keys, values = kv[0], kv[1]
         if snap.copies_done is not None:
             stream.wait_event(snap.copies_done)
         copied = 0
@@ -200,8 +236,7 @@ class LayerStore:
             copied += _copy(keys[:, :, window], block_keys) + _copy(values[:, :, window], block_values)
         if snap.tail_len:
             window = slice(snap.seq_len - snap.tail_len, snap.seq_len)
-            copied += _copy_tail(keys[:, :, window], snap.tail_keys[: snap.tail_len])
-            copied += _copy_tail(values[:, :, window], snap.tail_values[: snap.tail_len])
+            copied += _copy_tail(kv[:, :, :, window], snap.tail[: snap.tail_len])
         self.traffic.host_to_device += copied
         filled = stream.record_event() if stream is not None else None
         return Resident(keys, values, snap.seq_len, copied, filled)
@@ -221,11 +256,9 @@ class LayerStore:
             for b in self.blocks
         ]
         self.batch = rows.numel()
-        if self.tail_keys is not None:
-            old_keys, old_values = self.tail_keys, self.tail_values
-            self.tail_keys, self.tail_values = self._new_tail()
-            torch.index_select(old_keys, 1, rows, out=self.tail_keys)
-            torch.index_select(old_values, 1, rows, out=self.tail_values)
+        if self.tail is not None:
+            old, self.tail = self.tail, self._new_tail()
+            torch.index_select(old, 2, rows, out=self.tail)
 
     def crop(self, tokens: int) -> None:
         """Forget the last `tokens` tokens; a block cut in two comes back as the tail."""
@@ -237,13 +270,12 @@ class LayerStore:
         else:
             first_dropped, partial = divmod(keep, self.block_tokens)
             dropped = self.blocks[first_dropped]
-            self.tail_keys = self.tail_values = None
+            self.tail = None
             self.tail_len = 0
             if partial:
                 keys, values = self.io.run(self._read_block, dropped)
-                self.tail_keys, self.tail_values = self._new_tail()
-                self.tail_keys[:partial].copy_(token_major(keys[:, :, :partial]))
-                self.tail_values[:partial].copy_(token_major(values[:, :, :partial]))
+                self.tail = self._new_tail()
+                self.tail[:partial].copy_(token_pairs(keys[:, :, :partial], values[:, :, :partial]))
                 self.tail_len = partial
             self.io.run(self.tier.discard_from, dropped.payload.result())
             del self.blocks[first_dropped:]
@@ -255,6 +287,12 @@ def token_major(kv: torch.Tensor) -> torch.Tensor:
     return kv.permute(2, 0, 1, 3)
 
 
+def token_pairs(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """(batch, heads, tokens, head_dim) keys and values as the tail holds them: (tokens, 2, batch,
+    heads, head_dim), contiguous (one op; on CUDA on the device, before the copy off it)."""
+    return torch.stack((token_major(keys), token_major(values)), dim=1)
+
+
 def _head_major(tail: torch.Tensor, pinned: bool) -> torch.Tensor:
     """A sealed tail as the tiers store blocks: (batch, heads, tokens, head_dim), contiguous."""
     block = torch.empty(
@@ -264,12 +302,13 @@ def _head_major(tail: torch.Tensor, pinned: bool) -> torch.Tensor:
     return block
 
 
-def _copy_tail(dst: torch.Tensor, tail: torch.Tensor) -> int:
-    """Copy a token-major tail window into a head-major device window. On CUDA the pinned window
-    goes to the device in one contiguous asynchronous copy and is transposed there."""
-    if tail.device != dst.device:
-        tail = tail.to(dst.device, non_blocking=True)
-    return _copy(token_major(dst), tail)
+def _copy_tail(kv: torch.Tensor, tail: torch.Tensor) -> int:
+    """Copy a token-major tail window (tokens, 2, batch, heads, head_dim) into a head-major device
+    window of keys and values side by side (2, batch, heads, tokens, head_dim), in one copy. On CUDA
+    the pinned window goes to the device in one contiguous asynchronous copy and is transposed there."""
+    if tail.device != kv.device:
+        tail = tail.to(kv.device, non_blocking=True)
+    return _copy(kv.permute(3, 0, 1, 2, 4), tail)
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = True) -> int:

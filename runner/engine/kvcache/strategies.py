@@ -124,6 +124,7 @@ def build_cache(
             placement=placement,
             device_pool=device_pool,
             host_pool=host_pool,
+            batched_attention=kv_pool is not None,
         )
         return CacheHandle(strategy, tiered, tiered.stats, tiered.close)
     if rung.cuda_only and model.device.type != "cuda":

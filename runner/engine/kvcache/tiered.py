@@ -34,7 +34,7 @@ from jobs.kvplan import Placement
 from jobs.rungs import TierName
 from runner.engine.kvcache.budget import ResidentMeter
 from runner.engine.kvcache.io_thread import IOThread
-from runner.engine.kvcache.layer_store import LayerStore, Resident, Traffic
+from runner.engine.kvcache.layer_store import LayerStore, Resident, Slot, Traffic
 from runner.engine.kvcache.resident import GrowingLayer, allocated_bytes
 from runner.engine.kvcache.tiers import DiskTier, HostTier, Tier
 from storage.kvblocks import BlockCodec, Compression
@@ -84,6 +84,7 @@ class TieredLayer(CacheLayerMixin):
         self.store: LayerStore | None = None
         self._pending: Future[Resident] | None = None
         self._pending_extra = 0
+        self._pending_into: Slot | None = None
         self._ready: Resident | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -118,20 +119,42 @@ class TieredLayer(CacheLayerMixin):
             keys = torch.cat([old.keys[:, :, : old.length], key_states], dim=-2)
             values = torch.cat([old.values[:, :, : old.length], value_states], dim=-2)
         self.shared.device_meter.hold(self.layer_idx, keys.nbytes + values.nbytes)
+        self._count_decode(new, old, copied_out, waited)
+        return keys, values
+
+    def update_in_slot(self, pair: torch.Tensor, slot: Slot) -> None:
+        """A batched decode step's share of this layer (runner/engine/tiered_attention.py): the old
+        tokens into `slot` (a prefetch into it already did that), the new one (`pair`: its keys and
+        values as the tail holds them, layer_store.token_pairs) off to the tier. The step writes the
+        new token into the slot itself, with every other row's, and attends."""
+        assert self.store is not None and pair.shape[0] == 1
+        waited_from = time.perf_counter()
+        old = self._take_resident(extra_tokens=1, into=slot)
+        waited = time.perf_counter() - waited_from
+        assert old is not None, "a batched step's tiered rows hold tokens"
+        if old.keys.data_ptr() != slot.keys.data_ptr():  # read before the step had slots (its first layer's prefetch)
+            slot.keys[:, :, : old.length].copy_(old.keys[:, :, : old.length])
+            slot.values[:, :, : old.length].copy_(old.values[:, :, : old.length])
+        copied_out = self.store.append_pairs(pair)
+        self.shared.host_meter.hold(self.layer_idx, self.store.host_bytes)
+        self.shared.device_meter.hold(self.layer_idx, slot.kv.nbytes)
+        self._count_decode(1, old, copied_out, waited)
+
+    def _count_decode(self, new: int, old: Resident | None, copied_out: int, waited: float) -> None:
         if new == 1:  # a decode step: what the copies that brought its old tokens in and took its new one out wrote
             self.shared.traffic.decode_bytes += (old.copied_bytes if old is not None else 0) + copied_out
             self.shared.traffic.decode_wait_s += waited
-        return keys, values
 
-    def prefetch_async(self, extra_tokens: int) -> None:
-        """Start bringing this layer to the device for its next turn (with room for its new tokens)."""
+    def prefetch_async(self, extra_tokens: int, into: Slot | None = None) -> None:
+        """Start bringing this layer to the device for its next turn (with room for its new tokens;
+        into `into`, a batched step's slot, when given)."""
         if self.store is None or self.store.seq_len == 0 or self._pending is not None or self._ready is not None:
             return
-        self.shared.device_meter.hold(self.layer_idx, self.store.resident_bytes(extra_tokens))
-        self._pending = self.store.load_async(extra_tokens)
-        self._pending_extra = extra_tokens
+        self.shared.device_meter.hold(self.layer_idx, self._resident_bytes(extra_tokens, into))
+        self._pending = self.store.load_async(extra_tokens, into)
+        self._pending_extra, self._pending_into = extra_tokens, into
 
-    def _take_resident(self, extra_tokens: int) -> Resident | None:
+    def _take_resident(self, extra_tokens: int, into: Slot | None = None) -> Resident | None:
         self._settle()
         if self._ready is not None:
             ready, self._ready = self._ready, None
@@ -139,8 +162,12 @@ class TieredLayer(CacheLayerMixin):
         assert self.store is not None
         if self.store.seq_len == 0:
             return None
-        self.shared.device_meter.hold(self.layer_idx, self.store.resident_bytes(extra_tokens))
-        return self._adopt(self.store.load(extra_tokens))
+        self.shared.device_meter.hold(self.layer_idx, self._resident_bytes(extra_tokens, into))
+        return self._adopt(self.store.load(extra_tokens, into))
+
+    def _resident_bytes(self, extra_tokens: int, into: Slot | None) -> int:
+        assert self.store is not None
+        return into.kv.nbytes if into is not None else self.store.resident_bytes(extra_tokens)
 
     def _settle(self) -> None:
         """Finish a background read of this layer before anything reads or changes the layer."""
@@ -150,7 +177,7 @@ class TieredLayer(CacheLayerMixin):
                 # Still queued (the IO thread is busy or starved of CPU): reading here beats waiting
                 # for its turn. Nothing changed the layer since the read was queued.
                 assert self.store is not None
-                self._ready = self._adopt(self.store.load_here(self._pending_extra))
+                self._ready = self._adopt(self.store.load_here(self._pending_extra, self._pending_into))
             else:
                 self._ready = self._adopt(pending.result())
 
@@ -238,6 +265,7 @@ class TieredCache(Cache):
         placement: Placement | None = None,
         device_pool: ResidentMeter | None = None,
         host_pool: ResidentMeter | None = None,
+        batched_attention: bool = False,
     ) -> None:
         if block_tokens <= 0:
             raise ValueError(f"block_tokens must be positive, got {block_tokens}")
@@ -248,6 +276,9 @@ class TieredCache(Cache):
             ResidentMeter(host_budget_bytes, "host RAM", "cache.host_kv_budget_bytes", host_pool),
         )
         self.placement = placement
+        self.batched_attention = batched_attention
+        """Whether a batched decode step attends this row's streamed layers with the step's other
+        tiered rows in one call (runner/engine/tiered_attention.py), as `batch.attention: pooled` asks."""
         layers = _layers_for(config.get_text_config(decoder=True), self.shared, placement)
         super().__init__(layers=layers)
         tiered = [i for i, layer in enumerate(layers) if isinstance(layer, TieredLayer)]
@@ -255,6 +286,10 @@ class TieredCache(Cache):
         with_kv = [i for i, layer in enumerate(layers) if not isinstance(layer, DummyLayer)]
         self._first_layer, self._last_layer = (with_kv[0], with_kv[-1]) if with_kv else (None, None)
         self._current: int | None = None
+        self.batched_layers = 0
+        """Layers this cache took part in through a batched tiered step: what a test or a bench asks."""
+        self.most_batched_rows = 0
+        """The most tiered rows one batched step attended with this one in one call."""
         self._kv_peak = 0
         self._closed = False
 
@@ -263,8 +298,7 @@ class TieredCache(Cache):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         layer = self.layers[layer_idx]
         new = key_states.shape[-2]
-        if layer_idx == self._first_layer and new == 1:
-            self.shared.traffic.decode_steps += 1
+        self._count_step(layer_idx, new)
         if not isinstance(layer, TieredLayer):  # resident or sliding-window: stays on the device, moves nothing
             if isinstance(layer, GrowingLayer) and not layer.is_initialized:
                 self._reserve(layer, layer_idx, key_states, value_states)
@@ -272,17 +306,51 @@ class TieredCache(Cache):
             self.shared.device_meter.hold(("kept", layer_idx), allocated_bytes(layer))
             self._note_kv_peak(layer_idx)
             return keys, values
+        self._switch_to(layer_idx)
+        keys, values = layer.update(key_states, value_states)
+        self._prefetch_after(layer_idx, new)
+        self._note_kv_peak(layer_idx)
+        return keys, values
+
+    def streams(self, layer_idx: int) -> bool:
+        """Whether a batched decode step can take this row's layer `layer_idx` in a slot: a streamed
+        layer of one sequence that holds tokens (resident and sliding-window layers stay per row)."""
+        layer = self.layers[layer_idx]
+        return isinstance(layer, TieredLayer) and layer.store is not None and layer.store.seq_len > 0 \
+            and layer.store.batch == 1
+
+    def update_in_slot(self, pair: torch.Tensor, layer_idx: int, slot: Slot, next_slot: Slot | None,
+                       rows: int) -> None:
+        """This row's share of streamed layer `layer_idx` in a batched decode step of `rows` tiered
+        rows (runner/engine/tiered_attention.py): its old tokens into `slot`, its new one (`pair`,
+        (1, 2, 1, kv_heads, head_dim)) to the tier;
+        the next layer is read ahead into `next_slot` (this row's slot for layer `layer_idx + 1`)."""
+        layer = self.layers[layer_idx]
+        assert isinstance(layer, TieredLayer)
+        self._count_step(layer_idx, 1)
+        self._switch_to(layer_idx)
+        layer.update_in_slot(pair, slot)
+        self._prefetch_after(layer_idx, 1, next_slot)
+        self._note_kv_peak(layer_idx)
+        self.batched_layers += 1
+        self.most_batched_rows = max(self.most_batched_rows, rows)
+
+    def _count_step(self, layer_idx: int, new: int) -> None:
+        if layer_idx == self._first_layer and new == 1:
+            self.shared.traffic.decode_steps += 1
+
+    def _switch_to(self, layer_idx: int) -> None:
         if self._current is not None and self._current != layer_idx:
             self.shared.device_meter.drop(self._current)  # its attention has run: its buffers are free
         self._current = layer_idx
-        keys, values = layer.update(key_states, value_states)
+
+    def _prefetch_after(self, layer_idx: int, new: int, next_slot: Slot | None = None) -> None:
         following_idx = self._next_tiered[layer_idx]
         if following_idx != layer_idx:
             # Within a step the next layer gets the same new tokens; past the last layer, guess a
             # decode step (one token) rather than reserve room for another prompt-sized chunk.
-            self.layers[following_idx].prefetch_async(extra_tokens=new if following_idx > layer_idx else 1)
-        self._note_kv_peak(layer_idx)
-        return keys, values
+            into = next_slot if following_idx == layer_idx + 1 else None
+            self.layers[following_idx].prefetch_async(extra_tokens=new if following_idx > layer_idx else 1, into=into)
 
     def _note_kv_peak(self, layer_idx: int) -> None:
         """After the last layer of a forward pass every layer holds its new tokens: the KV size
