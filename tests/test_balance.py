@@ -7,7 +7,6 @@ import json
 import threading
 import time
 
-from conftest import LICENSES, TINY_CONFIG, done_summaries, export_rows, kvbatch, write_jsonl
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -17,6 +16,7 @@ from jobs.config import load_config
 from jobs.kvplan import CHARS_PER_TOKEN
 from jobs.task import Task
 from runner.coordinator import TaskRun, WorkQueue
+from tests.helpers.cli import LICENSES, TINY_CONFIG, done_summaries, export_rows, kvbatch, write_jsonl
 
 CONFIG = load_config(TINY_CONFIG)
 

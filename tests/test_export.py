@@ -11,8 +11,8 @@ import pytest
 
 from jobs.config import InputConfig
 from jobs.manifest import ManifestError, read_manifest, tasks_to_table
-from tests.child_process import Child
-from tests.conftest import TINY_CONFIG, export_rows, kvbatch, write_jsonl
+from tests.helpers.child_process import Child
+from tests.helpers.cli import TINY_CONFIG, export_rows, kvbatch, write_jsonl
 
 CFG = InputConfig()
 

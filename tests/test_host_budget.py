@@ -17,9 +17,6 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from conftest import TINY_CONFIG
-from test_batching import BIG, _alone, _loaded, tokenizer  # noqa: F401 - the fixture is used here
-from test_kvcache import _model, _one_torch_thread, _prompt  # noqa: F401 - the fixture applies here too
 
 from jobs.config import CacheConfig, SummarizeConfig, load_config
 from jobs.kvplan import host_kv_bytes
@@ -29,6 +26,11 @@ from runner.engine.kvcache import KVBudgetExceeded, ResidentMeter, build_cache, 
 from runner.engine.probes import StageMemory
 from runner.engine.scheduler import BatchScheduler, PassRequest
 from runner.engine.worker import SummaryWorker, _is_memory_error
+from tests.helpers.batching import BIG, as_loaded_model, tokens_alone
+from tests.helpers.cli import TINY_CONFIG
+from tests.helpers.models import random_prompt, tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 BLOCK = 8
 
@@ -49,8 +51,8 @@ def _half_available_ram() -> int:
 def test_tiered_caches_of_one_worker_share_its_host_budget_and_give_it_back(tmp_path: Path) -> None:
     """Two host-tier caches that each fit the budget alone: the second to pass the pool's budget is
     refused with the error that moves a task on (naming the key), and closing gives every byte back."""
-    model = _model("llama-gqa")
-    prompt = torch.tensor([_prompt(3 * BLOCK)[0].tolist()])
+    model = tiny_model("llama-gqa")
+    prompt = torch.tensor([random_prompt(3 * BLOCK)[0].tolist()])
     one = host_kv_bytes(kv_shape(model.config), "tiered-host", 3 * BLOCK, None, BLOCK)
     pool = ResidentMeter(int(1.5 * one), "the batch's host RAM", "cache.host_kv_budget_bytes")
     cfg = CacheConfig(block_tokens=BLOCK)
@@ -69,14 +71,14 @@ def test_tiered_caches_of_one_worker_share_its_host_budget_and_give_it_back(tmp_
 def test_admission_keeps_the_batchs_host_kv_within_the_host_budget(tokenizer, tmp_path: Path) -> None:
     """Four tiered-host sequences whose host KV fits two at a time: never more than two decode
     together, none is split or fails, and each gives the tokens it gives alone."""
-    model = _model("llama-gqa")
-    prompts = [_prompt(n)[0].tolist() for n in (30, 20, 25, 28)]
+    model = tiny_model("llama-gqa")
+    prompts = [random_prompt(n)[0].tolist() for n in (30, 20, 25, 28)]
     new = 10
     shape = kv_shape(model.config)
     host = [host_kv_bytes(shape, "tiered-host", len(p) + new, None, BLOCK) for p in prompts]
     pool = ResidentMeter(BIG, "the batch's host RAM", "cache.host_kv_budget_bytes")
     cfg = CacheConfig(block_tokens=BLOCK)
-    scheduler = BatchScheduler(_loaded(model, tokenizer), SummarizeConfig(),
+    scheduler = BatchScheduler(as_loaded_model(model, tokenizer), SummarizeConfig(),
                                "auto", 4, BIG, _is_memory_error, host_budget=2 * max(host))
     try:
         futures = [scheduler.submit(PassRequest(
@@ -88,7 +90,7 @@ def test_admission_keeps_the_batchs_host_kv_within_the_host_budget(tokenizer, tm
         scheduler.close()
     assert scheduler.most_rows == 2 and scheduler.splits == 0
     assert 2 * min(host) <= pool.peak <= 2 * max(host)  # two did hold host KV together, never three
-    assert got == [_alone(model, p, new) for p in prompts]
+    assert got == [tokens_alone(model, p, new) for p in prompts]
     assert pool.total == 0
 
 

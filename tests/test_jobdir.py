@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from storage.parts import CORRUPT_PART_ADVICE
-from tests.conftest import TINY_CONFIG, export_rows, kvbatch, license_manifest
+from tests.helpers.cli import TINY_CONFIG, export_rows, kvbatch, license_manifest
 
 DOCS = ["BSD", "Apache-2.0", "GPL-3"]
 DAMAGED_NAME = "part-00000000000000000001-00000000-1-badbad.parquet"

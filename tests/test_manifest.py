@@ -535,7 +535,7 @@ def test_rejected_parquet_rows_keep_metadata_of_every_type_the_task_table_takes(
     import datetime as dt
     import decimal
 
-    from conftest import TINY_CONFIG, export_rows, kvbatch
+    from tests.helpers.cli import TINY_CONFIG, export_rows, kvbatch
 
     metadata = {
         "day": pa.array([dt.date(2024, 5, 1)] * 2, pa.date32()),

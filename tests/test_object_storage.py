@@ -20,19 +20,6 @@ from collections.abc import Iterator
 import pyarrow as pa
 import pyarrow.fs as pafs
 import pytest
-from conftest import (
-    LICENSES,
-    REPO,
-    TINY_CONFIG,
-    done_summaries,
-    export_rows,
-    free_port,
-    kvbatch,
-    license_manifest,
-    wait_for,
-    wait_for_server,
-    write_jsonl,
-)
 
 from jobs.config import load_config
 from jobs.manifest import read_manifest, tasks_to_table
@@ -44,6 +31,18 @@ from storage.lease import LEASE_TTL_ENV, JobLease, LeaseLostError, job_lock
 from storage.location import Location
 from storage.lock import JobLockedError
 from storage.parts import TEMP_PREFIX, list_parts, list_temp_files
+from tests.helpers.cli import (
+    LICENSES,
+    REPO,
+    TINY_CONFIG,
+    done_summaries,
+    export_rows,
+    kvbatch,
+    license_manifest,
+    wait_for,
+    write_jsonl,
+)
+from tests.helpers.system import free_port, wait_for_server
 
 DOCS = ["GPL-2", "LGPL-2.1", "Apache-2.0", "MPL-2.0", "Artistic", "BSD"]
 BUCKET = "kvbatch-test"
@@ -258,7 +257,7 @@ def test_a_batch_on_s3_killed_and_resumed_from_the_uri_gives_the_local_results(s
 
 
 def test_a_folder_on_s3_is_submitted_with_glob_and_a_manifest_uri_reads_documents_beside_it(s3, tmp_path) -> None:
-    from test_formats import ACCEPTED, make_collection
+    from tests.helpers.collection import ACCEPTED, make_collection
 
     documents, _ = filesystem_of(s3)
     local = make_collection(tmp_path / "docs")

@@ -7,7 +7,16 @@ import signal
 from pathlib import Path
 
 import pytest
-from conftest import TINY_CONFIG, done_summaries, export_rows, kvbatch, license_manifest, start_submit, wait_for
+
+from tests.helpers.cli import (
+    TINY_CONFIG,
+    done_summaries,
+    export_rows,
+    kvbatch,
+    license_manifest,
+    start_submit,
+    wait_for,
+)
 
 DOCS = ["GPL-2", "LGPL-2.1", "Apache-2.0", "MPL-2.0", "Artistic", "BSD", "CC0-1.0", "LGPL-3"]
 FAST = ["--set", "checkpoint.flush_every=1"]
