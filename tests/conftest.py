@@ -1,13 +1,18 @@
 """Fixtures only (helpers are plain functions in tests/helpers/): one real local Ray instance per test
-session, the builtin tiny random model per module, one torch thread where a module asks for it."""
+session, the builtin tiny random model per module, a real S3-compatible server per module, one torch
+thread where a module asks for it."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import pytest
 from hypothesis import settings
+
+from tests.helpers.system import BUCKET, free_port, wait_for_server
 
 # CI runs property tests derandomized: the same examples every run, so a random draw never blocks a landing
 settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
@@ -58,3 +63,26 @@ def tiny_random():
 def tokenizer(tiny_random):
     """The builtin tiny random model's tokenizer (the random models of tests/helpers/models.py have none)."""
     return tiny_random.tokenizer
+
+
+@pytest.fixture(scope="module")
+def s3() -> Iterator[str]:
+    """`s3://BUCKET` on a moto server this module starts; the AWS variables point every process at it."""
+    from jobs.uris import filesystem_of
+
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing",
+           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}
+    patch = pytest.MonkeyPatch()
+    for key, value in env.items():
+        patch.setenv(key, value)
+    try:
+        wait_for_server(port, server)
+        filesystem_of(f"s3://{BUCKET}?allow_bucket_creation=true")[0].create_dir(BUCKET)
+        yield f"s3://{BUCKET}"
+    finally:
+        patch.undo()
+        server.terminate()
+        server.wait()

@@ -12,6 +12,9 @@ from pathlib import Path
 
 import pytest
 
+#: the bucket of the `s3` fixture's moto server (tests/conftest.py)
+BUCKET = "kvbatch-test"
+
 
 def free_port() -> int:
     """A TCP port on loopback that nothing listens on now (for a test server)."""
