@@ -1,7 +1,7 @@
 """The worker's scheduler never dies: an error in one sequence fails that sequence at once, an error it
 cannot pin on one fails every waiting future with it, and it keeps serving afterwards.
 
-Real BatchScheduler, real tiny random models and caches (tests/test_batching.py's). Through the CLI
+Real BatchScheduler, real tiny random models and caches (tests/helpers/). Through the CLI
 the issue's own setting (an out-of-vocabulary forced_eos_token_id) is refused at submit now
 (tests/test_submit_checks.py), and a setting that fails every task inside the scheduler ends the batch
 within seconds (tests/test_setting_failures.py).

@@ -2,7 +2,7 @@
 transfer to the host, the rest (logits processors, seeded sampling) by their own picker, and every
 row's tokens stay those generate() chooses alone.
 
-Real tiny random models (tests/test_kvcache.py's), real caches, the scheduler's own prefill and
+Real tiny random models (tests/helpers/models.py), real caches, the scheduler's own prefill and
 decode step; transfers are counted where they happen, by torch's own function and dispatch modes.
 """
 
