@@ -3,8 +3,8 @@
 Each tiered cache counts its host RAM against the worker's host pool (as its device KV counts
 against the device pool), batch admission adds up the host KV of the joined sequences, and an
 `auto` budget is this worker's share of the node: the pool learns from the cluster's per-node
-resources how many workers land on one node and tells each of them. Real caches, a real worker on
-the tiny model, and a real local Ray for the pool.
+resources how many workers land on one node and tells each of them. Real caches and a real worker on
+the tiny model (the pool's side, on a real local Ray: tests/test_pool.py).
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import hashlib
 import threading
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 
@@ -29,6 +28,7 @@ from runner.engine.worker import SummaryWorker, _is_memory_error
 from tests.helpers.batching import BIG, as_loaded_model, tokens_alone
 from tests.helpers.cli import TINY_CONFIG
 from tests.helpers.models import random_prompt, tiny_model
+from tests.helpers.system import half_available_ram
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -40,10 +40,6 @@ def _task(doc_id: str, text: str, **overrides: object) -> dict:
         task_id=f"t-{doc_id}", doc_id=doc_id, source_type="text", source=text, n_chars=len(text),
         n_bytes=len(text.encode()), sha256=hashlib.sha256(text.encode()).hexdigest(), overrides=overrides, meta={},
     ))
-
-
-def _half_available_ram() -> int:
-    return int(psutil.virtual_memory().available * 0.5)
 
 
 # -- the pooled host meter ----------------------------------------------------------------------
@@ -145,26 +141,10 @@ def test_workers_per_device(node_workers: int, gpus: float, expected: int) -> No
 
 
 def test_auto_budgets_are_this_workers_share_of_the_node() -> None:
-    before = _half_available_ram()
+    before = half_available_ram()
     device, host = resolve_budgets(CacheConfig(), torch.device("cpu"), node_workers=4)
-    after = _half_available_ram()
+    after = half_available_ram()
     assert min(before, after) // 4 * 0.9 <= host <= max(before, after) // 4 * 1.1
     assert device == host  # on CPU the device is the same RAM
     explicit = CacheConfig(host_kv_budget_bytes=654_321, device_kv_budget_bytes=123_456)
     assert resolve_budgets(explicit, torch.device("cpu"), node_workers=4) == (123_456, 654_321)  # asked for: kept
-
-
-def test_the_pool_tells_each_worker_how_many_share_its_node(ray_address, tmp_path: Path) -> None:
-    """Two workers on the one node of the test's Ray: each knows it shares the node with the other
-    and sizes its `auto` host budget as half of what one worker alone would take."""
-    from runner.pool import WorkerPool
-
-    config = load_config(TINY_CONFIG, ["workers.count=2", "workers.cpus_per_worker=1"])
-    pool = WorkerPool(config, "job", tmp_path / "kv", [])
-    try:
-        infos = pool.start(2, give_up=lambda: False)
-    finally:
-        pool.kill_all()
-    assert [info["node_workers"] for info in infos] == [2, 2]
-    alone = _half_available_ram()
-    assert all(info["host_kv_budget_bytes"] <= alone / 2 * 1.1 for info in infos), (infos, alone)

@@ -1,4 +1,5 @@
-"""Real pieces of the machine a test needs: a free loopback port, a server it waits for, a small tmpfs."""
+"""Real pieces of the machine a test needs: its free RAM, a free loopback port, a server it waits for,
+a small tmpfs."""
 
 from __future__ import annotations
 
@@ -10,10 +11,16 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import psutil
 import pytest
 
 #: the bucket of the `s3` fixture's moto server (tests/conftest.py)
 BUCKET = "kvbatch-test"
+
+
+def half_available_ram() -> int:
+    """Half the RAM available now: what one worker alone takes as its `auto` host budget."""
+    return int(psutil.virtual_memory().available * 0.5)
 
 
 def free_port() -> int:
