@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.cli import (
+    LICENSE_DOCS,
     TINY_CONFIG,
     done_summaries,
     export_rows,
@@ -18,11 +19,10 @@ from tests.helpers.cli import (
     wait_for,
 )
 
-DOCS = ["GPL-2", "LGPL-2.1", "Apache-2.0", "MPL-2.0", "Artistic", "BSD", "CC0-1.0", "LGPL-3"]
 FAST = ["--set", "checkpoint.flush_every=1"]
 
 
-def manifest_of(tmp_path: Path, names: list[str] = DOCS) -> Path:
+def manifest_of(tmp_path: Path, names: list[str] = LICENSE_DOCS) -> Path:
     return license_manifest(tmp_path, names)
 
 

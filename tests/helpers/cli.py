@@ -13,6 +13,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 LICENSES = Path("/usr/share/common-licenses")
 TINY_CONFIG = REPO / "configs" / "tiny.yaml"
+#: eight licence texts of mixed lengths (1.5 to 27 KB): the documents of the end-to-end batches
+LICENSE_DOCS = ["GPL-2", "LGPL-2.1", "Apache-2.0", "MPL-2.0", "Artistic", "BSD", "CC0-1.0", "LGPL-3"]
 
 
 def kvbatch(*args: str, env: dict[str, str] | None = None, timeout: float = 600,
