@@ -26,6 +26,7 @@ from tests.helpers.models import ARCHS, random_prompt, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
+
 @pytest.mark.parametrize("strategy", ["dynamic", "tiered-host", "tiered-disk"])
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_batched_tokens_equal_tokens_alone(arch: str, strategy: str, tokenizer, tmp_path: Path) -> None:

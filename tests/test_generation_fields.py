@@ -28,6 +28,7 @@ from tests.helpers.models import random_prompt, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
+
 def _unseen(tokens: list[int]) -> int:
     """A token the plain decode never chooses: an end-of-sequence token only a setting brings on."""
     return next(t for t in range(2, 96) if t not in tokens)
