@@ -15,6 +15,7 @@ from jobs.config import CacheConfig, LoopStopConfig
 from jobs.kvplan import kv_bytes
 from jobs.stopping import loop_stopped
 from runner.engine.kvcache import ResidentMeter, build_cache, kv_shape
+from runner.engine.kvpool import KVPool
 from runner.engine.models import LoadedModel
 from runner.engine.probes import StageMemory
 from runner.engine.scheduler import BatchScheduler, PassRequest
@@ -39,22 +40,34 @@ def tokens_alone(model: PreTrainedModel, prompt: list[int], new: int, rule: Loop
     return loop_stopped(out[0, len(prompt):].tolist(), rule or LoopStopConfig())[0]
 
 
-def run_batch(scheduler: BatchScheduler, model: PreTrainedModel, strategy: str, tmp_path: Path,
-              prompts: list[list[int]], new: list[int], pool: ResidentMeter | None = None) -> list:
-    """Submits every prompt at once (each with its own `strategy` cache) and returns their generations."""
+def run_batch(scheduler: BatchScheduler, model: PreTrainedModel, strategy: str | list[str], tmp_path: Path,
+              prompts: list[list[int]], new: list[int], pool: ResidentMeter | None = None,
+              kv_pool: KVPool | None = None, expected: bool | None = None) -> list:
+    """Submits every prompt at once, sequence i on `strategy` (or `strategy[i]`) with its own cache (a
+    `dynamic` one a slot of `kv_pool` if given), and returns their generations. `expected` (default: no
+    device `pool`) tells `dynamic` the sequence's length up front."""
     cfg = CacheConfig(block_tokens=8)
+    strategies = [strategy] * len(prompts) if isinstance(strategy, str) else strategy
+    sized = pool is None if expected is None else expected
 
     def request(i: int) -> PassRequest:
         tokens = len(prompts[i]) + new[i]
         return PassRequest(
             prompts[i], new[i],
-            make_cache=lambda: build_cache(strategy, model, cfg, tmp_path / f"seq-{i}", None, None,
-                                           expected_tokens=None if pool else tokens, device_pool=pool),
+            make_cache=lambda: build_cache(strategies[i], model, cfg, tmp_path / f"seq-{i}", None, None,
+                                           expected_tokens=tokens if sized else None, device_pool=pool,
+                                           kv_pool=kv_pool),
             device_bytes=kv_bytes(kv_shape(model.config), tokens), memory=StageMemory(),
         )
 
     futures = [scheduler.submit(request(i)) for i in range(len(prompts))]
     return [f.result(timeout=300).generation for f in futures]
+
+
+def cpu_kv_pool(model: PreTrainedModel, budget: int | None = None) -> KVPool:
+    """The worker's pooled KV (batch.attention: pooled) for `model` on the CPU, metered against `budget`."""
+    meter = ResidentMeter(budget, "the batch's resident device", "cache.device_kv_budget_bytes")
+    return KVPool.for_model(model.config, torch.float32, torch.device("cpu"), meter)
 
 
 def dynamic_request(model: PreTrainedModel, prompt: list[int], new: int, device_bytes: int | None = 0) -> PassRequest:
