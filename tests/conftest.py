@@ -1,20 +1,18 @@
-"""Shared fixtures: one real local Ray instance per test session, the kvbatch CLI as a subprocess."""
+"""Fixtures only (helpers are plain functions in tests/helpers/): one real local Ray instance per test
+session, the builtin tiny random model per module, a real S3-compatible server per module, one torch
+thread where a module asks for it."""
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
-import socket
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from pathlib import Path
+from collections.abc import Iterator
 
 import pytest
 from hypothesis import settings
+
+from tests.helpers.system import BUCKET, free_port, wait_for_server
 
 # CI runs property tests derandomized: the same examples every run, so a random draw never blocks a landing
 settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
@@ -24,10 +22,6 @@ if os.environ.get("CI"):
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-REPO = Path(__file__).resolve().parents[1]
-LICENSES = Path("/usr/share/common-licenses")
-TINY_CONFIG = REPO / "configs" / "tiny.yaml"
 
 
 @pytest.fixture(scope="session")
@@ -44,108 +38,51 @@ def ray_address() -> Iterator[str]:
         ray.shutdown()
 
 
-def free_port() -> int:
-    """A TCP port on loopback that nothing listens on now (for a test server)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@pytest.fixture
+def one_torch_thread() -> Iterator[None]:
+    """Tiny models gain nothing from threads and lose a lot when the cores are shared; a module that runs
+    them in-process says `pytestmark = pytest.mark.usefixtures("one_torch_thread")`."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
-def wait_for_server(port: int, server: subprocess.Popen, timeout: float = 30) -> None:
-    """Returns once `server` accepts connections on `port` on loopback; fails if it exits or takes too long."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return
-        except OSError:
-            assert time.monotonic() < deadline and server.poll() is None, "the test server did not start"
-            time.sleep(0.2)
+@pytest.fixture(scope="module")
+def tiny_random():
+    """The builtin tiny random model (its real tokenizer), loaded on the CPU once per module."""
+    from jobs.config import ModelConfig
+    from runner.engine.model_loader import load_model
+
+    return load_model(ModelConfig(name="builtin:tiny-random", device="cpu"))
 
 
-def kvbatch(*args: str, env: dict[str, str] | None = None, timeout: float = 600,
-            check: int | None = None) -> subprocess.CompletedProcess[str]:
-    """Runs the real CLI in a subprocess; `check` asserts its exit code."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "runner", *args],
-        capture_output=True, text=True, timeout=timeout, cwd=REPO,
-        env={**os.environ, **(env or {})},
-    )
-    if check is not None:
-        assert proc.returncode == check, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
-    return proc
+@pytest.fixture(scope="module")
+def tokenizer(tiny_random):
+    """The builtin tiny random model's tokenizer (the random models of tests/helpers/models.py have none)."""
+    return tiny_random.tokenizer
 
 
-def write_jsonl(path: Path, rows: list[dict]) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-    return path
+@pytest.fixture(scope="module")
+def s3() -> Iterator[str]:
+    """`s3://BUCKET` on a moto server this module starts; the AWS variables point every process at it."""
+    from jobs.uris import filesystem_of
 
-
-def export_rows(job_dir: Path, *extra: str) -> list[dict]:
-    proc = kvbatch("results", str(job_dir), *extra, check=0)
-    return [json.loads(line) for line in proc.stdout.splitlines()]
-
-
-def done_summaries(job: Path | str) -> dict[str, str]:
-    """doc id -> summary of an exported job whose every document is done, each exactly once.
-
-    "Once" is checked on the raw result parts, not on the export (which keeps one row per task
-    whatever the parts hold): no task may have two `done` rows.
-    """
-    from jobs.schema import RESULT_SCHEMA, TaskState
-    from storage.location import Location
-    from storage.parts import read_parts
-
-    raw, corrupt = read_parts(Location.of(job) / "results", RESULT_SCHEMA)
-    assert not corrupt, corrupt
-    done_ids = [t for t, s in zip(raw["task_id"].to_pylist(), raw["status"].to_pylist()) if s == TaskState.DONE]
-    twice = sorted({t for t in done_ids if done_ids.count(t) > 1})
-    assert not twice, f"task(s) with two done rows in the result parts: {twice}"
-    rows = export_rows(job)
-    ids = [r["doc_id"] for r in rows]
-    assert len(ids) == len(set(ids)), f"a document appears twice: {ids}"
-    assert all(r["status"] == "done" for r in rows), rows
-    assert len(done_ids) == len(rows)
-    return {r["doc_id"]: r["summary"] for r in rows}
-
-
-def license_manifest(tmp_path: Path, names: list[str]) -> Path:
-    """manifest.jsonl of texts from /usr/share/common-licenses, each id the lower-cased file name."""
-    return write_jsonl(tmp_path / "manifest.jsonl", [{"id": n.lower(), "path": str(LICENSES / n)} for n in names])
-
-
-def start_submit(manifest: Path, job: Path, address: str, *extra: str, env: dict | None = None) -> subprocess.Popen:
-    """`kvbatch submit` with the tiny config, left running in the background."""
-    return subprocess.Popen(
-        [sys.executable, "-m", "runner", "submit", str(manifest), "-c", str(TINY_CONFIG), "-j", str(job),
-         "--address", address, *extra],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})},
-    )
-
-
-def wait_for(predicate: Callable[[], bool], proc: subprocess.Popen, timeout: float = 300, poll: float = 0.005) -> bool:
-    """True once `predicate()` holds; False if the process ended first."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        if proc.poll() is not None:
-            return False
-        time.sleep(poll)
-    raise TimeoutError("condition not reached")
-
-
-@contextmanager
-def mounted_tmpfs(mount_point: Path, options: str) -> Iterator[Path]:
-    """A real tmpfs (`mount -o OPTIONS`) for the test; skips with the reason where mounting is not allowed."""
-    mount_point.mkdir(exist_ok=True)
-    if shutil.which("mount") is None:
-        pytest.skip("no `mount` command on this machine to make a small filesystem")
-    made = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mount_point)],
-                          capture_output=True, text=True)
-    if made.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root or CAP_SYS_ADMIN): {made.stderr.strip()}")
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing",
+           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}
+    patch = pytest.MonkeyPatch()
+    for key, value in env.items():
+        patch.setenv(key, value)
     try:
-        yield mount_point
+        wait_for_server(port, server)
+        filesystem_of(f"s3://{BUCKET}?allow_bucket_creation=true")[0].create_dir(BUCKET)
+        yield f"s3://{BUCKET}"
     finally:
-        subprocess.run(["umount", "-l", str(mount_point)], check=True)
+        patch.undo()
+        server.terminate()
+        server.wait()

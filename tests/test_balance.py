@@ -9,7 +9,6 @@ import time
 from contextlib import ExitStack
 
 import pytest
-from conftest import LICENSES, TINY_CONFIG, done_summaries, export_rows, kvbatch, write_jsonl
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -19,6 +18,7 @@ from jobs.config import load_config
 from jobs.kvplan import CHARS_PER_TOKEN
 from jobs.task import Task
 from runner.coordinator import TaskRun, WorkQueue
+from tests.helpers.cli import LICENSES, TINY_CONFIG, done_summaries, export_rows, kvbatch, write_jsonl
 
 CONFIG = load_config(TINY_CONFIG)
 

@@ -13,8 +13,6 @@ import time
 from pathlib import Path
 
 import pytest
-from test_batching import BIG, LENGTHS, _alone, _loaded, _run, tokenizer  # noqa: F401 - the fixture is used here
-from test_kvcache import _model, _one_torch_thread, _prompt  # noqa: F401 - the fixture applies here too
 
 from jobs.batch_limit import GROW_BACK_STEPS, MAX_GROW_BACK_STEPS, BatchLimit
 from jobs.config import LoopStopConfig, SummarizeConfig
@@ -22,6 +20,10 @@ from jobs.kvplan import kv_bytes
 from runner.engine.kvcache import ResidentMeter, kv_shape
 from runner.engine.scheduler import BatchScheduler
 from runner.engine.worker import _is_memory_error
+from tests.helpers.batching import BIG, LENGTHS, as_loaded_model, run_batch, tokens_alone
+from tests.helpers.models import random_prompt, tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _steps(limit: BatchLimit, n: int) -> None:
@@ -64,14 +66,14 @@ def test_a_split_batch_grows_back_when_memory_is_there_again(tokenizer, tmp_path
     """The worker's device pool holds about two sequences, so four decoding together split (limit 2).
     Then the memory comes back: after GROW_BACK_STEPS calm steps the limit is 4 again, and the two
     sequences that waited decode beside the first two, each with its tokens alone."""
-    model = _model("llama-gqa")
-    prompts = [_prompt(n)[0].tolist() for n in LENGTHS[:4]]
+    model = tiny_model("llama-gqa")
+    prompts = [random_prompt(n)[0].tolist() for n in LENGTHS[:4]]
     new = [2 * GROW_BACK_STEPS + 40] * 4
     full = kv_bytes(kv_shape(model.config), max(LENGTHS[:4]) + new[0])
     pool = ResidentMeter(int(2.5 * full), "the batch's resident device", "cache.device_kv_budget_bytes")
     no_loop_stop = LoopStopConfig(enabled=False)  # the random model loops: every sequence runs its full length
-    scheduler = BatchScheduler(_loaded(model, tokenizer), SummarizeConfig(loop_stop=no_loop_stop), "auto", 4, BIG,
-                               _is_memory_error)
+    scheduler = BatchScheduler(as_loaded_model(model, tokenizer), SummarizeConfig(loop_stop=no_loop_stop), "auto", 4,
+                               BIG, _is_memory_error)
 
     limit_after_split: list[int] = []
 
@@ -85,7 +87,7 @@ def test_a_split_batch_grows_back_when_memory_is_there_again(tokenizer, tmp_path
     watcher = threading.Thread(target=memory_comes_back, daemon=True)
     watcher.start()
     try:
-        got = _run(scheduler, model, "dynamic", tmp_path, prompts, new, pool=pool)
+        got = run_batch(scheduler, model, "dynamic", tmp_path, prompts, new, pool=pool)
     finally:
         scheduler.close()
     watcher.join(timeout=10)
@@ -93,4 +95,4 @@ def test_a_split_batch_grows_back_when_memory_is_there_again(tokenizer, tmp_path
     assert scheduler.max_sequences == 4
     # the two that waited for room joined the first two once the limit was back at 4
     assert min(g.batch_size for g in got[2:]) > 2, [g.batch_size for g in got]
-    assert [g.tokens for g in got] == [_alone(model, p, n, no_loop_stop) for p, n in zip(prompts, new)]
+    assert [g.tokens for g in got] == [tokens_alone(model, p, n, no_loop_stop) for p, n in zip(prompts, new)]

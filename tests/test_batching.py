@@ -14,69 +14,29 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_kvcache import ARCHS, _model, _one_torch_thread, _prompt  # noqa: F401 - the fixture applies here too
-from transformers import DynamicCache, PreTrainedModel
 
-from jobs.config import CacheConfig, LoopStopConfig, ModelConfig, SummarizeConfig
+from jobs.config import CacheConfig, SummarizeConfig
 from jobs.kvplan import kv_bytes
-from jobs.stopping import loop_stopped
 from runner.engine.kvcache import ResidentMeter, build_cache, kv_shape
-from runner.engine.model_loader import LoadedModel, load_model
 from runner.engine.probes import StageMemory
 from runner.engine.scheduler import BatchScheduler, PassRequest
 from runner.engine.worker import _is_memory_error
+from tests.helpers.batching import BIG, LENGTHS, NEW, as_loaded_model, run_batch, tokens_alone
+from tests.helpers.models import ARCHS, random_prompt, tiny_model
 
-LENGTHS = [37, 20, 51, 9, 44]  # mixed lengths, so rows of a step attend to different lengths
-NEW = [12, 20, 7, 16, 10]  # and finish at different steps, so rows leave and others join
-BIG = 1 << 40
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_model(ModelConfig(name="builtin:tiny-random")).tokenizer
-
-
-def _loaded(model: PreTrainedModel, tokenizer) -> LoadedModel:
-    return LoadedModel(model=model, tokenizer=tokenizer, name="tiny", device=torch.device("cpu"),
-                       dtype=torch.float32, load_s=0.0)
-
-
-def _alone(model: PreTrainedModel, prompt: list[int], new: int, rule: LoopStopConfig | None = None) -> list[int]:
-    """generate()'s tokens, cut where the loop stop (the default one unless `rule`) would have ended
-    them (random models loop)."""
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False,
-                             past_key_values=DynamicCache(config=model.config))
-    return loop_stopped(out[0, len(prompt):].tolist(), rule or LoopStopConfig())[0]
-
-
-def _run(scheduler: BatchScheduler, model: PreTrainedModel, strategy: str, tmp_path: Path,
-         prompts: list[list[int]], new: list[int], pool: ResidentMeter | None = None) -> list:
-    cfg = CacheConfig(block_tokens=8)
-
-    def request(i: int) -> PassRequest:
-        tokens = len(prompts[i]) + new[i]
-        return PassRequest(
-            prompts[i], new[i],
-            make_cache=lambda: build_cache(strategy, model, cfg, tmp_path / f"seq-{i}", None, None,
-                                           expected_tokens=None if pool else tokens, device_pool=pool),
-            device_bytes=kv_bytes(kv_shape(model.config), tokens), memory=StageMemory(),
-        )
-
-    futures = [scheduler.submit(request(i)) for i in range(len(prompts))]
-    return [f.result(timeout=300).generation for f in futures]
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.mark.parametrize("strategy", ["dynamic", "tiered-host", "tiered-disk"])
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_batched_tokens_equal_tokens_alone(arch: str, strategy: str, tokenizer, tmp_path: Path) -> None:
-    model = _model(arch)
-    prompts = [_prompt(n)[0].tolist() for n in LENGTHS]
-    expected = [_alone(model, p, n) for p, n in zip(prompts, NEW)]
+    model = tiny_model(arch)
+    prompts = [random_prompt(n)[0].tolist() for n in LENGTHS]
+    expected = [tokens_alone(model, p, n) for p, n in zip(prompts, NEW)]
     settings = SummarizeConfig(prefill_chunk_size=16)  # chunked prefill (layer-major on tiered rungs)
-    scheduler = BatchScheduler(_loaded(model, tokenizer), settings, "auto", 4, BIG, _is_memory_error)
+    scheduler = BatchScheduler(as_loaded_model(model, tokenizer), settings, "auto", 4, BIG, _is_memory_error)
     try:
-        got = _run(scheduler, model, strategy, tmp_path, prompts, NEW)
+        got = run_batch(scheduler, model, strategy, tmp_path, prompts, NEW)
     finally:
         scheduler.close()
     assert [g.tokens for g in got] == expected
@@ -85,75 +45,76 @@ def test_batched_tokens_equal_tokens_alone(arch: str, strategy: str, tokenizer, 
 
 
 def test_sampling_with_a_seed_does_not_depend_on_the_batch(tokenizer, tmp_path: Path) -> None:
-    model = _model("llama-gqa")
-    prompts = [_prompt(n)[0].tolist() for n in LENGTHS]
+    model = tiny_model("llama-gqa")
+    prompts = [random_prompt(n)[0].tolist() for n in LENGTHS]
     settings = SummarizeConfig(do_sample=True, seed=7, prefill_chunk_size=0)
     runs = {}
     for width in (1, 4):
-        scheduler = BatchScheduler(_loaded(model, tokenizer), settings, "auto", width, BIG, _is_memory_error)
+        scheduler = BatchScheduler(as_loaded_model(model, tokenizer), settings, "auto", width, BIG, _is_memory_error)
         try:
-            runs[width] = [g.tokens for g in _run(scheduler, model, "dynamic", tmp_path, prompts, NEW)]
+            runs[width] = [g.tokens for g in run_batch(scheduler, model, "dynamic", tmp_path, prompts, NEW)]
         finally:
             scheduler.close()
         assert scheduler.most_rows == width
     assert runs[1] == runs[4]
-    assert runs[1] != [_alone(model, p, n) for p, n in zip(prompts, NEW)]  # it did sample
+    assert runs[1] != [tokens_alone(model, p, n) for p, n in zip(prompts, NEW)]  # it did sample
 
 
 def test_generation_settings_choose_the_tokens_as_generate_does(tokenizer, tmp_path: Path) -> None:
     """`summarize.generation` fields (logits processors) act on each sequence over its own tokens."""
-    model = _model("llama-gqa")
+    model = tiny_model("llama-gqa")
     extra = {"repetition_penalty": 1.3, "no_repeat_ngram_size": 2}
-    prompts = [_prompt(n)[0].tolist() for n in LENGTHS]
+    prompts = [random_prompt(n)[0].tolist() for n in LENGTHS]
     settings = SummarizeConfig(generation=extra)
-    scheduler = BatchScheduler(_loaded(model, tokenizer), settings, "auto", 4, BIG, _is_memory_error)
+    scheduler = BatchScheduler(as_loaded_model(model, tokenizer), settings, "auto", 4, BIG, _is_memory_error)
     try:
-        got = [g.tokens for g in _run(scheduler, model, "dynamic", tmp_path, prompts, NEW)]
+        got = [g.tokens for g in run_batch(scheduler, model, "dynamic", tmp_path, prompts, NEW)]
     finally:
         scheduler.close()
     with torch.no_grad():
         expected = [model.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, **extra)[0, len(p):].tolist()
                     for p, n in zip(prompts, NEW)]
     assert got == expected and scheduler.most_rows == 4
-    assert expected != [_alone(model, p, n) for p, n in zip(prompts, NEW)]  # the settings changed the tokens
+    assert expected != [tokens_alone(model, p, n) for p, n in zip(prompts, NEW)]  # the settings changed the tokens
 
 
 def test_a_batch_that_runs_out_of_memory_splits_and_every_sequence_finishes(tokenizer, tmp_path: Path) -> None:
     """The worker's device pool holds about two sequences; admission lets four in (its budget is
     larger), so a decode step passes the pool's budget: the batch splits, nobody fails."""
-    model = _model("llama-gqa")
-    prompts = [_prompt(n)[0].tolist() for n in LENGTHS[:4]]
+    model = tiny_model("llama-gqa")
+    prompts = [random_prompt(n)[0].tolist() for n in LENGTHS[:4]]
     new = [24] * 4
     full = kv_bytes(kv_shape(model.config), max(LENGTHS[:4]) + 24)
     pool = ResidentMeter(int(2.5 * full), "the batch's resident device", "cache.device_kv_budget_bytes")
-    scheduler = BatchScheduler(_loaded(model, tokenizer), SummarizeConfig(), "auto", 4, BIG, _is_memory_error)
+    scheduler = BatchScheduler(as_loaded_model(model, tokenizer), SummarizeConfig(), "auto", 4, BIG, _is_memory_error)
     try:
-        got = _run(scheduler, model, "dynamic", tmp_path, prompts, new, pool=pool)
+        got = run_batch(scheduler, model, "dynamic", tmp_path, prompts, new, pool=pool)
     finally:
         scheduler.close()
     assert scheduler.splits >= 1 and scheduler.max_sequences <= 2
-    assert [g.tokens for g in got] == [_alone(model, p, n) for p, n in zip(prompts, new)]
+    assert [g.tokens for g in got] == [tokens_alone(model, p, n) for p, n in zip(prompts, new)]
     assert pool.total == 0  # every cache gave its room back
 
 
 def test_admission_keeps_the_batch_within_the_device_budget(tokenizer, tmp_path: Path) -> None:
-    model = _model("llama-gqa")
-    prompts = [_prompt(n)[0].tolist() for n in LENGTHS[:4]]
+    model = tiny_model("llama-gqa")
+    prompts = [random_prompt(n)[0].tolist() for n in LENGTHS[:4]]
     one = max(kv_bytes(kv_shape(model.config), len(p) + n) for p, n in zip(prompts, NEW))
-    scheduler = BatchScheduler(_loaded(model, tokenizer), SummarizeConfig(), "auto", 4, 2 * one, _is_memory_error)
+    scheduler = BatchScheduler(as_loaded_model(model, tokenizer), SummarizeConfig(), "auto", 4, 2 * one,
+                               _is_memory_error)
     try:
-        got = _run(scheduler, model, "dynamic", tmp_path, prompts, NEW[:4])
+        got = run_batch(scheduler, model, "dynamic", tmp_path, prompts, NEW[:4])
     finally:
         scheduler.close()
     assert scheduler.most_rows == 2 and scheduler.splits == 0
-    assert [g.tokens for g in got] == [_alone(model, p, n) for p, n in zip(prompts, NEW[:4])]
+    assert [g.tokens for g in got] == [tokens_alone(model, p, n) for p, n in zip(prompts, NEW[:4])]
 
 
 def test_a_sequence_whose_cache_fails_fails_alone(tokenizer, tmp_path: Path) -> None:
     """A tiered-disk sequence's block files are cut short mid-decode (a real damaged-block error when
     it reads them back): it fails with that error, and its batch-mates finish with their tokens alone."""
-    model = _model("llama-gqa")
-    prompts = [_prompt(n)[0].tolist() for n in LENGTHS[:3]]
+    model = tiny_model("llama-gqa")
+    prompts = [random_prompt(n)[0].tolist() for n in LENGTHS[:3]]
     new = [40, 40, 40]
     cfg = CacheConfig(block_tokens=8)
     broken: dict[str, object] = {}
@@ -165,7 +126,7 @@ def test_a_sequence_whose_cache_fails_fails_alone(tokenizer, tmp_path: Path) -> 
             broken["cache"] = handle.generate_kwargs["past_key_values"]
         return handle
 
-    scheduler = BatchScheduler(_loaded(model, tokenizer), SummarizeConfig(), "auto", 3, BIG, _is_memory_error)
+    scheduler = BatchScheduler(as_loaded_model(model, tokenizer), SummarizeConfig(), "auto", 3, BIG, _is_memory_error)
     try:
         requests = [PassRequest(p, n, make_cache=lambda i=i: make_cache(i), device_bytes=0)
                     for i, (p, n) in enumerate(zip(prompts, new))]
@@ -188,15 +149,15 @@ def test_a_sequence_whose_cache_fails_fails_alone(tokenizer, tmp_path: Path) -> 
     # starts where the task re-raised it
     frames = {frame.name for frame in traceback.extract_tb(results[1].__traceback__)}
     assert frames.isdisjoint({"_step", "update", "ragged_attention"}), frames
-    assert results[0] == _alone(model, prompts[0], 40) and results[2] == _alone(model, prompts[2], 40)
+    assert results[0] == tokens_alone(model, prompts[0], 40) and results[2] == tokens_alone(model, prompts[2], 40)
 
 
 def test_stage_memory_is_recorded_per_sequence(tokenizer, tmp_path: Path) -> None:
-    model = _model("llama-gqa")
-    scheduler = BatchScheduler(_loaded(model, tokenizer), SummarizeConfig(), "auto", 2, BIG, _is_memory_error)
+    model = tiny_model("llama-gqa")
+    scheduler = BatchScheduler(as_loaded_model(model, tokenizer), SummarizeConfig(), "auto", 2, BIG, _is_memory_error)
     memory = StageMemory()
     try:
-        request = PassRequest(_prompt(30)[0].tolist(), 8,
+        request = PassRequest(random_prompt(30)[0].tolist(), 8,
                               make_cache=lambda: build_cache("dynamic", model, CacheConfig(), None, None),
                               device_bytes=0, memory=memory)
         scheduler.submit(request).result(timeout=60)

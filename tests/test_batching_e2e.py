@@ -10,9 +10,18 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from conftest import TINY_CONFIG, done_summaries, export_rows, kvbatch, license_manifest, start_submit, wait_for
 
-DOCS = ["GPL-2", "LGPL-2.1", "Apache-2.0", "MPL-2.0", "Artistic", "BSD", "CC0-1.0", "LGPL-3"]
+from tests.helpers.cli import (
+    LICENSE_DOCS,
+    TINY_CONFIG,
+    done_summaries,
+    export_rows,
+    kvbatch,
+    license_manifest,
+    start_submit,
+    wait_for,
+)
+
 ONE_WORKER = ["--set", "workers.count=1"]
 
 
@@ -33,15 +42,15 @@ def _in_flight(job: Path) -> int:
 def one_at_a_time(ray_address, tmp_path_factory) -> dict[str, str]:
     tmp = tmp_path_factory.mktemp("alone")
     job = tmp / "job"
-    kvbatch("submit", str(license_manifest(tmp, DOCS)), "-c", str(TINY_CONFIG), "-j", str(job), "--address",
+    kvbatch("submit", str(license_manifest(tmp, LICENSE_DOCS)), "-c", str(TINY_CONFIG), "-j", str(job), "--address",
             ray_address, *ONE_WORKER, "--set", "batch.max_sequences=1", check=0)
     return done_summaries(job)
 
 
 def test_batched_summaries_equal_one_at_a_time(one_at_a_time, ray_address, tmp_path):
     job = tmp_path / "job"
-    kvbatch("submit", str(license_manifest(tmp_path, DOCS)), "-c", str(TINY_CONFIG), "-j", str(job), "--address",
-            ray_address, *ONE_WORKER, "--set", "batch.max_sequences=8", check=0)
+    kvbatch("submit", str(license_manifest(tmp_path, LICENSE_DOCS)), "-c", str(TINY_CONFIG), "-j", str(job),
+            "--address", ray_address, *ONE_WORKER, "--set", "batch.max_sequences=8", check=0)
     assert done_summaries(job) == one_at_a_time
     rows = export_rows(job)
     assert max(r["batch_size"] for r in rows) > 2  # they really shared decode steps
@@ -53,7 +62,7 @@ def test_batched_summaries_equal_one_at_a_time(one_at_a_time, ray_address, tmp_p
 def test_sigkill_with_batches_in_flight_then_resume_gives_every_document_exactly_once(
         one_at_a_time, ray_address, tmp_path):
     job = tmp_path / "job"
-    proc = start_submit(license_manifest(tmp_path, DOCS), job, ray_address, *ONE_WORKER,
+    proc = start_submit(license_manifest(tmp_path, LICENSE_DOCS), job, ray_address, *ONE_WORKER,
                         "--set", "batch.max_sequences=8", "--set", "checkpoint.flush_every=1")
     reached = wait_for(lambda: _in_flight(job) >= 3, proc)
     proc.send_signal(signal.SIGKILL)
@@ -90,7 +99,7 @@ def test_a_document_that_crashes_its_worker_does_not_use_up_its_batch_mates_atte
 def test_a_short_queue_is_shared_out_over_every_worker(ray_address, tmp_path):
     """Fewer tasks than batch slots: each worker still gets some (not every task to the first worker)."""
     job = tmp_path / "job"
-    kvbatch("submit", str(license_manifest(tmp_path, DOCS[:4])), "-c", str(TINY_CONFIG), "-j", str(job),
+    kvbatch("submit", str(license_manifest(tmp_path, LICENSE_DOCS[:4])), "-c", str(TINY_CONFIG), "-j", str(job),
             "--address", ray_address, "--set", "workers.count=2", "--set", "batch.max_sequences=8", check=0)
     rows = export_rows(job)
     assert len(rows) == 4 and len({r["worker"] for r in rows}) == 2, [(r["doc_id"], r["worker"]) for r in rows]

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from jobs.schema import EVENT_SCHEMA, RESULT_SCHEMA, empty_row
 from storage.checkpoint import EVENTS_DIR, RESULTS_DIR, CheckpointLog, CheckpointRowError, compact, load_state
 from storage.parts import TEMP_PREFIX, list_parts, list_temp_files, merge_parts, read_parts, write_part
-from tests.child_process import Child
+from tests.helpers.child_process import Child
 
 
 def result(doc_id: str, status: str = "done", **fields) -> dict:

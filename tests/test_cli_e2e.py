@@ -7,7 +7,8 @@ import json
 import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 import pytest
-from conftest import LICENSES, TINY_CONFIG, export_rows, kvbatch, write_jsonl
+
+from tests.helpers.cli import LICENSES, TINY_CONFIG, export_rows, kvbatch, write_jsonl
 
 LONG_DOCS = ["GPL-3", "Apache-2.0", "BSD", "MPL-2.0"]
 

@@ -21,9 +21,9 @@ from pathlib import Path
 import psutil
 import pyarrow.parquet as pq
 import pytest
-from conftest import REPO, TINY_CONFIG, export_rows, kvbatch, license_manifest, start_submit, wait_for
 
-from tests.child_process import Child
+from tests.helpers.child_process import Child
+from tests.helpers.cli import REPO, TINY_CONFIG, export_rows, kvbatch, license_manifest, start_submit, wait_for
 
 #: Longest first: the coordinator takes the longest open task first, so Apache-2.0 starts at once.
 DOCS = ["Apache-2.0", "LGPL-3", "CC0-1.0", "Artistic", "BSD"]

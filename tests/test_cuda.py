@@ -19,7 +19,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from conftest import TINY_CONFIG
 from jobs.config import CacheConfig, SummarizeConfig, load_config
 from jobs.task import Task
 from runner.engine.kvcache import ResidentMeter, TieredCache, build_cache
@@ -29,6 +28,7 @@ from runner.engine.model_registry import word_tokenizer
 from runner.engine.ragged import decode_step
 from runner.engine.scheduler import BatchScheduler, PassRequest
 from runner.engine.worker import SummaryWorker, _is_memory_error
+from tests.helpers.cli import TINY_CONFIG
 
 DEVICE = torch.device(os.environ.get("KVBATCH_TEST_DEVICE", "cuda"))
 ON_CUDA = DEVICE.type == "cuda"

@@ -6,7 +6,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import kvbatch, mounted_tmpfs
+
+from tests.helpers.cli import kvbatch
+from tests.helpers.system import mounted_tmpfs
 
 
 def config_with_offload_root(tmp_path: Path, root: Path) -> Path:

@@ -6,123 +6,32 @@ from __future__ import annotations
 import gzip
 import io
 import json
-import shutil
 from pathlib import Path
 
-import pytest
 import pyarrow.parquet as pq
+import pytest
 
-from conftest import TINY_CONFIG, export_rows, kvbatch, write_jsonl
 from jobs.config import InputConfig
 from jobs.documents import load_task_text
 from jobs.extract import MAX_CONTROL_SHARE
 from jobs.manifest import read_manifest
-
-PAGE_1 = "Page one. The tenant pays the rent on the first day of every month."
-PAGE_2 = "Page two. The landlord repairs the roof within thirty days of a written notice."
-ARTICLE = (
-    "The water supply to Elm Street will be interrupted on Tuesday from 9 am to 3 pm while the main pipe is replaced.",
-    "Residents should store drinking water in advance. Tankers will be parked at the corner of Elm Street and Oak Avenue.",
+from tests.helpers.cli import TINY_CONFIG, export_rows, kvbatch, write_jsonl
+from tests.helpers.collection import (
+    ACCEPTED,
+    ARTICLE,
+    DOCX_PARAGRAPHS,
+    HTML,
+    MARKDOWN,
+    REJECTED,
+    docx_bytes,
+    make_collection,
 )
-HTML = f"""<!DOCTYPE html><html><head><title>Notice</title>
-<script>var tracking = "SCRIPT_SECRET"; document.write("tracker");</script><style>.menu {{ color: red }}</style></head>
-<body><nav><ul><li><a href="/">Home</a></li><li><a href="/about">About us</a></li><li><a href="/c">Contact</a></li></ul></nav>
-<main><article><h1>Water supply interruption</h1><p>{ARTICLE[0]}</p><p>{ARTICLE[1]}</p></article></main>
-<footer>Copyright 2024 City Council. Privacy policy.</footer></body></html>"""
-LATIN1 = "Le café de la gare était fermé à cause de la grève. Les élèves ont mangé des crêpes près du théâtre.\n"
-CP1252 = "\u201cThe memo\u201d \u2014 it\u2019s the manager\u2019s note about the \u20ac5 fee for late returns.\n" * 3
-STRAY = "The committee met on Monday.\x00 It approved the budget for the new library\x1f and the park.\n" * 4
-DOCX_PARAGRAPHS = ("Minutes of the board meeting", "The board approved the merger with Acme Ltd.")
-MARKDOWN = "# Release notes\n\n- Faster start-up\n- **Fixed** the crash on empty files\n"
-
-
-def _pdf(pages: list[str]) -> bytes:
-    from fpdf import FPDF
-
-    pdf = FPDF()
-    pdf.set_font("helvetica", size=12)
-    for text in pages:
-        pdf.add_page()
-        pdf.multi_cell(0, 10, text)
-    return bytes(pdf.output())
-
-
-def _scanned_pdf() -> bytes:
-    """A page with a drawing and no text layer, as a scanner's PDF has."""
-    from fpdf import FPDF
-
-    pdf = FPDF()
-    pdf.add_page()
-    pdf.rect(20, 20, 100, 60, style="F")
-    return bytes(pdf.output())
-
-
-def _encrypted_pdf() -> bytes:
-    from pypdf import PdfReader, PdfWriter
-
-    writer = PdfWriter(clone_from=PdfReader(io.BytesIO(_pdf(["A secret contract."]))))
-    writer.encrypt(user_password="secret", algorithm="AES-256")
-    out = io.BytesIO()
-    writer.write(out)
-    return out.getvalue()
-
-
-def _docx() -> bytes:
-    import docx
-
-    document = docx.Document()
-    document.add_heading(DOCX_PARAGRAPHS[0], level=1)
-    document.add_paragraph(DOCX_PARAGRAPHS[1])
-    table = document.add_table(rows=1, cols=2)
-    table.rows[0].cells[0].text, table.rows[0].cells[1].text = "Votes for", "7"
-    out = io.BytesIO()
-    document.save(out)
-    return out.getvalue()
 
 
 def _info_manual() -> Path | None:
     """A GNU info manual from the OS: its index nodes hold NULs and every node starts with \\x1f."""
     found = sorted(Path("/usr/share/info").glob("*.info.gz"))
     return next((p for p in found if b"\x00" in gzip.decompress(p.read_bytes())), None)
-
-
-#: file name -> (format, the text the model must get, or None) for the accepted files
-ACCEPTED = {
-    "lease.pdf": ("pdf", f"{PAGE_1}\n\n{PAGE_2}"),
-    "notice.html": ("html", None),  # main text checked below
-    "minutes.docx": ("docx", f"{DOCX_PARAGRAPHS[0]}\n{DOCX_PARAGRAPHS[1]}\nVotes for\t7"),
-    "notes/release.md": ("markdown", MARKDOWN),
-    "french-latin1.txt": ("text", LATIN1),
-    "memo-cp1252.txt": ("text", CP1252),
-    "stray-nul.txt": ("text", STRAY.replace("\x00", "").replace("\x1f", "")),
-}
-#: file name -> what its rejection says
-REJECTED = {
-    "scan.pdf": "no text layer (a scanned document?)",
-    "locked.pdf": "is an encrypted PDF that needs a password",
-    "program.bin": "is binary:",
-}
-
-
-def make_collection(folder: Path) -> Path:
-    """A folder mixing the formats a real collection holds, good and bad."""
-    (folder / "notes").mkdir(parents=True)
-    files = {
-        "lease.pdf": _pdf([PAGE_1, PAGE_2]),
-        "notice.html": HTML.encode("utf-8"),
-        "minutes.docx": _docx(),
-        "notes/release.md": MARKDOWN.encode("utf-8"),
-        "french-latin1.txt": LATIN1.encode("latin-1"),
-        "memo-cp1252.txt": CP1252.encode("cp1252"),
-        "stray-nul.txt": STRAY.encode("utf-8"),
-        "scan.pdf": _scanned_pdf(),
-        "locked.pdf": _encrypted_pdf(),
-        "program.bin": Path(shutil.which("ls") or "/bin/ls").read_bytes(),  # a real executable
-        ".hidden.txt": b"left out of folder listings",
-    }
-    for name, data in files.items():
-        (folder / name).write_bytes(data)
-    return folder
 
 
 @pytest.fixture(scope="module")
@@ -235,13 +144,13 @@ def test_a_docx_that_expands_past_the_limit_is_refused_before_it_is_expanded(tmp
     import zipfile
 
     limit = 2_000_000
-    with zipfile.ZipFile(io.BytesIO(_docx())) as real, zipfile.ZipFile(tmp_path / "bomb.docx", "w") as bomb:
+    with zipfile.ZipFile(io.BytesIO(docx_bytes())) as real, zipfile.ZipFile(tmp_path / "bomb.docx", "w") as bomb:
         for member in real.infolist():
             data = real.read(member)
             if member.filename == "word/document.xml":  # whitespace between elements: still a valid document
                 data = data.replace(b"</w:body>", b" " * (2 * limit) + b"</w:body>")
             bomb.writestr(member.filename, data, compress_type=zipfile.ZIP_DEFLATED)
-    (tmp_path / "minutes.docx").write_bytes(_docx())
+    (tmp_path / "minutes.docx").write_bytes(docx_bytes())
     assert (tmp_path / "bomb.docx").stat().st_size < limit // 20  # the file's own size is far under the limit
     manifest = write_jsonl(tmp_path / "m.jsonl", [{"id": n, "path": n} for n in ("bomb.docx", "minutes.docx")])
     tasks, rejections = read_manifest(manifest, InputConfig(max_document_bytes=limit))

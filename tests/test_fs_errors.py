@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import TINY_CONFIG, kvbatch, write_jsonl
+
+from tests.helpers.cli import TINY_CONFIG, kvbatch, write_jsonl
 
 
 @pytest.fixture(scope="module")

@@ -16,15 +16,18 @@ from typing import Any
 
 import pytest
 import torch
-from test_batching import BIG, _loaded, _run, tokenizer  # noqa: F401 - the fixture
-from test_kvcache import _model, _one_torch_thread, _prompt  # noqa: F401 - the fixture applies here too
 from transformers import GenerationConfig, PreTrainedModel
 
-from conftest import TINY_CONFIG, kvbatch, write_jsonl
 from jobs.config import ConfigError, SummarizeConfig
 from runner.engine.scheduler import BatchScheduler
 from runner.engine.worker import _is_memory_error
 from runner.preflight import OWNED_FIELDS, UNSUPPORTED_FIELDS, check_generation
+from tests.helpers.batching import BIG, as_loaded_model, run_batch
+from tests.helpers.cli import TINY_CONFIG, kvbatch, write_jsonl
+from tests.helpers.models import random_prompt, tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 
 def _unseen(tokens: list[int]) -> int:
     """A token the plain decode never chooses: an end-of-sequence token only a setting brings on."""
@@ -89,12 +92,12 @@ NO_EFFECT = {
 
 @pytest.fixture(scope="module")
 def model() -> PreTrainedModel:
-    return _model("llama-gqa")
+    return tiny_model("llama-gqa")
 
 
 @pytest.fixture(scope="module")
 def prompts(model, tokenizer) -> list[list[int]]:
-    first, single = (_prompt(n)[0].tolist() for n in LENGTHS)
+    first, single = (random_prompt(n)[0].tolist() for n in LENGTHS)
     return [first, single, first + _alone(model, tokenizer, first, False, {})[:6]]
 
 
@@ -123,9 +126,9 @@ def test_an_accepted_field_gives_batched_the_tokens_generate_gives_alone(field: 
     settings = SummarizeConfig(do_sample=sample, seed=SEED, generation=fields, loop_stop={"enabled": False})
     check_generation(settings)  # accepted at submit
     expected = [_alone(model, tokenizer, p, sample, fields) for p in prompts]
-    scheduler = BatchScheduler(_loaded(model, tokenizer), settings, "auto", len(prompts), BIG, _is_memory_error)
+    scheduler = BatchScheduler(as_loaded_model(model, tokenizer), settings, "auto", len(prompts), BIG, _is_memory_error)
     try:
-        got = [g.tokens for g in _run(scheduler, model, "dynamic", tmp_path, prompts, [NEW] * len(prompts))]
+        got = [g.tokens for g in run_batch(scheduler, model, "dynamic", tmp_path, prompts, [NEW] * len(prompts))]
     finally:
         scheduler.close()
     assert got == expected

@@ -8,16 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TINY_CONFIG, kvbatch, write_jsonl
-from jobs.config import ConfigError, ModelConfig, SummarizeConfig, load_config
+from jobs.config import ConfigError, SummarizeConfig, load_config
 from runner.engine.generation import generate_once
-from runner.engine.model_loader import load_model
 from runner.preflight import check_settings
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    return load_model(ModelConfig(name="builtin:tiny-random", device="cpu"))
+from tests.helpers.cli import TINY_CONFIG, kvbatch, write_jsonl
 
 
 def _tokens(tiny, **generation) -> list[int]:
@@ -25,11 +19,11 @@ def _tokens(tiny, **generation) -> list[int]:
     return generate_once(tiny, prompt, 48, SummarizeConfig(generation=generation), {}).tokens
 
 
-def test_generation_fields_reach_generate(tiny) -> None:
-    plain = _tokens(tiny)
+def test_generation_fields_reach_generate(tiny_random) -> None:
+    plain = _tokens(tiny_random)
     assert len(set(plain)) < len(plain), "the baseline must repeat a token, or no_repeat_ngram_size could not show"
-    assert len(set(_tokens(tiny, no_repeat_ngram_size=1))) == len(plain)
-    assert _tokens(tiny, suppress_tokens=[plain[0]])[0] != plain[0]
+    assert len(set(_tokens(tiny_random, no_repeat_ngram_size=1))) == len(plain)
+    assert _tokens(tiny_random, suppress_tokens=[plain[0]])[0] != plain[0]
 
 
 @pytest.mark.parametrize(

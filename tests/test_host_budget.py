@@ -3,8 +3,8 @@
 Each tiered cache counts its host RAM against the worker's host pool (as its device KV counts
 against the device pool), batch admission adds up the host KV of the joined sequences, and an
 `auto` budget is this worker's share of the node: the pool learns from the cluster's per-node
-resources how many workers land on one node and tells each of them. Real caches, a real worker on
-the tiny model, and a real local Ray for the pool.
+resources how many workers land on one node and tells each of them. Real caches and a real worker on
+the tiny model (the pool's side, on a real local Ray: tests/test_pool.py).
 """
 
 from __future__ import annotations
@@ -14,12 +14,8 @@ import hashlib
 import threading
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
-from conftest import TINY_CONFIG
-from test_batching import BIG, _alone, _loaded, tokenizer  # noqa: F401 - the fixture is used here
-from test_kvcache import _model, _one_torch_thread, _prompt  # noqa: F401 - the fixture applies here too
 
 from jobs.config import CacheConfig, SummarizeConfig, load_config
 from jobs.kvplan import host_kv_bytes
@@ -29,6 +25,12 @@ from runner.engine.kvcache import KVBudgetExceeded, ResidentMeter, build_cache, 
 from runner.engine.probes import StageMemory
 from runner.engine.scheduler import BatchScheduler, PassRequest
 from runner.engine.worker import SummaryWorker, _is_memory_error
+from tests.helpers.batching import BIG, as_loaded_model, tokens_alone
+from tests.helpers.cli import TINY_CONFIG
+from tests.helpers.models import random_prompt, tiny_model
+from tests.helpers.system import half_available_ram
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 BLOCK = 8
 
@@ -40,17 +42,13 @@ def _task(doc_id: str, text: str, **overrides: object) -> dict:
     ))
 
 
-def _half_available_ram() -> int:
-    return int(psutil.virtual_memory().available * 0.5)
-
-
 # -- the pooled host meter ----------------------------------------------------------------------
 
 def test_tiered_caches_of_one_worker_share_its_host_budget_and_give_it_back(tmp_path: Path) -> None:
     """Two host-tier caches that each fit the budget alone: the second to pass the pool's budget is
     refused with the error that moves a task on (naming the key), and closing gives every byte back."""
-    model = _model("llama-gqa")
-    prompt = torch.tensor([_prompt(3 * BLOCK)[0].tolist()])
+    model = tiny_model("llama-gqa")
+    prompt = torch.tensor([random_prompt(3 * BLOCK)[0].tolist()])
     one = host_kv_bytes(kv_shape(model.config), "tiered-host", 3 * BLOCK, None, BLOCK)
     pool = ResidentMeter(int(1.5 * one), "the batch's host RAM", "cache.host_kv_budget_bytes")
     cfg = CacheConfig(block_tokens=BLOCK)
@@ -69,14 +67,14 @@ def test_tiered_caches_of_one_worker_share_its_host_budget_and_give_it_back(tmp_
 def test_admission_keeps_the_batchs_host_kv_within_the_host_budget(tokenizer, tmp_path: Path) -> None:
     """Four tiered-host sequences whose host KV fits two at a time: never more than two decode
     together, none is split or fails, and each gives the tokens it gives alone."""
-    model = _model("llama-gqa")
-    prompts = [_prompt(n)[0].tolist() for n in (30, 20, 25, 28)]
+    model = tiny_model("llama-gqa")
+    prompts = [random_prompt(n)[0].tolist() for n in (30, 20, 25, 28)]
     new = 10
     shape = kv_shape(model.config)
     host = [host_kv_bytes(shape, "tiered-host", len(p) + new, None, BLOCK) for p in prompts]
     pool = ResidentMeter(BIG, "the batch's host RAM", "cache.host_kv_budget_bytes")
     cfg = CacheConfig(block_tokens=BLOCK)
-    scheduler = BatchScheduler(_loaded(model, tokenizer), SummarizeConfig(),
+    scheduler = BatchScheduler(as_loaded_model(model, tokenizer), SummarizeConfig(),
                                "auto", 4, BIG, _is_memory_error, host_budget=2 * max(host))
     try:
         futures = [scheduler.submit(PassRequest(
@@ -88,7 +86,7 @@ def test_admission_keeps_the_batchs_host_kv_within_the_host_budget(tokenizer, tm
         scheduler.close()
     assert scheduler.most_rows == 2 and scheduler.splits == 0
     assert 2 * min(host) <= pool.peak <= 2 * max(host)  # two did hold host KV together, never three
-    assert got == [_alone(model, p, new) for p in prompts]
+    assert got == [tokens_alone(model, p, new) for p in prompts]
     assert pool.total == 0
 
 
@@ -143,26 +141,10 @@ def test_workers_per_device(node_workers: int, gpus: float, expected: int) -> No
 
 
 def test_auto_budgets_are_this_workers_share_of_the_node() -> None:
-    before = _half_available_ram()
+    before = half_available_ram()
     device, host = resolve_budgets(CacheConfig(), torch.device("cpu"), node_workers=4)
-    after = _half_available_ram()
+    after = half_available_ram()
     assert min(before, after) // 4 * 0.9 <= host <= max(before, after) // 4 * 1.1
     assert device == host  # on CPU the device is the same RAM
     explicit = CacheConfig(host_kv_budget_bytes=654_321, device_kv_budget_bytes=123_456)
     assert resolve_budgets(explicit, torch.device("cpu"), node_workers=4) == (123_456, 654_321)  # asked for: kept
-
-
-def test_the_pool_tells_each_worker_how_many_share_its_node(ray_address, tmp_path: Path) -> None:
-    """Two workers on the one node of the test's Ray: each knows it shares the node with the other
-    and sizes its `auto` host budget as half of what one worker alone would take."""
-    from runner.pool import WorkerPool
-
-    config = load_config(TINY_CONFIG, ["workers.count=2", "workers.cpus_per_worker=1"])
-    pool = WorkerPool(config, "job", tmp_path / "kv", [])
-    try:
-        infos = pool.start(2, give_up=lambda: False)
-    finally:
-        pool.kill_all()
-    assert [info["node_workers"] for info in infos] == [2, 2]
-    alone = _half_available_ram()
-    assert all(info["host_kv_budget_bytes"] <= alone / 2 * 1.1 for info in infos), (infos, alone)

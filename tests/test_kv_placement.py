@@ -12,8 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import LICENSES, TINY_CONFIG, write_jsonl
-from test_kvcache import BLOCK, _generate, _one_torch_thread, _prompt, _small  # noqa: F401 - the fixture applies here too
 from transformers import AutoModelForCausalLM, DynamicCache, Gemma2Config, LlamaConfig, PreTrainedModel
 
 from jobs.config import CacheConfig, load_config
@@ -22,6 +20,10 @@ from jobs.manifest import read_manifest
 from jobs.rungs import TierName
 from runner.engine.kvcache import TieredCache, build_cache, kv_shape
 from runner.engine.worker import SummaryWorker
+from tests.helpers.cli import LICENSES, TINY_CONFIG, write_jsonl
+from tests.helpers.models import BLOCK, assert_tokens_of_dynamic, random_prompt, run_generate, small_config
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 SMOLLM2 = KVShape(num_layers=30, num_kv_heads=3, head_dim=64, dtype_bytes=2)
 DOC = 4096  # tokens: prompt + new tokens
@@ -124,8 +126,8 @@ def test_layer_windows_need_one_entry_per_layer() -> None:
 # --- the cache that follows a placement --------------------------------------------------------
 
 ARCHS8 = {  # eight layers, so placements can split them several ways
-    "llama": lambda: LlamaConfig(**{**_small(), "num_hidden_layers": 8}),
-    "gemma2": lambda: Gemma2Config(**{**_small(head_dim=16, sliding_window=10), "num_hidden_layers": 8}),
+    "llama": lambda: LlamaConfig(**{**small_config(), "num_hidden_layers": 8}),
+    "gemma2": lambda: Gemma2Config(**{**small_config(head_dim=16, sliding_window=10), "num_hidden_layers": 8}),
 }
 PROMPT, NEW = 37, 14
 
@@ -157,41 +159,39 @@ def _cache(model: PreTrainedModel, tier: TierName, placement: Placement, tmp_pat
                        device_budget_bytes=budget, host_budget_bytes=host_budget, placement=placement)
 
 
-def _check_same(model: PreTrainedModel, tier: TierName, resident: int, tmp_path: Path, ids: torch.Tensor,
-                batch: int = 1, **kwargs: object) -> None:
+def _check_placement(model: PreTrainedModel, tier: TierName, resident: int, tmp_path: Path, ids: torch.Tensor,
+                     batch: int = 1, **kwargs: object) -> None:
     tokens = ids.shape[-1] + kwargs.get("max_new_tokens", NEW)
     placement, budget = _planned(model, tier, resident, tokens, batch)
-    expected = _generate(model, DynamicCache(config=model.config), ids, **dict(kwargs))
     with _cache(model, tier, placement, tmp_path, budget) as cache:
-        got = _generate(model, cache, ids, **dict(kwargs))
+        assert_tokens_of_dynamic(model, cache, ids, f"{placement.describe()} on {tier}", **kwargs)
         stats = cache.stats()
-    assert torch.equal(got, expected), f"{placement.describe()} on {tier} differs from DynamicCache"
     assert stats["kv_resident_peak_bytes"] <= budget
 
 
 @pytest.mark.parametrize("tier", ["host", "disk"])
 @pytest.mark.parametrize(("arch", "resident"), [("llama", 0), ("llama", 3), ("llama", 8), ("gemma2", 1), ("gemma2", 4)])
 def test_placement_gives_the_tokens_of_dynamic(arch: str, resident: int, tier: TierName, tmp_path: Path) -> None:
-    _check_same(_model8(arch), tier, resident, tmp_path, _prompt(PROMPT), max_new_tokens=NEW)
+    _check_placement(_model8(arch), tier, resident, tmp_path, random_prompt(PROMPT), max_new_tokens=NEW)
 
 
 @pytest.mark.parametrize("tier", ["host", "disk"])
 def test_placement_with_chunked_prefill(tier: TierName, tmp_path: Path) -> None:
-    _check_same(_model8("gemma2"), tier, 1, tmp_path, _prompt(53), max_new_tokens=NEW, prefill_chunk_size=11)
+    _check_placement(_model8("gemma2"), tier, 1, tmp_path, random_prompt(53), max_new_tokens=NEW, prefill_chunk_size=11)
 
 
 @pytest.mark.parametrize("tier", ["host", "disk"])
 def test_placement_with_a_batch_of_two_left_padded(tier: TierName, tmp_path: Path) -> None:
-    ids = _prompt(30, batch=2)
+    ids = random_prompt(30, batch=2)
     ids[1, :9] = 0
     mask = (torch.arange(30) >= 9).long().expand(2, -1).clone()
     mask[0] = 1
-    _check_same(_model8("llama"), tier, 3, tmp_path, ids, batch=2, attention_mask=mask, max_new_tokens=NEW)
+    _check_placement(_model8("llama"), tier, 3, tmp_path, ids, batch=2, attention_mask=mask, max_new_tokens=NEW)
 
 
 @pytest.mark.parametrize("tier", ["host", "disk"])
 def test_placement_with_three_beams(tier: TierName, tmp_path: Path) -> None:
-    _check_same(_model8("llama"), tier, 2, tmp_path, _prompt(29), batch=3, num_beams=3, max_new_tokens=10)
+    _check_placement(_model8("llama"), tier, 2, tmp_path, random_prompt(29), batch=3, num_beams=3, max_new_tokens=10)
 
 
 TOKEN = 2 * 2 * 8 * 4  # the 8-layer Llama's K and V of one token in one layer: 2 KV heads of 8 fp32
@@ -205,7 +205,7 @@ def test_bytes_copied_per_decode_step_are_the_plans_overflow(resident: int, tier
     model = _model8("llama")
     placement, budget = _planned(model, tier, resident, PROMPT + NEW)
     with _cache(model, tier, placement, tmp_path, budget) as cache:
-        _generate(model, cache, _prompt(PROMPT), max_new_tokens=NEW)
+        run_generate(model, cache, random_prompt(PROMPT), max_new_tokens=NEW)
         stats = cache.stats()
     streamed = 8 - resident
     # the first new token comes from the prefill; decode step s starts with PROMPT + s - 1 cached
@@ -234,7 +234,7 @@ def test_disk_reads_are_counted_where_the_block_files_are_read(compression: str,
     with TieredCache(model.config, tier="disk", offload_dir=tmp_path / "kv", block_tokens=BLOCK,
                      compression=compression, device_budget_bytes=budget, placement=placement) as cache:
         rchar_before = _rchar()
-        _generate(model, cache, _prompt(PROMPT), max_new_tokens=NEW)
+        run_generate(model, cache, random_prompt(PROMPT), max_new_tokens=NEW)
         rchar = _rchar() - rchar_before
         stats = cache.stats()
     steps = range(1, NEW)
@@ -261,7 +261,7 @@ def test_half_resident_moves_half_of_what_streaming_everything_moves(tmp_path: P
     for resident in (0, 4):
         placement, budget = _planned(model, "host", resident, PROMPT + NEW)
         with _cache(model, "host", placement, tmp_path, budget) as cache:
-            _generate(model, cache, _prompt(PROMPT), max_new_tokens=NEW)
+            run_generate(model, cache, random_prompt(PROMPT), max_new_tokens=NEW)
             moved[resident] = cache.stats()["bytes_moved_per_decode_step"]
     assert moved[4] * 2 == moved[0]
 
@@ -270,7 +270,7 @@ def test_all_resident_fills_the_budget_exactly_and_moves_nothing(tmp_path: Path)
     model = _model8("llama")
     placement, budget = _planned(model, "disk", 8, PROMPT + NEW)
     with _cache(model, "disk", placement, tmp_path, budget) as cache:
-        _generate(model, cache, _prompt(PROMPT), max_new_tokens=NEW)
+        run_generate(model, cache, random_prompt(PROMPT), max_new_tokens=NEW)
         stats = cache.stats()
         assert cache.offload_files() == []
     assert stats["kv_resident_peak_bytes"] == budget  # room for the whole document, reserved once
@@ -286,7 +286,7 @@ def test_a_budget_below_the_streaming_working_set_raises_oom_as_before(tmp_path:
     assert placement.resident_layers == ()
     with _cache(model, "host", placement, tmp_path, budget) as cache:
         with pytest.raises(torch.OutOfMemoryError, match="device_kv_budget_bytes"):
-            _generate(model, cache, _prompt(PROMPT), max_new_tokens=NEW)
+            run_generate(model, cache, random_prompt(PROMPT), max_new_tokens=NEW)
 
 
 def test_disk_tier_writes_files_only_for_the_layers_host_ram_cannot_keep(tmp_path: Path) -> None:
@@ -297,9 +297,9 @@ def test_disk_tier_writes_files_only_for_the_layers_host_ram_cannot_keep(tmp_pat
     host_budget = 6 * tail + 2 * (host_layer - tail)  # 6 streamed layers, 2 of them in RAM
     placement, budget = _planned(model, "disk", 2, tokens, host_budget=host_budget)
     assert (len(placement.host_layers), len(placement.disk_layers)) == (2, 4)
-    expected = _generate(model, DynamicCache(config=model.config), _prompt(PROMPT), max_new_tokens=NEW)
+    expected = run_generate(model, DynamicCache(config=model.config), random_prompt(PROMPT), max_new_tokens=NEW)
     with _cache(model, "disk", placement, tmp_path, budget, host_budget) as cache:
-        got = _generate(model, cache, _prompt(PROMPT), max_new_tokens=NEW)
+        got = run_generate(model, cache, random_prompt(PROMPT), max_new_tokens=NEW)
         stats = cache.stats()
         files = cache.offload_files()
     assert torch.equal(got, expected)

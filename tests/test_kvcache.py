@@ -6,144 +6,87 @@ tokens of `dynamic`, and sampling with a fixed seed too.
 
 from __future__ import annotations
 
-import os
 import threading
 from pathlib import Path
 
 import psutil
 import pytest
 import torch
-from transformers import (
-    AutoModelForCausalLM,
-    DynamicCache,
-    Gemma2Config,
-    LlamaConfig,
-    MistralConfig,
-    PreTrainedModel,
-    Qwen2Config,
-    StoppingCriteria,
-)
+from transformers import DynamicCache, PreTrainedModel, StoppingCriteria
 
 from jobs.config import CacheConfig, ConfigError
 from jobs.kvplan import kv_bytes, plan_rungs
 from runner.engine.kvcache import BudgetedDynamicCache, TieredCache, build_cache, kv_shape, resolve_budgets
+from tests.helpers.models import (
+    ARCHS,
+    BLOCK,
+    assert_next_logits_equal,
+    assert_tokens_of_dynamic,
+    layer_bytes,
+    random_prompt,
+    run_generate,
+    strategy_cache,
+    tiny_model,
+)
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-VOCAB = 96
-BLOCK = 8  # small blocks, so prompts span several sealed blocks plus a tail
-
-
-@pytest.fixture(autouse=True)
-def _one_torch_thread() -> object:
-    """Tiny models gain nothing from threads and lose a lot when the cores are shared."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def _small(**extra: object) -> dict[str, object]:
-    return dict(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0, eos_token_id=None, **extra,
-    )
-
-
-ARCHS = {
-    "llama-gqa": lambda: LlamaConfig(**_small()),
-    "qwen2-sliding": lambda: Qwen2Config(**_small(use_sliding_window=True, sliding_window=12, max_window_layers=2)),
-    "gemma2-alternating": lambda: Gemma2Config(**_small(head_dim=16, sliding_window=10)),
-    "mistral-sliding": lambda: MistralConfig(**_small(sliding_window=12)),
-}
 STRATEGIES = ["dynamic", "tiered-host", "tiered-disk-zstd", "tiered-disk-none"]
 
 
-def _model(arch: str, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(ARCHS[arch](), dtype=dtype).eval()
-
-
-def _cache(strategy: str, model: PreTrainedModel, tmp_path: Path, **budget: int) -> object:
-    if strategy == "dynamic":
-        return BudgetedDynamicCache(model.config, **budget)
-    tier, _, compression = strategy.removeprefix("tiered-").partition("-")
-    return TieredCache(
-        model.config, tier=tier, offload_dir=tmp_path / "kv", block_tokens=BLOCK,
-        compression=compression or "zstd", **budget,
-    )
-
-
-def _generate(
-    model: PreTrainedModel, cache: object | None, input_ids: torch.Tensor, inference_mode: bool = False, **kwargs: object
-) -> torch.Tensor:
-    if kwargs.get("do_sample"):
-        torch.manual_seed(1234)
-    cache_kwargs = {"past_key_values": cache} if cache is not None else {}
-    with torch.inference_mode() if inference_mode else torch.no_grad():
-        return model.generate(
-            input_ids, max_new_tokens=kwargs.pop("max_new_tokens", 24), **cache_kwargs, **kwargs
-        )
-
-
-def _prompt(length: int, batch: int = 1) -> torch.Tensor:
-    return torch.randint(1, VOCAB, (batch, length), generator=torch.Generator().manual_seed(length))
-
-
-def _check_same(model: PreTrainedModel, strategy: str, tmp_path: Path, input_ids: torch.Tensor, **kwargs) -> None:
-    expected = _generate(model, DynamicCache(config=model.config), input_ids, **dict(kwargs))
-    cache = _cache(strategy, model, tmp_path)
+def _check_strategy(model: PreTrainedModel, strategy: str, tmp_path: Path, input_ids: torch.Tensor, **kwargs) -> None:
+    cache = strategy_cache(strategy, model, tmp_path)
     try:
-        got = _generate(model, cache, input_ids, **dict(kwargs))
+        got, _ = assert_tokens_of_dynamic(model, cache, input_ids, strategy, **kwargs)
     finally:
         cache.close()
-    assert got.shape == expected.shape
-    assert torch.equal(got, expected), f"{strategy} differs from DynamicCache"
     assert got.shape[-1] > input_ids.shape[-1]
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_greedy_tokens_identical(arch: str, strategy: str, tmp_path: Path) -> None:
-    _check_same(_model(arch), strategy, tmp_path, _prompt(37), do_sample=False)
+    _check_strategy(tiny_model(arch), strategy, tmp_path, random_prompt(37), do_sample=False)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES[1:])
 def test_batch_of_two_with_left_padding(strategy: str, tmp_path: Path) -> None:
-    model = _model("llama-gqa")
-    ids = _prompt(30, batch=2)
+    model = tiny_model("llama-gqa")
+    ids = random_prompt(30, batch=2)
     ids[1, :9] = 0  # the shorter document, left-padded
     mask = (torch.arange(30) >= 9).long().expand(2, -1).clone()
     mask[0] = 1
-    _check_same(model, strategy, tmp_path, ids, attention_mask=mask, do_sample=False)
+    _check_strategy(model, strategy, tmp_path, ids, attention_mask=mask, do_sample=False)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES[1:])
 @pytest.mark.parametrize("arch", ["llama-gqa", "qwen2-sliding"])
 def test_beam_search_three_beams(arch: str, strategy: str, tmp_path: Path) -> None:
-    _check_same(_model(arch), strategy, tmp_path, _prompt(29), num_beams=3, do_sample=False, max_new_tokens=16)
+    _check_strategy(tiny_model(arch), strategy, tmp_path, random_prompt(29), num_beams=3, do_sample=False,
+                    max_new_tokens=16)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES[1:])
 @pytest.mark.parametrize("arch", ["llama-gqa", "gemma2-alternating"])
 def test_chunked_prefill(arch: str, strategy: str, tmp_path: Path) -> None:
-    _check_same(_model(arch), strategy, tmp_path, _prompt(53), prefill_chunk_size=11, do_sample=False)
+    _check_strategy(tiny_model(arch), strategy, tmp_path, random_prompt(53), prefill_chunk_size=11, do_sample=False)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES[1:])
 def test_sampling_with_fixed_seed(strategy: str, tmp_path: Path) -> None:
-    _check_same(_model("qwen2-sliding"), strategy, tmp_path, _prompt(33), do_sample=True, top_k=20)
+    _check_strategy(tiny_model("qwen2-sliding"), strategy, tmp_path, random_prompt(33), do_sample=True, top_k=20)
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES[1:])
 def test_under_inference_mode(strategy: str, tmp_path: Path) -> None:
     """The worker generates under torch.inference_mode; the IO thread's tensors must mix with it."""
-    _check_same(_model("llama-gqa"), strategy, tmp_path, _prompt(35), inference_mode=True, do_sample=False)
+    _check_strategy(tiny_model("llama-gqa"), strategy, tmp_path, random_prompt(35), inference_mode=True,
+                    do_sample=False)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_through_the_disk_codec(dtype: torch.dtype, tmp_path: Path) -> None:
-    _check_same(_model("llama-gqa", dtype), "tiered-disk-zstd", tmp_path, _prompt(41), do_sample=False)
+    _check_strategy(tiny_model("llama-gqa", dtype), "tiered-disk-zstd", tmp_path, random_prompt(41), do_sample=False)
 
 
 def _prefilled_pair(model: PreTrainedModel, tier: str, tmp_path: Path, ids: torch.Tensor) -> tuple[DynamicCache, TieredCache]:
@@ -155,40 +98,33 @@ def _prefilled_pair(model: PreTrainedModel, tier: str, tmp_path: Path, ids: torc
     return dynamic, tiered
 
 
-def _next_logits_equal(model: PreTrainedModel, dynamic: DynamicCache, tiered: TieredCache, follow: torch.Tensor) -> None:
-    with torch.no_grad():
-        expected = model(follow, past_key_values=dynamic).logits
-        got = model(follow, past_key_values=tiered).logits
-    assert torch.equal(got, expected)
-
-
 @pytest.mark.parametrize("tier", ["host", "disk"])
 def test_crop_across_a_block_boundary_matches_dynamic(tier: str, tmp_path: Path) -> None:
-    model = _model("llama-gqa")
-    dynamic, tiered = _prefilled_pair(model, tier, tmp_path, _prompt(29))
+    model = tiny_model("llama-gqa")
+    dynamic, tiered = _prefilled_pair(model, tier, tmp_path, random_prompt(29))
     with tiered:
         for cache in (dynamic, tiered):
             cache.crop(-10)  # 29 -> 19 tokens: cuts into the third sealed block
         assert tiered.get_seq_length() == dynamic.get_seq_length() == 19
-        _next_logits_equal(model, dynamic, tiered, _prompt(5))
+        assert_next_logits_equal(model, dynamic, tiered, random_prompt(5))
 
 
 @pytest.mark.parametrize("tier", ["host", "disk"])
 def test_batch_repeat_and_select_match_dynamic(tier: str, tmp_path: Path) -> None:
     """What contrastive and assisted decoding do to a cache: repeat rows, then keep some of them."""
-    model = _model("llama-gqa")
-    dynamic, tiered = _prefilled_pair(model, tier, tmp_path, _prompt(27, batch=2))
+    model = tiny_model("llama-gqa")
+    dynamic, tiered = _prefilled_pair(model, tier, tmp_path, random_prompt(27, batch=2))
     with tiered:
         for cache in (dynamic, tiered):
             cache.batch_repeat_interleave(3)  # rows a a a b b b
             cache.batch_select_indices(torch.tensor([5, 0, 3]))  # rows b a b
-        _next_logits_equal(model, dynamic, tiered, _prompt(4, batch=3))
+        assert_next_logits_equal(model, dynamic, tiered, random_prompt(4, batch=3))
 
 
 def test_reads_queued_behind_a_stalled_io_thread_are_done_by_the_compute_thread(tmp_path: Path) -> None:
     """A starved IO thread must not stall decoding: queued reads are taken over, not waited for."""
-    model = _model("llama-gqa")
-    dynamic, tiered = _prefilled_pair(model, "disk", tmp_path, _prompt(30))
+    model = tiny_model("llama-gqa")
+    dynamic, tiered = _prefilled_pair(model, "disk", tmp_path, random_prompt(30))
     release = threading.Event()
     with tiered:
         tiered.stats()  # let the prefill's block seals finish first
@@ -197,7 +133,7 @@ def test_reads_queued_behind_a_stalled_io_thread_are_done_by_the_compute_thread(
 
         def decode_step() -> None:
             try:
-                _next_logits_equal(model, dynamic, tiered, _prompt(1))  # 30 + 1 tokens: no block to seal
+                assert_next_logits_equal(model, dynamic, tiered, random_prompt(1))  # 30 + 1 tokens: no block to seal
             except BaseException as e:  # reported below, from the test's thread
                 errors.append(e)
 
@@ -210,11 +146,6 @@ def test_reads_queued_behind_a_stalled_io_thread_are_done_by_the_compute_thread(
         stall.result()
     assert finished, "the decode step waited for the stalled IO thread"
     assert not errors, errors
-
-
-def _layer_bytes(model: PreTrainedModel, tokens: int, batch: int = 1) -> int:
-    shape = kv_shape(model.config, torch.float32)
-    return kv_bytes(shape, tokens, batch) // shape.num_layers
 
 
 class _OffloadDirWatcher(StoppingCriteria):
@@ -230,21 +161,21 @@ class _OffloadDirWatcher(StoppingCriteria):
 
 
 def test_tiered_disk_keeps_two_layers_resident_and_its_blocks_on_disk(tmp_path: Path) -> None:
-    model = _model("llama-gqa")
-    ids = _prompt(45)
+    model = tiny_model("llama-gqa")
+    ids = random_prompt(45)
     new_tokens = 20
     total = ids.shape[-1] + new_tokens - 1  # the last token is sampled, never cached
     watcher = _OffloadDirWatcher(tmp_path / "kv")
     dynamic = BudgetedDynamicCache(model.config)
-    _generate(model, dynamic, ids, max_new_tokens=new_tokens)
+    run_generate(model, dynamic, ids, max_new_tokens=new_tokens)
     with TieredCache(model.config, tier="disk", offload_dir=tmp_path / "kv", block_tokens=BLOCK) as tiered:
-        _generate(model, tiered, ids, max_new_tokens=new_tokens, stopping_criteria=[watcher])
+        run_generate(model, tiered, ids, max_new_tokens=new_tokens, stopping_criteria=[watcher])
         stats = tiered.stats()
         files = tiered.offload_files()
         files_sizes = [f.stat().st_size for f in files]
         assert len(files) == model.config.num_hidden_layers
-    layer = _layer_bytes(model, total)
-    block = _layer_bytes(model, BLOCK)
+    layer = layer_bytes(model, total)
+    block = layer_bytes(model, BLOCK)
     all_layers = layer * model.config.num_hidden_layers
     assert dynamic.stats()["kv_resident_peak_bytes"] == all_layers
     assert stats["kv_bytes"] == all_layers
@@ -262,8 +193,8 @@ def test_tiered_disk_keeps_two_layers_resident_and_its_blocks_on_disk(tmp_path: 
 
 def test_device_budget_guard_moves_dynamic_to_tiered_with_same_tokens(tmp_path: Path) -> None:
     """The ladder's building blocks on CPU: too small for dynamic, enough for tiered-disk."""
-    model = _model("llama-gqa")
-    ids = _prompt(40)
+    model = tiny_model("llama-gqa")
+    ids = random_prompt(40)
     new_tokens = 12
     shape = kv_shape(model.config, torch.float32)
     needed = kv_bytes(shape, ids.shape[-1] + new_tokens)
@@ -272,10 +203,10 @@ def test_device_budget_guard_moves_dynamic_to_tiered_with_same_tokens(tmp_path: 
     cfg = CacheConfig(block_tokens=BLOCK)
     with build_cache("dynamic", model, cfg, None, budget) as handle:
         with pytest.raises(torch.OutOfMemoryError, match="device_kv_budget_bytes"):
-            _generate(model, None, ids, max_new_tokens=new_tokens, **handle.generate_kwargs)
-    expected = _generate(model, DynamicCache(config=model.config), ids, max_new_tokens=new_tokens)
+            run_generate(model, None, ids, max_new_tokens=new_tokens, **handle.generate_kwargs)
+    expected = run_generate(model, DynamicCache(config=model.config), ids, max_new_tokens=new_tokens)
     with build_cache("tiered-disk", model, cfg, tmp_path / "kv", budget) as handle:
-        got = _generate(model, None, ids, max_new_tokens=new_tokens, **handle.generate_kwargs)
+        got = run_generate(model, None, ids, max_new_tokens=new_tokens, **handle.generate_kwargs)
         stats = handle.stats()
     assert torch.equal(got, expected)
     assert set(stats) == {"kv_bytes", "kv_resident_peak_bytes", "offload_bytes_written",
@@ -284,41 +215,41 @@ def test_device_budget_guard_moves_dynamic_to_tiered_with_same_tokens(tmp_path: 
 
 
 def test_tiered_budget_below_two_layers_raises_oom(tmp_path: Path) -> None:
-    model = _model("llama-gqa")
-    ids = _prompt(40)
-    budget = _layer_bytes(model, ids.shape[-1])  # one layer: the prefetch of the next cannot fit
+    model = tiny_model("llama-gqa")
+    ids = random_prompt(40)
+    budget = layer_bytes(model, ids.shape[-1])  # one layer: the prefetch of the next cannot fit
     with TieredCache(model.config, tier="host", block_tokens=BLOCK, device_budget_bytes=budget) as cache:
         with pytest.raises(torch.OutOfMemoryError):
-            _generate(model, cache, ids, max_new_tokens=4)
+            run_generate(model, cache, ids, max_new_tokens=4)
 
 
 def test_host_budget_guard_for_the_host_tier(tmp_path: Path) -> None:
-    model = _model("llama-gqa")
-    ids = _prompt(40)
+    model = tiny_model("llama-gqa")
+    ids = random_prompt(40)
     with TieredCache(model.config, tier="host", block_tokens=BLOCK, host_budget_bytes=4096) as cache:
         with pytest.raises(torch.OutOfMemoryError, match="host_kv_budget_bytes"):
-            _generate(model, cache, ids, max_new_tokens=4)
+            run_generate(model, cache, ids, max_new_tokens=4)
 
 
 def test_transformers_offloading_on_cpu_is_a_clear_error() -> None:
-    model = _model("llama-gqa")
+    model = tiny_model("llama-gqa")
     for strategy in ("offloaded", "offloaded_static"):
         with pytest.raises(ConfigError, match="needs a CUDA device"):
             build_cache(strategy, model, CacheConfig(), None, None)
 
 
 def test_static_cache_implementation_passes_through() -> None:
-    model = _model("llama-gqa")
-    ids = _prompt(20)
+    model = tiny_model("llama-gqa")
+    ids = random_prompt(20)
     handle = build_cache("static", model, CacheConfig(), None, None)
     assert handle.generate_kwargs == {"cache_implementation": "static"}
-    got = _generate(model, None, ids, max_new_tokens=8, **handle.generate_kwargs)
-    expected = _generate(model, DynamicCache(config=model.config), ids, max_new_tokens=8)
+    got = run_generate(model, None, ids, max_new_tokens=8, **handle.generate_kwargs)
+    expected = run_generate(model, DynamicCache(config=model.config), ids, max_new_tokens=8)
     assert torch.equal(got, expected)
 
 
 def test_disk_tier_needs_an_offload_dir() -> None:
-    model = _model("llama-gqa")
+    model = tiny_model("llama-gqa")
     with pytest.raises(ValueError, match="offload"):
         build_cache("tiered-disk", model, CacheConfig(), None, None)
     with pytest.raises(ValueError, match="offload_dir"):
@@ -326,9 +257,9 @@ def test_disk_tier_needs_an_offload_dir() -> None:
 
 
 def test_kv_shape_reads_the_model_config() -> None:
-    shape = kv_shape(_model("gemma2-alternating").config, torch.bfloat16)
+    shape = kv_shape(tiny_model("gemma2-alternating").config, torch.bfloat16)
     assert (shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.dtype_bytes) == (4, 2, 16, 2)
-    assert kv_shape(_model("llama-gqa").config, torch.float32).head_dim == 8
+    assert kv_shape(tiny_model("llama-gqa").config, torch.float32).head_dim == 8
 
 
 def test_resolve_budgets_on_cpu() -> None:

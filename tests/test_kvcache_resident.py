@@ -10,26 +10,33 @@ import math
 
 import pytest
 import torch
-from test_kvcache import ARCHS, _generate, _model, _next_logits_equal, _one_torch_thread, _prompt  # noqa: F401
 from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 from jobs.kvplan import kv_bytes
 from runner.engine.kvcache import BudgetedDynamicCache, KVBudgetExceeded, kv_shape
 from runner.engine.kvcache.resident import GRANULE_TOKENS, GROWTH, GrowingLayer
+from tests.helpers.models import (
+    ARCHS,
+    assert_next_logits_equal,
+    assert_tokens_of_dynamic,
+    random_prompt,
+    run_generate,
+    tiny_model,
+)
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-def _check_same(
+def _check_growing_layers(
     model: PreTrainedModel, input_ids: torch.Tensor, inference_mode: bool = False, **kwargs: object
 ) -> None:
     """Greedy tokens and every step's logits equal to DynamicCache's; full-attention layers really grew."""
     plain = DynamicCache(config=model.config)
-    expected = _generate(model, plain, input_ids, inference_mode, return_dict_in_generate=True, output_logits=True,
-                         do_sample=False, **dict(kwargs))
     cache = BudgetedDynamicCache(model.config)
-    got = _generate(model, cache, input_ids, inference_mode, return_dict_in_generate=True, output_logits=True,
-                    do_sample=False, **dict(kwargs))
-    assert torch.equal(got.sequences, expected.sequences), "GrowingLayer changed the tokens"
+    got, expected = assert_tokens_of_dynamic(model, cache, input_ids, "GrowingLayer", inference_mode, plain,
+                                             return_dict_in_generate=True, output_logits=True, do_sample=False,
+                                             **kwargs)
     assert len(got.logits) == len(expected.logits)
     assert all(torch.equal(a, b) for a, b in zip(got.logits, expected.logits)), "GrowingLayer changed the logits"
     assert [isinstance(layer, GrowingLayer) for layer in cache.layers] == [
@@ -41,30 +48,30 @@ def _check_same(
 
 @pytest.mark.parametrize("arch", list(ARCHS))
 def test_greedy_tokens_and_logits_identical(arch: str) -> None:
-    _check_same(_model(arch), _prompt(37))
+    _check_growing_layers(tiny_model(arch), random_prompt(37))
 
 
 def test_batch_of_two_with_left_padding() -> None:
-    ids = _prompt(30, batch=2)
+    ids = random_prompt(30, batch=2)
     ids[1, :9] = 0  # the shorter document, left-padded
     mask = (torch.arange(30) >= 9).long().expand(2, -1).clone()
     mask[0] = 1
-    _check_same(_model("llama-gqa"), ids, attention_mask=mask)
+    _check_growing_layers(tiny_model("llama-gqa"), ids, attention_mask=mask)
 
 
 @pytest.mark.parametrize("arch", ["llama-gqa", "qwen2-sliding"])
 def test_beam_search_three_beams(arch: str) -> None:
-    _check_same(_model(arch), _prompt(29), num_beams=3, max_new_tokens=16)
+    _check_growing_layers(tiny_model(arch), random_prompt(29), num_beams=3, max_new_tokens=16)
 
 
 @pytest.mark.parametrize("arch", ["llama-gqa", "gemma2-alternating"])
 def test_chunked_prefill(arch: str) -> None:
-    _check_same(_model(arch), _prompt(53), prefill_chunk_size=11)
+    _check_growing_layers(tiny_model(arch), random_prompt(53), prefill_chunk_size=11)
 
 
 def test_under_inference_mode() -> None:
     """The worker generates under torch.inference_mode: the buffers are written in place there too."""
-    _check_same(_model("llama-gqa"), _prompt(61), inference_mode=True, max_new_tokens=40)
+    _check_growing_layers(tiny_model("llama-gqa"), random_prompt(61), inference_mode=True, max_new_tokens=40)
 
 
 def _prefilled_pair(model: PreTrainedModel, ids: torch.Tensor) -> tuple[DynamicCache, BudgetedDynamicCache]:
@@ -77,32 +84,32 @@ def _prefilled_pair(model: PreTrainedModel, ids: torch.Tensor) -> tuple[DynamicC
 
 def test_crop_then_regrow_matches_dynamic() -> None:
     """Cropped tokens stay in the buffer but out of sight; what replaces them is written over them."""
-    model = _model("llama-gqa")
-    plain, mine = _prefilled_pair(model, _prompt(60))
+    model = tiny_model("llama-gqa")
+    plain, mine = _prefilled_pair(model, random_prompt(60))
     for cache in (plain, mine):
         cache.crop(-25)
     assert mine.get_seq_length() == plain.get_seq_length() == 35
-    _next_logits_equal(model, plain, mine, _prompt(5))
-    _next_logits_equal(model, plain, mine, _prompt(40))  # 80 tokens: past the first capacity of 64
+    assert_next_logits_equal(model, plain, mine, random_prompt(5))
+    assert_next_logits_equal(model, plain, mine, random_prompt(40))  # 80 tokens: past the first capacity of 64
 
 
 def test_batch_repeat_and_select_match_dynamic() -> None:
     """What contrastive and assisted decoding do to a cache: repeat rows, then keep some of them."""
-    model = _model("llama-gqa")
-    plain, mine = _prefilled_pair(model, _prompt(27, batch=2))
+    model = tiny_model("llama-gqa")
+    plain, mine = _prefilled_pair(model, random_prompt(27, batch=2))
     for cache in (plain, mine):
         cache.batch_repeat_interleave(3)  # rows a a a b b b
         cache.batch_select_indices(torch.tensor([5, 0, 3]))  # rows b a b
-    _next_logits_equal(model, plain, mine, _prompt(4, batch=3))
+    assert_next_logits_equal(model, plain, mine, random_prompt(4, batch=3))
 
 
 def test_batch_repeat_is_checked_against_the_budget() -> None:
     """Repeated rows fill room that decoding would not grow: the guard must see them at once."""
-    model = _model("llama-gqa")
+    model = tiny_model("llama-gqa")
     allocated = kv_bytes(kv_shape(model.config, torch.float32), GRANULE_TOKENS)  # 27 tokens: one granule
     cache = BudgetedDynamicCache(model.config, device_budget_bytes=2 * allocated)
     with torch.no_grad():
-        model(_prompt(27), past_key_values=cache)
+        model(random_prompt(27), past_key_values=cache)
     assert cache.meter.total == allocated
     cache.batch_repeat_interleave(2)
     assert cache.meter.total == 2 * allocated
@@ -173,11 +180,11 @@ def test_decode_grows_geometrically_and_writes_in_place() -> None:
 def _budget_case(arch: str) -> tuple[PreTrainedModel, torch.Tensor, int, int]:
     """A prompt and length whose geometric capacity is well above `needed`: the guard's peak with
     transformers' own concatenating layers, i.e. the least budget plain DynamicCache runs in."""
-    model = _model(arch)
-    ids, new_tokens = _prompt(40), 12
+    model = tiny_model(arch)
+    ids, new_tokens = random_prompt(40), 12
     concatenating = BudgetedDynamicCache(model.config)
     concatenating.layers = [DynamicLayer() if isinstance(x, GrowingLayer) else x for x in concatenating.layers]
-    _generate(model, concatenating, ids, max_new_tokens=new_tokens)
+    run_generate(model, concatenating, ids, max_new_tokens=new_tokens)
     return model, ids, new_tokens, concatenating.meter.peak
 
 
@@ -185,7 +192,7 @@ def test_meter_counts_the_allocation_and_kv_bytes_the_tokens() -> None:
     model, ids, new_tokens, needed = _budget_case("llama-gqa")
     assert needed == kv_bytes(kv_shape(model.config, torch.float32), ids.shape[-1] + new_tokens - 1)
     cache = BudgetedDynamicCache(model.config)
-    _generate(model, cache, ids, max_new_tokens=new_tokens)
+    run_generate(model, cache, ids, max_new_tokens=new_tokens)
     allocated = sum(layer.capacity_bytes for layer in cache.layers)
     assert cache.stats()["kv_bytes"] == needed
     assert cache.stats()["kv_resident_peak_bytes"] == allocated > needed
@@ -194,7 +201,7 @@ def test_meter_counts_the_allocation_and_kv_bytes_the_tokens() -> None:
 def test_a_known_task_length_is_allocated_once_without_slack() -> None:
     model, ids, new_tokens, needed = _budget_case("llama-gqa")
     expected_tokens = ids.shape[-1] + new_tokens
-    plain = _generate(model, DynamicCache(config=model.config), ids, max_new_tokens=new_tokens, prefill_chunk_size=8)
+    plain = run_generate(model, DynamicCache(config=model.config), ids, max_new_tokens=new_tokens, prefill_chunk_size=8)
     cache = BudgetedDynamicCache(model.config, expected_tokens=expected_tokens)
     pointers = []
 
@@ -203,7 +210,7 @@ def test_a_known_task_length_is_allocated_once_without_slack() -> None:
 
     hook = model.model.layers[1].register_forward_hook(spy)
     try:
-        got = _generate(model, cache, ids, max_new_tokens=new_tokens, prefill_chunk_size=8)
+        got = run_generate(model, cache, ids, max_new_tokens=new_tokens, prefill_chunk_size=8)
     finally:
         hook.remove()
     assert torch.equal(got, plain)
@@ -219,12 +226,12 @@ def test_every_budget_between_needed_and_the_geometric_step_fits(arch: str) -> N
     (before a full-attention layer grows, and before a sliding layer's new tokens arrive)."""
     model, ids, new_tokens, needed = _budget_case(arch)
     unbudgeted = BudgetedDynamicCache(model.config)
-    expected = _generate(model, unbudgeted, ids, max_new_tokens=new_tokens)
+    expected = run_generate(model, unbudgeted, ids, max_new_tokens=new_tokens)
     geometric = unbudgeted.stats()["kv_resident_peak_bytes"]
     assert geometric > needed
     for budget in range(needed, geometric, -(-(geometric - needed) // 8)):
         cache = BudgetedDynamicCache(model.config, device_budget_bytes=budget)
-        got = _generate(model, cache, ids, max_new_tokens=new_tokens)
+        got = run_generate(model, cache, ids, max_new_tokens=new_tokens)
         assert torch.equal(got, expected)
         assert cache.stats()["kv_bytes"] <= cache.stats()["kv_resident_peak_bytes"] <= budget
 
@@ -234,5 +241,5 @@ def test_budget_below_needed_raises(arch: str) -> None:
     model, ids, new_tokens, needed = _budget_case(arch)
     cache = BudgetedDynamicCache(model.config, device_budget_bytes=needed - 1)
     with pytest.raises(KVBudgetExceeded, match="device_kv_budget_bytes"):
-        _generate(model, cache, ids, max_new_tokens=new_tokens)
+        run_generate(model, cache, ids, max_new_tokens=new_tokens)
     assert cache.meter.peak <= needed - 1

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import LICENSES, TINY_CONFIG, export_rows, kvbatch, write_jsonl
+
+from tests.helpers.cli import LICENSES, TINY_CONFIG, export_rows, kvbatch, write_jsonl
 
 
 def run(tmp_path, ray_address, name: str, *settings: str, env: dict | None = None) -> dict:

@@ -12,10 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_kvcache import BLOCK, _cache, _layer_bytes, _model, _one_torch_thread, _prompt  # noqa: F401 - the fixture applies here too
 from transformers import AutoModelForCausalLM, DynamicCache, GPT2Config, PreTrainedModel
 
-from jobs.config import ModelConfig, SummarizeConfig
+from jobs.config import SummarizeConfig
 from runner.engine.generation import generate_once
 from runner.engine.kvcache import TieredCache
 from runner.engine.kvcache.layer_major import (
@@ -24,7 +23,10 @@ from runner.engine.kvcache.layer_major import (
     prefilled,
     unsupported_reason,
 )
-from runner.engine.model_loader import LoadedModel, load_model
+from runner.engine.model_loader import LoadedModel
+from tests.helpers.models import BLOCK, layer_bytes, random_prompt, strategy_cache, tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 CHUNK = 11
 NEW_TOKENS = 8
@@ -32,7 +34,7 @@ NEW_TOKENS = 8
 
 def _padded_prompt(length: int, batch: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`batch` rows; the second one a shorter document, left-padded."""
-    ids = _prompt(length, batch)
+    ids = random_prompt(length, batch)
     mask = torch.ones_like(ids)
     if batch == 2:
         ids[1, :9] = 0
@@ -62,11 +64,11 @@ def _layer_kv(layer: object) -> tuple[torch.Tensor, torch.Tensor]:
 def test_bit_identical_to_chunked_prefill(arch: str, batch: int, strategy: str, tmp_path: Path) -> None:
     """53 tokens in chunks of 11 (the last one 9 tokens), all layer-major; generate() only decodes.
     The sliding windows (10-12 tokens) are far shorter than the prompt."""
-    model = _model(arch)
+    model = tiny_model(arch)
     ids, mask = _padded_prompt(53, batch)
     expected_cache = DynamicCache(config=model.config)
     expected = _generate(model, ids, mask, expected_cache, max_new_tokens=NEW_TOKENS)
-    cache = _cache(strategy, model, tmp_path)
+    cache = strategy_cache(strategy, model, tmp_path)
     try:
         assert unsupported_reason(model, cache) is None
         output = layer_major_prefill(model, ids, mask, cache, CHUNK)
@@ -91,10 +93,10 @@ def test_disk_tier_writes_the_prompt_once_and_reads_none_of_it_back(tmp_path: Pa
     layer-major reads nothing while it fills the cache, except layer 0, which the cache prefetches
     for the first decode step as soon as the last layer is in (as it does after chunked prefill).
     Both write the 64 tokens of every layer's sealed blocks once (the 5 others stay in RAM tails)."""
-    model = _model("llama-gqa")
+    model = tiny_model("llama-gqa")
     layers = model.config.num_hidden_layers
-    token = _layer_bytes(model, 1)  # one token of one layer, keys and values
-    ids = _prompt(69)
+    token = layer_bytes(model, 1)  # one token of one layer, keys and values
+    ids = random_prompt(69)
     mask = torch.ones_like(ids)
 
     def disk_cache(name: str) -> TieredCache:
@@ -118,7 +120,7 @@ def test_disk_tier_writes_the_prompt_once_and_reads_none_of_it_back(tmp_path: Pa
 def test_written_bytes_are_the_raw_kv(tmp_path: Path) -> None:
     """What the disk tier writes with compression none is the K/V itself: the bytes of a DynamicCache
     holding the same tokens, for the tokens of its full blocks (the rest stays in the RAM tail)."""
-    model = _model("llama-gqa")
+    model = tiny_model("llama-gqa")
     ids, mask = _padded_prompt(49, 2)
     dynamic = DynamicCache(config=model.config)
     layer_major_prefill(model, ids, mask, dynamic, 16)
@@ -134,15 +136,11 @@ def _tiny_gpt2() -> PreTrainedModel:
     return AutoModelForCausalLM.from_config(config).eval()
 
 
-@pytest.fixture(scope="module")
-def tiny() -> LoadedModel:
-    return load_model(ModelConfig(name="builtin:tiny-random"))
-
-
-def test_an_uncovered_architecture_falls_back_to_chunked_prefill(tiny: LoadedModel, tmp_path: Path, caplog) -> None:
-    gpt2 = LoadedModel(_tiny_gpt2(), tiny.tokenizer, "gpt2-tiny", torch.device("cpu"), torch.float32, 0.0)
+def test_an_uncovered_architecture_falls_back_to_chunked_prefill(tiny_random: LoadedModel, tmp_path: Path,
+                                                                 caplog) -> None:
+    gpt2 = LoadedModel(_tiny_gpt2(), tiny_random.tokenizer, "gpt2-tiny", torch.device("cpu"), torch.float32, 0.0)
     settings = SummarizeConfig(prefill_chunk_size=CHUNK, max_new_tokens=NEW_TOKENS)
-    prompt = _prompt(53)[0].tolist()
+    prompt = random_prompt(53)[0].tolist()
     outputs = {}
     for mode in ("chunked", "layer-major"):
         with TieredCache(gpt2.model.config, tier="disk", offload_dir=tmp_path / mode, block_tokens=BLOCK) as cache:
@@ -155,29 +153,31 @@ def test_an_uncovered_architecture_falls_back_to_chunked_prefill(tiny: LoadedMod
 
 
 @pytest.mark.parametrize("strategy", ["tiered-disk-zstd", "dynamic"])
-def test_generate_once_prefill_modes_give_the_same_tokens(tiny: LoadedModel, strategy: str, tmp_path: Path) -> None:
+def test_generate_once_prefill_modes_give_the_same_tokens(tiny_random: LoadedModel, strategy: str,
+                                                          tmp_path: Path) -> None:
     """The worker's path: `cache.prefill` auto picks layer-major for a tiered cache (read-backs cut),
     chunked for dynamic (nothing to read back); every mode writes the same tokens."""
     settings = SummarizeConfig(prefill_chunk_size=16, max_new_tokens=NEW_TOKENS)
     prompt = list(range(100, 180))  # 5 chunks
     results = {}
     for mode in ("chunked", "layer-major", "auto"):
-        cache = _cache(strategy, tiny.model, tmp_path / mode)
+        cache = strategy_cache(strategy, tiny_random.model, tmp_path / mode)
         try:
-            gen = generate_once(tiny, prompt, NEW_TOKENS, settings, {"past_key_values": cache}, mode)
+            gen = generate_once(tiny_random, prompt, NEW_TOKENS, settings, {"past_key_values": cache}, mode)
             results[mode] = (gen.tokens, cache.stats().get("offload_bytes_read"))
         finally:
             cache.close()
     assert results["layer-major"][0] == results["chunked"][0] == results["auto"][0]
     if strategy == "dynamic":
-        assert choose_prefill("auto", tiny.model, DynamicCache(config=tiny.model.config), 80, 16) == "chunked"
+        plain = DynamicCache(config=tiny_random.model.config)
+        assert choose_prefill("auto", tiny_random.model, plain, 80, 16) == "chunked"
     else:
         assert results["auto"][1] == results["layer-major"][1] < results["chunked"][1]
 
 
 def test_auto_keeps_chunked_prefill_for_one_chunk(tmp_path: Path) -> None:
     """One chunk: there is nothing to read back, both orders are the same."""
-    model = _model("llama-gqa")
+    model = tiny_model("llama-gqa")
     with TieredCache(model.config, tier="host") as cache:
         assert choose_prefill("auto", model, cache, 16, 16) == "chunked"
         assert choose_prefill("auto", model, cache, 17, 16) == "layer-major"

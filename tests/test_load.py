@@ -6,7 +6,8 @@ import subprocess
 import sys
 
 import pytest
-from conftest import REPO, export_rows
+
+from tests.helpers.cli import REPO, export_rows
 
 
 @pytest.mark.slow

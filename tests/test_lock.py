@@ -10,7 +10,7 @@ import pytest
 
 from storage.lock import JobLock, JobLockedError
 from storage.owner import ProcessOwner
-from tests.child_process import Child
+from tests.helpers.child_process import Child
 
 HOLD_LOCK = """
 import sys, time

@@ -18,12 +18,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import TINY_CONFIG
 from jobs.config import load_config
 from jobs.task import Task
 from runner.engine.kvcache import KVBudgetExceeded
 from runner.engine.worker import SummaryWorker, _is_memory_error
 from storage.scratch import ScratchSpaceError
+from tests.helpers.cli import TINY_CONFIG
 
 # torch's own text for a failed CUDA call (c10/cuda/CUDAException.cpp), here for cudaErrorMemoryAllocation
 _CUDA_CHECK_TAIL = (

@@ -13,74 +13,43 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Iterator
 
 import pyarrow as pa
 import pyarrow.fs as pafs
 import pytest
-from conftest import (
+
+from jobs.config import load_config
+from jobs.manifest import read_manifest, tasks_to_table
+from jobs.schema import RESULT_SCHEMA
+from jobs.uris import filesystem_of
+from storage.checkpoint import CheckpointLog, compact, load_state
+from storage.jobdir import JobDir, JobInfo, create_job, new_job_id
+from storage.lease import LEASE_TTL_ENV
+from storage.location import Location
+from storage.parts import TEMP_PREFIX, list_parts, list_temp_files
+from tests.helpers.cli import (
     LICENSES,
     REPO,
     TINY_CONFIG,
     done_summaries,
     export_rows,
-    free_port,
     kvbatch,
     license_manifest,
     wait_for,
-    wait_for_server,
     write_jsonl,
 )
-
-from jobs.config import load_config
-from jobs.manifest import read_manifest, tasks_to_table
-from jobs.schema import RESULT_SCHEMA, TaskState, empty_row
-from jobs.uris import filesystem_of
-from storage.checkpoint import CheckpointLog, compact, load_state
-from storage.jobdir import JobDir, JobInfo, create_job, new_job_id
-from storage.lease import LEASE_TTL_ENV, JobLease, LeaseLostError, job_lock
-from storage.location import Location
-from storage.lock import JobLockedError
-from storage.parts import TEMP_PREFIX, list_parts, list_temp_files
+from tests.helpers.results import done_row
+from tests.helpers.system import BUCKET
 
 DOCS = ["GPL-2", "LGPL-2.1", "Apache-2.0", "MPL-2.0", "Artistic", "BSD"]
-BUCKET = "kvbatch-test"
-
-
-@pytest.fixture(scope="module")
-def s3() -> Iterator[str]:
-    """`s3://BUCKET` on a moto server this module starts; the AWS variables point every process at it."""
-    port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    env = {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_ACCESS_KEY_ID": "testing",
-           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}
-    patch = pytest.MonkeyPatch()
-    for key, value in env.items():
-        patch.setenv(key, value)
-    try:
-        wait_for_server(port, server)
-        filesystem_of(f"s3://{BUCKET}?allow_bucket_creation=true")[0].create_dir(BUCKET)
-        yield f"s3://{BUCKET}"
-    finally:
-        patch.undo()
-        server.terminate()
-        server.wait()
-
-
-def _result(doc: str) -> dict:
-    row = empty_row(RESULT_SCHEMA)
-    row.update(doc_id=doc, task_id=f"t-{doc}", status=TaskState.DONE.value, summary=f"summary of {doc}", attempts=1)
-    return row
 
 
 def test_checkpoint_parts_on_s3_publish_whole_and_unpublished_keys_are_ignored(s3: str) -> None:
     job = Location.of(f"{s3}/parts-job")
     with CheckpointLog(job, flush_every=1) as log:
         for doc in ("a", "b", "c"):
-            log.add_result(_result(doc))
+            log.add_result(done_row(doc))
     assert len(list_parts(job / "results")) == 3
     # a writer killed between its upload and the publish leaves only a temporary key behind
     stray = job / "results" / f"{TEMP_PREFIX}part-99999999999999999999-x.parquet"
@@ -90,69 +59,6 @@ def test_checkpoint_parts_on_s3_publish_whole_and_unpublished_keys_are_ignored(s
     compact(job)
     assert len(list_parts(job / "results")) == 1 and list_temp_files(job / "results") == []
     assert load_state(job).done_task_ids == {"t-a", "t-b", "t-c"}
-
-
-def test_the_lease_on_s3_admits_one_coordinator_and_takes_over_one_that_stopped_renewing(s3: str) -> None:
-    lock = Location.of(f"{s3}/lease-job/.lock")
-    held = job_lock(lock)
-    assert isinstance(held, JobLease)
-    with held:
-        with pytest.raises(JobLockedError, match="in use by a running coordinator"):
-            JobLease(lock).acquire()
-    assert not lock.exists(), "release removes the record"
-    # a record whose clock says it is still valid for an hour, from a machine that stopped renewing it:
-    # no clock is compared; a full TTL without a change on the taker's own clock is what counts
-    stopped = {"host": "lost-node", "pid": 1, "start_time": 0.0, "token": "x", "expires": time.time() + 3600}
-    lock.write_bytes_atomic(json.dumps(stopped).encode(), ".lock.tmp")
-    started = time.monotonic()
-    with JobLease(lock, ttl_s=1.0) as taken:
-        assert time.monotonic() - started >= 1.0, "the taker watched the lease for a full TTL first"
-        assert "pid 1 on host lost-node" in taken.takeover_message and "lease expired" in taken.takeover_message
-
-
-def test_a_lease_renewed_from_another_host_is_refused_whatever_its_clock_says(s3: str) -> None:
-    lock = Location.of(f"{s3}/renewed-job/.lock")
-    stop = threading.Event()
-
-    def renew_elsewhere() -> None:  # a coordinator on another machine, whose wall clock is a day behind
-        seq = 0
-        while not stop.is_set():
-            seq += 1
-            record = {"host": "other-node", "pid": 7, "start_time": 0.0, "token": "y", "seq": seq,
-                      "expires": time.time() - 86400}
-            lock.write_bytes_atomic(json.dumps(record).encode(), f".lock.{seq}.tmp")
-            stop.wait(0.2)
-
-    renewer = threading.Thread(target=renew_elsewhere)
-    renewer.start()
-    try:
-        while not lock.exists():
-            time.sleep(0.05)
-        with pytest.raises(JobLockedError, match="other-node.*keeps renewing"):
-            JobLease(lock, ttl_s=2.0).acquire()
-    finally:
-        stop.set()
-        renewer.join()
-
-
-def test_a_lease_renewal_refused_by_the_store_stops_every_write(s3: str, tmp_path) -> None:
-    """A holder whose lease was taken (its If-Match renewal fails) raises at the fence, publishes nothing."""
-    job = Location.of(f"{s3}/fenced-job")
-    with JobLease(job / ".lock", ttl_s=1.0) as lease:
-        log = CheckpointLog(job, flush_every=1, fence=lease.check)
-        log.add_result(_result("a"))
-        taker_record = {"host": "other-node", "pid": 7, "start_time": 0.0, "token": "z"}
-        (job / ".lock").write_bytes_atomic(json.dumps(taker_record).encode(), ".lock.taker.tmp")
-        deadline = time.monotonic() + 10
-        while lease.lost is None:
-            assert time.monotonic() < deadline, "the renewal never noticed the takeover"
-            time.sleep(0.05)
-        with pytest.raises(LeaseLostError, match="another coordinator took it over"):
-            log.add_result(_result("b"))
-        with pytest.raises(LeaseLostError):
-            compact(job, lease.check)
-    assert json.loads((job / ".lock").read_bytes())["token"] == "z", "the lost lease's release left the taker's record"
-    assert load_state(job).done_task_ids == {"t-a"} and len(list_parts(job / "results")) == 1
 
 
 def _create_job(uri: str, tmp_path, names: list[str], *overrides: str) -> None:
@@ -258,7 +164,7 @@ def test_a_batch_on_s3_killed_and_resumed_from_the_uri_gives_the_local_results(s
 
 
 def test_a_folder_on_s3_is_submitted_with_glob_and_a_manifest_uri_reads_documents_beside_it(s3, tmp_path) -> None:
-    from test_formats import ACCEPTED, make_collection
+    from tests.helpers.collection import ACCEPTED, make_collection
 
     documents, _ = filesystem_of(s3)
     local = make_collection(tmp_path / "docs")

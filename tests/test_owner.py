@@ -18,7 +18,7 @@ import pytest
 from storage.lock import JobLock, JobLockedError
 from storage.owner import OwnerLiveness, ProcessOwner
 from storage.scratch import sweep_orphans
-from tests.child_process import Child
+from tests.helpers.child_process import Child
 
 HOLD_SCRATCH = """
 import sys, time

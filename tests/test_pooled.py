@@ -13,67 +13,33 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-import torch
-from conftest import LICENSES, TINY_CONFIG
-from test_batching import BIG, LENGTHS, NEW, _alone, _loaded, tokenizer  # noqa: F401 - the fixture applies here
-from test_kvcache import _model, _one_torch_thread, _prompt  # noqa: F401 - the fixture applies here too
-from transformers import PreTrainedModel
 
 from jobs.attention import attention_path
-from jobs.config import CacheConfig, ConfigError, SummarizeConfig, load_config
-from jobs.kvplan import kv_bytes
+from jobs.config import ConfigError, SummarizeConfig, load_config
 from jobs.task import Task
-from runner.engine.kvcache import KVBudgetExceeded, ResidentMeter, build_cache, kv_shape
-from runner.engine.kvpool import KVPool
-from runner.engine.probes import StageMemory
-from runner.engine.scheduler import BatchScheduler, PassRequest
+from runner.engine.kvcache import KVBudgetExceeded
+from runner.engine.scheduler import BatchScheduler
 from runner.engine.worker import SummaryWorker, _is_memory_error
+from tests.helpers.batching import BIG, LENGTHS, NEW, as_loaded_model, cpu_kv_pool, run_batch, tokens_alone
+from tests.helpers.cli import LICENSES, TINY_CONFIG
+from tests.helpers.models import random_prompt, tiny_model
 
-
-def _pool(model: PreTrainedModel, budget: int | None = None) -> KVPool:
-    meter = ResidentMeter(budget, "the batch's resident device", "cache.device_kv_budget_bytes")
-    return KVPool.for_model(model.config, torch.float32, torch.device("cpu"), meter)
-
-
-def _run(scheduler: BatchScheduler, model: PreTrainedModel, strategies: list[str], tmp_path: Path,
-         prompts: list[list[int]], new: list[int], pool: KVPool | None, expected: bool = True,
-         made: dict[int, object] | None = None) -> list:
-    """Sequence i on `strategies[i]`; its `dynamic` cache a slot of `pool` (None: the per-row path);
-    `made[i]`, when given, is sequence i's cache."""
-    cfg = CacheConfig(block_tokens=8)
-
-    def make(i: int, tokens: int) -> object:
-        handle = build_cache(strategies[i], model, cfg, tmp_path / f"seq-{i}", None, None,
-                             expected_tokens=tokens if expected else None, kv_pool=pool)
-        if made is not None:
-            made[i] = handle.generate_kwargs["past_key_values"]
-        return handle
-
-    def request(i: int) -> PassRequest:
-        tokens = len(prompts[i]) + new[i]
-        return PassRequest(
-            prompts[i], new[i],
-            make_cache=lambda: make(i, tokens),
-            device_bytes=kv_bytes(kv_shape(model.config), tokens), memory=StageMemory(),
-        )
-
-    futures = [scheduler.submit(request(i)) for i in range(len(prompts))]
-    return [f.result(timeout=300).generation.tokens for f in futures]
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.mark.parametrize("path", ["pooled", "per-row"])
 def test_batched_tokens_equal_tokens_alone_on_both_paths(path: str, tokenizer, tmp_path: Path) -> None:
     """Mixed prompt lengths, rows leaving at different steps and others joining (4 at a time of 5)."""
-    model = _model("llama-gqa")
-    prompts = [_prompt(n)[0].tolist() for n in LENGTHS]
-    pool = _pool(model) if path == "pooled" else None
-    scheduler = BatchScheduler(_loaded(model, tokenizer), SummarizeConfig(prefill_chunk_size=16), "auto", 4, BIG,
-                               _is_memory_error)
+    model = tiny_model("llama-gqa")
+    prompts = [random_prompt(n)[0].tolist() for n in LENGTHS]
+    pool = cpu_kv_pool(model) if path == "pooled" else None
+    scheduler = BatchScheduler(as_loaded_model(model, tokenizer), SummarizeConfig(prefill_chunk_size=16), "auto", 4,
+                               BIG, _is_memory_error)
     try:
-        got = _run(scheduler, model, ["dynamic"] * 5, tmp_path, prompts, NEW, pool)
+        got = [g.tokens for g in run_batch(scheduler, model, ["dynamic"] * 5, tmp_path, prompts, NEW, kv_pool=pool)]
     finally:
         scheduler.close()
-    assert got == [_alone(model, p, n) for p, n in zip(prompts, NEW)]
+    assert got == [tokens_alone(model, p, n) for p, n in zip(prompts, NEW)]
     assert scheduler.most_rows == 4
     if pool is not None:
         assert pool.most_rows == 4 and pool.steps >= max(NEW) - 1  # every step attended the pool in one call
@@ -83,17 +49,17 @@ def test_batched_tokens_equal_tokens_alone_on_both_paths(path: str, tokenizer, t
 def test_a_step_with_pooled_and_tiered_rows_gives_each_its_tokens_alone(tokenizer, tmp_path: Path) -> None:
     """The tiered rows attend as a second group (runner/engine/tiered_attention.py) beside the
     pooled group, in the same forward pass."""
-    model = _model("llama-gqa")
-    prompts = [_prompt(n)[0].tolist() for n in LENGTHS]
+    model = tiny_model("llama-gqa")
+    prompts = [random_prompt(n)[0].tolist() for n in LENGTHS]
     strategies = ["dynamic", "tiered-host", "dynamic", "tiered-disk", "dynamic"]
-    pool = _pool(model)
+    pool = cpu_kv_pool(model)
     made: dict[int, object] = {}
-    scheduler = BatchScheduler(_loaded(model, tokenizer), SummarizeConfig(), "auto", 5, BIG, _is_memory_error)
+    scheduler = BatchScheduler(as_loaded_model(model, tokenizer), SummarizeConfig(), "auto", 5, BIG, _is_memory_error)
     try:
-        got = _run(scheduler, model, strategies, tmp_path, prompts, NEW, pool, made=made)
+        got = [g.tokens for g in run_batch(scheduler, model, strategies, tmp_path, prompts, NEW, kv_pool=pool, made=made)]
     finally:
         scheduler.close()
-    assert got == [_alone(model, p, n) for p, n in zip(prompts, NEW)]
+    assert got == [tokens_alone(model, p, n) for p, n in zip(prompts, NEW)]
     assert scheduler.most_rows == 5 and pool.most_rows == 3 and pool.meter.total == 0
     tiered = [made[i] for i, strategy in enumerate(strategies) if strategy.startswith("tiered")]
     assert [(c.most_batched_rows, c.batched_layers > 0) for c in tiered] == [(2, True), (2, True)]
@@ -102,18 +68,18 @@ def test_a_step_with_pooled_and_tiered_rows_gives_each_its_tokens_alone(tokenize
 def test_a_full_pool_makes_a_sequence_wait_for_room(tokenizer, tmp_path: Path) -> None:
     """The pool's budget holds two slots: a third sequence is not failed (as a cache it could not
     make would be) but waits until one leaves; the batch never holds more than the pool does."""
-    model = _model("llama-gqa")
-    prompts = [_prompt(n)[0].tolist() for n in LENGTHS[:4]]
+    model = tiny_model("llama-gqa")
+    prompts = [random_prompt(n)[0].tolist() for n in LENGTHS[:4]]
     new = [12, 12, 12, 12]
-    pool = _pool(model)
+    pool = cpu_kv_pool(model)
     slot = pool.bytes_for(1, 64)  # every sequence here fits one 64-token granule
     pool.meter.budget_bytes = 2 * slot
-    scheduler = BatchScheduler(_loaded(model, tokenizer), SummarizeConfig(), "auto", 4, BIG, _is_memory_error)
+    scheduler = BatchScheduler(as_loaded_model(model, tokenizer), SummarizeConfig(), "auto", 4, BIG, _is_memory_error)
     try:
-        got = _run(scheduler, model, ["dynamic"] * 4, tmp_path, prompts, new, pool)
+        got = [g.tokens for g in run_batch(scheduler, model, ["dynamic"] * 4, tmp_path, prompts, new, kv_pool=pool)]
     finally:
         scheduler.close()
-    assert got == [_alone(model, p, n) for p, n in zip(prompts, new)]
+    assert got == [tokens_alone(model, p, n) for p, n in zip(prompts, new)]
     assert pool.most_rows == 2 and scheduler.max_sequences == 2 and scheduler.splits == 0
     assert pool.meter.peak <= 2 * slot and pool.meter.total == 0
 
@@ -122,30 +88,31 @@ def test_a_pool_that_cannot_grow_mid_step_splits_the_batch(tokenizer, tmp_path: 
     """Without the expected length, slots start at 64 tokens; four of them fit the budget, but the
     step that needs 128 tokens each does not: the batch splits (in pool units) and every sequence
     finishes with its tokens alone."""
-    model = _model("llama-gqa")
-    prompts = [_prompt(n)[0].tolist() for n in LENGTHS[:4]]
+    model = tiny_model("llama-gqa")
+    prompts = [random_prompt(n)[0].tolist() for n in LENGTHS[:4]]
     new = [30, 30, 30, 30]  # the 51-token prompt passes 64 tokens mid-decode
-    pool = _pool(model)
+    pool = cpu_kv_pool(model)
     pool.meter.budget_bytes = pool.bytes_for(4, 64) + pool.bytes_for(1, 64)
-    scheduler = BatchScheduler(_loaded(model, tokenizer), SummarizeConfig(), "auto", 4, BIG, _is_memory_error)
+    scheduler = BatchScheduler(as_loaded_model(model, tokenizer), SummarizeConfig(), "auto", 4, BIG, _is_memory_error)
     try:
-        got = _run(scheduler, model, ["dynamic"] * 4, tmp_path, prompts, new, pool, expected=False)
+        got = [g.tokens for g in run_batch(scheduler, model, ["dynamic"] * 4, tmp_path, prompts, new, kv_pool=pool,
+                                           expected=False)]
     finally:
         scheduler.close()
     assert scheduler.splits >= 1 and scheduler.max_sequences <= 2 and pool.most_rows == 4
-    assert got == [_alone(model, p, n) for p, n in zip(prompts, new)]
+    assert got == [tokens_alone(model, p, n) for p, n in zip(prompts, new)]
     assert pool.meter.total == 0
 
 
 def test_a_sequence_too_long_for_the_pool_alone_is_a_memory_error(tokenizer, tmp_path: Path) -> None:
     """What moves its task down the cache ladder: the budget guard's error, from the pool."""
-    model = _model("llama-gqa")
-    pool = _pool(model)
+    model = tiny_model("llama-gqa")
+    pool = cpu_kv_pool(model)
     pool.meter.budget_bytes = pool.bytes_for(1, 64)
-    scheduler = BatchScheduler(_loaded(model, tokenizer), SummarizeConfig(), "auto", 4, BIG, _is_memory_error)
+    scheduler = BatchScheduler(as_loaded_model(model, tokenizer), SummarizeConfig(), "auto", 4, BIG, _is_memory_error)
     try:
         with pytest.raises(KVBudgetExceeded, match=r"cache\.device_kv_budget_bytes"):
-            _run(scheduler, model, ["dynamic"], tmp_path, [_prompt(60)[0].tolist()], [20], pool)
+            run_batch(scheduler, model, ["dynamic"], tmp_path, [random_prompt(60)[0].tolist()], [20], kv_pool=pool)
     finally:
         scheduler.close()
     assert pool.steps == 0 and pool.meter.total == 0
@@ -161,7 +128,7 @@ def test_batch_attention_is_validated_and_auto_chooses_by_device() -> None:
     assert attention_path("pooled", "cpu", windowed_layers=False) == "pooled"
     assert attention_path("pooled", "cuda", windowed_layers=True) == "per-row"  # the pool holds full attention only
     with pytest.raises(ValueError, match="full-attention layers only"):
-        _pool(_model("mistral-sliding"))
+        cpu_kv_pool(tiny_model("mistral-sliding"))
 
 
 def _task(i: int, name: str) -> Task:

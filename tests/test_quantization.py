@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import LICENSES, TINY_CONFIG, export_rows, kvbatch, write_jsonl
 from transformers import DynamicCache
 
 from jobs.config import CacheConfig, ModelConfig, SummarizeConfig
@@ -21,6 +20,7 @@ from runner.engine.probes import StageMemory
 from runner.engine.quantization import weight_bytes
 from runner.engine.scheduler import BatchScheduler, PassRequest
 from runner.engine.worker import SummaryWorker, _is_memory_error
+from tests.helpers.cli import LICENSES, TINY_CONFIG, export_rows, kvbatch, write_jsonl
 
 CPU_METHODS = ["bnb-8bit", "bnb-4bit", "torchao-int8"]
 LENGTHS = [37, 20, 51]

@@ -18,10 +18,10 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
-from conftest import LICENSES, TINY_CONFIG, export_rows, kvbatch, write_jsonl
 
 from runner.observe.joblog import read_log
 from runner.observe.report_plots import PLOTS, fallback_path
+from tests.helpers.cli import LICENSES, TINY_CONFIG, export_rows, kvbatch, write_jsonl
 
 FAULTS = [
     {"doc": "cc0", "fault": "oom", "rungs": ["dynamic"]},  # one cache fallback: dynamic -> tiered-disk

@@ -7,15 +7,23 @@ import signal
 from pathlib import Path
 
 import pytest
-from conftest import TINY_CONFIG, done_summaries, export_rows, kvbatch, license_manifest, start_submit, wait_for
 
 from jobs.fallback import Fallback, FallbackKind
+from tests.helpers.cli import (
+    LICENSE_DOCS,
+    TINY_CONFIG,
+    done_summaries,
+    export_rows,
+    kvbatch,
+    license_manifest,
+    start_submit,
+    wait_for,
+)
 
-DOCS = ["GPL-2", "LGPL-2.1", "Apache-2.0", "MPL-2.0", "Artistic", "BSD", "CC0-1.0", "LGPL-3"]
 FAST = ["--set", "checkpoint.flush_every=1"]
 
 
-def manifest_of(tmp_path: Path, names: list[str] = DOCS) -> Path:
+def manifest_of(tmp_path: Path, names: list[str] = LICENSE_DOCS) -> Path:
     return license_manifest(tmp_path, names)
 
 

@@ -12,7 +12,6 @@ import errno
 from pathlib import Path
 
 import pytest
-from conftest import TINY_CONFIG
 
 from jobs.config import load_config
 from jobs.kvplan import device_kv_bytes, host_kv_bytes
@@ -21,6 +20,7 @@ from runner.engine.probes import StageMemory
 from runner.engine.rung_attempt import RungAttempt
 from runner.engine.scheduler import TaskClock
 from runner.engine.worker import SummaryWorker
+from tests.helpers.cli import TINY_CONFIG
 
 NEW_TOKENS = 4
 

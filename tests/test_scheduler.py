@@ -1,7 +1,7 @@
 """The worker's scheduler never dies: an error in one sequence fails that sequence at once, an error it
 cannot pin on one fails every waiting future with it, and it keeps serving afterwards.
 
-Real BatchScheduler, real tiny random models and caches (tests/test_batching.py's). Through the CLI
+Real BatchScheduler, real tiny random models and caches (tests/helpers/). Through the CLI
 the issue's own setting (an out-of-vocabulary forced_eos_token_id) is refused at submit now
 (tests/test_submit_checks.py), and a setting that fails every task inside the scheduler ends the batch
 within seconds (tests/test_setting_failures.py).
@@ -13,20 +13,16 @@ import time
 
 import pytest
 import torch
-from test_batching import BIG, _loaded, tokenizer  # noqa: F401 - the fixture
-from test_kvcache import _model, _one_torch_thread, _prompt  # noqa: F401 - the fixture applies here too
 
-from jobs.config import CacheConfig, SummarizeConfig
-from runner.engine.kvcache import build_cache
-from runner.engine.scheduler import BatchScheduler, PassRequest
+from jobs.config import SummarizeConfig
+from runner.engine.scheduler import BatchScheduler
 from runner.engine.worker import _is_memory_error
+from tests.helpers.batching import BIG, as_loaded_model, dynamic_request
+from tests.helpers.models import random_prompt, tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 OUT_OF_VOCAB = 1_000_000
-
-
-def _request(model, prompt: list[int], new: int, device_bytes: int | None = 0) -> PassRequest:
-    return PassRequest(prompt, new, make_cache=lambda: build_cache("dynamic", model, CacheConfig(), None, None),
-                       device_bytes=device_bytes)
 
 
 def _outcome(future) -> list[int] | BaseException:
@@ -43,8 +39,8 @@ def test_an_error_choosing_one_sequences_token_fails_that_sequence_at_once(token
     the step where the forced end falls. Sequence 0 ends at its end-of-sequence token before that
     step and keeps its tokens; sequence 1 reaches it mid-batch and fails with the real IndexError;
     the scheduler keeps serving."""
-    model = _model("llama-gqa")
-    prompts = [_prompt(9)[0].tolist(), _prompt(12)[0].tolist()]
+    model = tiny_model("llama-gqa")
+    prompts = [random_prompt(9)[0].tolist(), random_prompt(12)[0].tolist()]
     new = 16
     with torch.no_grad():
         plain = model.generate(torch.tensor([prompts[0]]), max_new_tokens=new, do_sample=False)[0, 9:].tolist()
@@ -53,11 +49,11 @@ def test_an_error_choosing_one_sequences_token_fails_that_sequence_at_once(token
         alone_1 = model.generate(torch.tensor([prompts[1]]), max_new_tokens=new, do_sample=False)[0, 12:].tolist()
     assert stop not in alone_1, "sequence 1 must run to its forced end"
     settings = SummarizeConfig(generation={"forced_eos_token_id": OUT_OF_VOCAB, "eos_token_id": stop})
-    scheduler = BatchScheduler(_loaded(model, tokenizer), settings, "auto", 2, BIG, _is_memory_error)
+    scheduler = BatchScheduler(as_loaded_model(model, tokenizer), settings, "auto", 2, BIG, _is_memory_error)
     try:
-        futures = [scheduler.submit(_request(model, p, new)) for p in prompts]
+        futures = [scheduler.submit(dynamic_request(model, p, new)) for p in prompts]
         got = [_outcome(f) for f in futures]
-        again = _outcome(scheduler.submit(_request(model, prompts[0], new)))
+        again = _outcome(scheduler.submit(dynamic_request(model, prompts[0], new)))
     finally:
         scheduler.close()
     assert got[0] == plain[: plain.index(stop) + 1] == again
@@ -73,16 +69,16 @@ def test_an_error_the_loop_cannot_pin_on_a_sequence_fails_every_waiting_future_a
     """A request whose device_bytes is not a number breaks admission (the loop's own code, not one
     sequence's decode): every future waiting then, active and queued, fails with that error at once,
     and the next request is served."""
-    model = _model("llama-gqa")
-    scheduler = BatchScheduler(_loaded(model, tokenizer), SummarizeConfig(), "auto", 4, BIG, _is_memory_error)
+    model = tiny_model("llama-gqa")
+    scheduler = BatchScheduler(as_loaded_model(model, tokenizer), SummarizeConfig(), "auto", 4, BIG, _is_memory_error)
     try:
-        long = scheduler.submit(_request(model, _prompt(20)[0].tolist(), 200))
+        long = scheduler.submit(dynamic_request(model, random_prompt(20)[0].tolist(), 200))
         while scheduler.most_rows < 1:  # it decodes: admission of the next request sums device bytes
             time.sleep(0.001)
-        broken = scheduler.submit(_request(model, _prompt(9)[0].tolist(), 8, device_bytes=None))
-        queued = scheduler.submit(_request(model, _prompt(11)[0].tolist(), 8))
+        broken = scheduler.submit(dynamic_request(model, random_prompt(9)[0].tolist(), 8, device_bytes=None))
+        queued = scheduler.submit(dynamic_request(model, random_prompt(11)[0].tolist(), 8))
         outcomes = [_outcome(f) for f in (long, broken, queued)]
-        after = _outcome(scheduler.submit(_request(model, _prompt(9)[0].tolist(), 8)))
+        after = _outcome(scheduler.submit(dynamic_request(model, random_prompt(9)[0].tolist(), 8)))
     finally:
         scheduler.close()
     assert all(isinstance(o, TypeError) for o in outcomes), outcomes

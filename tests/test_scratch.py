@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import mounted_tmpfs
 
 from storage.owner import ProcessOwner
 from storage.scratch import (
@@ -28,7 +27,8 @@ from storage.scratch import (
     sweep_orphans,
     task_scratch,
 )
-from tests.child_process import Child
+from tests.helpers.child_process import Child
+from tests.helpers.system import mounted_tmpfs
 
 HOLD_SCRATCH = """
 import sys, time

@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
-from conftest import TINY_CONFIG, export_rows, kvbatch, mounted_tmpfs
-from test_resume import manifest_of, start_submit, wait_for
 
 from storage.scratch import OWNER_FILE, ROOT_MARKER
-from tests.child_process import Child
+from tests.helpers.child_process import Child
+from tests.helpers.cli import TINY_CONFIG, export_rows, kvbatch, license_manifest, start_submit, wait_for
+from tests.helpers.system import mounted_tmpfs
 
 DISK = ["--set", "cache.strategy=tiered-disk"]
 ONE_WORKER = ["--set", "workers.count=1"]
@@ -155,7 +155,7 @@ def test_no_task_dir_survives_success_failure_timeout_or_oom(ray_address, tmp_pa
     ]
     job = tmp_path / "job"
     with RootWatcher(root) as watcher:
-        kvbatch("submit", str(manifest_of(tmp_path, ["GPL-3", "BSD", "CC0-1.0", "Apache-2.0"])),
+        kvbatch("submit", str(license_manifest(tmp_path, ["GPL-3", "BSD", "CC0-1.0", "Apache-2.0"])),
                 "-c", str(TINY_CONFIG), "-j", str(job), "--address", ray_address, *with_root(root),
                 "--set", "cache.strategy=auto", "--set", "cache.ladder=[tiered-disk, dynamic]",
                 "--set", "retry.max_attempts=1", "--set", "summarize.min_context_tokens=1024",
@@ -178,7 +178,7 @@ def test_no_task_dir_survives_success_failure_timeout_or_oom(ray_address, tmp_pa
 def test_a_worker_killed_mid_task_leaves_its_dir_and_the_restarted_worker_sweeps_it(ray_address, tmp_path):
     root = tmp_path / "kv"
     job = tmp_path / "job"
-    proc = start_submit(manifest_of(tmp_path, ["GPL-3", "GPL-2"]), job, ray_address, *DISK, *ONE_WORKER,
+    proc = start_submit(license_manifest(tmp_path, ["GPL-3", "GPL-2"]), job, ray_address, *DISK, *ONE_WORKER,
                         *with_root(root))
     try:
         left = wait_for_task_dir_with_blocks(root, proc)
@@ -201,7 +201,7 @@ def test_a_worker_killed_mid_task_leaves_its_dir_and_the_restarted_worker_sweeps
 def test_kvbatch_clean_removes_a_dead_workers_dir_never_a_live_ones(ray_address, tmp_path):
     root = tmp_path / "kv"
     job = tmp_path / "job"
-    proc = start_submit(manifest_of(tmp_path, ["GPL-3"]), job, ray_address, *DISK, *ONE_WORKER, *with_root(root))
+    proc = start_submit(license_manifest(tmp_path, ["GPL-3"]), job, ray_address, *DISK, *ONE_WORKER, *with_root(root))
     try:
         left = wait_for_task_dir_with_blocks(root, proc)
         pid = json.loads((left / OWNER_FILE).read_text())["pid"]
@@ -230,12 +230,12 @@ def test_kvbatch_clean_removes_a_dead_workers_dir_never_a_live_ones(ray_address,
 def test_two_concurrent_jobs_on_one_root_never_see_each_others_files(ray_address, tmp_path):
     names = ["GPL-3", "GPL-2", "LGPL-2.1"]
     reference = tmp_path / "reference"
-    kvbatch("submit", str(manifest_of(tmp_path, names)), "-c", str(TINY_CONFIG), "-j", str(reference),
+    kvbatch("submit", str(license_manifest(tmp_path, names)), "-c", str(TINY_CONFIG), "-j", str(reference),
             "--address", ray_address, "--set", "cache.strategy=dynamic", check=0)
     root = tmp_path / "kv"
     jobs = [tmp_path / "job-a", tmp_path / "job-b"]
     with RootWatcher(root) as watcher:
-        procs = [start_submit(manifest_of(tmp_path, names), job, ray_address, *DISK, *ONE_WORKER, *with_root(root))
+        procs = [start_submit(license_manifest(tmp_path, names), job, ray_address, *DISK, *ONE_WORKER, *with_root(root))
                  for job in jobs]
         for p in procs:
             out, err = p.communicate(timeout=300)
@@ -265,7 +265,7 @@ def test_a_small_disk_refuses_tasks_that_cannot_fit_and_they_run_shorter(ray_add
     with mounted_tmpfs(tmp_path / "small", f"size={2**20}") as disk:
         root = disk / "kvbatch"
         job = tmp_path / "job"
-        kvbatch("submit", str(manifest_of(tmp_path, ["GPL-3", "BSD"])), "-c", str(TINY_CONFIG),
+        kvbatch("submit", str(license_manifest(tmp_path, ["GPL-3", "BSD"])), "-c", str(TINY_CONFIG),
                 "-j", str(job), "--address", ray_address, *DISK, *with_root(root), check=0)
         rows = rows_by_doc(job)
         for row in rows.values():
@@ -282,7 +282,7 @@ def test_a_disk_too_small_for_any_context_fails_those_tasks_clearly(ray_address,
     with mounted_tmpfs(tmp_path / "small", f"size={256 * 2**10}") as disk:
         root = disk / "kvbatch"
         job = tmp_path / "job"
-        proc = kvbatch("submit", str(manifest_of(tmp_path, ["BSD", "CC0-1.0"])), "-c", str(TINY_CONFIG),
+        proc = kvbatch("submit", str(license_manifest(tmp_path, ["BSD", "CC0-1.0"])), "-c", str(TINY_CONFIG),
                        "-j", str(job), "--address", ray_address, *with_root(root),
                        "--set", "cache.strategy=auto", "--set", "cache.ladder=[dynamic, tiered-disk]",
                        "--set", "cache.device_kv_budget_bytes=600000", "--set", "summarize.min_context_tokens=1024",
@@ -305,7 +305,7 @@ def test_a_disk_that_fills_up_mid_task_is_cleaned_and_the_task_retried_shorter(r
     with mounted_tmpfs(tmp_path / "small", f"size={2 * 2**20}") as disk:
         root = disk / "kvbatch"
         job = tmp_path / "job"
-        proc = start_submit(manifest_of(tmp_path, ["GPL-3"]), job, ray_address, *DISK, *with_root(root))
+        proc = start_submit(license_manifest(tmp_path, ["GPL-3"]), job, ray_address, *DISK, *with_root(root))
         try:
             task_dir = wait_for_task_dir_with_blocks(root, proc)
             # all but 720 KiB of what the task's own files do not hold (the root marker and owner file: a page each)
@@ -326,7 +326,7 @@ def test_ctrl_c_mid_task_leaves_the_offload_root_holding_only_its_marker(ray_add
     """ray.kill is asynchronous: the batch's last sweep must wait until the killed workers are gone."""
     root = tmp_path / "kv"
     job = tmp_path / "job"
-    proc = start_submit(manifest_of(tmp_path, ["GPL-3", "GPL-2", "LGPL-3"]), job, ray_address, *DISK,
+    proc = start_submit(license_manifest(tmp_path, ["GPL-3", "GPL-2", "LGPL-3"]), job, ray_address, *DISK,
                         "--set", "workers.count=2", *with_root(root))
     try:
         in_flight = wait_for_task_dir_with_blocks(root, proc)
@@ -339,37 +339,3 @@ def test_ctrl_c_mid_task_leaves_the_offload_root_holding_only_its_marker(ray_add
     assert not psutil.pid_exists(owner_pid) or psutil.Process(owner_pid).status() == psutil.STATUS_ZOMBIE
     assert sorted(p.name for p in root.iterdir()) == [ROOT_MARKER], task_dirs(root)
     assert "kvbatch resume" in out
-
-
-def test_the_interrupted_batch_waits_for_its_killed_workers_before_the_last_sweep(ray_address, tmp_path):
-    """The moment that matters, without Ray's task-scheduling latency to hide it: right after the
-    coordinator abandons its workers, a sweep must find their processes gone and their dirs orphans."""
-    import ray
-
-    from jobs.config import load_config
-    from runner.pool import WorkerPool
-    from storage.scratch import sweep_orphans
-
-    class Holder:
-        """A real worker process in the middle of a task: its scratch dir is open."""
-
-        def hold(self, root: str, task_id: str) -> tuple[str, int]:
-            from storage.scratch import task_scratch
-
-            self.scratch = task_scratch(Path(root), "job", task_id, 1)
-            folder = self.scratch.__enter__()
-            (folder / "block-0.kvblocks").write_bytes(b"k" * 100000)
-            return str(folder), os.getpid()
-
-    root = tmp_path / "kv"
-    pool = WorkerPool(load_config(TINY_CONFIG), "job", root, [])
-    actors = [ray.remote(num_cpus=0)(Holder).remote() for _ in range(2)]
-    held = ray.get([a.hold.remote(str(root), f"t00000{i}") for i, a in enumerate(actors)])
-    assert all(Path(folder).is_dir() for folder, _ in held)
-
-    pool.workers = actors
-    assert pool.kill_all() == []
-    swept = sweep_orphans(root)
-
-    assert sorted(str(s.path) for s in swept) == sorted(folder for folder, _ in held), [s.reason for s in swept]
-    assert sorted(p.name for p in root.iterdir()) == [ROOT_MARKER]

@@ -8,8 +8,8 @@ import json
 import time
 from pathlib import Path
 
-from conftest import TINY_CONFIG, export_rows, kvbatch, write_jsonl
 from runner.observe.joblog import read_log
+from tests.helpers.cli import TINY_CONFIG, export_rows, kvbatch, write_jsonl
 
 
 def _manifest(tmp_path: Path) -> Path:

@@ -20,11 +20,11 @@ from pathlib import Path
 from typing import get_args, get_origin, get_type_hints, is_typeddict
 
 import pytest
-from conftest import REPO, kvbatch, start_submit, wait_for, write_jsonl
 
 from runner.observe.joblog import read_log
 from runner.observe.status import JobStatus, job_status
 from storage.jobdir import JobDirError
+from tests.helpers.cli import REPO, kvbatch, start_submit, wait_for, write_jsonl
 
 SENTENCE = "The committee reviewed the quarterly figures and agreed to publish them next week. "
 #: Same length class (1024-2047 chars); the hanging one is shortest, so it is taken last.

@@ -178,7 +178,6 @@ def test_the_batched_decode_stops_a_looping_sequence_at_its_third_copy(tmp_path)
     sequence there with stop_reason repetition, before max_new_tokens, and keeps what generate() wrote up to
     the loop's first copy; with the loop stop off it runs to max_new_tokens with generate()'s tokens."""
     import torch
-    from test_kvcache import _model, _prompt
     from transformers import AutoTokenizer
 
     from jobs.config import CacheConfig, SummarizeConfig
@@ -188,9 +187,10 @@ def test_the_batched_decode_stops_a_looping_sequence_at_its_third_copy(tmp_path)
     from runner.engine.model_registry import smollm2_tokenizer_dir
     from runner.engine.scheduler import BatchScheduler, PassRequest
     from runner.engine.worker import _is_memory_error
+    from tests.helpers.models import random_prompt, tiny_model
 
-    model = _model("gemma2-alternating")
-    prompt, new = _prompt(20)[0].tolist(), 60
+    model = tiny_model("gemma2-alternating")
+    prompt, new = random_prompt(20)[0].tolist(), 60
     with torch.no_grad():
         plain = model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False)[0, len(prompt):].tolist()
     kept, looped = loop_stopped(plain, RULE)

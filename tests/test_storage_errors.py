@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import TINY_CONFIG, free_port, kvbatch, wait_for_server, write_jsonl
+from tests.helpers.cli import TINY_CONFIG, kvbatch, write_jsonl
+from tests.helpers.system import free_port, wait_for_server
 
 BUCKET = "kvbatch-locked"
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, TINY_CONFIG, kvbatch, write_jsonl
 from jobs.config import ConfigError, load_config
+from tests.helpers.cli import REPO, TINY_CONFIG, kvbatch, write_jsonl
 
 
 def _manifest(tmp_path: Path) -> Path:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from conftest import TINY_CONFIG, export_rows, kvbatch, write_jsonl
+from tests.helpers.cli import TINY_CONFIG, export_rows, kvbatch, write_jsonl
 
 TIMEOUT_S = 3
 NEW_TOKENS = 160  # about a second a pass on the tiny model here, alone

@@ -12,13 +12,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_kvcache import _model, _one_torch_thread, _prompt  # noqa: F401 - the fixture applies here too
 from transformers import DynamicCache, PreTrainedModel
 
 from jobs.kvplan import Placement
 from runner.engine.kvcache import ResidentMeter, TieredCache
 from runner.engine.kvpool import KVPool, PooledCache
 from runner.engine.ragged import RowFailed, decode_step
+from tests.helpers.models import random_prompt, tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 LENGTHS = (5, 19, 11, 30)
 STEPS = 14
@@ -32,7 +34,7 @@ def _prefilled(model: PreTrainedModel, tier: str, tmp_path: Path, batched: bool,
         cache = TieredCache(model.config, tier=tier, offload_dir=tmp_path / f"{batched}-{i}", block_tokens=BLOCK,
                             placement=(placements or {}).get(i), batched_attention=batched)
         with torch.inference_mode():
-            logits = model(input_ids=_prompt(length), past_key_values=cache, use_cache=True).logits
+            logits = model(input_ids=random_prompt(length), past_key_values=cache, use_cache=True).logits
         first.append(int(logits[0, -1].argmax()))
         caches.append(cache)
     return caches, first
@@ -51,7 +53,7 @@ def _decode(model: PreTrainedModel, caches: list[TieredCache], first: list[int])
 
 def _alone(model: PreTrainedModel, length: int) -> list[int]:
     with torch.no_grad():
-        out = model.generate(_prompt(length), max_new_tokens=STEPS + 1, do_sample=False,
+        out = model.generate(random_prompt(length), max_new_tokens=STEPS + 1, do_sample=False,
                              past_key_values=DynamicCache(config=model.config))
     return out[0, length:].tolist()
 
@@ -70,7 +72,7 @@ def _run(model: PreTrainedModel, tier: str, tmp_path: Path, batched: bool,
 def test_batched_tiered_rows_get_their_tokens_alone(tier: str, tmp_path: Path) -> None:
     """Mixed lengths, blocks sealing mid-decode: the batched step's tokens are each row's tokens
     alone (generate) and the per-row step's, and every streamed layer of every step was batched."""
-    model = _model("llama-gqa")
+    model = tiny_model("llama-gqa")
     batched, caches = _run(model, tier, tmp_path, batched=True)
     per_row, alone_caches = _run(model, tier, tmp_path, batched=False)
     assert batched == per_row == [_alone(model, length) for length in LENGTHS]
@@ -82,7 +84,7 @@ def test_batched_tiered_rows_get_their_tokens_alone(tier: str, tmp_path: Path) -
 def test_batched_and_per_row_steps_move_the_same_bytes(tmp_path: Path) -> None:
     """The batched step reads each row's blocks and tail into its slot and writes its new token out,
     as the per-row step does: the copies' own byte counts agree, row by row."""
-    model = _model("llama-gqa")
+    model = tiny_model("llama-gqa")
     keys = ("device_to_host_bytes", "host_to_device_bytes", "decode_steps", "bytes_moved_per_decode_step",
             "offload_bytes_written", "offload_bytes_read")
     stats = {}
@@ -102,7 +104,7 @@ def test_batched_and_per_row_steps_move_the_same_bytes(tmp_path: Path) -> None:
 def test_a_layer_one_row_keeps_on_the_device_is_attended_row_by_row(tmp_path: Path) -> None:
     """Row 1's placement keeps layer 1 on the device: that layer goes row by row for every row, the
     other layers stay batched, and the tokens are still each row's alone."""
-    model = _model("llama-gqa")
+    model = tiny_model("llama-gqa")
     token_bytes = 2 * model.config.num_key_value_heads * (model.config.hidden_size // model.config.num_attention_heads) * 4
     placement = Placement(resident_layers=(1,), host_layers=(0, 2, 3), disk_layers=(), layer_token_bytes=token_bytes,
                           tokens=max(LENGTHS) + STEPS + 1)
@@ -113,7 +115,7 @@ def test_a_layer_one_row_keeps_on_the_device_is_attended_row_by_row(tmp_path: Pa
 
 def test_sliding_window_layers_stay_per_row(tmp_path: Path) -> None:
     """Qwen2 with sliding-window layers: only its full-attention layers are batched."""
-    model = _model("qwen2-sliding")
+    model = tiny_model("qwen2-sliding")
     full = sum(kind == "full_attention" for kind in model.config.layer_types)
     assert 0 < full < model.config.num_hidden_layers
     got, caches = _run(model, "host", tmp_path, batched=True)
@@ -126,12 +128,12 @@ def test_a_row_whose_blocks_are_damaged_fails_alone_by_its_own_number(tmp_path: 
     short between two batched steps: the step fails naming row 2 (the caller's numbering, not the
     step's 3), with the tier's own read error as the cause, so the scheduler fails that sequence and
     not its batch-mates."""
-    model = _model("llama-gqa")
+    model = tiny_model("llama-gqa")
     caches, first = _prefilled(model, "disk", tmp_path, batched=True)
     pool = KVPool.for_model(model.config, torch.float32, torch.device("cpu"), ResidentMeter(None, "device", ""))
     pooled = PooledCache(pool, 64)
     with torch.inference_mode():
-        pooled_first = int(model(input_ids=_prompt(7), past_key_values=pooled, use_cache=True).logits[0, -1].argmax())
+        pooled_first = int(model(input_ids=random_prompt(7), past_key_values=pooled, use_cache=True).logits[0, -1].argmax())
     rows = [*caches[:3], pooled, caches[3]]  # the pooled row in the middle: the step reorders rows
     lengths = [*LENGTHS[:3], 7, LENGTHS[3]]
     try:

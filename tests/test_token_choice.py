@@ -2,7 +2,7 @@
 transfer to the host, the rest (logits processors, seeded sampling) by their own picker, and every
 row's tokens stay those generate() chooses alone.
 
-Real tiny random models (tests/test_kvcache.py's), real caches, the scheduler's own prefill and
+Real tiny random models (tests/helpers/models.py), real caches, the scheduler's own prefill and
 decode step; transfers are counted where they happen, by torch's own function and dispatch modes.
 """
 
@@ -12,10 +12,8 @@ import time
 from concurrent.futures import Future
 from typing import Any
 
+import pytest
 import torch
-from test_batching import BIG, _loaded, tokenizer  # noqa: F401 - the fixture
-from test_kvcache import _model, _one_torch_thread, _prompt  # noqa: F401 - the fixture applies here too
-from test_scheduler import _request
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import DynamicCache
@@ -25,6 +23,10 @@ from runner.engine.generation import TokenPicker, generate_once, greedy_tokens, 
 from runner.engine.ragged import decode_step
 from runner.engine.scheduler import BatchScheduler, _Queued
 from runner.engine.worker import _is_memory_error
+from tests.helpers.batching import BIG, as_loaded_model, dynamic_request
+from tests.helpers.models import random_prompt, tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 ROWS = 6
 NEW = 12
@@ -86,12 +88,13 @@ def test_the_schedulers_step_of_plain_greedy_rows_makes_one_transfer_to_the_host
     """The worker's own decode step over ROWS joined greedy sequences reads the host once for all
     their tokens (the code before made one read a row: ROWS). The scheduler's thread is closed first
     so that the step runs here, inside the counter (torch's modes are per thread)."""
-    model = _model("llama-gqa")
-    scheduler = BatchScheduler(_loaded(model, tokenizer), SummarizeConfig(), "auto", ROWS, BIG, _is_memory_error)
+    model = tiny_model("llama-gqa")
+    scheduler = BatchScheduler(as_loaded_model(model, tokenizer), SummarizeConfig(), "auto", ROWS, BIG,
+                               _is_memory_error)
     scheduler.close()
-    prompts = [_prompt(8 + row)[0].tolist() for row in range(ROWS)]
+    prompts = [random_prompt(8 + row)[0].tolist() for row in range(ROWS)]
     for prompt in prompts:
-        scheduler._join(_Queued(_request(model, prompt, NEW), Future(), time.perf_counter()))
+        scheduler._join(_Queued(dynamic_request(model, prompt, NEW), Future(), time.perf_counter()))
     with HostTransfers() as step:
         scheduler._step()
     assert scheduler.most_rows == ROWS and len(scheduler._active) == ROWS  # one batched step, none ended
@@ -107,9 +110,9 @@ def test_the_schedulers_step_of_plain_greedy_rows_makes_one_transfer_to_the_host
 def test_greedy_tokens_chooses_every_pickers_token_with_one_transfer(tokenizer) -> None:
     """Each picker alone syncs once per row (the step before this change); the batch chooses the same
     tokens with one transfer."""
-    model = _model("llama-gqa")
-    loaded = _loaded(model, tokenizer)
-    prompts = [_prompt(8 + row)[0].tolist() for row in range(ROWS)]
+    model = tiny_model("llama-gqa")
+    loaded = as_loaded_model(model, tokenizer)
+    prompts = [random_prompt(8 + row)[0].tolist() for row in range(ROWS)]
     caches, pickers, tokens = _prefilled(loaded, [SummarizeConfig()] * ROWS, prompts)
     assert all(p.plain_greedy for p in pickers)
     with torch.inference_mode():
@@ -130,8 +133,8 @@ def test_mixed_rows_chosen_together_equal_generate_alone(tokenizer) -> None:
     """Plain greedy rows beside rows with processors (repetition penalty, no-repeat n-grams, top-k/p,
     temperature) and seeded sampling, decoded in one batch until each ends: each row's tokens are
     generate()'s alone, and only the plain rows went through the batch's argmax."""
-    model = _model("llama-gqa")
-    loaded = _loaded(model, tokenizer)
+    model = tiny_model("llama-gqa")
+    loaded = as_loaded_model(model, tokenizer)
     settings = [
         SummarizeConfig(),
         SummarizeConfig(generation={"repetition_penalty": 1.3, "no_repeat_ngram_size": 2}),
@@ -140,7 +143,7 @@ def test_mixed_rows_chosen_together_equal_generate_alone(tokenizer) -> None:
         SummarizeConfig(do_sample=True, seed=11),
         SummarizeConfig(generation={"repetition_penalty": 1.1}),
     ]
-    prompts = [_prompt(8 + row)[0].tolist() for row in range(len(settings))]
+    prompts = [random_prompt(8 + row)[0].tolist() for row in range(len(settings))]
     caches, pickers, tokens = _prefilled(loaded, settings, prompts)
     assert [p.plain_greedy for p in pickers] == [True, False, False, True, False, False]
     active = [row for row in range(len(settings)) if not pickers[row].done]

@@ -13,12 +13,11 @@ import hashlib
 import weakref
 from pathlib import Path
 
-
 import runner.engine.cache_recipe as cache_recipe_module
-from conftest import LICENSES, TINY_CONFIG
 from jobs.config import load_config
 from jobs.task import Task
 from runner.engine.worker import SummaryWorker
+from tests.helpers.cli import LICENSES, TINY_CONFIG
 
 
 def test_the_failed_rungs_cache_is_freed_before_the_next_rung_starts(tmp_path: Path, monkeypatch) -> None:

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TINY_CONFIG, done_summaries, kvbatch, start_submit, wait_for, write_jsonl
 from jobs.config import ModelConfig
 from runner.engine.model_loader import load_model
 from runner.observe.joblog import read_log
+from tests.helpers.cli import TINY_CONFIG, done_summaries, kvbatch, start_submit, wait_for, write_jsonl
 
 
 def _manifest(tmp_path: Path) -> Path:

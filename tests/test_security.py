@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.conftest import REPO, TINY_CONFIG, export_rows, kvbatch, write_jsonl
+from tests.helpers.cli import REPO, TINY_CONFIG, export_rows, kvbatch, write_jsonl
 
 _LISTENERS = """
 import json, os, time, psutil

@@ -1,5 +1,6 @@
-"""Damaged job folders: `status` and `resume` say what is wrong and how to recover, and never
-overwrite good data."""
+"""The job folder: creating one is one writer at a time (rejected rows land before job.json, a second
+submit refuses and changes nothing, a crashed creation is refused, not mixed), and a damaged one makes
+`status` and `resume` say what is wrong and how to recover, never overwriting good data."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from storage.parts import CORRUPT_PART_ADVICE
-from tests.conftest import TINY_CONFIG, export_rows, kvbatch, license_manifest
+from tests.helpers.child_process import Child
+from tests.helpers.cli import TINY_CONFIG, export_rows, kvbatch, license_manifest, write_jsonl
 
 DOCS = ["BSD", "Apache-2.0", "GPL-3"]
 DAMAGED_NAME = "part-00000000000000000001-00000000-1-badbad.parquet"
@@ -143,3 +145,110 @@ def test_a_refused_second_submit_of_a_folder_changes_nothing_in_the_job(tmp_path
     assert f"{job} already holds a job" in " ".join(second.stderr.split())
     assert {p: p.read_bytes() for p in sorted(job.rglob("*")) if p.is_file()} == before
     assert (job / "input-manifest.jsonl").read_text() == kept
+
+
+# ---------------------------------------------------------------- creating a job folder, one writer at a time
+
+#: Runs the real CLI in a child whose job-folder writes pause (forever) around job.json, so a test can
+#: act at that exact moment; `when` is "before" or "after" the job.json write.
+PAUSED_CLI = """
+import sys, time
+from storage.location import Location
+real = Location.write_atomic
+when = sys.argv[1]
+def write_atomic(self, write, temp_name, *fence):
+    if self.name == "job.json" and when == "before":
+        print("pausing before job.json", flush=True)
+        time.sleep(600)
+    real(self, write, temp_name, *fence)
+    if self.name == "job.json" and when == "after":
+        print("paused after job.json", flush=True)
+        time.sleep(600)
+Location.write_atomic = write_atomic
+sys.argv = ["kvbatch", *sys.argv[2:]]
+from runner.cli import main
+main()
+"""
+
+
+def _reaches(child: Child, line: str) -> bool:
+    """True once the child prints `line` (its other output, such as the job id, is skipped)."""
+    while child.read_line() != line:
+        pass
+    return True
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _rejected_only(path: Path, ids: list[str]) -> Path:
+    """Rows with neither text nor path: all rejected, so `submit` needs no Ray."""
+    return write_jsonl(path, [{"id": i, "lang": "en"} for i in ids])
+
+
+def test_rejected_rows_are_in_the_job_folder_by_the_time_job_json_is(tmp_path: Path) -> None:
+    job = tmp_path / "job"
+    manifest = _rejected_only(tmp_path / "m.jsonl", ["r1", "r2"])
+    child = Child(PAUSED_CLI, "after", "submit", str(manifest), "-c", str(TINY_CONFIG), "-j", str(job))
+    try:
+        assert _reaches(child, "paused after job.json")  # the moment is reached
+    finally:
+        child.kill()  # kill -9 right after job.json is published
+    rows = export_rows(job, "--errors")
+    assert sorted(r["doc_id"] for r in rows) == ["r1", "r2"]
+
+
+def test_a_second_submit_to_a_job_folder_being_created_refuses_and_changes_nothing(tmp_path: Path) -> None:
+    job = tmp_path / "job"
+    first = _rejected_only(tmp_path / "first.jsonl", ["a1", "a2"])
+    child = Child(PAUSED_CLI, "before", "submit", str(first), "-c", str(TINY_CONFIG), "-j", str(job))
+    try:
+        assert _reaches(child, "pausing before job.json")  # the first submit is mid-creation
+        before = _files(job)
+        second = kvbatch("submit", str(_rejected_only(tmp_path / "second.jsonl", ["b1"])), "-c", str(TINY_CONFIG),
+                         "-j", str(job), check=2)
+        message = " ".join(second.stderr.split())
+        assert f"job folder {job} is in use" in message and str(child.pid) in message, second.stderr
+        assert "Traceback" not in second.stderr
+        assert _files(job) == before
+    finally:
+        child.kill()
+
+
+def test_a_second_submit_after_a_crashed_creation_refuses_instead_of_mixing_jobs(tmp_path: Path) -> None:
+    job = tmp_path / "job"
+    child = Child(PAUSED_CLI, "before", "submit", str(_rejected_only(tmp_path / "a.jsonl", ["a1"])),
+                  "-c", str(TINY_CONFIG), "-j", str(job))
+    try:
+        assert _reaches(child, "pausing before job.json")
+    finally:
+        child.kill()
+    second = kvbatch("submit", str(_rejected_only(tmp_path / "b.jsonl", ["b1"])), "-c", str(TINY_CONFIG),
+                     "-j", str(job), check=2)
+    assert "never fully created" in " ".join(second.stderr.split()), second.stderr
+    assert [r["doc_id"] for r in export_rows(job, "--errors")] == ["a1"]  # the first one's rows are intact
+
+
+HOLD_LOCK = """
+import sys, time
+from storage.lease import job_lock
+with job_lock(sys.argv[1]):
+    print("holding", flush=True)
+    time.sleep(600)
+"""
+
+
+def test_resume_with_set_leaves_job_json_alone_while_another_coordinator_holds_the_job(tmp_path: Path) -> None:
+    job = tmp_path / "job"
+    kvbatch("submit", str(_rejected_only(tmp_path / "m.jsonl", ["r1"])), "-c", str(TINY_CONFIG), "-j", str(job),
+            check=3)
+    before = (job / "job.json").read_bytes()
+    holder = Child(HOLD_LOCK, str(job / ".lock"))
+    try:
+        assert holder.read_line() == "holding"
+        refused = kvbatch("resume", str(job), "--set", "summarize.max_new_tokens=7", check=2)
+        assert "in use by a running coordinator" in " ".join(refused.stderr.split())
+        assert (job / "job.json").read_bytes() == before
+    finally:
+        holder.kill()

@@ -14,8 +14,8 @@ from jobs.config import load_config
 from jobs.manifest import read_manifest
 from runner.engine.worker import SummaryWorker
 from storage.scratch import ROOT_MARKER
-from tests.child_process import Child
-from tests.conftest import LICENSES, TINY_CONFIG, write_jsonl
+from tests.helpers.child_process import Child
+from tests.helpers.cli import LICENSES, TINY_CONFIG, write_jsonl
 
 N_TASKS = 100
 RSS_TOLERANCE = 0.02
@@ -77,7 +77,7 @@ def soak(tmp_path: Path, order: str = "longest-first") -> dict:
 SOAK_PROCESS = """
 import json, sys
 from pathlib import Path
-from tests.test_hardening_soak import soak
+from tests.test_soak import soak
 print(json.dumps(soak(Path(sys.argv[1]), sys.argv[2])), flush=True)
 """
 

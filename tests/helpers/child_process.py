@@ -9,23 +9,22 @@ import subprocess
 import sys
 import textwrap
 import threading
-from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers.cli import REPO
 
 
 class Child:
     """A `python -c` child whose stdout lines the test waits for."""
 
     def __init__(self, code: str, *args: str) -> None:
-        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
         self.process = subprocess.Popen(
             [sys.executable, "-c", textwrap.dedent(code), *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
             env=env,
-            cwd=REPO_ROOT,
+            cwd=REPO,
         )
         self._lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=self._pump_stdout, daemon=True).start()

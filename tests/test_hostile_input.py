@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from jobs.config import ConfigError, InputConfig, config_from_dict
 from jobs.manifest import read_manifest
-from tests.conftest import REPO, TINY_CONFIG, export_rows, kvbatch, write_jsonl
+from tests.helpers.cli import REPO, TINY_CONFIG, export_rows, kvbatch, write_jsonl
 
 SMALL_INPUT = InputConfig(max_document_bytes=4096)
 

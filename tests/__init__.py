@@ -1,0 +1,1 @@
+"""kvbatch's tests: a package, so every test module imports its helpers as `tests.helpers.<module>`."""

@@ -1,0 +1,66 @@
+"""`kvbatch results` of ragged metadata (mixed types, integers past 2^63) in JSONL, CSV and Parquet:
+every value kept as given or as text, metadata never overwrites a result column, a missing job folder
+is an error."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from tests.helpers.cli import TINY_CONFIG, export_rows, kvbatch, write_jsonl
+
+BIG = 2**64 + 1  # above what a 64-bit integer holds
+
+
+@pytest.fixture(scope="module")
+def ragged_job(tmp_path_factory) -> Path:
+    """A job whose rows' metadata differ in type from row to row; every row is rejected, so no Ray is needed."""
+    tmp = tmp_path_factory.mktemp("ragged")
+    rows = [
+        {"id": "a", "team": "legal", "n": BIG, "status": "draft", "meta_status": "x", "score": 1},
+        {"id": "b", "team": 5, "n": 3, "tags": ["q", 1], "score": 2.5},
+        {"id": "c", "team": None, "flag": True},
+    ]  # no text and no path: each row is rejected and exported with its metadata
+    manifest = write_jsonl(tmp / "m.jsonl", rows)
+    kvbatch("submit", str(manifest), "-c", str(TINY_CONFIG), "-j", str(tmp / "job"), check=3)
+    return tmp / "job"
+
+
+def test_jsonl_export_keeps_every_metadata_value_as_given(ragged_job: Path) -> None:
+    rows = {r["doc_id"]: r for r in export_rows(ragged_job)}
+    assert [rows[d]["team"] for d in "abc"] == ["legal", 5, None]
+    assert rows["a"]["n"] == BIG and rows["b"]["n"] == 3
+    assert rows["b"]["tags"] == ["q", 1] and rows["c"]["flag"] is True
+    # a metadata key never overwrites a result column, nor another metadata key
+    assert {rows[d]["status"] for d in "abc"} == {"rejected"}
+    assert rows["a"]["meta_status"] == "x" and rows["a"]["meta_meta_status"] == "draft"
+
+
+def test_csv_and_parquet_exports_hold_ragged_metadata_as_text(ragged_job: Path, tmp_path: Path) -> None:
+    import csv
+
+    kvbatch("results", str(ragged_job), "-o", str(tmp_path / "r.csv"), check=0)
+    with (tmp_path / "r.csv").open(newline="", encoding="utf-8") as f:
+        by_id = {r["doc_id"]: r for r in csv.DictReader(f)}
+    assert [by_id[d]["team"] for d in "abc"] == ["legal", "5", ""]
+    assert by_id["a"]["n"] == str(BIG) and by_id["a"]["status"] == "rejected" and by_id["a"]["meta_meta_status"] == "draft"
+
+    kvbatch("results", str(ragged_job), "-o", str(tmp_path / "r.parquet"), check=0)
+    table = pq.read_table(tmp_path / "r.parquet")
+    by_id = {r["doc_id"]: r for r in table.to_pylist()}
+    assert [by_id[d]["team"] for d in "abc"] == ["legal", "5", None]
+    assert by_id["a"]["n"] == str(BIG) and by_id["b"]["tags"] == '["q", 1]'
+    assert [by_id[d]["score"] for d in "ab"] == [1.0, 2.5] and by_id["c"]["flag"] is True
+    assert table.column_names.count("status") == 1
+
+
+def test_results_of_a_missing_job_folder_is_an_error(tmp_path: Path) -> None:
+    proc = kvbatch("results", str(tmp_path / "no" / "such" / "job"), "-o", str(tmp_path / "x.jsonl"), check=2)
+    message = " ".join(proc.stderr.split())
+    assert f"{tmp_path / 'no' / 'such' / 'job'} is not a job folder" in message and "Traceback" not in message
+    assert not (tmp_path / "x.jsonl").exists()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert "is not a job folder" in kvbatch("results", str(empty), check=2).stderr

@@ -1,0 +1,61 @@
+"""The coordinator's Ray worker pool (runner/pool.py) on a real local Ray: it tells each worker how many
+share its node, and `kill_all` returns only once the killed workers' processes are gone.
+
+(Starting workers through the CLI, with its errors and timeouts: tests/test_worker_start.py.)
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from jobs.config import load_config
+from runner.pool import WorkerPool
+from storage.scratch import ROOT_MARKER, sweep_orphans
+from tests.helpers.cli import TINY_CONFIG
+from tests.helpers.system import half_available_ram
+
+
+def test_the_pool_tells_each_worker_how_many_share_its_node(ray_address, tmp_path: Path) -> None:
+    """Two workers on the one node of the test's Ray: each knows it shares the node with the other
+    and sizes its `auto` host budget as half of what one worker alone would take."""
+    config = load_config(TINY_CONFIG, ["workers.count=2", "workers.cpus_per_worker=1"])
+    pool = WorkerPool(config, "job", tmp_path / "kv", [])
+    try:
+        infos = pool.start(2, give_up=lambda: False)
+    finally:
+        pool.kill_all()
+    assert [info["node_workers"] for info in infos] == [2, 2]
+    alone = half_available_ram()
+    assert all(info["host_kv_budget_bytes"] <= alone / 2 * 1.1 for info in infos), (infos, alone)
+
+
+def test_the_interrupted_batch_waits_for_its_killed_workers_before_the_last_sweep(ray_address, tmp_path):
+    """The moment that matters, without Ray's task-scheduling latency to hide it: right after the
+    coordinator abandons its workers, a sweep must find their processes gone and their dirs orphans."""
+    import ray
+
+
+    class Holder:
+        """A real worker process in the middle of a task: its scratch dir is open."""
+
+        def hold(self, root: str, task_id: str) -> tuple[str, int]:
+            from storage.scratch import task_scratch
+
+            self.scratch = task_scratch(Path(root), "job", task_id, 1)
+            folder = self.scratch.__enter__()
+            (folder / "block-0.kvblocks").write_bytes(b"k" * 100000)
+            return str(folder), os.getpid()
+
+    root = tmp_path / "kv"
+    pool = WorkerPool(load_config(TINY_CONFIG), "job", root, [])
+    actors = [ray.remote(num_cpus=0)(Holder).remote() for _ in range(2)]
+    held = ray.get([a.hold.remote(str(root), f"t00000{i}") for i, a in enumerate(actors)])
+    assert all(Path(folder).is_dir() for folder, _ in held)
+
+    pool.workers = actors
+    assert pool.kill_all() == []
+    swept = sweep_orphans(root)
+
+    assert sorted(str(s.path) for s in swept) == sorted(folder for folder, _ in held), [s.reason for s in swept]
+    assert sorted(p.name for p in root.iterdir()) == [ROOT_MARKER]
