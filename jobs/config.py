@@ -168,6 +168,10 @@ AUTO_MAX_SEQUENCES = 16
 """`batch.max_sequences: auto`: this many; admission lets fewer decode together when the budgets hold fewer."""
 
 
+PREFILL_CHUNK_TOKENS = 256
+"""batch.prefill_chunk_tokens' default: a chunk costs a few decode steps' time on a CPU, not a stall."""
+
+
 class BatchConfig(_Section):
     # sequences (documents, map chunks, merge passes) sharing a worker's decode steps; the worker also
     # keeps that many tasks in flight, and admits a sequence only while the batch's device and host KV
@@ -176,6 +180,11 @@ class BatchConfig(_Section):
     # how a decode step attends: one call per layer over the worker's KV pool (device-resident rows),
     # or each row over its own cache; auto picks by device (jobs/attention.py)
     attention: Literal["auto", "pooled", "per-row"] = "auto"
+    # a joining sequence's prompt rides the batch's decode steps this many tokens a step (its chunk
+    # beside the decode rows in one forward pass), so a long prompt does not stall the batch; 0: each
+    # prompt is prefilled whole before it joins. Tiered rungs and transformers' own cache
+    # implementations always prefill whole (runner/engine/scheduler.py)
+    prefill_chunk_tokens: int = Field(PREFILL_CHUNK_TOKENS, ge=0)
 
     @field_validator("max_sequences")
     @classmethod

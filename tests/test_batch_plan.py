@@ -168,3 +168,27 @@ def test_no_sequence_is_lost_and_admission_keeps_its_rules(limit: int, device_bu
         held = [*plan.waiting, *plan.running, *left]
         assert sorted(map(id, held)) == sorted(map(id, everyone))  # each exactly once
     assert set(map(id, plan.drain())) == {id(s) for s in everyone} - {id(s) for s in left}
+
+
+def test_a_prompt_in_chunks_counts_the_decode_steps_the_batch_made_meanwhile() -> None:
+    """A sequence prefilled whole joins with 0 such steps (it stalled the batch); one riding the
+    steps in chunks of 4 takes three chunks for 10 tokens, and the batch decoded through them."""
+    plan = BatchPlan(3, device_budget=1 << 30)
+    decoder, whole, rides = _seq(), _seq(prompt=10), _seq(prompt=10)
+    for seq in (decoder, whole, rides):
+        plan.add(seq)
+    plan.joined(plan.schedule().prefill)
+    assert plan.schedule().prefill is whole
+    plan.joined(whole)
+    assert whole.decode_steps_during_prefill == 0
+    assert plan.schedule().prefill is rides
+    rides.chunk_tokens = 4
+    chunks = []
+    while rides.prefilled < 10:
+        chunks.append(plan.next_chunk(rides))
+        rides.prefilled = chunks[-1][1]
+        plan.decoded(plan.decoding, beside_prefill=True)
+    plan.joined(rides)
+    assert chunks == [(0, 4), (4, 8), (8, 10)]
+    assert rides.decode_steps_during_prefill == 3 == plan.steps_with_prefill
+    assert plan.decoding == [decoder, whole, rides] and decoder.steps == 3

@@ -87,15 +87,16 @@ def test_the_schedulers_step_of_plain_greedy_rows_makes_one_transfer_to_the_host
     their tokens (the code before made one read a row: ROWS). The scheduler's thread is closed first
     so that the step runs here, inside the counter (torch's modes are per thread)."""
     model = _model("llama-gqa")
-    scheduler = BatchScheduler(_loaded(model, tokenizer), SummarizeConfig(), "auto", ROWS, BIG, _is_memory_error)
+    scheduler = BatchScheduler(_loaded(model, tokenizer), SummarizeConfig(), "auto", ROWS, BIG, _is_memory_error,
+                               prefill_chunk_tokens=0)  # each prompt prefilled whole, so the step is decode rows only
     scheduler.close()
     prompts = [_prompt(8 + row)[0].tolist() for row in range(ROWS)]
     for prompt in prompts:
         scheduler.plan.add(BatchSequence(_request(model, prompt, NEW), Future(), scheduler.settings.loop_stop))
-        scheduler._prefill(scheduler.plan.schedule().prefill)
+        scheduler._start(scheduler.plan.schedule().prefill)
     rows = scheduler.plan.decoding
     with HostTransfers() as step:
-        scheduler._decode(rows)
+        scheduler._decode(rows, None)
     assert scheduler.most_rows == ROWS and scheduler.plan.decoding == rows  # one batched step, none ended
     assert step.count == 1
     with torch.no_grad():

@@ -6,8 +6,8 @@ postprocess. Here only plain Python: a sequence's cache and token picker are opa
 rule below is tested without a model (tests/test_batch_plan.py).
 
 A sequence is WAITING (queued, or sent back by a split), PREFILLING (admitted: its prompt goes into
-its cache, whole or chunk by chunk beside the decode rows), DECODING (one token a step), then
-FINISHED or FAILED. Admission lets the head of the queue in while the running sequences (prefilling
+its cache, whole or chunk by chunk beside the decode rows: one chunk a step, `next_chunk`), DECODING
+(one token a step), then FINISHED or FAILED. Admission lets the head of the queue in while the running sequences (prefilling
 and decoding) are fewer than the batch limit and their device and host KV at full length, with its
 own, fit the worker's budgets; one sequence prefills at a time. A decode step that ran counts towards
 growing a lowered limit back (jobs.batch_limit); a memory error lowers it.
@@ -68,10 +68,14 @@ class BatchSequence(Generic[R]):
     picker: Picker | None = None
     tokens: list[int] = field(default_factory=list)
     prefilled: int = 0  # prompt tokens in its cache
+    chunk_tokens: int = 0  # its prompt rides the decode steps this many tokens at a time (0: prefilled whole)
     started: float = 0.0
     first_token_at: float = 0.0
     steps: int = 0  # decode steps it took part in
     rows_seen: int = 0  # sum over its decode steps of the decode rows in the step
+    began_at_step: int = 0  # the plan's decode steps when this attempt began
+    decode_steps_during_prefill: int = 0
+    """Decode steps the batch ran while this sequence prefilled: 0 when its whole prefill stalled them."""
     watch: LoopWatch = field(init=False)
 
     def __post_init__(self) -> None:
@@ -86,7 +90,7 @@ class BatchSequence(Generic[R]):
         """A new attempt: nothing in its cache, no token yet."""
         self.status = Status.PREFILLING
         self.handle, self.picker = None, None
-        self.tokens, self.prefilled, self.steps, self.rows_seen = [], 0, 0, 0
+        self.tokens, self.prefilled, self.chunk_tokens, self.steps, self.rows_seen = [], 0, 0, 0, 0
         self.watch = LoopWatch(self.loop_stop)
         self.started = time.perf_counter()
 
@@ -139,6 +143,10 @@ class BatchPlan(Generic[R]):
         """How often a memory error split a batch (each split halves the limit)."""
         self.most_rows = 0
         """The most rows one decode step has run: what a test asks to know batching happened."""
+        self.decode_steps = 0
+        """Decode steps run."""
+        self.steps_with_prefill = 0
+        """Decode steps whose forward pass carried a prefill chunk beside the decode rows."""
 
     @property
     def decoding(self) -> list[BatchSequence[R]]:
@@ -159,6 +167,7 @@ class BatchPlan(Generic[R]):
         if prefill is None and self.waiting and self._admissible(self.waiting[0].request):
             prefill = self.waiting.popleft()
             prefill.begin()
+            prefill.began_at_step = self.decode_steps
             self.running.append(prefill)
         return Step(prefill, self.decoding)
 
@@ -172,13 +181,23 @@ class BatchPlan(Generic[R]):
         return (self.host_budget is None
                 or sum(seq.request.host_bytes for seq in self.running) + head.host_bytes <= self.host_budget)
 
+    @staticmethod
+    def next_chunk(seq: BatchSequence[R]) -> tuple[int, int]:
+        """The prompt tokens [start, end) that ride the next step of a sequence prefilling in chunks."""
+        assert seq.chunk_tokens > 0, "a sequence prefilled whole has no chunks"
+        return seq.prefilled, min(seq.prefilled + seq.chunk_tokens, len(seq.request.prompt_ids))
+
     def joined(self, seq: BatchSequence[R]) -> None:
         """Its prompt is in its cache and its first token chosen: it decodes from the next step on."""
         seq.status = Status.DECODING
+        seq.decode_steps_during_prefill = self.decode_steps - seq.began_at_step
 
-    def decoded(self, rows: list[BatchSequence[R]]) -> None:
-        """A decode step over `rows` ran without a memory error: each took one step; the limit may grow."""
+    def decoded(self, rows: list[BatchSequence[R]], beside_prefill: bool = False) -> None:
+        """A decode step over `rows` ran without a memory error (with a prefill chunk in its forward pass
+        when `beside_prefill`): each took one step; the limit may grow."""
         self.limit.step()
+        self.decode_steps += 1
+        self.steps_with_prefill += beside_prefill
         self.most_rows = max(self.most_rows, len(rows))
         for seq in rows:
             seq.steps += 1

@@ -32,17 +32,20 @@ from dataclasses import dataclass, field
 
 import psutil
 import torch
+from transformers import DynamicCache
+from transformers.cache_utils import Cache, get_layer_types_and_kwargs
 
 from jobs.batch_limit import GROW_BACK_STEPS
-from jobs.config import PrefillMode, SummarizeConfig
+from jobs.config import PREFILL_CHUNK_TOKENS, PrefillMode, SummarizeConfig
 from jobs.outcome import CacheStats
 from jobs.stopping import StopReason
 from runner.engine.batch_plan import BatchPlan, BatchSequence, Status
 from runner.engine.generation import Generation, TokenPicker, generate_once, greedy_tokens, prefill
 from runner.engine.kvcache import CacheHandle
+from runner.engine.kvpool import PooledCache
 from runner.engine.models import LoadedModel
 from runner.engine.probes import StageMemory, memory_snapshot
-from runner.engine.ragged import RowFailed, decode_step
+from runner.engine.ragged import CHUNK_ATTENTION, PrefillChunk, RowFailed, mixed_step
 
 CacheFactory = Callable[[], CacheHandle]
 MemoryErrorTest = Callable[[BaseException], bool]
@@ -95,12 +98,15 @@ class BatchScheduler:
 
     def __init__(self, loaded: LoadedModel, settings: SummarizeConfig, prefill_mode: PrefillMode,
                  max_sequences: int, device_budget: int, is_memory_error: MemoryErrorTest,
-                 host_budget: int | None = None, grow_back_steps: int = GROW_BACK_STEPS) -> None:
+                 host_budget: int | None = None, grow_back_steps: int = GROW_BACK_STEPS,
+                 prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS) -> None:
         """`host_budget`: the worker's host RAM for KV (None: not limited here); `grow_back_steps`:
-        calm decode steps before a limit a memory error lowered doubles back (jobs.batch_limit)."""
+        calm decode steps before a limit a memory error lowered doubles back (jobs.batch_limit);
+        `prefill_chunk_tokens`: a joining prompt's tokens a step beside the decode rows (0: whole)."""
         self.loaded = loaded
         self.settings = settings
         self.prefill_mode = prefill_mode
+        self.prefill_chunk_tokens = prefill_chunk_tokens if _chunks_fit(loaded) else 0
         self.plan: BatchPlan[PassRequest] = BatchPlan(max_sequences, device_budget, host_budget, grow_back_steps)
         self.is_memory_error = is_memory_error
         self._changed = threading.Condition()  # guards the plan: `submit` adds to it from other threads
@@ -124,6 +130,11 @@ class BatchScheduler:
     def most_rows(self) -> int:
         """The largest batch a decode step has run: what a test asks to know batching happened."""
         return self.plan.most_rows
+
+    @property
+    def steps_with_prefill(self) -> int:
+        """Decode steps whose forward pass carried a joining prompt's chunk too."""
+        return self.plan.steps_with_prefill
 
     # -- the task side ---------------------------------------------------------------------------
     def submit(self, request: PassRequest) -> Future[PassResult]:
@@ -166,11 +177,11 @@ class BatchScheduler:
                 if self._closed:
                     return False
                 step = self.plan.schedule()
-            if step.prefill is not None:
-                self._prefill(step.prefill)
-            rows = self.plan.decoding
-            if rows:
-                self._decode(rows)
+            if step.prefill is not None and step.prefill.handle is None:
+                self._start(step.prefill)
+            rows, riding = self.plan.decoding, self.plan.prefilling
+            if rows or riding is not None:
+                self._decode(rows, riding)
         except Exception as e:  # noqa: BLE001 - see the docstring
             self._fail_waiting(e)
         return True
@@ -185,8 +196,9 @@ class BatchScheduler:
         for seq in everyone:
             self._fail(seq, error)
 
-    def _prefill(self, seq: Sequence) -> None:
-        """Make its cache, prefill it alone, choose the first token, and join the batch (or finish at once)."""
+    def _start(self, seq: Sequence) -> None:
+        """Make its cache and token picker; then its prompt rides the next steps chunk by chunk, or is
+        prefilled alone now and the sequence joins the batch (or finishes at once)."""
         request = seq.request
         request.clock.start()
         try:
@@ -199,24 +211,40 @@ class BatchScheduler:
             self._run_whole(seq)
             return
         try:
-            logits = prefill(self.loaded, request.prompt_ids, self.settings, cache, self.prefill_mode)
             seq.picker = TokenPicker(self.loaded, self.settings, request.prompt_ids, request.max_new_tokens)
-            first = seq.picker.pick(logits)
+            if self._rides(cache):
+                seq.chunk_tokens = self.prefill_chunk_tokens
+                return
+            logits = prefill(self.loaded, request.prompt_ids, self.settings, cache, self.prefill_mode)
         except Exception as e:  # noqa: BLE001 - sorted out just below
             seq.handle.close()
             self._wait_or_fail(seq, e)
             return
         seq.prefilled = len(request.prompt_ids)
-        seq.take(first)
+        self._first_token(seq, logits)
+
+    def _rides(self, cache: Cache) -> bool:
+        """Whether a prompt goes in chunks beside the decode rows: there are some, and its cache takes
+        a chunk as one more row (transformers' dynamic layers, a KV pool slot; a tiered cache's
+        prefill is layer-major or streams its layers, so it stays whole, as `cache.prefill:
+        layer-major` asks)."""
+        return (self.prefill_chunk_tokens > 0 and bool(self.plan.decoding) and self.prefill_mode != "layer-major"
+                and isinstance(cache, (DynamicCache, PooledCache)))
+
+    def _first_token(self, seq: Sequence, logits: torch.Tensor) -> None:
+        """Its prompt is in its cache: the first token from the last position's logits ([1, vocab]),
+        then it joins the batch, or finishes at once."""
         try:
-            request.memory.prefill_done(memory_snapshot(self.loaded.device))
+            seq.take(seq.picker.pick(logits))
+            seq.request.memory.prefill_done(memory_snapshot(self.loaded.device))
             if seq.stop_reason() is not None:
                 self._finish(seq)
                 return
         except Exception as e:  # noqa: BLE001 - this sequence's alone
             self._fail_sequence(seq, e)
             return
-        self.plan.joined(seq)
+        with self._changed:
+            self.plan.joined(seq)
 
     def _wait_or_fail(self, seq: Sequence, error: BaseException) -> None:
         """A memory error beside the batch waits for a smaller one; any other error is the task's."""
@@ -242,27 +270,42 @@ class BatchScheduler:
         request.memory.decode_done(memory_snapshot(self.loaded.device))
         seq.future.set_result(PassResult(generation, stats))
 
-    def _decode(self, rows: list[Sequence]) -> None:
-        """One decode step over `rows` (every decoding sequence), then each row's token."""
+    def _decode(self, rows: list[Sequence], riding: Sequence | None) -> None:
+        """One forward pass: a decode step over `rows` (every decoding sequence) with the next chunk of
+        `riding`'s prompt beside them; then each row's token, and `riding`'s first once its prompt is in."""
+        chunk = None
+        if riding is not None:
+            start, end = self.plan.next_chunk(riding)
+            prompt = riding.request.prompt_ids
+            chunk = PrefillChunk(riding.handle.generate_kwargs["past_key_values"], prompt[start:end], start,
+                                 wants_logits=end == len(prompt))
+        everyone = rows + ([riding] if riding is not None else [])  # RowFailed numbers the chunk's row last
         try:
-            logits = decode_step(self.loaded.model, [s.tokens[-1] for s in rows], [s.position for s in rows],
-                                 [s.handle.generate_kwargs["past_key_values"] for s in rows])  # [rows, vocab]
+            logits, first_logits = mixed_step(
+                self.loaded.model, [s.tokens[-1] for s in rows], [s.position for s in rows],
+                [s.handle.generate_kwargs["past_key_values"] for s in rows], chunk)  # [rows, vocab], [1, vocab]
         except RowFailed as e:
             error = e.__cause__ or e
-            if self.is_memory_error(error) and len(rows) > 1:
-                self._split(rows)
+            if self.is_memory_error(error) and len(everyone) > 1:
+                self._split(everyone)
             else:  # that sequence's own failure; the others' caches took part of this step: they restart
-                self._fail_sequence(rows[e.row], error)
-                self._restart([s for s in rows if s is not rows[e.row]])
+                self._fail_sequence(everyone[e.row], error)
+                self._restart([s for s in everyone if s is not everyone[e.row]])
             return
         except Exception as e:  # noqa: BLE001 - not one sequence's: the batch's (e.g. activations OOM)
-            if self.is_memory_error(e) and len(rows) > 1:
-                self._split(rows)
+            if self.is_memory_error(e) and len(everyone) > 1:
+                self._split(everyone)
             else:
-                for seq in rows:
+                for seq in everyone:
                     self._fail_sequence(seq, e)
             return
-        self.plan.decoded(rows)
+        if rows:
+            with self._changed:
+                self.plan.decoded(rows, beside_prefill=chunk is not None)
+        if riding is not None and chunk is not None:
+            riding.prefilled += len(chunk.tokens)
+            if first_logits is not None:
+                self._first_token(riding, first_logits)
         self._choose(rows, logits)
 
     def _choose(self, rows: list[Sequence], logits: torch.Tensor) -> None:
@@ -325,6 +368,14 @@ class BatchScheduler:
         # without its traceback: the frames would keep the failed cache (and activations) alive
         if not seq.future.done():
             seq.future.set_exception(error.with_traceback(None))
+
+
+def _chunks_fit(loaded: LoadedModel) -> bool:
+    """Whether a prompt chunk can ride a step of this model: every layer attends to the whole sequence
+    (a sliding window would need its own chunk mask) with an attention the chunk is masked for."""
+    config = loaded.model.config
+    layer_types, _ = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    return config._attn_implementation in CHUNK_ATTENTION and all(kind == "full_attention" for kind in layer_types)
 
 
 def _close_quietly(handle: CacheHandle) -> None:

@@ -220,7 +220,8 @@ class SummaryWorker:
                                          self.device_pool) if self.attention == "pooled" else None)
         self.scheduler = BatchScheduler(self.loaded, self.cfg.summarize, self.cfg.cache.prefill,
                                         self.cfg.batch.sequences, self.device_budget, _is_memory_error,
-                                        host_budget=self.host_budget)
+                                        host_budget=self.host_budget,
+                                        prefill_chunk_tokens=self.cfg.batch.prefill_chunk_tokens)
         self._clocks: dict[str, TaskClock] = {}  # call id -> clock of the task in flight
 
     def info(self) -> dict[str, Any]:
