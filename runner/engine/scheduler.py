@@ -7,7 +7,11 @@ Each sequence (a single-pass document, a map chunk, a merge pass) is prefilled o
 own cache, and then joins the decoding batch; every decode step runs all joined sequences in one
 forward pass (runner/engine/ragged.py: shared weight matmuls, attention per sequence, no padding;
 the sequences whose caches are slots of the worker's KV pool attend as one group), and a finished
-sequence leaves at once, freeing its slot for the next.
+sequence leaves at once, freeing its slot for the next. A sequence that joins while others decode
+rides their steps instead of stalling them (`batch.prefill_chunk_tokens`): each forward pass carries
+its next prompt chunk beside the decode rows, and it decodes from the step after its last chunk;
+caches that cannot take a chunk as a row (tiered rungs, transformers' own cache_implementation,
+layer-major prefill, sliding-window models) are prefilled whole, alone, as before.
 
 Admission (the plan's) keeps the batch within `batch.max_sequences` and the worker's budgets: the
 sum of the running sequences' device KV, and of their host KV (tiered rungs), each at its full
