@@ -74,7 +74,8 @@ def child(label: str, args: argparse.Namespace) -> dict:
     for _, text in _documents(args.docs):
         ids = loaded.tokenizer(text, add_special_tokens=False)["input_ids"][: args.prompt_tokens]
         prompts.append(summarizer.prompt_ids(settings.prompt, loaded.tokenizer.decode(ids)))
-    scheduler = BatchScheduler(loaded, settings, "auto", len(prompts), 1 << 50, _is_memory_error)
+    scheduler = BatchScheduler(loaded, settings, "auto", len(prompts), 1 << 50, _is_memory_error,
+                               prefill_chunk_tokens=0)  # prompts prefilled whole, one at a time: prefill_s below
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as scratch:
         futures = [scheduler.submit(PassRequest(

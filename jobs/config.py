@@ -204,6 +204,10 @@ AUTO_MAX_SEQUENCES = 16
 when the budgets hold fewer."""
 
 
+PREFILL_CHUNK_TOKENS = 256
+"""batch.prefill_chunk_tokens' default: a chunk costs a few decode steps' time on a CPU, not a stall."""
+
+
 class BatchConfig(_Section):
     """How many sequences (documents, map chunks, merge passes) share a worker's decode steps."""
 
@@ -215,6 +219,11 @@ class BatchConfig(_Section):
     attention: Literal["auto", "pooled", "per-row"] = Field("auto", description=(
         "`pooled`: one attention call per layer over the worker's KV pool (device-resident rows); "
         "`per-row`: each row over its own cache; `auto`: pooled on CUDA, per-row on the CPU"))
+    prefill_chunk_tokens: int = Field(PREFILL_CHUNK_TOKENS, ge=0, description=(
+        "tokens of a joining sequence's prompt that ride each decode step (its chunk beside the decode rows "
+        "in one forward pass), so a long prompt does not stall the batch; 0: each prompt is prefilled whole "
+        "before it joins. Tiered rungs, transformers' own cache implementations, `cache.prefill: layer-major` "
+        "and sliding-window models always prefill whole"))
 
     @field_validator("max_sequences")
     @classmethod

@@ -8,7 +8,6 @@ decode step; transfers are counted where they happen, by torch's own function an
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import Future
 from typing import Any
 
@@ -19,9 +18,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import DynamicCache
 
 from jobs.config import SummarizeConfig
+from runner.engine.batch_plan import BatchSequence
 from runner.engine.generation import TokenPicker, generate_once, greedy_tokens, prefill
 from runner.engine.ragged import decode_step
-from runner.engine.scheduler import BatchScheduler, _Queued
+from runner.engine.scheduler import BatchScheduler
 from runner.engine.worker import _is_memory_error
 from tests.helpers.batching import BIG, as_loaded_model, dynamic_request
 from tests.helpers.models import random_prompt, tiny_model
@@ -89,21 +89,23 @@ def test_the_schedulers_step_of_plain_greedy_rows_makes_one_transfer_to_the_host
     their tokens (the code before made one read a row: ROWS). The scheduler's thread is closed first
     so that the step runs here, inside the counter (torch's modes are per thread)."""
     model = tiny_model("llama-gqa")
-    scheduler = BatchScheduler(as_loaded_model(model, tokenizer), SummarizeConfig(), "auto", ROWS, BIG,
-                               _is_memory_error)
+    scheduler = BatchScheduler(as_loaded_model(model, tokenizer), SummarizeConfig(), "auto", ROWS, BIG, _is_memory_error,
+                               prefill_chunk_tokens=0)  # each prompt prefilled whole, so the step is decode rows only
     scheduler.close()
     prompts = [random_prompt(8 + row)[0].tolist() for row in range(ROWS)]
     for prompt in prompts:
-        scheduler._join(_Queued(dynamic_request(model, prompt, NEW), Future(), time.perf_counter()))
+        scheduler.plan.add(BatchSequence(dynamic_request(model, prompt, NEW), Future(), scheduler.settings.loop_stop))
+        scheduler._start(scheduler.plan.schedule().prefill)
+    rows = scheduler.plan.decoding
     with HostTransfers() as step:
-        scheduler._step()
-    assert scheduler.most_rows == ROWS and len(scheduler._active) == ROWS  # one batched step, none ended
+        scheduler._decode(rows, None)
+    assert scheduler.most_rows == ROWS and scheduler.plan.decoding == rows  # one batched step, none ended
     assert step.count == 1
     with torch.no_grad():
         alone = [model.generate(torch.tensor([p]), max_new_tokens=2, do_sample=False)[0, len(p):].tolist()
                  for p in prompts]
-    assert [seq.tokens for seq in scheduler._active] == alone
-    for seq in scheduler._active:
+    assert [seq.tokens for seq in rows] == alone
+    for seq in rows:
         seq.handle.close()
 
 

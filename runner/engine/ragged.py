@@ -14,6 +14,13 @@ order, as one group: one write and one attention call per layer for all of them
 pooled`) go next, as a second group: one write and one attention call per streamed layer over
 staging slots their layers are read into (runner/engine/tiered_attention.py). The other rows of the
 same step stay per row.
+
+A step may also carry one prefill chunk of a joining sequence (`PrefillChunk`, vLLM's chunked
+prefill): its tokens go last, their own row of several tokens, attended per row against that
+sequence's cache with the causal mask generate()'s own chunked prefill builds (none for a first
+chunk under SDPA, which is causal by itself), so the joining prompt shares the decode rows' weight
+matmuls instead of stalling them. The step's tokens are packed into one row of the model's input
+([1, tokens]): every row is a span of it, a decode row one token.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -55,25 +62,54 @@ class RowGroups:
     step: PooledStep | None = None  # whose write `pooled` is: it attends them
     staged: torch.Tensor | None = None  # [tiered rows, kv_heads, span, head_dim]
     tiered: TieredStep | None = None  # whose write `staged` is
+    chunk: PrefillChunk | None = None  # the last of `rows` is this chunk's, several tokens
+
+
+@dataclass
+class PrefillChunk:
+    """Prompt tokens of a joining sequence that ride a step: `tokens` at positions `start` onwards."""
+
+    cache: Cache
+    tokens: list[int]
+    start: int
+    wants_logits: bool
+    """Whether its last position's logits are wanted (the prompt's last chunk: the first token)."""
+    mask: torch.Tensor | None = field(default=None, init=False)
+
+    def causal_mask(self, query: torch.Tensor, implementation: str) -> torch.Tensor | None:
+        """The mask generate()'s chunked prefill gives this chunk ([1, 1, chunk, start + chunk]): SDPA's
+        boolean one (None for a first chunk: SDPA is causal by itself), an additive one for eager."""
+        if self.mask is None and not (implementation == "sdpa" and self.start == 0):
+            n = len(self.tokens)
+            seen = torch.arange(self.start + n, device=query.device) <= (
+                self.start + torch.arange(n, device=query.device))[:, None]  # [chunk, start + chunk]
+            if implementation == "sdpa":
+                self.mask = seen[None, None]
+            else:
+                self.mask = torch.zeros(seen.shape, dtype=query.dtype, device=query.device).masked_fill_(
+                    ~seen, torch.finfo(query.dtype).min)[None, None]
+        return self.mask
 
 
 class SequenceBatch:
-    """The `past_key_values` of a ragged step: the first `pooled.count` rows are the pool's, the next
-    `tiered.count` the tiered step's, row `pooled.count + tiered.count + i` goes to `caches[i]`."""
+    """The `past_key_values` of a ragged step: the first `pooled.count` tokens are the pool's rows, the
+    next `tiered.count` the tiered step's, the next ones go to `caches[i]` one token each, and a
+    chunk's tokens, last, to `chunk.cache`."""
 
     def __init__(self, caches: Sequence[Cache], pooled: PooledStep | None = None,
-                 tiered: TieredStep | None = None) -> None:
+                 tiered: TieredStep | None = None, chunk: PrefillChunk | None = None) -> None:
         self.caches = list(caches)
         self.pooled = pooled
         self.tiered = tiered
+        self.chunk = chunk
 
     def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
                ) -> tuple[RowGroups, RowGroups]:
-        # keys, values: [rows, kv_heads, 1, head_dim]
+        # keys, values: [1, kv_heads, step tokens, head_dim]
         first = self.pooled.count if self.pooled else 0
         pooled_keys = pooled_values = None
         if self.pooled:
-            pooled_keys, pooled_values = self.pooled.write(layer_idx, keys[:first], values[:first])
+            pooled_keys, pooled_values = self.pooled.write(layer_idx, _rows(keys, 0, first), _rows(values, 0, first))
         per_row = self.caches
         staged_keys = staged_values = tiered = None
         if self.tiered and self.tiered.batches(layer_idx):
@@ -83,22 +119,25 @@ class SequenceBatch:
         elif self.tiered:
             per_row = self.tiered.caches + self.caches
         out_keys, out_values = [], []
-        for row, cache in enumerate(per_row, start=first):
+        rows = [(cache, 1) for cache in per_row] + ([(self.chunk.cache, len(self.chunk.tokens))] if self.chunk else [])
+        start = first
+        for row, (cache, length) in enumerate(rows, start=first):
             try:
-                k, v = cache.update(keys[row : row + 1], values[row : row + 1], layer_idx)
-            except Exception as e:  # noqa: BLE001 - the scheduler fails this row, not its batch-mates
+                k, v = cache.update(keys[:, :, start : start + length], values[:, :, start : start + length], layer_idx)
+            except Exception as e:  # the scheduler fails this row, not its batch-mates
                 raise RowFailed(row) from e
             out_keys.append(k)
             out_values.append(v)
-        return (RowGroups(pooled_keys, out_keys, self.pooled, staged_keys, tiered),
-                RowGroups(pooled_values, out_values, self.pooled, staged_values, tiered))
+            start += length
+        return (RowGroups(pooled_keys, out_keys, self.pooled, staged_keys, tiered, self.chunk),
+                RowGroups(pooled_values, out_values, self.pooled, staged_values, tiered, self.chunk))
 
     def _tiered_update(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor, first: int
                        ) -> tuple[torch.Tensor, torch.Tensor]:
         """The tiered rows (rows `first` on) of a layer they all stream: each its own reads, one write."""
         step = self.tiered
         assert step is not None
-        keys, values = keys[first : first + step.count], values[first : first + step.count]
+        keys, values = _rows(keys, first, first + step.count), _rows(values, first, first + step.count)
         step.prepare(layer_idx, keys)
         outgoing = step.outgoing(keys, values)
         for i in range(step.count):
@@ -109,6 +148,11 @@ class SequenceBatch:
         return step.write(layer_idx, outgoing)
 
 
+def _rows(states: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """Tokens `start:end` of a packed step ([1, heads, tokens, head_dim]) as one-token rows: [rows, heads, 1, head_dim]."""
+    return states[0, :, start:end].transpose(0, 1).unsqueeze(2)
+
+
 def _inner_function(module: torch.nn.Module, implementation: str) -> Any:
     if implementation == "eager":  # a model's own eager attention (Gemma2's has its logit softcap)
         return importlib.import_module(type(module).__module__).eager_attention_forward
@@ -117,25 +161,36 @@ def _inner_function(module: torch.nn.Module, implementation: str) -> Any:
 
 def ragged_attention(
     module: torch.nn.Module,
-    query: torch.Tensor,  # [rows, heads, 1, head_dim]
+    query: torch.Tensor,  # [1, heads, step tokens, head_dim]
     key: RowGroups,
     value: RowGroups,
     attention_mask: torch.Tensor | None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """The pooled rows in one call, each other row against its own keys, with the model's own attention."""
-    inner = _inner_function(module, module.config._kvbatch_inner_attention)
+    """The pooled rows in one call, each other row against its own keys, with the model's own attention:
+    the output [1, step tokens, heads, head_dim]."""
+    implementation = module.config._kvbatch_inner_attention
+    inner = _inner_function(module, implementation)
     outputs, first = [], 0
     if key.step is not None:  # the pooled rows' `pooled` views are set with their step
         first = key.step.count
-        outputs.append(key.step.attend(inner, module, query[:first], key.pooled, value.pooled, **kwargs))
+        pooled = key.step.attend(inner, module, _rows(query, 0, first), key.pooled, value.pooled, **kwargs)
+        outputs.append(pooled.transpose(0, 1))  # [rows, 1, heads, head_dim] -> [1, rows, heads, head_dim]
     if key.tiered is not None:  # set only for a layer the tiered rows all stream
         end = first + key.tiered.count
-        outputs.append(key.tiered.attend(inner, module, query[first:end], key.staged, value.staged, **kwargs))
+        staged = key.tiered.attend(inner, module, _rows(query, first, end), key.staged, value.staged, **kwargs)
+        outputs.append(staged.transpose(0, 1))
         first = end
-    outputs += [inner(module, query[row : row + 1], k, v, None, **kwargs)[0]
-                for row, (k, v) in enumerate(zip(key.rows, value.rows), start=first)]
-    return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)), None
+    chunk_row = len(key.rows) - 1 if key.chunk is not None else None
+    start = first
+    for row, (k, v) in enumerate(zip(key.rows, value.rows)):
+        if row == chunk_row:
+            q = query[:, :, start:]
+            outputs.append(inner(module, q, k, v, key.chunk.causal_mask(q, implementation), **kwargs)[0])
+        else:
+            outputs.append(inner(module, query[:, :, start : start + 1], k, v, None, **kwargs)[0])
+            start += 1
+    return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)), None
 
 
 AttentionInterface.register(RAGGED, ragged_attention)
@@ -154,29 +209,51 @@ def ragged_step(model: PreTrainedModel) -> Iterator[None]:
         config._attn_implementation = own
 
 
+CHUNK_ATTENTION = ("sdpa", "eager")
+"""Attention implementations a chunk row is masked for (`PrefillChunk.causal_mask`)."""
+
+
 def decode_step(model: PreTrainedModel, last_tokens: Sequence[int], positions: Sequence[int],
                 caches: Sequence[Cache]) -> torch.Tensor:
     """One decode step for several sequences (each its last token, at its own position, with its own
     cache): the next-token logits, [rows, vocab] in float32, in the order of `caches`."""
+    return mixed_step(model, last_tokens, positions, caches, None)[0]
+
+
+def mixed_step(model: PreTrainedModel, last_tokens: Sequence[int], positions: Sequence[int],
+               caches: Sequence[Cache], chunk: PrefillChunk | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One forward pass: a decode step for the rows of `caches`, and `chunk`'s prompt tokens beside
+    them (its row is `len(caches)` in a `RowFailed`). The decode rows' next-token logits ([rows, vocab]
+    float32, in the order of `caches`) and, when the chunk wants them, its last position's ([1, vocab])."""
     pooled_rows = sorted((row for row, cache in enumerate(caches) if isinstance(cache, PooledCache)),
                          key=lambda row: caches[row].slot)
     tiered_rows = [row for row, cache in enumerate(caches) if isinstance(cache, TieredCache) and cache.batched_attention]
     grouped = set(pooled_rows + tiered_rows)
     order = pooled_rows + tiered_rows + [row for row in range(len(caches)) if row not in grouped]
+    if chunk is not None and isinstance(chunk.cache, PooledCache):  # its room before the step's views are cut
+        chunk.cache.pool.ensure(len(chunk.cache.pool.owners), chunk.start + len(chunk.tokens))
     pooled = PooledStep(caches[pooled_rows[0]].pool, [caches[row] for row in pooled_rows]) if pooled_rows else None
     tiered = TieredStep([caches[row] for row in tiered_rows]) if tiered_rows else None
-    ids = torch.tensor([[last_tokens[row]] for row in order], device=model.device)  # [rows, 1]
-    position_ids = torch.tensor([[positions[row]] for row in order], device=model.device)  # [rows, 1]
-    batch = SequenceBatch([caches[row] for row in order[len(grouped):]], pooled, tiered)
+    tokens = [last_tokens[row] for row in order]
+    token_positions = [positions[row] for row in order]
+    if chunk is not None:
+        tokens += chunk.tokens
+        token_positions += range(chunk.start, chunk.start + len(chunk.tokens))
+    ids = torch.tensor([tokens], device=model.device)  # [1, step tokens]
+    position_ids = torch.tensor([token_positions], device=model.device)  # [1, step tokens]
+    keep = list(range(len(order))) + ([len(tokens) - 1] if chunk is not None and chunk.wants_logits else [])
+    batch = SequenceBatch([caches[row] for row in order[len(grouped):]], pooled, tiered, chunk)
     try:
         with torch.inference_mode(), ragged_step(model):
-            out = model(input_ids=ids, position_ids=position_ids, past_key_values=batch,
-                        use_cache=True, logits_to_keep=1)
+            out = model(input_ids=ids, position_ids=position_ids, past_key_values=batch, use_cache=True,
+                        logits_to_keep=0 if chunk is None else torch.tensor(keep, dtype=torch.long, device=model.device))
     except RowFailed as e:  # the row as the caller numbers it
-        raise RowFailed(order[e.row]) from e.__cause__
+        raise RowFailed(order[e.row] if e.row < len(order) else len(caches)) from e.__cause__
     if pooled:
         pooled.advance()
-    logits = out.logits[:, -1, :].float()
-    if order == list(range(len(caches))):
-        return logits
-    return logits[torch.tensor(order, device=logits.device).argsort()]
+    logits = out.logits[0].float()  # [kept, vocab]
+    chunk_logits = logits[len(order) :] if chunk is not None and chunk.wants_logits else None
+    logits = logits[: len(order)]
+    if order != list(range(len(caches))):
+        logits = logits[torch.tensor(order, device=logits.device).argsort()]
+    return logits, chunk_logits

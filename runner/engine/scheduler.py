@@ -1,21 +1,28 @@
 """Continuous batching inside one worker: the sequences of every task in flight share each decode step.
 
-One thread owns the model. Each sequence (a single-pass document, a map chunk, a merge pass) is
-prefilled on its own, into its own cache, and then joins the decoding batch; every decode step runs
-all joined sequences in one forward pass (runner/engine/ragged.py: shared weight matmuls, attention
-per sequence, no padding; the sequences whose caches are slots of the worker's KV pool attend as one
-group), and a finished sequence leaves at once, freeing its slot for the next.
+One thread owns the model and runs turns of schedule -> run -> postprocess: the worker's `BatchPlan`
+(runner/engine/batch_plan.py, no model in it) says which sequence prefills and which rows decode;
+this module runs them (prefill, the batched forward pass, token choice) and hands the outcome back.
+Each sequence (a single-pass document, a map chunk, a merge pass) is prefilled on its own, into its
+own cache, and then joins the decoding batch; every decode step runs all joined sequences in one
+forward pass (runner/engine/ragged.py: shared weight matmuls, attention per sequence, no padding;
+the sequences whose caches are slots of the worker's KV pool attend as one group), and a finished
+sequence leaves at once, freeing its slot for the next. A sequence that joins while others decode
+rides their steps instead of stalling them (`batch.prefill_chunk_tokens`): each forward pass carries
+its next prompt chunk beside the decode rows, and it decodes from the step after its last chunk;
+caches that cannot take a chunk as a row (tiered rungs, transformers' own cache_implementation,
+layer-major prefill, sliding-window models) are prefilled whole, alone, as before.
 
-Admission keeps the batch within `batch.max_sequences` and the worker's budgets: the sum of the
-joined sequences' device KV, and of their host KV (tiered rungs), each at its full length (prompt +
-new tokens), must fit. A memory error in a step with several sequences splits the batch (every
-sequence of it starts again, at most half as many at a time) before any task is told, so only a
-sequence that runs out of memory alone moves its task down the cache ladder; a cache that cannot be
-made beside the batch for lack of memory (a full KV pool) waits for a smaller batch the same way;
-after enough calm decode steps the limit grows back (jobs.batch_limit). Any other error in one
-sequence's cache, token choice or finish fails that sequence only, at once; an error the loop cannot
-pin on one sequence fails every sequence waiting or decoding with it, and the loop goes on. No
-future is left unresolved.
+Admission (the plan's) keeps the batch within `batch.max_sequences` and the worker's budgets: the
+sum of the running sequences' device KV, and of their host KV (tiered rungs), each at its full
+length (prompt + new tokens), must fit. A memory error in a step with several sequences splits the
+batch (every sequence of it starts again, at most half as many at a time) before any task is told,
+so only a sequence that runs out of memory alone moves its task down the cache ladder; a cache that
+cannot be made beside the batch for lack of memory (a full KV pool) waits for a smaller batch the
+same way; after enough calm decode steps the limit grows back (jobs.batch_limit). Any other error in
+one sequence's cache, token choice or finish fails that sequence only, at once; an error the loop
+cannot pin on one sequence fails every sequence waiting or running with it, and the loop goes on.
+No future is left unresolved.
 """
 
 from __future__ import annotations
@@ -23,23 +30,26 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import psutil
 import torch
+from transformers import DynamicCache
+from transformers.cache_utils import Cache, get_layer_types_and_kwargs
 
-from jobs.batch_limit import GROW_BACK_STEPS, BatchLimit
-from jobs.config import LoopStopConfig, PrefillMode, SummarizeConfig
+from jobs.batch_limit import GROW_BACK_STEPS
+from jobs.config import PREFILL_CHUNK_TOKENS, PrefillMode, SummarizeConfig
 from jobs.outcome import CacheStats
-from jobs.stopping import LoopWatch, StopReason
+from jobs.stopping import StopReason
+from runner.engine.batch_plan import BatchPlan, BatchSequence, Status
 from runner.engine.generation import Generation, TokenPicker, generate_once, greedy_tokens, prefill
 from runner.engine.kvcache import CacheHandle
+from runner.engine.kvpool import PooledCache
 from runner.engine.model_loader import LoadedModel
 from runner.engine.probes import StageMemory, memory_snapshot
-from runner.engine.ragged import RowFailed, decode_step
+from runner.engine.ragged import CHUNK_ATTENTION, PrefillChunk, RowFailed, mixed_step
 
 CacheFactory = Callable[[], CacheHandle]
 MemoryErrorTest = Callable[[BaseException], bool]
@@ -84,50 +94,7 @@ class PassResult:
     cache_stats: CacheStats
 
 
-@dataclass
-class _Queued:
-    request: PassRequest
-    future: Future[PassResult]
-    submitted: float
-
-
-@dataclass
-class _Sequence:
-    """A joined sequence: its cache, its tokens so far, its clocks."""
-
-    queued: _Queued
-    handle: CacheHandle
-    picker: TokenPicker
-    tokens: list[int]
-    position: int  # of the next token to feed
-    started: float
-    first_token_at: float
-    loop_stop: LoopStopConfig
-    steps: int = 0
-    rows_seen: int = 0  # sum over its decode steps of the rows in the step
-    watch: LoopWatch = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.watch = LoopWatch(self.loop_stop)
-
-    @property
-    def request(self) -> PassRequest:
-        return self.queued.request
-
-    def stop_reason(self) -> StopReason | None:
-        """Why the sequence ends after its latest token; None while it goes on."""
-        if self.picker.done:  # generate()'s own stopping criteria
-            return self.picker.stop_reason(self.tokens)
-        if self.watch.update(self.tokens):
-            return StopReason.REPETITION
-        return None
-
-    def kept_tokens(self) -> list[int]:
-        """Its tokens without the looped tail the loop stop cuts."""
-        return self.watch.kept(self.tokens)
-
-    def done(self) -> bool:
-        return self.stop_reason() is not None
+Sequence = BatchSequence[PassRequest]
 
 
 class BatchScheduler:
@@ -135,23 +102,18 @@ class BatchScheduler:
 
     def __init__(self, loaded: LoadedModel, settings: SummarizeConfig, prefill_mode: PrefillMode,
                  max_sequences: int, device_budget: int, is_memory_error: MemoryErrorTest,
-                 host_budget: int | None = None, grow_back_steps: int = GROW_BACK_STEPS) -> None:
+                 host_budget: int | None = None, grow_back_steps: int = GROW_BACK_STEPS,
+                 prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS) -> None:
         """`host_budget`: the worker's host RAM for KV (None: not limited here); `grow_back_steps`:
-        calm decode steps before a limit a memory error lowered doubles back (jobs.batch_limit)."""
+        calm decode steps before a limit a memory error lowered doubles back (jobs.batch_limit);
+        `prefill_chunk_tokens`: a joining prompt's tokens a step beside the decode rows (0: whole)."""
         self.loaded = loaded
         self.settings = settings
         self.prefill_mode = prefill_mode
-        self.limit = BatchLimit(max_sequences, grow_back_steps)
-        self.device_budget = device_budget
-        self.host_budget = host_budget
+        self.prefill_chunk_tokens = prefill_chunk_tokens if _chunks_fit(loaded) else 0
+        self.plan: BatchPlan[PassRequest] = BatchPlan(max_sequences, device_budget, host_budget, grow_back_steps)
         self.is_memory_error = is_memory_error
-        self.splits = 0
-        """How often a memory error split a batch (each split halves `max_sequences`)."""
-        self.most_rows = 0
-        """The largest batch a decode step has run: what a test asks to know batching happened."""
-        self._pending: deque[_Queued] = deque()
-        self._active: list[_Sequence] = []
-        self._changed = threading.Condition()
+        self._changed = threading.Condition()  # guards the plan: `submit` adds to it from other threads
         self._closed = False
         self._process = psutil.Process()
         self._thread = threading.Thread(target=self._loop, name="kvbatch-scheduler", daemon=True)
@@ -159,14 +121,24 @@ class BatchScheduler:
 
     @property
     def max_sequences(self) -> int:
-        """The most sequences that decode together now: `batch.max_sequences` unless a memory error
+        """The most sequences that run together now: `batch.max_sequences` unless a memory error
         lowered it and it has not grown back yet."""
-        return self.limit.current
+        return self.plan.limit.current
 
-    @max_sequences.setter
-    def max_sequences(self, limit: int) -> None:
-        """Set on a memory error only: lowers the limit until calm steps grow it back."""
-        self.limit.lower_to(limit)
+    @property
+    def splits(self) -> int:
+        """How often a memory error split a batch."""
+        return self.plan.splits
+
+    @property
+    def most_rows(self) -> int:
+        """The largest batch a decode step has run: what a test asks to know batching happened."""
+        return self.plan.most_rows
+
+    @property
+    def steps_with_prefill(self) -> int:
+        """Decode steps whose forward pass carried a joining prompt's chunk too."""
+        return self.plan.steps_with_prefill
 
     # -- the task side ---------------------------------------------------------------------------
     def submit(self, request: PassRequest) -> Future[PassResult]:
@@ -174,7 +146,7 @@ class BatchScheduler:
         with self._changed:
             if self._closed:
                 raise RuntimeError("the worker's scheduler is closed")
-            self._pending.append(_Queued(request, future, time.perf_counter()))
+            self.plan.add(BatchSequence(request, future, self.settings.loop_stop))
             self._changed.notify_all()
         return future
 
@@ -199,199 +171,215 @@ class BatchScheduler:
             self._fail_waiting(stopped)
 
     def _turn(self) -> bool:
-        """One admission and one decode step; False once closed. An error here that no sequence's own
-        handler took is not one sequence's: every waiting future fails with it, and serving goes on."""
+        """One turn: schedule, run the prefill and the decode step, postprocess; False once closed. An
+        error here that no sequence's own handler took is not one sequence's: every waiting future
+        fails with it, and serving goes on."""
         try:
             with self._changed:
-                while not self._closed and not self._pending and not self._active:
+                while not self._closed and not self.plan.waiting and not self.plan.running:
                     self._changed.wait()
                 if self._closed:
                     return False
-                joining = self._admissible()
-            if joining is not None:
-                self._join(joining)
-            if self._active:
-                self._step()
+                step = self.plan.schedule()
+            if step.prefill is not None and step.prefill.handle is None:
+                self._start(step.prefill)
+            rows, riding = self.plan.decoding, self.plan.prefilling
+            if rows or riding is not None:
+                self._decode(rows, riding)
         except Exception as e:  # noqa: BLE001 - see the docstring
             self._fail_waiting(e)
         return True
 
     def _fail_waiting(self, error: BaseException) -> None:
-        """Fail every sequence waiting or decoding with `error` and drop their caches."""
+        """Fail every sequence waiting or running with `error` and drop their caches."""
         with self._changed:
-            waiting = [*self._pending, *(s.queued for s in self._active)]
-            self._pending.clear()
-        active, self._active = self._active, []
-        for seq in active:
-            _close_quietly(seq.handle)
-        for queued in waiting:
-            self._fail(queued, error)
+            everyone = self.plan.drain()
+        for seq in everyone:
+            if seq.handle is not None:
+                _close_quietly(seq.handle)
+        for seq in everyone:
+            self._fail(seq, error)
 
-    def _admissible(self) -> _Queued | None:
-        """The next sequence that may join now (caller holds the lock), taken off the queue.
-
-        Each round of the loop with a batch decoding runs one decode step; a memory error in it
-        lowers the limit again, so every round that gets here with a batch counts towards growing
-        it back."""
-        if self._active:
-            self.limit.step()
-        if not self._pending:
-            return None
-        head = self._pending[0].request
-        if self._active:
-            if len(self._active) >= self.max_sequences:
-                return None
-            if sum(s.request.device_bytes for s in self._active) + head.device_bytes > self.device_budget:
-                return None
-            if (self.host_budget is not None
-                    and sum(s.request.host_bytes for s in self._active) + head.host_bytes > self.host_budget):
-                return None
-        return self._pending.popleft()
-
-    def _join(self, queued: _Queued) -> None:
-        """Prefill alone, choose the first token, and join the batch (or finish at once)."""
-        request = queued.request
+    def _start(self, seq: Sequence) -> None:
+        """Make its cache and token picker; then its prompt rides the next steps chunk by chunk, or is
+        prefilled alone now and the sequence joins the batch (or finishes at once)."""
+        request = seq.request
         request.clock.start()
-        started = time.perf_counter()
         try:
-            handle = request.make_cache()
+            seq.handle = request.make_cache()
         except Exception as e:  # noqa: BLE001 - the task's error (no room on the offload disk), or a full KV pool
-            self._wait_or_fail(queued, e)
+            self._wait_or_fail(seq, e)
             return
-        cache = handle.cache
+        cache = seq.handle.cache
         if cache is None:  # transformers' own cache_implementation: generate() builds and runs it, alone
-            self._run_whole(queued, handle, started)
+            self._run_whole(seq)
             return
         try:
+            seq.picker = TokenPicker(self.loaded, self.settings, request.prompt_ids, request.max_new_tokens)
+            if self._rides(cache):
+                seq.chunk_tokens = self.prefill_chunk_tokens
+                return
             logits = prefill(self.loaded, request.prompt_ids, self.settings, cache, self.prefill_mode)
-            picker = TokenPicker(self.loaded, self.settings, request.prompt_ids, request.max_new_tokens)
-            first = picker.pick(logits)
         except Exception as e:  # noqa: BLE001 - sorted out just below
-            handle.close()
-            self._wait_or_fail(queued, e)
+            seq.handle.close()
+            self._wait_or_fail(seq, e)
             return
-        seq = _Sequence(queued, handle, picker, [first], len(request.prompt_ids), started, time.perf_counter(),
-                        self.settings.loop_stop)
+        seq.prefilled = len(request.prompt_ids)
+        self._first_token(seq, logits)
+
+    def _rides(self, cache: Cache) -> bool:
+        """Whether a prompt goes in chunks beside the decode rows: there are some, and its cache takes
+        a chunk as one more row (transformers' dynamic layers, a KV pool slot; a tiered cache's
+        prefill is layer-major or streams its layers, so it stays whole, as `cache.prefill:
+        layer-major` asks)."""
+        return (self.prefill_chunk_tokens > 0 and bool(self.plan.decoding) and self.prefill_mode != "layer-major"
+                and isinstance(cache, (DynamicCache, PooledCache)))
+
+    def _first_token(self, seq: Sequence, logits: torch.Tensor) -> None:
+        """Its prompt is in its cache: the first token from the last position's logits ([1, vocab]),
+        then it joins the batch, or finishes at once."""
         try:
-            request.memory.prefill_done(memory_snapshot(self.loaded.device))
-            if seq.done():
+            seq.take(seq.picker.pick(logits))
+            seq.request.memory.prefill_done(memory_snapshot(self.loaded.device))
+            if seq.stop_reason() is not None:
                 self._finish(seq)
                 return
         except Exception as e:  # noqa: BLE001 - this sequence's alone
             self._fail_sequence(seq, e)
             return
-        self._active.append(seq)
+        with self._changed:
+            self.plan.joined(seq)
 
-    def _wait_or_fail(self, queued: _Queued, error: BaseException) -> None:
+    def _wait_or_fail(self, seq: Sequence, error: BaseException) -> None:
         """A memory error beside the batch waits for a smaller one; any other error is the task's."""
-        if self.is_memory_error(error) and self._active:
-            self.max_sequences = max(1, len(self._active))
-            self._requeue([queued])
-        else:
-            self._fail(queued, error)
+        with self._changed:
+            waits = self.is_memory_error(error) and self.plan.wait_for_room(seq)
+        if not waits:
+            self._leave(seq, Status.FAILED)
+            self._fail(seq, error)
 
-    def _run_whole(self, queued: _Queued, handle: CacheHandle, started: float) -> None:
-        request = queued.request
+    def _run_whole(self, seq: Sequence) -> None:
+        request = seq.request
         try:
             generation = generate_once(self.loaded, request.prompt_ids, request.max_new_tokens, self.settings,
-                                       handle.generate_kwargs, self.prefill_mode)
-            stats = handle.stats()
+                                       seq.handle.generate_kwargs, self.prefill_mode)
+            stats = seq.handle.stats()
         except Exception as e:  # noqa: BLE001 - the task's to judge
-            self._fail(queued, e)
+            self._leave(seq, Status.FAILED)
+            self._fail(seq, e)
             return
         finally:
-            handle.close()
+            seq.handle.close()
+        self._leave(seq, Status.FINISHED)
         request.memory.decode_done(memory_snapshot(self.loaded.device))
-        queued.future.set_result(PassResult(generation, stats))
+        seq.future.set_result(PassResult(generation, stats))
 
-    def _step(self) -> None:
-        """One decode step over every joined sequence."""
-        rows = list(self._active)
-        device = self.loaded.device
+    def _decode(self, rows: list[Sequence], riding: Sequence | None) -> None:
+        """One forward pass: a decode step over `rows` (every decoding sequence) with the next chunk of
+        `riding`'s prompt beside them; then each row's token, and `riding`'s first once its prompt is in."""
+        chunk = None
+        if riding is not None:
+            start, end = self.plan.next_chunk(riding)
+            prompt = riding.request.prompt_ids
+            chunk = PrefillChunk(riding.handle.cache, prompt[start:end], start,
+                                 wants_logits=end == len(prompt))
+        everyone = rows + ([riding] if riding is not None else [])  # RowFailed numbers the chunk's row last
         try:
-            logits = decode_step(self.loaded.model, [s.tokens[-1] for s in rows], [s.position for s in rows],
-                                 [s.handle.cache for s in rows])  # [rows, vocab]
+            logits, first_logits = mixed_step(
+                self.loaded.model, [s.tokens[-1] for s in rows], [s.position for s in rows],
+                [s.handle.cache for s in rows], chunk)  # [rows, vocab], [1, vocab]
         except RowFailed as e:
             error = e.__cause__ or e
-            if self.is_memory_error(error) and len(rows) > 1:
-                self._split(rows)
+            if self.is_memory_error(error) and len(everyone) > 1:
+                self._split(everyone)
             else:  # that sequence's own failure; the others' caches took part of this step: they restart
-                self._active.remove(rows[e.row])
-                self._fail_sequence(rows[e.row], error)
-                self._restart([s for s in rows if s is not rows[e.row]])
+                self._fail_sequence(everyone[e.row], error)
+                self._restart([s for s in everyone if s is not everyone[e.row]])
             return
         except Exception as e:  # noqa: BLE001 - not one sequence's: the batch's (e.g. activations OOM)
-            if self.is_memory_error(e) and len(rows) > 1:
-                self._split(rows)
+            if self.is_memory_error(e) and len(everyone) > 1:
+                self._split(everyone)
             else:
-                for seq in rows:
-                    self._active.remove(seq)
+                for seq in everyone:
                     self._fail_sequence(seq, e)
             return
-        self.most_rows = max(self.most_rows, len(rows))
+        if rows:
+            with self._changed:
+                self.plan.decoded(rows, beside_prefill=chunk is not None)
+        if riding is not None and chunk is not None:
+            riding.prefilled += len(chunk.tokens)
+            if first_logits is not None:
+                self._first_token(riding, first_logits)
+        self._choose(rows, logits)
+
+    def _choose(self, rows: list[Sequence], logits: torch.Tensor) -> None:
+        """Each row's next token from the step's logits ([rows, vocab]); a row that ends leaves."""
+        device = self.loaded.device
         rss = self._process.memory_info().rss
         device_bytes = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
         greedy = greedy_tokens([s.picker for s in rows], logits)
         for row, seq in enumerate(rows):
             try:
-                token = seq.picker.take(greedy[row]) if row in greedy else seq.picker.pick(logits[row : row + 1])
-                seq.tokens.append(token)
-                seq.position += 1
-                seq.steps += 1
-                seq.rows_seen += len(rows)
+                seq.take(seq.picker.take(greedy[row]) if row in greedy else seq.picker.pick(logits[row : row + 1]))
                 seq.request.memory.decode_step(rss, device_bytes)
-                if seq.done():
-                    self._active.remove(seq)
+                if seq.stop_reason() is not None:
                     self._finish(seq)
             except Exception as e:  # noqa: BLE001 - this sequence's own (e.g. a setting its token choice trips on)
-                if seq in self._active:
-                    self._active.remove(seq)
                 self._fail_sequence(seq, e)
 
-    def _split(self, rows: list[_Sequence]) -> None:
+    def _split(self, rows: list[Sequence]) -> None:
         """Too many sequences for the memory: all of them start again, at most half as many at a time."""
-        self.splits += 1
-        self.limit.lower_to(len(rows) // 2)
-        self._restart(rows)
-
-    def _restart(self, rows: list[_Sequence]) -> None:
         for seq in rows:
-            if seq in self._active:
-                self._active.remove(seq)
             seq.handle.close()
-        self._requeue([seq.queued for seq in rows])
-
-    def _requeue(self, queued: list[_Queued]) -> None:
         with self._changed:
-            self._pending.extendleft(reversed(queued))  # in front, in their order
+            self.plan.split(rows)
 
-    def _finish(self, seq: _Sequence) -> None:
+    def _restart(self, rows: list[Sequence]) -> None:
+        for seq in rows:
+            seq.handle.close()
+        with self._changed:
+            self.plan.requeue(rows)
+
+    def _leave(self, seq: Sequence, status: Status) -> None:
+        with self._changed:
+            self.plan.leave(seq, status)
+
+    def _finish(self, seq: Sequence) -> None:
+        self._leave(seq, Status.FINISHED)
         try:
             stats = seq.handle.stats()
         finally:
             seq.handle.close()
         now = time.perf_counter()
         seq.request.memory.decode_done(memory_snapshot(self.loaded.device))
-        reason = seq.stop_reason() or StopReason.LENGTH
         generation = Generation(
             tokens=seq.kept_tokens(),
             input_tokens=len(seq.request.prompt_ids),
             ttft_s=seq.first_token_at - seq.started,
             decode_s=now - seq.first_token_at,
-            batch_size=seq.rows_seen / seq.steps if seq.steps else 1.0,
-            stop_reason=reason,
+            batch_size=seq.batch_size,
+            stop_reason=seq.stop_reason() or StopReason.LENGTH,
         )
-        seq.queued.future.set_result(PassResult(generation, stats))
+        seq.future.set_result(PassResult(generation, stats))
 
-    def _fail_sequence(self, seq: _Sequence, error: BaseException) -> None:
+    def _fail_sequence(self, seq: Sequence, error: BaseException) -> None:
+        self._leave(seq, Status.FAILED)
         _close_quietly(seq.handle)
-        self._fail(seq.queued, error)
+        self._fail(seq, error)
 
     @staticmethod
-    def _fail(queued: _Queued, error: BaseException) -> None:
+    def _fail(seq: Sequence, error: BaseException) -> None:
         # without its traceback: the frames would keep the failed cache (and activations) alive
-        if not queued.future.done():
-            queued.future.set_exception(error.with_traceback(None))
+        if not seq.future.done():
+            seq.future.set_exception(error.with_traceback(None))
+
+
+def _chunks_fit(loaded: LoadedModel) -> bool:
+    """Whether a prompt chunk can ride a step of this model: every layer attends to the whole sequence
+    (a sliding window would need its own chunk mask) with an attention the chunk is masked for."""
+    config = loaded.model.config
+    layer_types, _ = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    return config._attn_implementation in CHUNK_ATTENTION and all(kind == "full_attention" for kind in layer_types)
 
 
 def _close_quietly(handle: CacheHandle) -> None:

@@ -162,7 +162,8 @@ class SummaryWorker:
                                   device_is_cpu=self.loaded.device.type == "cpu")
         self.scheduler = BatchScheduler(self.loaded, self.cfg.summarize, self.cfg.cache.prefill,
                                         self.cfg.batch.sequences, self.device_budget, _is_memory_error,
-                                        host_budget=self.host_budget)
+                                        host_budget=self.host_budget,
+                                        prefill_chunk_tokens=self.cfg.batch.prefill_chunk_tokens)
         self._clocks: dict[str, TaskClock] = {}  # call id -> clock of the task in flight
 
     def info(self) -> dict[str, Any]:

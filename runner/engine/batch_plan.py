@@ -1,0 +1,243 @@
+"""What the worker's batch runs next, with no model in it: sequences, their status, admission, splitting.
+
+The step runner (runner/engine/scheduler.py) asks `schedule()` for a step, runs its forward pass and
+hands the outcome back (`decoded`, `split`, `wait_for_room`, `leave`): nano-vllm's schedule -> run ->
+postprocess. Here only plain Python: a sequence's cache and token picker are opaque handles, so every
+rule below is tested without a model (tests/test_batch_plan.py).
+
+A sequence is WAITING (queued, or sent back by a split), PREFILLING (admitted: its prompt goes into
+its cache, whole or chunk by chunk beside the decode rows: one chunk a step, `next_chunk`), DECODING
+(one token a step), then FINISHED or FAILED. Admission lets the head of the queue in while the running sequences (prefilling
+and decoding) are fewer than the batch limit and their device and host KV at full length, with its
+own, fit the worker's budgets; one sequence prefills at a time. A decode step that ran counts towards
+growing a lowered limit back (jobs.batch_limit); a memory error lowers it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Generic, Protocol, TypeVar
+
+from jobs.batch_limit import GROW_BACK_STEPS, BatchLimit
+from jobs.config import LoopStopConfig
+from jobs.stopping import LoopWatch, StopReason
+
+
+class Request(Protocol):
+    """What admission reads of a sequence's request."""
+
+    prompt_ids: list[int]
+    device_bytes: int
+    host_bytes: int
+
+
+class Picker(Protocol):
+    """What finishing reads of a sequence's token picker (runner/engine/generation.py TokenPicker)."""
+
+    done: bool
+
+    def stop_reason(self, tokens: list[int]) -> StopReason: ...
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    FINISHED = "finished"
+    FAILED = "failed"
+
+
+R = TypeVar("R", bound=Request)
+
+
+@dataclass(eq=False)
+class BatchSequence(Generic[R]):
+    """One sequence of the batch: its request and future, and the state of its current attempt (a
+    split sends it back to WAITING, and its next attempt starts from its prompt again)."""
+
+    request: R
+    future: Future[Any]
+    loop_stop: LoopStopConfig
+    submitted: float = field(default_factory=time.perf_counter)
+    status: Status = Status.WAITING
+    handle: Any = None  # its cache (a CacheHandle), while PREFILLING or DECODING
+    picker: Picker | None = None
+    tokens: list[int] = field(default_factory=list)
+    prefilled: int = 0  # prompt tokens in its cache
+    chunk_tokens: int = 0  # its prompt rides the decode steps this many tokens at a time (0: prefilled whole)
+    started: float = 0.0
+    first_token_at: float = 0.0
+    steps: int = 0  # decode steps it took part in
+    rows_seen: int = 0  # sum over its decode steps of the decode rows in the step
+    began_at_step: int = 0  # the plan's decode steps when this attempt began
+    decode_steps_during_prefill: int = 0
+    """Decode steps the batch ran while this sequence prefilled: 0 when its whole prefill stalled them."""
+    watch: LoopWatch = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.watch = LoopWatch(self.loop_stop)
+
+    @property
+    def position(self) -> int:
+        """Position of the next token to feed: after the prompt and every token chosen but the last."""
+        return len(self.request.prompt_ids) + len(self.tokens) - 1
+
+    def begin(self) -> None:
+        """A new attempt: nothing in its cache, no token yet."""
+        self.status = Status.PREFILLING
+        self.handle, self.picker = None, None
+        self.tokens, self.prefilled, self.chunk_tokens, self.steps, self.rows_seen = [], 0, 0, 0, 0
+        self.watch = LoopWatch(self.loop_stop)
+        self.started = time.perf_counter()
+
+    def take(self, token: int) -> None:
+        """Its next token (the first one ends its prefill)."""
+        if not self.tokens:
+            self.first_token_at = time.perf_counter()
+        self.tokens.append(token)
+
+    def stop_reason(self) -> StopReason | None:
+        """Why the sequence ends after its latest token; None while it goes on."""
+        assert self.picker is not None, "a sequence without a token picker has no token yet"
+        if self.picker.done:  # generate()'s own stopping criteria
+            return self.picker.stop_reason(self.tokens)
+        if self.watch.update(self.tokens):
+            return StopReason.REPETITION
+        return None
+
+    def kept_tokens(self) -> list[int]:
+        """Its tokens without the looped tail the loop stop cuts."""
+        return self.watch.kept(self.tokens)
+
+    @property
+    def batch_size(self) -> float:
+        """Mean decode rows of the steps it decoded in."""
+        return self.rows_seen / self.steps if self.steps else 1.0
+
+
+@dataclass(frozen=True)
+class Step(Generic[R]):
+    """What one turn runs: the sequence to prefill (admitted now or still prefilling), and the rows to decode."""
+
+    prefill: BatchSequence[R] | None
+    decode: list[BatchSequence[R]]
+
+
+class BatchPlan(Generic[R]):
+    """The worker's sequences and the rules that say which run; not thread-safe (its owner locks)."""
+
+    def __init__(self, max_sequences: int, device_budget: int, host_budget: int | None = None,
+                 grow_back_steps: int = GROW_BACK_STEPS) -> None:
+        """`host_budget`: the worker's host RAM for KV (None: not limited here); `grow_back_steps`:
+        calm decode steps before a limit a memory error lowered doubles back (jobs.batch_limit)."""
+        self.limit = BatchLimit(max_sequences, grow_back_steps)
+        self.device_budget = device_budget
+        self.host_budget = host_budget
+        self.waiting: deque[BatchSequence[R]] = deque()
+        self.running: list[BatchSequence[R]] = []  # PREFILLING and DECODING, in the order they joined
+        self.splits = 0
+        """How often a memory error split a batch (each split halves the limit)."""
+        self.most_rows = 0
+        """The most rows one decode step has run: what a test asks to know batching happened."""
+        self.decode_steps = 0
+        """Decode steps run."""
+        self.steps_with_prefill = 0
+        """Decode steps whose forward pass carried a prefill chunk beside the decode rows."""
+
+    @property
+    def decoding(self) -> list[BatchSequence[R]]:
+        return [seq for seq in self.running if seq.status is Status.DECODING]
+
+    @property
+    def prefilling(self) -> BatchSequence[R] | None:
+        return next((seq for seq in self.running if seq.status is Status.PREFILLING), None)
+
+    def add(self, seq: BatchSequence[R]) -> None:
+        seq.status = Status.WAITING
+        self.waiting.append(seq)
+
+    def schedule(self) -> Step[R]:
+        """The next step: the sequence prefilling, else the next one admissible now (it begins), and
+        the decoding rows."""
+        prefill = self.prefilling
+        if prefill is None and self.waiting and self._admissible(self.waiting[0].request):
+            prefill = self.waiting.popleft()
+            prefill.begin()
+            prefill.began_at_step = self.decode_steps
+            self.running.append(prefill)
+        return Step(prefill, self.decoding)
+
+    def _admissible(self, head: R) -> bool:
+        if not self.running:  # alone, a sequence always runs: its own memory error moves its task down the ladder
+            return True
+        if len(self.running) >= self.limit.current:
+            return False
+        if sum(seq.request.device_bytes for seq in self.running) + head.device_bytes > self.device_budget:
+            return False
+        return (self.host_budget is None
+                or sum(seq.request.host_bytes for seq in self.running) + head.host_bytes <= self.host_budget)
+
+    @staticmethod
+    def next_chunk(seq: BatchSequence[R]) -> tuple[int, int]:
+        """The prompt tokens [start, end) that ride the next step of a sequence prefilling in chunks."""
+        assert seq.chunk_tokens > 0, "a sequence prefilled whole has no chunks"
+        return seq.prefilled, min(seq.prefilled + seq.chunk_tokens, len(seq.request.prompt_ids))
+
+    def joined(self, seq: BatchSequence[R]) -> None:
+        """Its prompt is in its cache and its first token chosen: it decodes from the next step on."""
+        seq.status = Status.DECODING
+        seq.decode_steps_during_prefill = self.decode_steps - seq.began_at_step
+
+    def decoded(self, rows: list[BatchSequence[R]], beside_prefill: bool = False) -> None:
+        """A decode step over `rows` ran without a memory error (with a prefill chunk in its forward pass
+        when `beside_prefill`): each took one step; the limit may grow."""
+        self.limit.step()
+        self.decode_steps += 1
+        self.steps_with_prefill += beside_prefill
+        self.most_rows = max(self.most_rows, len(rows))
+        for seq in rows:
+            seq.steps += 1
+            seq.rows_seen += len(rows)
+
+    def leave(self, seq: BatchSequence[R], status: Status) -> None:
+        """`seq` is FINISHED or FAILED: out of the batch."""
+        if seq in self.running:
+            self.running.remove(seq)
+        assert status in (Status.FINISHED, Status.FAILED), f"a sequence leaves finished or failed, not {status}"
+        seq.status = status
+
+    def wait_for_room(self, seq: BatchSequence[R]) -> bool:
+        """A memory error starting `seq` (its cache, its prefill): with others running it waits for a
+        smaller batch (the limit drops to those others) and True; alone it is its task's error: False."""
+        others = [s for s in self.running if s is not seq]
+        if not others:
+            return False
+        self.limit.lower_to(len(others))
+        self.requeue([seq])
+        return True
+
+    def split(self, rows: list[BatchSequence[R]]) -> None:
+        """Too many sequences for the memory: all of `rows` start again, at most half as many at a time."""
+        self.splits += 1
+        self.limit.lower_to(len(rows) // 2)
+        self.requeue(rows)
+
+    def requeue(self, rows: list[BatchSequence[R]]) -> None:
+        """Back to the front of the queue, in their order (their caches are the caller's to close)."""
+        for seq in rows:
+            if seq in self.running:
+                self.running.remove(seq)
+            seq.status, seq.handle = Status.WAITING, None
+        self.waiting.extendleft(reversed(rows))
+
+    def drain(self) -> list[BatchSequence[R]]:
+        """Every sequence, waiting or running, taken out (they are failed together)."""
+        everyone = [*self.running, *self.waiting]
+        self.running, self.waiting = [], deque()
+        for seq in everyone:
+            seq.status = Status.FAILED
+        return everyone
