@@ -35,7 +35,7 @@ from jobs.batch_limit import GROW_BACK_STEPS, BatchLimit
 from jobs.config import LoopStopConfig, PrefillMode, SummarizeConfig
 from jobs.outcome import CacheStats
 from jobs.stopping import LoopWatch, StopReason
-from runner.engine.generation import Generation, TokenPicker, generate_once, greedy_tokens, prefill
+from runner.engine.generation import Generation, TokenPicker, choose_tokens, generate_once, prefill
 from runner.engine.kvcache import CacheHandle
 from runner.engine.models import LoadedModel
 from runner.engine.probes import StageMemory, memory_snapshot
@@ -331,7 +331,7 @@ class BatchScheduler:
         self.most_rows = max(self.most_rows, len(rows))
         rss = self._process.memory_info().rss
         device_bytes = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
-        greedy = greedy_tokens([s.picker for s in rows], logits)
+        greedy = choose_tokens([s.picker for s in rows], logits)
         for row, seq in enumerate(rows):
             try:
                 token = seq.picker.take(greedy[row]) if row in greedy else seq.picker.pick(logits[row : row + 1])
