@@ -14,6 +14,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from jobs.rungs import STRATEGIES
 
+DEFAULT_GENERATION: dict[str, Any] = {"no_repeat_ngram_size": 4}
+"""summarize.generation's default (configs/default.yaml says the same)."""
+
 DEFAULT_PROMPT = (
     "Summarise the following document in a few sentences. "
     "Say what it is, who it concerns and what it requires or allows."
@@ -82,8 +85,10 @@ class SummarizeConfig(_Section):
     do_sample: bool = False
     seed: int = 0
     # transformers GenerationConfig fields passed to generate(), e.g. repetition_penalty: 1.15;
-    # checked against transformers at submit (runner/preflight.py)
-    generation: dict[str, Any] = Field(default_factory=dict)
+    # checked against transformers at submit (runner/preflight.py). The default bans a 4-gram the
+    # sequence already holds: the builtin model's greedy summaries looped or reused phrases in up to
+    # 69 % of their 4-grams (docs/benchmarks.md, "Summaries that end"); `{}` turns it off
+    generation: dict[str, Any] = Field(default_factory=lambda: dict(DEFAULT_GENERATION))
     loop_stop: LoopStopConfig = Field(default_factory=LoopStopConfig)
 
     @model_validator(mode="after")

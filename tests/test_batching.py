@@ -73,7 +73,7 @@ def test_batched_tokens_equal_tokens_alone(arch: str, strategy: str, tokenizer, 
     model = _model(arch)
     prompts = [_prompt(n)[0].tolist() for n in LENGTHS]
     expected = [_alone(model, p, n) for p, n in zip(prompts, NEW)]
-    settings = SummarizeConfig(prefill_chunk_size=16)  # chunked prefill (layer-major on tiered rungs)
+    settings = SummarizeConfig(generation={}, prefill_chunk_size=16)  # chunked prefill (layer-major on tiered rungs)
     scheduler = BatchScheduler(_loaded(model, tokenizer), settings, "auto", 4, BIG, _is_memory_error)
     try:
         got = _run(scheduler, model, strategy, tmp_path, prompts, NEW)
@@ -87,7 +87,7 @@ def test_batched_tokens_equal_tokens_alone(arch: str, strategy: str, tokenizer, 
 def test_sampling_with_a_seed_does_not_depend_on_the_batch(tokenizer, tmp_path: Path) -> None:
     model = _model("llama-gqa")
     prompts = [_prompt(n)[0].tolist() for n in LENGTHS]
-    settings = SummarizeConfig(do_sample=True, seed=7, prefill_chunk_size=0)
+    settings = SummarizeConfig(generation={}, do_sample=True, seed=7, prefill_chunk_size=0)
     runs = {}
     for width in (1, 4):
         scheduler = BatchScheduler(_loaded(model, tokenizer), settings, "auto", width, BIG, _is_memory_error)
@@ -126,7 +126,7 @@ def test_a_batch_that_runs_out_of_memory_splits_and_every_sequence_finishes(toke
     new = [24] * 4
     full = kv_bytes(kv_shape(model.config), max(LENGTHS[:4]) + 24)
     pool = ResidentMeter(int(2.5 * full), "the batch's resident device", "cache.device_kv_budget_bytes")
-    scheduler = BatchScheduler(_loaded(model, tokenizer), SummarizeConfig(), "auto", 4, BIG, _is_memory_error)
+    scheduler = BatchScheduler(_loaded(model, tokenizer), SummarizeConfig(generation={}), "auto", 4, BIG, _is_memory_error)
     try:
         got = _run(scheduler, model, "dynamic", tmp_path, prompts, new, pool=pool)
     finally:
@@ -140,7 +140,7 @@ def test_admission_keeps_the_batch_within_the_device_budget(tokenizer, tmp_path:
     model = _model("llama-gqa")
     prompts = [_prompt(n)[0].tolist() for n in LENGTHS[:4]]
     one = max(kv_bytes(kv_shape(model.config), len(p) + n) for p, n in zip(prompts, NEW))
-    scheduler = BatchScheduler(_loaded(model, tokenizer), SummarizeConfig(), "auto", 4, 2 * one, _is_memory_error)
+    scheduler = BatchScheduler(_loaded(model, tokenizer), SummarizeConfig(generation={}), "auto", 4, 2 * one, _is_memory_error)
     try:
         got = _run(scheduler, model, "dynamic", tmp_path, prompts, NEW[:4])
     finally:
@@ -165,7 +165,7 @@ def test_a_sequence_whose_cache_fails_fails_alone(tokenizer, tmp_path: Path) -> 
             broken["cache"] = handle.generate_kwargs["past_key_values"]
         return handle
 
-    scheduler = BatchScheduler(_loaded(model, tokenizer), SummarizeConfig(), "auto", 3, BIG, _is_memory_error)
+    scheduler = BatchScheduler(_loaded(model, tokenizer), SummarizeConfig(generation={}), "auto", 3, BIG, _is_memory_error)
     try:
         requests = [PassRequest(p, n, make_cache=lambda i=i: make_cache(i), device_bytes=0)
                     for i, (p, n) in enumerate(zip(prompts, new))]
@@ -193,7 +193,7 @@ def test_a_sequence_whose_cache_fails_fails_alone(tokenizer, tmp_path: Path) -> 
 
 def test_stage_memory_is_recorded_per_sequence(tokenizer, tmp_path: Path) -> None:
     model = _model("llama-gqa")
-    scheduler = BatchScheduler(_loaded(model, tokenizer), SummarizeConfig(), "auto", 2, BIG, _is_memory_error)
+    scheduler = BatchScheduler(_loaded(model, tokenizer), SummarizeConfig(generation={}), "auto", 2, BIG, _is_memory_error)
     memory = StageMemory()
     try:
         request = PassRequest(_prompt(30)[0].tolist(), 8,

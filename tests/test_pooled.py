@@ -59,7 +59,7 @@ def test_batched_tokens_equal_tokens_alone_on_both_paths(path: str, tokenizer, t
     model = _model("llama-gqa")
     prompts = [_prompt(n)[0].tolist() for n in LENGTHS]
     pool = _pool(model) if path == "pooled" else None
-    scheduler = BatchScheduler(_loaded(model, tokenizer), SummarizeConfig(prefill_chunk_size=16), "auto", 4, BIG,
+    scheduler = BatchScheduler(_loaded(model, tokenizer), SummarizeConfig(generation={}, prefill_chunk_size=16), "auto", 4, BIG,
                                _is_memory_error)
     try:
         got = _run(scheduler, model, ["dynamic"] * 5, tmp_path, prompts, NEW, pool)
@@ -78,7 +78,7 @@ def test_a_step_with_pooled_and_tiered_rows_gives_each_its_tokens_alone(tokenize
     prompts = [_prompt(n)[0].tolist() for n in LENGTHS]
     strategies = ["dynamic", "tiered-host", "dynamic", "tiered-disk", "dynamic"]
     pool = _pool(model)
-    scheduler = BatchScheduler(_loaded(model, tokenizer), SummarizeConfig(), "auto", 5, BIG, _is_memory_error)
+    scheduler = BatchScheduler(_loaded(model, tokenizer), SummarizeConfig(generation={}), "auto", 5, BIG, _is_memory_error)
     try:
         got = _run(scheduler, model, strategies, tmp_path, prompts, NEW, pool)
     finally:
@@ -96,7 +96,7 @@ def test_a_full_pool_makes_a_sequence_wait_for_room(tokenizer, tmp_path: Path) -
     pool = _pool(model)
     slot = pool.bytes_for(1, 64)  # every sequence here fits one 64-token granule
     pool.meter.budget_bytes = 2 * slot
-    scheduler = BatchScheduler(_loaded(model, tokenizer), SummarizeConfig(), "auto", 4, BIG, _is_memory_error)
+    scheduler = BatchScheduler(_loaded(model, tokenizer), SummarizeConfig(generation={}), "auto", 4, BIG, _is_memory_error)
     try:
         got = _run(scheduler, model, ["dynamic"] * 4, tmp_path, prompts, new, pool)
     finally:
@@ -115,7 +115,7 @@ def test_a_pool_that_cannot_grow_mid_step_splits_the_batch(tokenizer, tmp_path: 
     new = [30, 30, 30, 30]  # the 51-token prompt passes 64 tokens mid-decode
     pool = _pool(model)
     pool.meter.budget_bytes = pool.bytes_for(4, 64) + pool.bytes_for(1, 64)
-    scheduler = BatchScheduler(_loaded(model, tokenizer), SummarizeConfig(), "auto", 4, BIG, _is_memory_error)
+    scheduler = BatchScheduler(_loaded(model, tokenizer), SummarizeConfig(generation={}), "auto", 4, BIG, _is_memory_error)
     try:
         got = _run(scheduler, model, ["dynamic"] * 4, tmp_path, prompts, new, pool, expected=False)
     finally:
@@ -130,7 +130,7 @@ def test_a_sequence_too_long_for_the_pool_alone_is_a_memory_error(tokenizer, tmp
     model = _model("llama-gqa")
     pool = _pool(model)
     pool.meter.budget_bytes = pool.bytes_for(1, 64)
-    scheduler = BatchScheduler(_loaded(model, tokenizer), SummarizeConfig(), "auto", 4, BIG, _is_memory_error)
+    scheduler = BatchScheduler(_loaded(model, tokenizer), SummarizeConfig(generation={}), "auto", 4, BIG, _is_memory_error)
     try:
         with pytest.raises(KVBudgetExceeded, match=r"cache\.device_kv_budget_bytes"):
             _run(scheduler, model, ["dynamic"], tmp_path, [_prompt(60)[0].tolist()], [20], pool)
