@@ -67,22 +67,34 @@ class ScoresOnly(BatchedForm):
 
 class SeenTokensPenalty(BatchedForm):
     """RepetitionPenaltyLogitsProcessor: every token seen so far (prompt included) gets its score
-    multiplied by the penalty when negative, divided by it otherwise; the row keeps a mask of them."""
+    multiplied by the penalty when negative, divided by it otherwise; the row keeps a mask of them,
+    made at its first step, when the width of the scores (the lm head's vocabulary) is known."""
 
-    def __init__(self, penalty: float, tokens: list[int], vocab: int, device: torch.device) -> None:
+    def __init__(self, penalty: float, tokens: list[int]) -> None:
         self.key = (type(self), penalty)
         self.penalty = penalty
-        self.seen = torch.zeros(vocab, dtype=torch.bool, device=device)  # [vocab]
-        # ids past the lm head's vocab cannot be chosen; transformers drops them too
-        self.seen[torch.tensor([t for t in tokens if t < vocab], dtype=torch.long, device=device)] = True
+        self.tokens: list[int] | None = list(tokens)  # until the mask is made
+        self.seen: torch.Tensor | None = None  # [vocab] bool
 
     def note(self, token: int) -> None:
-        if token < self.seen.shape[0]:
+        if self.seen is None:
+            self.tokens.append(token)  # type: ignore[union-attr]
+        elif token < self.seen.shape[0]:
             self.seen[token] = True
+
+    def _mask(self, scores: torch.Tensor) -> torch.Tensor:
+        if self.seen is None:
+            vocab = scores.shape[-1]
+            self.seen = torch.zeros(vocab, dtype=torch.bool, device=scores.device)
+            # ids past the lm head's vocabulary cannot be chosen; transformers leaves them out too
+            self.seen[torch.tensor([t for t in self.tokens if t < vocab], dtype=torch.long,  # type: ignore[union-attr]
+                                   device=scores.device)] = True
+            self.tokens = None
+        return self.seen
 
     @classmethod
     def apply(cls, forms: Sequence[BatchedForm], scores: torch.Tensor) -> torch.Tensor:
-        seen = torch.stack([f.seen for f in forms])  # type: ignore[attr-defined]  # [rows, vocab]
+        seen = torch.stack([f._mask(scores) for f in forms])  # type: ignore[attr-defined]  # [rows, vocab]
         penalty = forms[0].penalty  # type: ignore[attr-defined]
         return torch.where(seen, torch.where(scores < 0, scores * penalty, scores / penalty), scores)
 
@@ -151,13 +163,13 @@ class TooShortForEos(HostBans):
         return self.eos if self.length < self.minimum else []
 
 
-def batched_form(processor: LogitsProcessor, tokens: list[int], vocab: int, device: torch.device) -> BatchedForm | None:
+def batched_form(processor: LogitsProcessor, tokens: list[int]) -> BatchedForm | None:
     """The row's batched form of `processor` given its tokens so far (the prompt), or None when it has none."""
     kind = type(processor)
     if kind in SCORES_ONLY:
         return ScoresOnly(processor)
     if kind is RepetitionPenaltyLogitsProcessor and processor.prompt_ignore_length is None:
-        return SeenTokensPenalty(processor.penalty, tokens, vocab, device)
+        return SeenTokensPenalty(processor.penalty, tokens)
     if kind is NoRepeatNGramLogitsProcessor:
         return NoRepeatNGrams(processor.ngram_size, tokens)
     if kind is MinLengthLogitsProcessor:

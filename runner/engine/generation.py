@@ -165,8 +165,7 @@ class TokenPicker:
         self.done = False
         """Whether the last chosen token ended the sequence."""
         self._picked = 0
-        vocab = model.get_output_embeddings().weight.shape[0]
-        forms = [batched_form(p, prompt_ids, vocab, model.device) for p in self.processors]
+        forms = [batched_form(p, prompt_ids) for p in self.processors]
         self.forms: list[BatchedForm] | None = None if None in forms else forms  # type: ignore[assignment]
         """The processors' batched forms; None: transformers' own processors over `_ids`."""
         self.batch_key: Hashable = (self.do_sample, *(f.key for f in self.forms)) if self.forms is not None \
