@@ -103,10 +103,10 @@ def _caches(model: PreTrainedModel, strategy: str, attention: str, rows: int) ->
 
 
 def _pickers(model: PreTrainedModel, rows: int) -> list[TokenPicker]:
-    """Plain greedy pickers (the default settings), one a row, that never end within the bench."""
+    """Plain greedy pickers (no logits processor), one a row, that never end within the bench."""
     loaded = LoadedModel(model, word_tokenizer(model.config.vocab_size), "step-ops", torch.device("cpu"),
                          torch.bfloat16, 0.0)
-    return [TokenPicker(loaded, SummarizeConfig(), [0] * PROMPT_TOKENS, 1 << 30) for _ in range(rows)]
+    return [TokenPicker(loaded, SummarizeConfig(generation={}), [0] * PROMPT_TOKENS, 1 << 30) for _ in range(rows)]
 
 
 class _Case:
