@@ -105,7 +105,7 @@ def main() -> None:
     import torch
 
     from jobs.config import ModelConfig
-    from runner.engine.models import load_model
+    from runner.engine.model_loader import load_model
 
     torch.set_num_threads(args.threads)
     loaded = load_model(ModelConfig(name="builtin:smollm2-135m", device="cpu"))

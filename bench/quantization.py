@@ -58,7 +58,8 @@ def child(label: str, args: argparse.Namespace) -> dict:
     """One row: load the model its way, summarise every document in one batch, report figures."""
     import torch
 
-    from jobs.config import CacheConfig, ModelConfig, SummarizeConfig
+    from jobs.config import CacheConfig, LoopStopConfig, ModelConfig, SummarizeConfig
+    from jobs.stopping import loop_stopped
     from runner.engine.kvcache import build_cache
     from runner.engine.model_loader import load_model
     from runner.engine.probes import StageMemory
@@ -69,7 +70,8 @@ def child(label: str, args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
     loaded = load_model(ModelConfig(name="builtin:smollm2-135m", device="cpu", **ROWS[label]))
     summarizer = Summarizer(loaded, 0)
-    settings = SummarizeConfig(max_new_tokens=args.new_tokens, loop_stop={"enabled": False})
+    generation = json.loads(args.generation) if args.generation else SummarizeConfig().generation
+    settings = SummarizeConfig(max_new_tokens=args.new_tokens, generation=generation, loop_stop={"enabled": False})
     prompts = []
     for _, text in _documents(args.docs):
         ids = loaded.tokenizer(text, add_special_tokens=False)["input_ids"][: args.prompt_tokens]
@@ -89,6 +91,8 @@ def child(label: str, args: argparse.Namespace) -> dict:
     return {
         "label": label, "tokens": [p.tokens for p in passes],
         "texts": [loaded.tokenizer.decode(p.tokens, skip_special_tokens=True) for p in passes],
+        "kept_texts": [loaded.tokenizer.decode(loop_stopped(p.tokens, LoopStopConfig())[0], skip_special_tokens=True)
+                       for p in passes],
         "wall_s": wall, "decode_steps_s": wall - prefill_s, "load_s": loaded.load_s,
         "prefill_s": prefill_s, "decoded": sum(len(p.tokens) - 1 for p in passes),
         "weight_bytes": loaded.weight_bytes, "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
@@ -130,13 +134,15 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=120)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rows", nargs="*", default=list(ROWS))
+    parser.add_argument("--generation", help="summarize.generation as JSON (default: the default settings')")
+    parser.add_argument("--texts", action="store_true", help="print each float32 summary, as the loop stop keeps it")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(child(args.child, args)))
         return
 
-    from jobs.config import LoopStopConfig
+    from jobs.config import LoopStopConfig, SummarizeConfig
     from runner.engine.model_loader import resolve_device
     from runner.engine.quantization import unavailable
 
@@ -149,7 +155,8 @@ def main() -> None:
             continue
         out = subprocess.run([sys.executable, __file__, "--child", label, "--docs", str(args.docs),
                               "--prompt-tokens", str(args.prompt_tokens), "--new-tokens", str(args.new_tokens),
-                              "--threads", str(args.threads)], capture_output=True, text=True, cwd=REPO)
+                              "--threads", str(args.threads), *(["--generation", args.generation] if args.generation else [])],
+                             capture_output=True, text=True, cwd=REPO)
         if out.returncode:
             print(f"{label}: failed\n{out.stderr[-2000:]}", file=sys.stderr)
             continue
@@ -159,7 +166,8 @@ def main() -> None:
     base = results["float32"]
     docs = len(base["tokens"])
     print(f"\n{docs} documents of examples/licenses.jsonl (first {args.prompt_tokens} tokens each), one batch, "
-          f"{args.new_tokens} new tokens, greedy, loop stop off, {args.threads} threads, SmolLM2-135M on the CPU\n")
+          f"{args.new_tokens} new tokens, greedy, loop stop off, {args.threads} threads, SmolLM2-135M on the CPU, "
+          f"summarize.generation {args.generation or json.dumps(SummarizeConfig().generation)}\n")
     print(f"| weights | docs/hour | decode tok/s | prefill s | weights MiB | peak RSS MiB | identical | "
           f"token agreement | ROUGE-L vs float32 |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
@@ -177,6 +185,9 @@ def main() -> None:
           "on the float32 summaries:\n")
     ids = [json.loads(line)["id"] for line in MANIFEST.read_text().splitlines() if line.strip()]
     print(loop_stop_table(ids, base["tokens"], rule))
+    if args.texts:
+        for doc, text in zip(ids, base["kept_texts"]):
+            print(f"\n== {doc}:\n{text}")
 
 
 def loop_stop_table(ids: list[str], summaries: list[list[int]], rule: LoopStopConfig) -> str:

@@ -6,7 +6,7 @@ small hidden and MLP width, random weights, bf16, 1 CPU thread, so a step runs i
 its time is mostly the host work around the kernels, as on a GPU. The ops are counted where they
 really run: a `TorchDispatchMode` sees every aten op one `decode_step` dispatches; the step's token
 choice is counted apart (`choice_*`), each row's own `TokenPicker.pick` against the batch's
-`greedy_tokens`, with its host reads (scalar reads and `tolist()`: each one device-to-host sync).
+`choose_tokens`, with its host reads (scalar reads and `tolist()`: each one device-to-host sync).
 "Kernel-launching" counts every op except views (`OpOverload.is_view`) and the ops that only make or
 describe a tensor without touching its data (`METADATA_OPS`): on a GPU each counted op is at least
 one kernel launch (or a copy). A tiered cache reads its layers ahead on its own IO thread, where a
@@ -33,7 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel
 
 from jobs.config import SummarizeConfig
-from runner.engine.generation import TokenPicker, greedy_tokens
+from runner.engine.generation import TokenPicker, choose_tokens
 from runner.engine.kvcache import BudgetedDynamicCache, ResidentMeter, TieredCache
 from runner.engine.kvpool import KVPool, PooledCache
 from runner.engine.model_loader import LoadedModel
@@ -109,10 +109,10 @@ def _caches(model: PreTrainedModel, strategy: str, attention: str, rows: int) ->
 
 
 def _pickers(model: PreTrainedModel, rows: int) -> list[TokenPicker]:
-    """Plain greedy pickers (the default settings), one a row, that never end within the bench."""
+    """Plain greedy pickers (no logits processor), one a row, that never end within the bench."""
     loaded = LoadedModel(model, word_tokenizer(model.config.vocab_size), "step-ops", torch.device("cpu"),
                          torch.bfloat16, 0.0)
-    return [TokenPicker(loaded, SummarizeConfig(), [0] * PROMPT_TOKENS, 1 << 30) for _ in range(rows)]
+    return [TokenPicker(loaded, SummarizeConfig(generation={}), [0] * PROMPT_TOKENS, 1 << 30) for _ in range(rows)]
 
 
 class _Case:
@@ -136,7 +136,7 @@ class _Case:
         """The last step's tokens, each row by its own picker (`per-row`) or the batch's (`batched`)."""
         if way == "per-row":
             return [picker.pick(self.logits[row : row + 1]) for row, picker in enumerate(self.pickers)]
-        greedy = greedy_tokens(self.pickers, self.logits)
+        greedy = choose_tokens(self.pickers, self.logits)
         return [picker.take(greedy[row]) for row, picker in enumerate(self.pickers)]
 
     def counted_choice(self, way: str) -> tuple[OpCounter, int]:

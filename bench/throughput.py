@@ -327,7 +327,7 @@ def step_ops_section(loaded: LoadedModel | None, args: argparse.Namespace) -> di
     result = step_ops(args.step_ops_steps)
     print(f"Llama-3-8B attention shape (32 layers, 32 q / 8 kv heads, head_dim 128; hidden 64), bf16, 1 thread, "
           f"{result['prompt_tokens']}-token prompts; one decode_step, then its greedy token choice "
-          f"(choice: each row's own picker -> the batch's greedy_tokens)")
+          f"(choice: each row's own picker -> the batch's choose_tokens)")
     print(f"{'cache':<12} {'attention':>9} {'rows':>4} {'aten ops':>8} {'launching':>9} {'io launching':>12} "
           f"{'host ms/step':>12} "
           f"{'compute ms':>10} {'other ms':>8} {'wait ms':>7} {'choice launching':>16} {'choice syncs':>12} {'choice ms':>11} "

@@ -14,6 +14,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from jobs.rungs import STRATEGIES
 
+DEFAULT_GENERATION: dict[str, Any] = {"no_repeat_ngram_size": 4}
+"""summarize.generation's default (configs/default.yaml says the same)."""
+
 DEFAULT_PROMPT = (
     "Summarise the following document in a few sentences. "
     "Say what it is, who it concerns and what it requires or allows."
@@ -95,9 +98,11 @@ class SummarizeConfig(_Section):
     prefill_chunk_size: int = Field(512, ge=0, description="prompt tokens prefilled per forward pass; `0`: the whole prompt at once")
     do_sample: bool = Field(False, description="sample instead of greedy decoding")
     seed: int = Field(0, description="the sampling seed (each sequence gets its own generator)")
-    generation: dict[str, Any] = Field(default_factory=dict, description=(
+    generation: dict[str, Any] = Field(default_factory=lambda: dict(DEFAULT_GENERATION), description=(
         "transformers `GenerationConfig` fields passed to `generate()`, e.g. `{repetition_penalty: 1.15}`; "
-        "checked at submit, one the batched decode cannot honour is refused (docs/input.md)"))
+        "checked at submit, one the batched decode cannot honour is refused (docs/input.md). The default "
+        "bans a 4-gram the sequence already holds (the builtin model's greedy summaries otherwise loop or "
+        "reuse phrases: docs/benchmarks.md, 'Summaries that end'); `{}`: plain greedy decoding"))
     loop_stop: LoopStopConfig = Field(default_factory=LoopStopConfig)
 
     @model_validator(mode="after")

@@ -74,7 +74,7 @@ def test_admission_keeps_the_batchs_host_kv_within_the_host_budget(tokenizer, tm
     host = [host_kv_bytes(shape, "tiered-host", len(p) + new, None, BLOCK) for p in prompts]
     pool = ResidentMeter(BIG, "the batch's host RAM", "cache.host_kv_budget_bytes")
     cfg = CacheConfig(block_tokens=BLOCK)
-    scheduler = BatchScheduler(as_loaded_model(model, tokenizer), SummarizeConfig(),
+    scheduler = BatchScheduler(as_loaded_model(model, tokenizer), SummarizeConfig(generation={}),
                                "auto", 4, BIG, _is_memory_error, host_budget=2 * max(host))
     try:
         futures = [scheduler.submit(PassRequest(

@@ -29,7 +29,7 @@ NO_LOOP_STOP = LoopStopConfig(enabled=False)  # random models loop: every sequen
 
 
 def _scheduler(model: PreTrainedModel, tokenizer, width: int, chunk: int = CHUNK) -> BatchScheduler:
-    return BatchScheduler(as_loaded_model(model, tokenizer), SummarizeConfig(loop_stop=NO_LOOP_STOP), "auto", width, BIG,
+    return BatchScheduler(as_loaded_model(model, tokenizer), SummarizeConfig(generation={}, loop_stop=NO_LOOP_STOP), "auto", width, BIG,
                           _is_memory_error, prefill_chunk_tokens=chunk)
 
 

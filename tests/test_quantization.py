@@ -61,7 +61,7 @@ def _alone(model, prompt: list[int], new: int) -> list[int]:
 
 def _scheduled(loaded, strategy: str, width: int, prompts: list[list[int]], folder: Path) -> list[list[int]]:
     """Each prompt's tokens through the worker's scheduler, `width` sequences decoding at once."""
-    settings = SummarizeConfig(prefill_chunk_size=16, loop_stop={"enabled": False})
+    settings = SummarizeConfig(generation={}, prefill_chunk_size=16, loop_stop={"enabled": False})
     cfg = CacheConfig(block_tokens=8)
     model = loaded.model
     scheduler = BatchScheduler(loaded, settings, "auto", width, 1 << 40, _is_memory_error)

@@ -199,7 +199,7 @@ def test_the_batched_decode_stops_a_looping_sequence_at_its_third_copy(tmp_path)
                          name="tiny", device=torch.device("cpu"), dtype=torch.float32, load_s=0.0)
     results = {}
     for enabled in (True, False):
-        settings = SummarizeConfig(loop_stop={"enabled": enabled})
+        settings = SummarizeConfig(generation={}, loop_stop={"enabled": enabled})
         scheduler = BatchScheduler(loaded, settings, "auto", 1, 1 << 40, _is_memory_error)
         try:
             request = PassRequest(prompt, new, device_bytes=0,

@@ -1,6 +1,7 @@
-"""A decode step's tokens are chosen for the whole batch: every plain greedy row by one argmax and one
-transfer to the host, the rest (logits processors, seeded sampling) by their own picker, and every
-row's tokens stay those generate() chooses alone.
+"""A decode step's tokens are chosen for the whole batch: rows with the same settings have their logits
+processors (repetition penalty, no-repeat n-grams, minimum lengths, temperature, top-k/p, ...) applied
+in one batched call each, greedy rows take one argmax, sampled rows draw from their own generator, all
+of them reach the host in one transfer, and every row's tokens stay those generate() chooses alone.
 
 Real tiny random models (tests/helpers/models.py), real caches, the scheduler's own prefill and
 decode step; transfers are counted where they happen, by torch's own function and dispatch modes.
@@ -19,7 +20,7 @@ from transformers import DynamicCache
 
 from jobs.config import SummarizeConfig
 from runner.engine.batch_plan import BatchSequence
-from runner.engine.generation import TokenPicker, generate_once, greedy_tokens, prefill
+from runner.engine.generation import TokenPicker, choose_tokens, generate_once, prefill
 from runner.engine.ragged import decode_step
 from runner.engine.scheduler import BatchScheduler
 from runner.engine.worker import _is_memory_error
@@ -30,6 +31,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 ROWS = 6
 NEW = 12
+PLAIN = SummarizeConfig(generation={})
+"""Plain greedy rows: no logits processor (the default settings have some)."""
 
 
 class _ScalarReads(TorchDispatchMode):
@@ -89,7 +92,7 @@ def test_the_schedulers_step_of_plain_greedy_rows_makes_one_transfer_to_the_host
     their tokens (the code before made one read a row: ROWS). The scheduler's thread is closed first
     so that the step runs here, inside the counter (torch's modes are per thread)."""
     model = tiny_model("llama-gqa")
-    scheduler = BatchScheduler(as_loaded_model(model, tokenizer), SummarizeConfig(), "auto", ROWS, BIG, _is_memory_error,
+    scheduler = BatchScheduler(as_loaded_model(model, tokenizer), PLAIN, "auto", ROWS, BIG, _is_memory_error,
                                prefill_chunk_tokens=0)  # each prompt prefilled whole, so the step is decode rows only
     scheduler.close()
     prompts = [random_prompt(8 + row)[0].tolist() for row in range(ROWS)]
@@ -109,59 +112,150 @@ def test_the_schedulers_step_of_plain_greedy_rows_makes_one_transfer_to_the_host
         seq.handle.close()
 
 
-def test_greedy_tokens_chooses_every_pickers_token_with_one_transfer(tokenizer) -> None:
-    """Each picker alone syncs once per row (the step before this change); the batch chooses the same
+def test_choose_tokens_chooses_every_pickers_token_with_one_transfer(tokenizer) -> None:
+    """Each picker alone syncs once per row (the step before batching); the batch chooses the same
     tokens with one transfer."""
     model = tiny_model("llama-gqa")
     loaded = as_loaded_model(model, tokenizer)
     prompts = [random_prompt(8 + row)[0].tolist() for row in range(ROWS)]
-    caches, pickers, tokens = _prefilled(loaded, [SummarizeConfig()] * ROWS, prompts)
-    assert all(p.plain_greedy for p in pickers)
+    caches, pickers, tokens = _prefilled(loaded, [PLAIN] * ROWS, prompts)
+    assert all(p.forms == [] for p in pickers)  # plain greedy rows
     with torch.inference_mode():
         logits = decode_step(model, [t[-1] for t in tokens], [len(p) for p in prompts], caches)
-    _, alone_pickers, _ = _prefilled(loaded, [SummarizeConfig()] * ROWS, prompts)
+    _, alone_pickers, _ = _prefilled(loaded, [PLAIN] * ROWS, prompts)
     with HostTransfers() as per_row:
         alone = [picker.pick(logits[row : row + 1]) for row, picker in enumerate(alone_pickers)]
     with HostTransfers() as batched:
-        greedy = greedy_tokens(pickers, logits)
-        chosen = [picker.take(greedy[row]) for row, picker in enumerate(pickers)]
+        chosen_tokens = choose_tokens(pickers, logits)
+        chosen = [picker.take(chosen_tokens[row]) for row, picker in enumerate(pickers)]
     assert per_row.count == ROWS
     assert batched.count == 1
     assert chosen == alone == logits.argmax(dim=-1).tolist()
     assert [p.done for p in pickers] == [p.done for p in alone_pickers]
 
 
-def test_mixed_rows_chosen_together_equal_generate_alone(tokenizer) -> None:
-    """Plain greedy rows beside rows with processors (repetition penalty, no-repeat n-grams, top-k/p,
-    temperature) and seeded sampling, decoded in one batch until each ends: each row's tokens are
-    generate()'s alone, and only the plain rows went through the batch's argmax."""
-    model = tiny_model("llama-gqa")
-    loaded = as_loaded_model(model, tokenizer)
-    settings = [
-        SummarizeConfig(),
-        SummarizeConfig(generation={"repetition_penalty": 1.3, "no_repeat_ngram_size": 2}),
-        SummarizeConfig(do_sample=True, seed=7, generation={"top_k": 20, "top_p": 0.9, "temperature": 0.8}),
-        SummarizeConfig(),
-        SummarizeConfig(do_sample=True, seed=11),
-        SummarizeConfig(generation={"repetition_penalty": 1.1}),
-    ]
-    prompts = [random_prompt(8 + row)[0].tolist() for row in range(len(settings))]
+#: Each processor the batched decode applies to all its rows at once, with the settings that make it
+#: bite on the tiny model; the sampling ones with a seed.
+PROCESSOR_SETTINGS = {
+    "repetition_penalty": SummarizeConfig(generation={"repetition_penalty": 1.3}),
+    "no_repeat_ngram_size": SummarizeConfig(generation={"no_repeat_ngram_size": 2}),
+    "min_new_tokens": SummarizeConfig(generation={"min_new_tokens": NEW - 2, "eos_token_id": 5}),
+    "penalty and n-grams": SummarizeConfig(generation={"repetition_penalty": 1.1, "no_repeat_ngram_size": 3}),
+    "temperature": SummarizeConfig(do_sample=True, seed=3, generation={"temperature": 0.7}),
+    "top_k": SummarizeConfig(do_sample=True, seed=4, generation={"top_k": 5}),
+    "top_p": SummarizeConfig(do_sample=True, seed=5, generation={"top_p": 0.8}),
+    "min_p": SummarizeConfig(do_sample=True, seed=6, generation={"min_p": 0.8}),
+    "sampling filters and penalty": SummarizeConfig(do_sample=True, seed=8, generation={
+        "top_k": 20, "top_p": 0.9, "temperature": 0.8, "repetition_penalty": 1.2}),
+}
+
+
+def _decoded_together(loaded, settings: list[SummarizeConfig], prompts: list[list[int]],
+                      syncs: list[int] | None = None) -> tuple[list[list[int]], list[TokenPicker]]:
+    """The rows decoded in one batch until each ends, every step's tokens by `choose_tokens`; each
+    step's host reads appended to `syncs`. Asserts every row's token came from the batch's choice."""
+    model = loaded.model
     caches, pickers, tokens = _prefilled(loaded, settings, prompts)
-    assert [p.plain_greedy for p in pickers] == [True, False, False, True, False, False]
     active = [row for row in range(len(settings)) if not pickers[row].done]
-    batched_rows = set()
     while active:
         with torch.inference_mode():
             logits = decode_step(model, [tokens[r][-1] for r in active],
                                  [len(prompts[r]) + len(tokens[r]) - 1 for r in active], [caches[r] for r in active])
-        step_pickers = [pickers[r] for r in active]
-        greedy = greedy_tokens(step_pickers, logits)
-        batched_rows.update(active[i] for i in greedy)
-        for i, row in enumerate(active):
-            picker = pickers[row]
-            tokens[row].append(picker.take(greedy[i]) if i in greedy else picker.pick(logits[i : i + 1]))
+        with HostTransfers() as step:
+            chosen = choose_tokens([pickers[r] for r in active], logits)
+            for i, row in enumerate(active):
+                tokens[row].append(pickers[row].take(chosen[i]))
+        if syncs is not None:
+            syncs.append(step.count)
         active = [row for row in active if not pickers[row].done]
-    assert batched_rows == {0, 3}
+    return tokens, pickers
+
+
+def _alone(loaded, settings: SummarizeConfig, prompt: list[int]) -> list[int]:
+    cache = DynamicCache(config=loaded.model.config)
+    return generate_once(loaded, prompt, NEW, settings, {"past_key_values": cache}).tokens
+
+
+@pytest.mark.parametrize("name", list(PROCESSOR_SETTINGS))
+def test_rows_with_a_processor_chosen_together_equal_each_row_alone_with_one_transfer_a_step(name: str,
+                                                                                           tokenizer) -> None:
+    """ROWS rows of different lengths with the same processor settings are processed as one group by
+    the processors' batched forms, each step reads the host once, and each row's tokens are the ones
+    generate() gives it alone, which the setting changed."""
+    model = tiny_model("llama-gqa")
+    loaded = as_loaded_model(model, tokenizer)
+    settings = PROCESSOR_SETTINGS[name]
+    prompts = [random_prompt(3 + 5 * row)[0].tolist() for row in range(ROWS)]
+    syncs: list[int] = []
+    tokens, pickers = _decoded_together(loaded, [settings] * ROWS, prompts, syncs)
+    assert all(p.forms for p in pickers) and len({p.batch_key for p in pickers}) == 1  # one batched group
+    assert len(syncs) >= NEW - 1 and set(syncs) == {1}
+    alone = [_alone(loaded, settings, prompt) for prompt in prompts]
+    assert tokens == alone
+    plain = SummarizeConfig(do_sample=settings.do_sample, seed=settings.seed, generation={})
+    assert alone != [_alone(loaded, plain, prompt) for prompt in prompts], "the setting changed nothing"
+
+
+def test_a_sampled_rows_tokens_do_not_depend_on_its_batch_mates(tokenizer) -> None:
+    """The same seeded row decoded beside two different sets of batch-mates (other prompts, other
+    seeds, one of them greedy) and alone: the same tokens each time, drawn from its own generator."""
+    model = tiny_model("llama-gqa")
+    loaded = as_loaded_model(model, tokenizer)
+    row = SummarizeConfig(do_sample=True, seed=21, generation={"top_k": 10, "temperature": 0.9})
+    prompt = random_prompt(9)[0].tolist()
+    mates = [
+        ([SummarizeConfig(do_sample=True, seed=22, generation={"top_k": 10, "temperature": 0.9})],
+         [random_prompt(4)[0].tolist()]),
+        ([SummarizeConfig(do_sample=True, seed=s, generation={"top_k": 10, "temperature": 0.9}) for s in (1, 2, 3)]
+         + [PLAIN], [random_prompt(n)[0].tolist() for n in (12, 5, 17, 30)]),
+    ]
+    seen = []
+    for mate_settings, mate_prompts in mates:
+        tokens, pickers = _decoded_together(loaded, [*mate_settings, row], [*mate_prompts, prompt])
+        assert pickers[-1].batch_key == pickers[0].batch_key  # drawn in one group with its sampled mates
+        seen.append(tokens[-1])
+    assert seen[0] == seen[1] == _alone(loaded, row, prompt)
+
+
+def test_mixed_rows_chosen_together_equal_generate_alone(tokenizer) -> None:
+    """Plain greedy rows beside rows with processors (repetition penalty, no-repeat n-grams, top-k/p,
+    temperature), seeded sampling, and a processor without a batched form (sequence bias: transformers'
+    own call), decoded in one batch until each ends: every row's token comes from the batch's choice,
+    rows with equal settings in one group, and each row's tokens are generate()'s alone."""
+    model = tiny_model("llama-gqa")
+    loaded = as_loaded_model(model, tokenizer)
+    settings = [
+        PLAIN,
+        SummarizeConfig(generation={"repetition_penalty": 1.3, "no_repeat_ngram_size": 2}),
+        SummarizeConfig(do_sample=True, seed=7, generation={"top_k": 20, "top_p": 0.9, "temperature": 0.8}),
+        PLAIN,
+        SummarizeConfig(do_sample=True, seed=11),
+        SummarizeConfig(generation={"repetition_penalty": 1.1}),
+        SummarizeConfig(generation={"sequence_bias": [[[3], -5.0]]}),
+        SummarizeConfig(generation={"repetition_penalty": 1.3, "no_repeat_ngram_size": 2}),
+    ]
+    prompts = [random_prompt(8 + row)[0].tolist() for row in range(len(settings))]
+    tokens, pickers = _decoded_together(loaded, settings, prompts)
+    keys = [p.batch_key for p in pickers]
+    assert keys[0] == keys[3] and keys[1] == keys[7] and len(set(keys)) == 6
+    assert pickers[6].forms is None  # no batched form: its own processors, still in the step's one transfer
     for row, (row_settings, prompt) in enumerate(zip(settings, prompts, strict=True)):
-        alone = generate_once(loaded, prompt, NEW, row_settings, {"past_key_values": DynamicCache(config=model.config)})
-        assert tokens[row] == alone.tokens, f"row {row} differs from generate() alone"
+        assert tokens[row] == _alone(loaded, row_settings, prompt), f"row {row} differs from generate() alone"
+
+
+def test_a_row_whose_draw_fails_is_left_to_its_own_pick(tokenizer) -> None:
+    """A sampled row whose logits are not finite cannot be drawn: the batch chooses its mates' tokens
+    and leaves it out, and its own pick raises torch's error for that row alone (the scheduler then
+    fails that sequence only)."""
+    model = tiny_model("llama-gqa")
+    loaded = as_loaded_model(model, tokenizer)
+    settings = [SummarizeConfig(do_sample=True, seed=s) for s in (1, 2, 3)]
+    prompts = [random_prompt(6 + row)[0].tolist() for row in range(3)]
+    caches, pickers, tokens = _prefilled(loaded, settings, prompts)
+    with torch.inference_mode():
+        logits = decode_step(model, [t[-1] for t in tokens], [len(p) for p in prompts], caches).clone()
+        logits[1] = float("nan")
+    chosen = choose_tokens(pickers, logits)
+    assert sorted(chosen) == [0, 2]
+    with pytest.raises(RuntimeError, match="probability tensor"):
+        pickers[1].pick(logits[1:2])

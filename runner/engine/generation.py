@@ -5,13 +5,14 @@ The prompt is prefilled in chunks of `summarize.prefill_chunk_size`, token-major
 for tiered caches, layer-major first (`cache.prefill`, runner/engine/kvcache/layer_major.py): same tokens.
 The worker's scheduler decodes (runner/engine/scheduler.py); a sequence's next token is chosen by its
 own `TokenPicker` exactly as generate() chooses it, so batching never changes a sequence's tokens;
-a step's plain greedy rows are chosen together (`greedy_tokens`), one argmax and one host transfer.
+a step's rows are chosen together (`choose_tokens`): rows with the same settings have their logits
+processors applied in one batched call each, and every row's token reaches the host in one transfer.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +25,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from jobs.config import PrefillMode, SummarizeConfig
 from jobs.stopping import StopReason
+from runner.engine.batched_logits import BatchedForm, batched_form
 from runner.engine.kvcache.layer_major import (
     choose_prefill,
     layer_major_prefill,
@@ -136,7 +138,11 @@ class TokenPicker:
     generation config with the task's settings, prepared by generate()'s own steps (special tokens,
     max/min length), its logits processors over the sequence so far, then greedy, or sampling from
     the sequence's own seeded generator (so its tokens do not depend on its batch-mates), and its
-    stopping criteria (max length, end-of-sequence tokens, stop strings, max time)."""
+    stopping criteria (max length, end-of-sequence tokens, stop strings, max time).
+
+    Its processors run in their batched form (runner/engine/batched_logits.py) when each has one, so
+    that `choose_tokens` processes every row with the same settings (`batch_key`) in one go; a row
+    with a processor that has none keeps transformers' own call over its ids."""
 
     def __init__(self, loaded: LoadedModel, settings: SummarizeConfig, prompt_ids: list[int],
                  max_new_tokens: int) -> None:
@@ -159,34 +165,34 @@ class TokenPicker:
         self.done = False
         """Whether the last chosen token ended the sequence."""
         self._picked = 0
-        # a plain row (no processor, only the length and end-of-sequence criteria) is checked on the
-        # host without keeping its tokens as a tensor: the same answer at the cost of today's greedy step
-        self._plain = not len(self.processors) and all(type(c) in _PLAIN_CRITERIA for c in self.criteria)
-        self._ids = ids
+        forms = [batched_form(p, prompt_ids) for p in self.processors]
+        self.forms: list[BatchedForm] | None = None if None in forms else forms  # type: ignore[assignment]
+        """The processors' batched forms; None: transformers' own processors over `_ids`."""
+        self.batch_key: Hashable = (self.do_sample, *(f.key for f in self.forms)) if self.forms is not None \
+            else (self.do_sample, id(self))
+        """Rows with equal keys have their processors applied together, in one call each."""
+        # the length and end-of-sequence criteria are checked on the host from the token; the others
+        # (stop strings, max time) read the ids, kept as a tensor only for them or the own processors
+        self._host_criteria = all(type(c) in _PLAIN_CRITERIA for c in self.criteria)
+        self._ids = ids if self.forms is None or not self._host_criteria else None
 
     def pick(self, logits: torch.Tensor) -> int:
-        """The next token from this position's logits ([1, vocab] float32); sets `done`."""
-        if len(self.processors):
-            logits = self.processors(self._ids, logits)
-        if self.do_sample:
-            token = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=self.generator)[0, 0]
-        else:
-            token = logits[0].argmax()
-        if self._plain:
-            return self.take(int(token))
-        self._ids = torch.cat([self._ids, token.view(1, 1)], dim=1)
-        self.done = bool(self.criteria(self._ids, None)[0])
-        return int(token)
-
-    @property
-    def plain_greedy(self) -> bool:
-        """Whether its token is the bare argmax and its end a host check: one `greedy_tokens` row."""
-        return self._plain and not self.do_sample
+        """The next token from this position's logits ([1, vocab] float32), chosen alone; sets `done`."""
+        scores = _processed([self], logits)
+        token = _draw(self, torch.softmax(scores, dim=-1)) if self.do_sample else scores[0].argmax()
+        return self.take(int(token))
 
     def take(self, token: int) -> int:
-        """Record the token a plain row's logits chose (by `pick`, or the batch's `greedy_tokens`); sets `done`."""
+        """Record the token chosen for it (by `pick`, or the batch's `choose_tokens`); sets `done`."""
         self._picked += 1
-        self.done = self._picked >= self.max_new_tokens or token in self.eos
+        for form in self.forms or ():
+            form.note(token)
+        if self._ids is not None:
+            self._ids = torch.cat([self._ids, torch.tensor([[token]], device=self._ids.device)], dim=1)
+        if self._host_criteria:
+            self.done = self._picked >= self.max_new_tokens or token in self.eos
+        else:  # a host read of its own, for these rows only
+            self.done = bool(self.criteria(self._ids, None)[0])
         return token
 
     def stop_reason(self, tokens: list[int]) -> StopReason:
@@ -201,17 +207,56 @@ class TokenPicker:
 _PLAIN_CRITERIA = (MaxLengthCriteria, EosTokenCriteria)
 
 
-def greedy_tokens(pickers: Sequence[TokenPicker], logits: torch.Tensor) -> dict[int, int]:
-    """The token of every plain greedy row of a step's logits ([rows, vocab]), by row: one argmax over
-    those rows and one transfer to the host for all of them, where each row's own `pick` would sync
-    once per row. argmax takes the first of tied maxima either way, so each token is the one generate()
-    alone chooses. Rows with processors, sampling or other stopping criteria are left to their own
-    picker: sampling draws from each row's own generator, so its tokens never depend on the batch."""
-    rows = [row for row, picker in enumerate(pickers) if picker.plain_greedy]
-    if not rows:
+def choose_tokens(pickers: Sequence[TokenPicker], logits: torch.Tensor) -> dict[int, int]:
+    """The token of every row of a step's logits ([rows, vocab]), by row, with one transfer to the host
+    for all of them, where each row's own `pick` would read the host once per row. Rows with equal
+    `batch_key`s (the same processors and settings; plain greedy rows have none) are processed
+    together; greedy rows take the argmax (the first of tied maxima, as generate() alone), sampling
+    rows draw from their own generator, so a row's tokens never depend on its batch-mates.
+
+    A group whose processors raise, or a row whose draw does (e.g. probabilities that are not finite),
+    is left out: the caller runs that row's own `pick`, which raises the same error for that row alone."""
+    groups: dict[Hashable, list[int]] = {}
+    for row, picker in enumerate(pickers):
+        groups.setdefault(picker.batch_key, []).append(row)
+    chosen: list[int] = []
+    parts: list[torch.Tensor] = []  # each [rows of a group] or [1], on the device
+    for rows in groups.values():
+        members = [pickers[row] for row in rows]
+        try:
+            scores = _processed(members, logits if len(rows) == len(pickers) else logits[rows])
+        except Exception:  # noqa: BLE001, S112 - each row's own pick raises it for that row
+            continue
+        if not members[0].do_sample:
+            chosen += rows
+            parts.append(scores.argmax(dim=-1))
+            continue
+        probs = torch.softmax(scores, dim=-1)
+        for i, (row, picker) in enumerate(zip(rows, members, strict=True)):
+            try:
+                parts.append(_draw(picker, probs[i : i + 1]).view(1))
+            except RuntimeError:  # its own pick raises it
+                continue
+            chosen.append(row)
+    if not parts:
         return {}
-    chosen = logits if len(rows) == len(pickers) else logits[rows]
-    return dict(zip(rows, chosen.argmax(dim=-1).tolist(), strict=True))
+    tokens = (parts[0] if len(parts) == 1 else torch.cat(parts)).tolist()
+    return dict(zip(chosen, tokens, strict=True))
+
+
+def _processed(members: Sequence[TokenPicker], scores: torch.Tensor) -> torch.Tensor:
+    """`scores` ([rows, vocab]) through the processors of `members` (rows with one `batch_key`)."""
+    first = members[0]
+    if first.forms is None:  # one row: transformers' own processors over its ids
+        return first.processors(first._ids, scores) if len(first.processors) else scores
+    for position, form in enumerate(first.forms):
+        scores = type(form).apply([m.forms[position] for m in members], scores)  # type: ignore[index]
+    return scores
+
+
+def _draw(picker: TokenPicker, probs: torch.Tensor) -> torch.Tensor:
+    """One token from a row's probabilities ([1, vocab]) by its own generator, as generate() samples."""
+    return torch.multinomial(probs, 1, generator=picker.generator)[0, 0]
 
 
 def _prepared_config(loaded: LoadedModel, settings: SummarizeConfig, ids: torch.Tensor,

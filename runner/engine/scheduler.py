@@ -44,7 +44,7 @@ from jobs.config import PREFILL_CHUNK_TOKENS, PrefillMode, SummarizeConfig
 from jobs.outcome import CacheStats
 from jobs.stopping import StopReason
 from runner.engine.batch_plan import BatchPlan, BatchSequence, Status
-from runner.engine.generation import Generation, TokenPicker, generate_once, greedy_tokens, prefill
+from runner.engine.generation import Generation, TokenPicker, generate_once, choose_tokens, prefill
 from runner.engine.kvcache import CacheHandle
 from runner.engine.kvpool import PooledCache
 from runner.engine.model_loader import LoadedModel
@@ -317,7 +317,7 @@ class BatchScheduler:
         device = self.loaded.device
         rss = self._process.memory_info().rss
         device_bytes = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
-        greedy = greedy_tokens([s.picker for s in rows], logits)
+        greedy = choose_tokens([s.picker for s in rows], logits)
         for row, seq in enumerate(rows):
             try:
                 seq.take(seq.picker.take(greedy[row]) if row in greedy else seq.picker.pick(logits[row : row + 1]))

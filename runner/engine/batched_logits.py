@@ -1,0 +1,188 @@
+"""transformers' logits processors in a form that runs over many rows at once, each row with its own
+length, and gives every row exactly the scores the processor gives it alone.
+
+A processor takes `[rows, tokens so far]` input ids, so rows of different lengths could only share a
+call through padding, which would change what repetition penalties and n-gram bans see. Instead each
+row keeps what its processor reads, up to date as its tokens are chosen (`note`): the set of tokens
+seen (repetition penalty, on the device), the n-grams so far or the length (no-repeat n-grams and
+minimum lengths, on the host, where the tokens already are). `apply` then changes a step's `[rows,
+vocab]` scores with a fixed number of ops, whatever the rows, by the same elementwise operations the
+processor uses, so every value is bit for bit the one it computes for the row alone. Processors that
+read only the scores (temperature, top-k/p, min-p, ...) run as they are over the rows' scores. A
+processor without such a form keeps the row on transformers' own call (`batched_form` says None).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import torch
+from transformers.generation.logits_process import (
+    EpsilonLogitsWarper,
+    EtaLogitsWarper,
+    LogitNormalization,
+    LogitsProcessor,
+    MinLengthLogitsProcessor,
+    MinNewTokensLengthLogitsProcessor,
+    MinPLogitsWarper,
+    NoRepeatNGramLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopHLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    TypicalLogitsWarper,
+)
+
+SCORES_ONLY = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, TopHLogitsWarper, MinPLogitsWarper,
+               TypicalLogitsWarper, EpsilonLogitsWarper, EtaLogitsWarper, LogitNormalization)
+"""Processors whose result depends on each row's scores alone (not its input ids): one call over all rows."""
+
+
+class BatchedForm:
+    """One row's side of a processor. Rows whose forms have equal `key`s are processed together."""
+
+    key: Hashable
+
+    def note(self, token: int) -> None:
+        """The row's next token was chosen."""
+
+    @classmethod
+    def apply(cls, forms: Sequence[BatchedForm], scores: torch.Tensor) -> torch.Tensor:
+        """`scores` ([rows, vocab], row i is forms[i]'s) as the processor leaves each row's."""
+        raise NotImplementedError
+
+
+class ScoresOnly(BatchedForm):
+    def __init__(self, processor: LogitsProcessor) -> None:
+        self.processor = processor
+        # equal settings: one call (a setting held as a tensor, e.g. eta's epsilon, compared by value)
+        self.key = (type(processor), *((name, _hashable(value)) for name, value in sorted(vars(processor).items())))
+
+    @classmethod
+    def apply(cls, forms: Sequence[BatchedForm], scores: torch.Tensor) -> torch.Tensor:
+        return forms[0].processor(None, scores)  # type: ignore[attr-defined]
+
+
+class SeenTokensPenalty(BatchedForm):
+    """RepetitionPenaltyLogitsProcessor: every token seen so far (prompt included) gets its score
+    multiplied by the penalty when negative, divided by it otherwise; the row keeps a mask of them,
+    made at its first step, when the width of the scores (the lm head's vocabulary) is known."""
+
+    def __init__(self, penalty: float, tokens: list[int]) -> None:
+        self.key = (type(self), penalty)
+        self.penalty = penalty
+        self.tokens: list[int] | None = list(tokens)  # until the mask is made
+        self.seen: torch.Tensor | None = None  # [vocab] bool
+
+    def note(self, token: int) -> None:
+        if self.seen is None:
+            self.tokens.append(token)  # type: ignore[union-attr]
+        elif token < self.seen.shape[0]:
+            self.seen[token] = True
+
+    def _mask(self, scores: torch.Tensor) -> torch.Tensor:
+        if self.seen is None:
+            vocab = scores.shape[-1]
+            self.seen = torch.zeros(vocab, dtype=torch.bool, device=scores.device)
+            # ids past the lm head's vocabulary cannot be chosen; transformers leaves them out too
+            self.seen[torch.tensor([t for t in self.tokens if t < vocab], dtype=torch.long,  # type: ignore[union-attr]
+                                   device=scores.device)] = True
+            self.tokens = None
+        return self.seen
+
+    @classmethod
+    def apply(cls, forms: Sequence[BatchedForm], scores: torch.Tensor) -> torch.Tensor:
+        seen = torch.stack([f._mask(scores) for f in forms])  # type: ignore[attr-defined]  # [rows, vocab]
+        penalty = forms[0].penalty  # type: ignore[attr-defined]
+        return torch.where(seen, torch.where(scores < 0, scores * penalty, scores / penalty), scores)
+
+
+class HostBans(BatchedForm):
+    """A processor that sets some tokens' scores to -inf by rules over the row's tokens, kept on the
+    host: all rows' banned tokens become one mask. Rows share a call whatever their own parameters."""
+
+    def __init__(self) -> None:
+        self.key = type(self)
+
+    def banned(self) -> list[int]:
+        raise NotImplementedError
+
+    @classmethod
+    def apply(cls, forms: Sequence[BatchedForm], scores: torch.Tensor) -> torch.Tensor:
+        rows, tokens = [], []
+        vocab = scores.shape[-1]
+        for row, form in enumerate(forms):
+            banned = [t for t in form.banned() if t < vocab]  # type: ignore[attr-defined]
+            rows += [row] * len(banned)
+            tokens += banned
+        if not rows:
+            return scores
+        mask = torch.zeros_like(scores, dtype=torch.bool)
+        mask[torch.tensor(rows, device=scores.device), torch.tensor(tokens, device=scores.device)] = True
+        return scores.masked_fill(mask, -float("inf"))
+
+
+class NoRepeatNGrams(HostBans):
+    """NoRepeatNGramLogitsProcessor: a token that would complete an n-gram already in the sequence
+    (prompt included) is banned. The row keeps each (n-1)-gram's followers, so a step is one lookup."""
+
+    def __init__(self, size: int, tokens: list[int]) -> None:
+        super().__init__()
+        self.size = size
+        self.tokens: list[int] = []
+        self.followers: dict[tuple[int, ...], set[int]] = {}
+        for token in tokens:
+            self.note(token)
+
+    def note(self, token: int) -> None:
+        self.tokens.append(token)
+        if len(self.tokens) >= self.size:
+            gram = self.tokens[len(self.tokens) - self.size :]
+            self.followers.setdefault(tuple(gram[:-1]), set()).add(gram[-1])
+
+    def banned(self) -> list[int]:
+        if len(self.tokens) < self.size:
+            return []
+        return sorted(self.followers.get(tuple(self.tokens[len(self.tokens) - self.size + 1 :]), ()))
+
+
+class TooShortForEos(HostBans):
+    """MinLengthLogitsProcessor and MinNewTokensLengthLogitsProcessor: the end-of-sequence tokens are
+    banned while the sequence (or its new tokens) is shorter than the minimum."""
+
+    def __init__(self, length: int, minimum: int, eos: list[int]) -> None:
+        super().__init__()
+        self.length, self.minimum, self.eos = length, minimum, eos
+
+    def note(self, token: int) -> None:
+        self.length += 1
+
+    def banned(self) -> list[int]:
+        return self.eos if self.length < self.minimum else []
+
+
+def batched_form(processor: LogitsProcessor, tokens: list[int]) -> BatchedForm | None:
+    """The row's batched form of `processor` given its tokens so far (the prompt), or None when it has none."""
+    kind = type(processor)
+    if kind in SCORES_ONLY:
+        return ScoresOnly(processor)
+    if kind is RepetitionPenaltyLogitsProcessor and processor.prompt_ignore_length is None:
+        return SeenTokensPenalty(processor.penalty, tokens)
+    if kind is NoRepeatNGramLogitsProcessor:
+        return NoRepeatNGrams(processor.ngram_size, tokens)
+    if kind is MinLengthLogitsProcessor:
+        return TooShortForEos(len(tokens), processor.min_length, _ids(processor.eos_token_id))
+    if kind is MinNewTokensLengthLogitsProcessor:
+        return TooShortForEos(len(tokens) - processor.prompt_length_to_skip, processor.min_new_tokens,
+                              _ids(processor.eos_token_id))
+    return None
+
+
+def _hashable(value: Any) -> Hashable:
+    return tuple(value.flatten().tolist()) if isinstance(value, torch.Tensor) else value
+
+
+def _ids(eos: Any) -> list[int]:
+    return eos.flatten().tolist() if isinstance(eos, torch.Tensor) else list(eos)
