@@ -14,9 +14,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from jobs.rungs import STRATEGIES
 
-DEFAULT_GENERATION: dict[str, Any] = {"no_repeat_ngram_size": 4}
-"""summarize.generation's default (configs/default.yaml says the same)."""
-
 DEFAULT_PROMPT = (
     "Summarise the following document in a few sentences. "
     "Say what it is, who it concerns and what it requires or allows."
@@ -98,11 +95,15 @@ class SummarizeConfig(_Section):
     prefill_chunk_size: int = Field(512, ge=0, description="prompt tokens prefilled per forward pass; `0`: the whole prompt at once")
     do_sample: bool = Field(False, description="sample instead of greedy decoding")
     seed: int = Field(0, description="the sampling seed (each sequence gets its own generator)")
-    generation: dict[str, Any] = Field(default_factory=lambda: dict(DEFAULT_GENERATION), description=(
+    generation: dict[str, Any] = Field(default_factory=dict, description=(
         "transformers `GenerationConfig` fields passed to `generate()`, e.g. `{repetition_penalty: 1.15}`; "
-        "checked at submit, one the batched decode cannot honour is refused (docs/input.md). The default "
-        "bans a 4-gram the sequence already holds (the builtin model's greedy summaries otherwise loop or "
-        "reuse phrases: docs/benchmarks.md, 'Summaries that end'); `{}`: plain greedy decoding"))
+        "checked at submit, one the batched decode cannot honour is refused (docs/input.md). Its "
+        "`no_repeat_ngram_size` bans the prompt's n-grams too, so a summary could not quote the document: "
+        "`no_repeat_summary_ngram` is the summary-only ban"))
+    no_repeat_summary_ngram: int = Field(4, ge=0, description=(
+        "a token that would repeat an n-gram of this many tokens already in the summary (its own new "
+        "tokens, not the prompt: quoting the document stays allowed) is banned; the builtin model's greedy "
+        "summaries otherwise loop (docs/benchmarks.md, 'Summaries that end'); `0`: off"))
     loop_stop: LoopStopConfig = Field(default_factory=LoopStopConfig)
 
     @model_validator(mode="after")

@@ -35,6 +35,8 @@ from transformers.generation.logits_process import (
     TypicalLogitsWarper,
 )
 
+from runner.engine.summary_ngrams import SummaryNoRepeatNGramLogitsProcessor
+
 SCORES_ONLY = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, TopHLogitsWarper, MinPLogitsWarper,
                TypicalLogitsWarper, EpsilonLogitsWarper, EtaLogitsWarper, LogitNormalization)
 """Processors whose result depends on each row's scores alone (not its input ids): one call over all rows."""
@@ -172,6 +174,8 @@ def batched_form(processor: LogitsProcessor, tokens: list[int]) -> BatchedForm |
         return SeenTokensPenalty(processor.penalty, tokens)
     if kind is NoRepeatNGramLogitsProcessor:
         return NoRepeatNGrams(processor.ngram_size, tokens)
+    if kind is SummaryNoRepeatNGramLogitsProcessor:  # the same rule over the new tokens: the table starts empty
+        return NoRepeatNGrams(processor.ngram_size, [])
     if kind is MinLengthLogitsProcessor:
         return TooShortForEos(len(tokens), processor.min_length, _ids(processor.eos_token_id))
     if kind is MinNewTokensLengthLogitsProcessor:

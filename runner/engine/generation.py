@@ -32,6 +32,7 @@ from runner.engine.kvcache.layer_major import (
     prefilled,
 )
 from runner.engine.model_loader import LoadedModel
+from runner.engine.summary_ngrams import summary_processors
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,7 @@ def generate_once(
             pad_token_id=loaded.tokenizer.pad_token_id,
             tokenizer=loaded.tokenizer,  # for stop_strings
             streamer=clock,
+            logits_processor=summary_processors(settings, len(prompt_ids)),
             **settings.generation,  # GenerationConfig fields checked at submit (runner/preflight.py)
             **cache_kwargs,
         )
@@ -136,7 +138,8 @@ def prefill(
 class TokenPicker:
     """Chooses one sequence's next tokens, and says when it ends, as generate() does alone: the model's
     generation config with the task's settings, prepared by generate()'s own steps (special tokens,
-    max/min length), its logits processors over the sequence so far, then greedy, or sampling from
+    max/min length), its logits processors over the sequence so far (with kvbatch's own, placed as
+generate() places them: runner/engine/summary_ngrams.py), then greedy, or sampling from
     the sequence's own seeded generator (so its tokens do not depend on its batch-mates), and its
     stopping criteria (max length, end-of-sequence tokens, stop strings, max time).
 
@@ -151,7 +154,7 @@ class TokenPicker:
         config = _prepared_config(loaded, settings, ids, max_new_tokens)
         self.processors = model._get_logits_processor(
             generation_config=config, input_ids_seq_length=len(prompt_ids), encoder_input_ids=ids,
-            device=model.device, model_kwargs={},
+            logits_processor=summary_processors(settings, len(prompt_ids)), device=model.device, model_kwargs={},
         )
         self.criteria = model._get_stopping_criteria(
             generation_config=config, stopping_criteria=StoppingCriteriaList(), tokenizer=loaded.tokenizer
