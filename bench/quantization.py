@@ -71,7 +71,10 @@ def child(label: str, args: argparse.Namespace) -> dict:
     loaded = load_model(ModelConfig(name="builtin:smollm2-135m", device="cpu", **ROWS[label]))
     summarizer = Summarizer(loaded, 0)
     generation = json.loads(args.generation) if args.generation else SummarizeConfig().generation
-    settings = SummarizeConfig(max_new_tokens=args.new_tokens, generation=generation, loop_stop={"enabled": False})
+    summary_ngram = SummarizeConfig().no_repeat_summary_ngram if args.no_repeat_summary_ngram is None \
+        else args.no_repeat_summary_ngram
+    settings = SummarizeConfig(max_new_tokens=args.new_tokens, generation=generation,
+                               no_repeat_summary_ngram=summary_ngram, loop_stop={"enabled": False})
     prompts = []
     for _, text in _documents(args.docs):
         ids = loaded.tokenizer(text, add_special_tokens=False)["input_ids"][: args.prompt_tokens]
@@ -135,6 +138,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rows", nargs="*", default=list(ROWS))
     parser.add_argument("--generation", help="summarize.generation as JSON (default: the default settings')")
+    parser.add_argument("--no-repeat-summary-ngram", type=int,
+                        help="summarize.no_repeat_summary_ngram (default: the default settings')")
     parser.add_argument("--texts", action="store_true", help="print each float32 summary, as the loop stop keeps it")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -155,7 +160,9 @@ def main() -> None:
             continue
         out = subprocess.run([sys.executable, __file__, "--child", label, "--docs", str(args.docs),
                               "--prompt-tokens", str(args.prompt_tokens), "--new-tokens", str(args.new_tokens),
-                              "--threads", str(args.threads), *(["--generation", args.generation] if args.generation else [])],
+                              "--threads", str(args.threads), *(["--generation", args.generation] if args.generation else []),
+                              *(["--no-repeat-summary-ngram", str(args.no_repeat_summary_ngram)]
+                                if args.no_repeat_summary_ngram is not None else [])],
                              capture_output=True, text=True, cwd=REPO)
         if out.returncode:
             print(f"{label}: failed\n{out.stderr[-2000:]}", file=sys.stderr)
@@ -167,7 +174,8 @@ def main() -> None:
     docs = len(base["tokens"])
     print(f"\n{docs} documents of examples/licenses.jsonl (first {args.prompt_tokens} tokens each), one batch, "
           f"{args.new_tokens} new tokens, greedy, loop stop off, {args.threads} threads, SmolLM2-135M on the CPU, "
-          f"summarize.generation {args.generation or json.dumps(SummarizeConfig().generation)}\n")
+          f"summarize.generation {args.generation or json.dumps(SummarizeConfig().generation)}, "
+          f"summarize.no_repeat_summary_ngram {SummarizeConfig().no_repeat_summary_ngram if args.no_repeat_summary_ngram is None else args.no_repeat_summary_ngram}\n")
     print(f"| weights | docs/hour | decode tok/s | prefill s | weights MiB | peak RSS MiB | identical | "
           f"token agreement | ROUGE-L vs float32 |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")

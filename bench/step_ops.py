@@ -112,7 +112,7 @@ def _pickers(model: PreTrainedModel, rows: int) -> list[TokenPicker]:
     """Plain greedy pickers (no logits processor), one a row, that never end within the bench."""
     loaded = LoadedModel(model, word_tokenizer(model.config.vocab_size), "step-ops", torch.device("cpu"),
                          torch.bfloat16, 0.0)
-    return [TokenPicker(loaded, SummarizeConfig(generation={}), [0] * PROMPT_TOKENS, 1 << 30) for _ in range(rows)]
+    return [TokenPicker(loaded, SummarizeConfig(generation={}, no_repeat_summary_ngram=0), [0] * PROMPT_TOKENS, 1 << 30) for _ in range(rows)]
 
 
 class _Case:

@@ -20,7 +20,7 @@ from jobs.kvplan import kv_bytes
 from runner.engine.kvcache import ResidentMeter, kv_shape
 from runner.engine.scheduler import BatchScheduler
 from runner.engine.worker import _is_memory_error
-from tests.helpers.batching import BIG, LENGTHS, as_loaded_model, run_batch, tokens_alone
+from tests.helpers.batching import BIG, LENGTHS, PLAIN, as_loaded_model, run_batch, tokens_alone
 from tests.helpers.models import random_prompt, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -72,7 +72,7 @@ def test_a_split_batch_grows_back_when_memory_is_there_again(tokenizer, tmp_path
     full = kv_bytes(kv_shape(model.config), max(LENGTHS[:4]) + new[0])
     pool = ResidentMeter(int(2.5 * full), "the batch's resident device", "cache.device_kv_budget_bytes")
     no_loop_stop = LoopStopConfig(enabled=False)  # the random model loops: every sequence runs its full length
-    scheduler = BatchScheduler(as_loaded_model(model, tokenizer), SummarizeConfig(generation={}, loop_stop=no_loop_stop), "auto", 4,
+    scheduler = BatchScheduler(as_loaded_model(model, tokenizer), SummarizeConfig(**PLAIN, loop_stop=no_loop_stop), "auto", 4,
                                BIG, _is_memory_error)
 
     limit_after_split: list[int] = []

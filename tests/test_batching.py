@@ -21,7 +21,7 @@ from runner.engine.kvcache import ResidentMeter, build_cache, kv_shape
 from runner.engine.probes import StageMemory
 from runner.engine.scheduler import BatchScheduler, PassRequest
 from runner.engine.worker import _is_memory_error
-from tests.helpers.batching import BIG, LENGTHS, NEW, as_loaded_model, run_batch, tokens_alone
+from tests.helpers.batching import BIG, LENGTHS, NEW, PLAIN, as_loaded_model, run_batch, tokens_alone
 from tests.helpers.models import ARCHS, random_prompt, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -33,7 +33,7 @@ def test_batched_tokens_equal_tokens_alone(arch: str, strategy: str, tokenizer, 
     model = tiny_model(arch)
     prompts = [random_prompt(n)[0].tolist() for n in LENGTHS]
     expected = [tokens_alone(model, p, n) for p, n in zip(prompts, NEW)]
-    settings = SummarizeConfig(generation={}, prefill_chunk_size=16)  # chunked prefill (layer-major on tiered rungs)
+    settings = SummarizeConfig(**PLAIN, prefill_chunk_size=16)  # chunked prefill (layer-major on tiered rungs)
     scheduler = BatchScheduler(as_loaded_model(model, tokenizer), settings, "auto", 4, BIG, _is_memory_error)
     try:
         got = run_batch(scheduler, model, strategy, tmp_path, prompts, NEW)
@@ -47,7 +47,7 @@ def test_batched_tokens_equal_tokens_alone(arch: str, strategy: str, tokenizer, 
 def test_sampling_with_a_seed_does_not_depend_on_the_batch(tokenizer, tmp_path: Path) -> None:
     model = tiny_model("llama-gqa")
     prompts = [random_prompt(n)[0].tolist() for n in LENGTHS]
-    settings = SummarizeConfig(generation={}, do_sample=True, seed=7, prefill_chunk_size=0)
+    settings = SummarizeConfig(**PLAIN, do_sample=True, seed=7, prefill_chunk_size=0)
     runs = {}
     for width in (1, 4):
         scheduler = BatchScheduler(as_loaded_model(model, tokenizer), settings, "auto", width, BIG, _is_memory_error)
@@ -86,7 +86,7 @@ def test_a_batch_that_runs_out_of_memory_splits_and_every_sequence_finishes(toke
     new = [24] * 4
     full = kv_bytes(kv_shape(model.config), max(LENGTHS[:4]) + 24)
     pool = ResidentMeter(int(2.5 * full), "the batch's resident device", "cache.device_kv_budget_bytes")
-    scheduler = BatchScheduler(as_loaded_model(model, tokenizer), SummarizeConfig(generation={}), "auto", 4, BIG, _is_memory_error)
+    scheduler = BatchScheduler(as_loaded_model(model, tokenizer), SummarizeConfig(**PLAIN), "auto", 4, BIG, _is_memory_error)
     try:
         got = run_batch(scheduler, model, "dynamic", tmp_path, prompts, new, pool=pool)
     finally:
@@ -100,7 +100,7 @@ def test_admission_keeps_the_batch_within_the_device_budget(tokenizer, tmp_path:
     model = tiny_model("llama-gqa")
     prompts = [random_prompt(n)[0].tolist() for n in LENGTHS[:4]]
     one = max(kv_bytes(kv_shape(model.config), len(p) + n) for p, n in zip(prompts, NEW))
-    scheduler = BatchScheduler(as_loaded_model(model, tokenizer), SummarizeConfig(generation={}), "auto", 4, 2 * one,
+    scheduler = BatchScheduler(as_loaded_model(model, tokenizer), SummarizeConfig(**PLAIN), "auto", 4, 2 * one,
                                _is_memory_error)
     try:
         got = run_batch(scheduler, model, "dynamic", tmp_path, prompts, NEW[:4])
@@ -126,7 +126,7 @@ def test_a_sequence_whose_cache_fails_fails_alone(tokenizer, tmp_path: Path) -> 
             broken["cache"] = handle.generate_kwargs["past_key_values"]
         return handle
 
-    scheduler = BatchScheduler(as_loaded_model(model, tokenizer), SummarizeConfig(generation={}), "auto", 3, BIG, _is_memory_error)
+    scheduler = BatchScheduler(as_loaded_model(model, tokenizer), SummarizeConfig(**PLAIN), "auto", 3, BIG, _is_memory_error)
     try:
         requests = [PassRequest(p, n, make_cache=lambda i=i: make_cache(i), device_bytes=0)
                     for i, (p, n) in enumerate(zip(prompts, new))]
@@ -154,7 +154,7 @@ def test_a_sequence_whose_cache_fails_fails_alone(tokenizer, tmp_path: Path) -> 
 
 def test_stage_memory_is_recorded_per_sequence(tokenizer, tmp_path: Path) -> None:
     model = tiny_model("llama-gqa")
-    scheduler = BatchScheduler(as_loaded_model(model, tokenizer), SummarizeConfig(generation={}), "auto", 2, BIG, _is_memory_error)
+    scheduler = BatchScheduler(as_loaded_model(model, tokenizer), SummarizeConfig(**PLAIN), "auto", 2, BIG, _is_memory_error)
     memory = StageMemory()
     try:
         request = PassRequest(random_prompt(30)[0].tolist(), 8,

@@ -28,6 +28,7 @@ from runner.engine.model_registry import word_tokenizer
 from runner.engine.ragged import decode_step
 from runner.engine.scheduler import BatchScheduler, PassRequest
 from runner.engine.worker import SummaryWorker, _is_memory_error
+from tests.helpers.batching import PLAIN
 from tests.helpers.cli import TINY_CONFIG
 
 DEVICE = torch.device(os.environ.get("KVBATCH_TEST_DEVICE", "cuda"))
@@ -83,7 +84,7 @@ def run_scheduled(loaded: LoadedModel, strategy: str, max_sequences: int, tmp_pa
     largest batch a decode step ran. `pooled`: `dynamic` rows are slots of one KV pool and tiered
     rows attend as one group (`batch.attention: pooled`, one attention call per layer for them all)."""
     # the random model loops: the loop stop off, so every sequence runs its full length
-    settings = SummarizeConfig(generation={}, max_new_tokens=NEW_TOKENS, prefill_chunk_size=256, loop_stop={"enabled": False})
+    settings = SummarizeConfig(**PLAIN, max_new_tokens=NEW_TOKENS, prefill_chunk_size=256, loop_stop={"enabled": False})
     cache_cfg = CacheConfig(block_tokens=BLOCK)
     kv_pool = (KVPool.for_model(loaded.model.config, loaded.dtype, loaded.device,
                                 ResidentMeter(None, "the test's device", "cache.device_kv_budget_bytes"))
@@ -134,7 +135,7 @@ def _prefilled_caches(loaded: LoadedModel, strategy: str, rows: int, tmp_path: P
                       kv_pool: KVPool | None = None) -> tuple[list, list[int]]:
     from runner.engine.generation import prefill
 
-    settings = SummarizeConfig(generation={}, prefill_chunk_size=256)
+    settings = SummarizeConfig(**PLAIN, prefill_chunk_size=256)
     caches, firsts = [], []
     for i, ids in enumerate((prompts()[:2] * rows)[:rows]):  # the short ones: the step is what is measured
         cache = build_cache(strategy, loaded.model, CacheConfig(block_tokens=BLOCK), tmp_path / f"p{i}", None, None,

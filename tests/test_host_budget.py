@@ -25,7 +25,7 @@ from runner.engine.kvcache import KVBudgetExceeded, ResidentMeter, build_cache, 
 from runner.engine.probes import StageMemory
 from runner.engine.scheduler import BatchScheduler, PassRequest
 from runner.engine.worker import SummaryWorker, _is_memory_error
-from tests.helpers.batching import BIG, as_loaded_model, tokens_alone
+from tests.helpers.batching import BIG, PLAIN, as_loaded_model, tokens_alone
 from tests.helpers.cli import TINY_CONFIG
 from tests.helpers.models import random_prompt, tiny_model
 from tests.helpers.system import half_available_ram
@@ -74,7 +74,7 @@ def test_admission_keeps_the_batchs_host_kv_within_the_host_budget(tokenizer, tm
     host = [host_kv_bytes(shape, "tiered-host", len(p) + new, None, BLOCK) for p in prompts]
     pool = ResidentMeter(BIG, "the batch's host RAM", "cache.host_kv_budget_bytes")
     cfg = CacheConfig(block_tokens=BLOCK)
-    scheduler = BatchScheduler(as_loaded_model(model, tokenizer), SummarizeConfig(generation={}),
+    scheduler = BatchScheduler(as_loaded_model(model, tokenizer), SummarizeConfig(**PLAIN),
                                "auto", 4, BIG, _is_memory_error, host_budget=2 * max(host))
     try:
         futures = [scheduler.submit(PassRequest(

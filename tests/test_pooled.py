@@ -20,7 +20,7 @@ from jobs.task import Task
 from runner.engine.kvcache import KVBudgetExceeded
 from runner.engine.scheduler import BatchScheduler
 from runner.engine.worker import SummaryWorker, _is_memory_error
-from tests.helpers.batching import BIG, LENGTHS, NEW, as_loaded_model, cpu_kv_pool, run_batch, tokens_alone
+from tests.helpers.batching import BIG, LENGTHS, NEW, PLAIN, as_loaded_model, cpu_kv_pool, run_batch, tokens_alone
 from tests.helpers.cli import LICENSES, TINY_CONFIG
 from tests.helpers.models import random_prompt, tiny_model
 
@@ -33,7 +33,7 @@ def test_batched_tokens_equal_tokens_alone_on_both_paths(path: str, tokenizer, t
     model = tiny_model("llama-gqa")
     prompts = [random_prompt(n)[0].tolist() for n in LENGTHS]
     pool = cpu_kv_pool(model) if path == "pooled" else None
-    scheduler = BatchScheduler(as_loaded_model(model, tokenizer), SummarizeConfig(generation={}, prefill_chunk_size=16), "auto", 4,
+    scheduler = BatchScheduler(as_loaded_model(model, tokenizer), SummarizeConfig(**PLAIN, prefill_chunk_size=16), "auto", 4,
                                BIG, _is_memory_error)
     try:
         got = [g.tokens for g in run_batch(scheduler, model, ["dynamic"] * 5, tmp_path, prompts, NEW, kv_pool=pool)]
@@ -54,7 +54,7 @@ def test_a_step_with_pooled_and_tiered_rows_gives_each_its_tokens_alone(tokenize
     strategies = ["dynamic", "tiered-host", "dynamic", "tiered-disk", "dynamic"]
     pool = cpu_kv_pool(model)
     made: dict[int, object] = {}
-    scheduler = BatchScheduler(as_loaded_model(model, tokenizer), SummarizeConfig(generation={}), "auto", 5, BIG, _is_memory_error)
+    scheduler = BatchScheduler(as_loaded_model(model, tokenizer), SummarizeConfig(**PLAIN), "auto", 5, BIG, _is_memory_error)
     try:
         got = [g.tokens for g in run_batch(scheduler, model, strategies, tmp_path, prompts, NEW, kv_pool=pool, made=made)]
     finally:
@@ -74,7 +74,7 @@ def test_a_full_pool_makes_a_sequence_wait_for_room(tokenizer, tmp_path: Path) -
     pool = cpu_kv_pool(model)
     slot = pool.bytes_for(1, 64)  # every sequence here fits one 64-token granule
     pool.meter.budget_bytes = 2 * slot
-    scheduler = BatchScheduler(as_loaded_model(model, tokenizer), SummarizeConfig(generation={}), "auto", 4, BIG, _is_memory_error)
+    scheduler = BatchScheduler(as_loaded_model(model, tokenizer), SummarizeConfig(**PLAIN), "auto", 4, BIG, _is_memory_error)
     try:
         got = [g.tokens for g in run_batch(scheduler, model, ["dynamic"] * 4, tmp_path, prompts, new, kv_pool=pool)]
     finally:
@@ -93,7 +93,7 @@ def test_a_pool_that_cannot_grow_mid_step_splits_the_batch(tokenizer, tmp_path: 
     new = [30, 30, 30, 30]  # the 51-token prompt passes 64 tokens mid-decode
     pool = cpu_kv_pool(model)
     pool.meter.budget_bytes = pool.bytes_for(4, 64) + pool.bytes_for(1, 64)
-    scheduler = BatchScheduler(as_loaded_model(model, tokenizer), SummarizeConfig(generation={}), "auto", 4, BIG, _is_memory_error)
+    scheduler = BatchScheduler(as_loaded_model(model, tokenizer), SummarizeConfig(**PLAIN), "auto", 4, BIG, _is_memory_error)
     try:
         got = [g.tokens for g in run_batch(scheduler, model, ["dynamic"] * 4, tmp_path, prompts, new, kv_pool=pool,
                                            expected=False)]
@@ -109,7 +109,7 @@ def test_a_sequence_too_long_for_the_pool_alone_is_a_memory_error(tokenizer, tmp
     model = tiny_model("llama-gqa")
     pool = cpu_kv_pool(model)
     pool.meter.budget_bytes = pool.bytes_for(1, 64)
-    scheduler = BatchScheduler(as_loaded_model(model, tokenizer), SummarizeConfig(generation={}), "auto", 4, BIG, _is_memory_error)
+    scheduler = BatchScheduler(as_loaded_model(model, tokenizer), SummarizeConfig(**PLAIN), "auto", 4, BIG, _is_memory_error)
     try:
         with pytest.raises(KVBudgetExceeded, match=r"cache\.device_kv_budget_bytes"):
             run_batch(scheduler, model, ["dynamic"], tmp_path, [random_prompt(60)[0].tolist()], [20], kv_pool=pool)

@@ -18,7 +18,7 @@ from transformers import PreTrainedModel
 from jobs.config import ConfigError, LoopStopConfig, SummarizeConfig, load_config
 from runner.engine.scheduler import BatchScheduler
 from runner.engine.worker import SummaryWorker, _is_memory_error
-from tests.helpers.batching import BIG, as_loaded_model, cpu_kv_pool, run_batch, tokens_alone
+from tests.helpers.batching import BIG, PLAIN, as_loaded_model, cpu_kv_pool, run_batch, tokens_alone
 from tests.helpers.cli import TINY_CONFIG
 from tests.helpers.models import random_prompt, tiny_model
 
@@ -29,7 +29,7 @@ NO_LOOP_STOP = LoopStopConfig(enabled=False)  # random models loop: every sequen
 
 
 def _scheduler(model: PreTrainedModel, tokenizer, width: int, chunk: int = CHUNK) -> BatchScheduler:
-    return BatchScheduler(as_loaded_model(model, tokenizer), SummarizeConfig(generation={}, loop_stop=NO_LOOP_STOP), "auto", width, BIG,
+    return BatchScheduler(as_loaded_model(model, tokenizer), SummarizeConfig(**PLAIN, loop_stop=NO_LOOP_STOP), "auto", width, BIG,
                           _is_memory_error, prefill_chunk_tokens=chunk)
 
 

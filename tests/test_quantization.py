@@ -20,6 +20,7 @@ from runner.engine.probes import StageMemory
 from runner.engine.quantization import weight_bytes
 from runner.engine.scheduler import BatchScheduler, PassRequest
 from runner.engine.worker import SummaryWorker, _is_memory_error
+from tests.helpers.batching import PLAIN
 from tests.helpers.cli import LICENSES, TINY_CONFIG, export_rows, kvbatch, write_jsonl
 
 CPU_METHODS = ["bnb-8bit", "bnb-4bit", "torchao-int8"]
@@ -61,7 +62,7 @@ def _alone(model, prompt: list[int], new: int) -> list[int]:
 
 def _scheduled(loaded, strategy: str, width: int, prompts: list[list[int]], folder: Path) -> list[list[int]]:
     """Each prompt's tokens through the worker's scheduler, `width` sequences decoding at once."""
-    settings = SummarizeConfig(generation={}, prefill_chunk_size=16, loop_stop={"enabled": False})
+    settings = SummarizeConfig(**PLAIN, prefill_chunk_size=16, loop_stop={"enabled": False})
     cfg = CacheConfig(block_tokens=8)
     model = loaded.model
     scheduler = BatchScheduler(loaded, settings, "auto", width, 1 << 40, _is_memory_error)

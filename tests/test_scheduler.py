@@ -17,7 +17,7 @@ import torch
 from jobs.config import SummarizeConfig
 from runner.engine.scheduler import BatchScheduler
 from runner.engine.worker import _is_memory_error
-from tests.helpers.batching import BIG, as_loaded_model, dynamic_request
+from tests.helpers.batching import BIG, PLAIN, as_loaded_model, dynamic_request
 from tests.helpers.models import random_prompt, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -72,7 +72,7 @@ def test_an_error_the_loop_cannot_pin_on_a_sequence_fails_every_waiting_future_a
     sequence's decode): every future waiting then, active and queued, fails with that error at once,
     and the next request is served."""
     model = tiny_model("llama-gqa")
-    scheduler = BatchScheduler(as_loaded_model(model, tokenizer), SummarizeConfig(generation={}), "auto", 4, BIG, _is_memory_error)
+    scheduler = BatchScheduler(as_loaded_model(model, tokenizer), SummarizeConfig(**PLAIN), "auto", 4, BIG, _is_memory_error)
     try:
         long = scheduler.submit(dynamic_request(model, random_prompt(20)[0].tolist(), 200))
         while scheduler.most_rows < 1:  # it decodes: admission of the next request sums device bytes

@@ -187,6 +187,7 @@ def test_the_batched_decode_stops_a_looping_sequence_at_its_third_copy(tmp_path)
     from runner.engine.model_registry import smollm2_tokenizer_dir
     from runner.engine.scheduler import BatchScheduler, PassRequest
     from runner.engine.worker import _is_memory_error
+    from tests.helpers.batching import PLAIN
     from tests.helpers.models import random_prompt, tiny_model
 
     model = tiny_model("gemma2-alternating")
@@ -199,7 +200,7 @@ def test_the_batched_decode_stops_a_looping_sequence_at_its_third_copy(tmp_path)
                          name="tiny", device=torch.device("cpu"), dtype=torch.float32, load_s=0.0)
     results = {}
     for enabled in (True, False):
-        settings = SummarizeConfig(generation={}, loop_stop={"enabled": enabled})
+        settings = SummarizeConfig(**PLAIN, loop_stop={"enabled": enabled})
         scheduler = BatchScheduler(loaded, settings, "auto", 1, 1 << 40, _is_memory_error)
         try:
             request = PassRequest(prompt, new, device_bytes=0,

@@ -24,14 +24,14 @@ from runner.engine.generation import TokenPicker, choose_tokens, generate_once, 
 from runner.engine.ragged import decode_step
 from runner.engine.scheduler import BatchScheduler
 from runner.engine.worker import _is_memory_error
-from tests.helpers.batching import BIG, as_loaded_model, dynamic_request
+from tests.helpers.batching import BIG, PLAIN, as_loaded_model, dynamic_request
 from tests.helpers.models import random_prompt, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 ROWS = 6
 NEW = 12
-PLAIN = SummarizeConfig(generation={})
+GREEDY = SummarizeConfig(**PLAIN)
 """Plain greedy rows: no logits processor (the default settings have some)."""
 
 
@@ -92,7 +92,7 @@ def test_the_schedulers_step_of_plain_greedy_rows_makes_one_transfer_to_the_host
     their tokens (the code before made one read a row: ROWS). The scheduler's thread is closed first
     so that the step runs here, inside the counter (torch's modes are per thread)."""
     model = tiny_model("llama-gqa")
-    scheduler = BatchScheduler(as_loaded_model(model, tokenizer), PLAIN, "auto", ROWS, BIG, _is_memory_error,
+    scheduler = BatchScheduler(as_loaded_model(model, tokenizer), GREEDY, "auto", ROWS, BIG, _is_memory_error,
                                prefill_chunk_tokens=0)  # each prompt prefilled whole, so the step is decode rows only
     scheduler.close()
     prompts = [random_prompt(8 + row)[0].tolist() for row in range(ROWS)]
@@ -118,11 +118,11 @@ def test_choose_tokens_chooses_every_pickers_token_with_one_transfer(tokenizer) 
     model = tiny_model("llama-gqa")
     loaded = as_loaded_model(model, tokenizer)
     prompts = [random_prompt(8 + row)[0].tolist() for row in range(ROWS)]
-    caches, pickers, tokens = _prefilled(loaded, [PLAIN] * ROWS, prompts)
+    caches, pickers, tokens = _prefilled(loaded, [GREEDY] * ROWS, prompts)
     assert all(p.forms == [] for p in pickers)  # plain greedy rows
     with torch.inference_mode():
         logits = decode_step(model, [t[-1] for t in tokens], [len(p) for p in prompts], caches)
-    _, alone_pickers, _ = _prefilled(loaded, [PLAIN] * ROWS, prompts)
+    _, alone_pickers, _ = _prefilled(loaded, [GREEDY] * ROWS, prompts)
     with HostTransfers() as per_row:
         alone = [picker.pick(logits[row : row + 1]) for row, picker in enumerate(alone_pickers)]
     with HostTransfers() as batched:
@@ -192,7 +192,7 @@ def test_rows_with_a_processor_chosen_together_equal_each_row_alone_with_one_tra
     assert len(syncs) >= NEW - 1 and set(syncs) == {1}
     alone = [_alone(loaded, settings, prompt) for prompt in prompts]
     assert tokens == alone
-    plain = SummarizeConfig(do_sample=settings.do_sample, seed=settings.seed, generation={})
+    plain = SummarizeConfig(**PLAIN, do_sample=settings.do_sample, seed=settings.seed)
     assert alone != [_alone(loaded, plain, prompt) for prompt in prompts], "the setting changed nothing"
 
 
@@ -207,7 +207,7 @@ def test_a_sampled_rows_tokens_do_not_depend_on_its_batch_mates(tokenizer) -> No
         ([SummarizeConfig(do_sample=True, seed=22, generation={"top_k": 10, "temperature": 0.9})],
          [random_prompt(4)[0].tolist()]),
         ([SummarizeConfig(do_sample=True, seed=s, generation={"top_k": 10, "temperature": 0.9}) for s in (1, 2, 3)]
-         + [PLAIN], [random_prompt(n)[0].tolist() for n in (12, 5, 17, 30)]),
+         + [GREEDY], [random_prompt(n)[0].tolist() for n in (12, 5, 17, 30)]),
     ]
     seen = []
     for mate_settings, mate_prompts in mates:
@@ -225,10 +225,10 @@ def test_mixed_rows_chosen_together_equal_generate_alone(tokenizer) -> None:
     model = tiny_model("llama-gqa")
     loaded = as_loaded_model(model, tokenizer)
     settings = [
-        PLAIN,
+        GREEDY,
         SummarizeConfig(generation={"repetition_penalty": 1.3, "no_repeat_ngram_size": 2}),
         SummarizeConfig(do_sample=True, seed=7, generation={"top_k": 20, "top_p": 0.9, "temperature": 0.8}),
-        PLAIN,
+        GREEDY,
         SummarizeConfig(do_sample=True, seed=11),
         SummarizeConfig(generation={"repetition_penalty": 1.1}),
         SummarizeConfig(generation={"sequence_bias": [[[3], -5.0]]}),

@@ -23,6 +23,8 @@ from runner.engine.scheduler import BatchScheduler, PassRequest
 LENGTHS = [37, 20, 51, 9, 44]  # mixed lengths, so rows of a step attend to different lengths
 NEW = [12, 20, 7, 16, 10]  # and finish at different steps, so rows leave and others join
 BIG = 1 << 40
+PLAIN = {"generation": {}, "no_repeat_summary_ngram": 0}
+"""SummarizeConfig's fields for plain greedy decoding, as `model.generate()` with no settings decodes."""
 
 
 def as_loaded_model(model: PreTrainedModel, tokenizer) -> LoadedModel:
