@@ -147,6 +147,9 @@ PROCESSOR_SETTINGS = {
     "min_p": SummarizeConfig(do_sample=True, seed=6, generation={"min_p": 0.8}),
     "sampling filters and penalty": SummarizeConfig(do_sample=True, seed=8, generation={
         "top_k": 20, "top_p": 0.9, "temperature": 0.8, "repetition_penalty": 1.2}),
+    "no_repeat_summary_ngram": SummarizeConfig(generation={}, no_repeat_summary_ngram=2),
+    "no_repeat_summary_ngram sampled": SummarizeConfig(do_sample=True, seed=9, generation={"top_k": 20},
+                                                       no_repeat_summary_ngram=2),
 }
 
 
@@ -194,6 +197,27 @@ def test_rows_with_a_processor_chosen_together_equal_each_row_alone_with_one_tra
     assert tokens == alone
     plain = SummarizeConfig(**PLAIN, do_sample=settings.do_sample, seed=settings.seed)
     assert alone != [_alone(loaded, plain, prompt) for prompt in prompts], "the setting changed nothing"
+
+
+def test_the_schedulers_summaries_without_a_repeated_ngram_are_generate_onces(tokenizer) -> None:
+    """Sequences decoded together by the worker's scheduler with `no_repeat_summary_ngram` get
+    generate_once's tokens (generate() with the same processor), no 2-gram repeats within a summary,
+    and plain greedy decoding repeats one in some of them (the ban bit)."""
+    model = tiny_model("llama-gqa")
+    loaded = as_loaded_model(model, tokenizer)
+    settings = SummarizeConfig(generation={}, no_repeat_summary_ngram=2, loop_stop={"enabled": False})
+    prompts = [random_prompt(3 + 5 * row)[0].tolist() for row in range(ROWS)]
+    scheduler = BatchScheduler(loaded, settings, "auto", ROWS, BIG, _is_memory_error)
+    try:
+        futures = [scheduler.submit(dynamic_request(model, prompt, NEW)) for prompt in prompts]
+        batched = [future.result(timeout=300).generation.tokens for future in futures]
+    finally:
+        scheduler.close()
+    assert scheduler.most_rows > 1  # decoded in one batch
+    assert batched == [_alone(loaded, settings, prompt) for prompt in prompts]
+    assert all(len(set(zip(t, t[1:]))) == len(t) - 1 for t in batched)
+    plain = [_alone(loaded, GREEDY, prompt) for prompt in prompts]
+    assert any(len(set(zip(t, t[1:]))) < len(t) - 1 for t in plain), "plain greedy repeats no 2-gram"
 
 
 def test_a_sampled_rows_tokens_do_not_depend_on_its_batch_mates(tokenizer) -> None:
