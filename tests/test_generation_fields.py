@@ -122,8 +122,9 @@ def test_an_accepted_field_gives_batched_the_tokens_generate_gives_alone(field: 
     assert field in CASES, f"GenerationConfig field {field} is accepted at submit: give it a case or refuse it"
     fields = CASES[field](without_fields[False][0], tokenizer)
     sample = field in SAMPLING
-    # the loop stop is kvbatch's own, on top of generate()'s criteria: off for the comparison
-    settings = SummarizeConfig(do_sample=sample, seed=SEED, generation=fields, loop_stop={"enabled": False})
+    # the loop stop and the summary n-gram ban are kvbatch's own, on top of generate()'s: off for the comparison
+    settings = SummarizeConfig(do_sample=sample, seed=SEED, generation=fields, no_repeat_summary_ngram=0,
+                               loop_stop={"enabled": False})
     check_generation(settings)  # accepted at submit
     expected = [_alone(model, tokenizer, p, sample, fields) for p in prompts]
     scheduler = BatchScheduler(as_loaded_model(model, tokenizer), settings, "auto", len(prompts), BIG, _is_memory_error)

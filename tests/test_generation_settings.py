@@ -16,7 +16,7 @@ from tests.helpers.cli import TINY_CONFIG, kvbatch, write_jsonl
 
 def _tokens(tiny, **generation) -> list[int]:
     prompt = tiny.tokenizer("The committee approved the budget for the new library and the park.")["input_ids"]
-    return generate_once(tiny, prompt, 48, SummarizeConfig(generation=generation), {}).tokens
+    return generate_once(tiny, prompt, 48, SummarizeConfig(generation=generation, no_repeat_summary_ngram=0), {}).tokens
 
 
 def test_generation_fields_reach_generate(tiny_random) -> None:

@@ -50,7 +50,8 @@ def test_an_error_choosing_one_sequences_token_fails_that_sequence_at_once(token
     with torch.no_grad():
         alone_1 = model.generate(torch.tensor([prompts[1]]), max_new_tokens=new, do_sample=False)[0, 12:].tolist()
     assert stop not in alone_1, "sequence 1 must run to its forced end"
-    settings = SummarizeConfig(generation={"forced_eos_token_id": OUT_OF_VOCAB, "eos_token_id": stop})
+    settings = SummarizeConfig(generation={"forced_eos_token_id": OUT_OF_VOCAB, "eos_token_id": stop},
+                               no_repeat_summary_ngram=0)
     scheduler = BatchScheduler(as_loaded_model(model, tokenizer), settings, "auto", 2, BIG, _is_memory_error)
     try:
         futures = [scheduler.submit(dynamic_request(model, p, new)) for p in prompts]
