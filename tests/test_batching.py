@@ -115,7 +115,7 @@ def test_a_sequence_whose_cache_fails_fails_alone(tokenizer, tmp_path: Path) -> 
     it reads them back): it fails with that error, and its batch-mates finish with their tokens alone."""
     model = tiny_model("llama-gqa")
     prompts = [random_prompt(n)[0].tolist() for n in LENGTHS[:3]]
-    new = [40, 40, 40]
+    new = [40, 200, 40]  # the damaged one decodes long after its batch-mates join: its files are still there
     cfg = CacheConfig(block_tokens=8)
     broken: dict[str, object] = {}
 
