@@ -14,6 +14,7 @@ processor without such a form keeps the row on transformers' own call (`batched_
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Hashable, Sequence
 from typing import Any
 
@@ -42,7 +43,7 @@ SCORES_ONLY = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, TopH
 """Processors whose result depends on each row's scores alone (not its input ids): one call over all rows."""
 
 
-class BatchedForm:
+class BatchedForm(ABC):
     """One row's side of a processor. Rows whose forms have equal `key`s are processed together."""
 
     key: Hashable
@@ -51,9 +52,9 @@ class BatchedForm:
         """The row's next token was chosen."""
 
     @classmethod
+    @abstractmethod
     def apply(cls, forms: Sequence[BatchedForm], scores: torch.Tensor) -> torch.Tensor:
         """`scores` ([rows, vocab], row i is forms[i]'s) as the processor leaves each row's."""
-        raise NotImplementedError
 
 
 class ScoresOnly(BatchedForm):
@@ -108,8 +109,9 @@ class HostBans(BatchedForm):
     def __init__(self) -> None:
         self.key = type(self)
 
+    @abstractmethod
     def banned(self) -> list[int]:
-        raise NotImplementedError
+        """The tokens this row may not take next."""
 
     @classmethod
     def apply(cls, forms: Sequence[BatchedForm], scores: torch.Tensor) -> torch.Tensor:
