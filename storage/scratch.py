@@ -21,10 +21,12 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from storage.location import Location, Where
 from storage.owner import OwnerLiveness, ProcessOwner
+from storage.scratch_space import Claim, Room, look, room_claimed
 
 OFFLOAD_ROOT_ENV = "KVBATCH_OFFLOAD_ROOT"
 ROOT_MARKER = ".kvbatch-offload-root"
@@ -32,9 +34,6 @@ OWNER_FILE = ".owner.json"
 #: A dir without a readable owner file is one being created right now, or the remains of a crash
 #: between mkdir and writing the owner file; only the latter is this old.
 OWNERLESS_GRACE_S = 300.0
-#: Never plan to use the last of a filesystem: keep min(256 MiB, 5% of its size) free.
-RESERVE_BYTES_MAX = 256 * 2**20
-RESERVE_FRACTION = 0.05
 
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}")
 #: Task ids are `t` and the manifest row (`jobs.manifest.task_id_for_row`); a folder such as `v1.2` is not a task dir.
@@ -166,8 +165,9 @@ def _check_name(kind: str, value: str) -> None:
         )
 
 
-def _write_owner_file(task_dir: Path, job_id: str) -> None:
-    record = {**ProcessOwner.current().to_dict(), "job_id": job_id, "created": time.time()}
+def _write_owner_file(task_dir: Path, job_id: str, claimed_bytes: int) -> None:
+    record = {**ProcessOwner.current().to_dict(), "job_id": job_id, "created": time.time(),
+              "claimed_bytes": claimed_bytes}
     temp = task_dir / f"{OWNER_FILE}.tmp"
     temp.write_text(json.dumps(record))
     os.rename(temp, task_dir / OWNER_FILE)  # a sweeper sees the whole record or none
@@ -190,8 +190,14 @@ def _make_task_dir(job_dir: Path, task_dir: Path) -> None:
 
 
 @contextmanager
-def task_scratch(offload_root: Path, job_id: str, task_id: str, attempt: int) -> Iterator[Path]:
-    """A fresh dir for one task attempt, removed when the block ends however it ends."""
+def task_scratch(offload_root: Path, job_id: str, task_id: str, attempt: int, claim_bytes: int = 0,
+                 wait_s: float = 0.0) -> Iterator[Path]:
+    """A fresh dir for one task attempt, removed when the block ends however it ends.
+
+    `claim_bytes` is what the task will write there: it is claimed on the root's filesystem against
+    what the other live task dirs claimed (storage.scratch_space), waiting up to `wait_s` for them
+    when they hold the room; ScratchSpaceError when it cannot fit.
+    """
     _check_name("job id", job_id)
     _check_name("task id", task_id)
     if not _TASK_ID.fullmatch(task_id):
@@ -201,16 +207,26 @@ def task_scratch(offload_root: Path, job_id: str, task_id: str, attempt: int) ->
     root = ensure_offload_root(offload_root)
     job_dir = root / job_id
     task_dir = job_dir / f"{task_id}.{attempt}"
-    _make_task_dir(job_dir, task_dir)
+    with room_claimed(root, root / ROOT_MARKER, claim_bytes, wait_s, lambda: live_claims(root),
+                      partial(_no_room, offload_root)):
+        _make_task_dir(job_dir, task_dir)
+        try:
+            _write_owner_file(task_dir, job_id, claim_bytes)
+        except BaseException:
+            _remove_task_dir(job_dir, task_dir)
+            raise
     try:
-        _write_owner_file(task_dir, job_id)
         yield task_dir
     finally:
-        shutil.rmtree(task_dir, ignore_errors=True)
-        try:
-            job_dir.rmdir()  # only succeeds when this was the job's last task dir
-        except OSError:
-            pass
+        _remove_task_dir(job_dir, task_dir)
+
+
+def _remove_task_dir(job_dir: Path, task_dir: Path) -> None:
+    shutil.rmtree(task_dir, ignore_errors=True)
+    try:
+        job_dir.rmdir()  # only succeeds when this was the job's last task dir
+    except OSError:
+        pass
 
 
 def _open_dir(name: str | Path, dir_fd: int | None = None) -> int | None:
@@ -354,23 +370,54 @@ def sweep_orphans(offload_root: Path, job_id: str | None = None) -> list[SweptDi
     return swept
 
 
-def check_free_space(offload_root: Path, needed_bytes: int) -> int:
-    """Raise ScratchSpaceError unless `needed_bytes` fit on the root's filesystem with a reserve.
+def _no_room(offload_root: Path, room: Room) -> ScratchSpaceError:
+    promised = (f", {room.promised_bytes / 2**20:.1f} MiB of it claimed by {len(room.claims)} running task(s)"
+                if room.promised_bytes else "")
+    return ScratchSpaceError(
+        f"offload root {offload_root} has {room.free_bytes / 2**20:.1f} MiB free{promised}; the task needs "
+        f"{room.needed_bytes / 2**20:.1f} MiB plus a {room.reserve_bytes / 2**20:.1f} MiB reserve. Use a shorter "
+        f"context or point cache.offload_root at a larger disk",
+        free_bytes=room.free_bytes,
+        needed_bytes=room.needed_bytes,
+    )
 
-    Returns the free bytes. `needed_bytes` should already be the caller's planned size (compressed
-    estimate plus its own margin); the reserve keeps the filesystem itself from filling up.
-    """
-    probe = Path(offload_root)
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    usage = shutil.disk_usage(probe)
-    reserve = min(RESERVE_BYTES_MAX, int(usage.total * RESERVE_FRACTION))
-    if needed_bytes + reserve > usage.free:
-        raise ScratchSpaceError(
-            f"offload root {offload_root} has {usage.free / 2**20:.1f} MiB free; the task needs "
-            f"{needed_bytes / 2**20:.1f} MiB plus a {reserve / 2**20:.1f} MiB reserve. Use a shorter "
-            f"context or point cache.offload_root at a larger disk",
-            free_bytes=usage.free,
-            needed_bytes=needed_bytes,
-        )
-    return usage.free
+
+def live_claims(root: Path) -> tuple[Claim, ...]:
+    """What the root's task dirs whose owner may be alive claimed, and what they hold now: a dir
+    of a dead owner claims nothing (its files already count as used)."""
+    root_fd = _open_dir(root)
+    if root_fd is None:
+        return ()
+    claims: list[Claim] = []
+    try:
+        for job_name in _subdir_names(root_fd):
+            job_fd = _open_dir(job_name, root_fd)
+            if job_fd is None:
+                continue
+            try:
+                for task_name in _subdir_names(job_fd):
+                    claim = _claim_of(job_fd, task_name) if _TASK_DIR_NAME.fullmatch(task_name) else None
+                    claims += [claim] if claim else []
+            finally:
+                os.close(job_fd)
+    finally:
+        os.close(root_fd)
+    return tuple(claims)
+
+
+def _claim_of(job_fd: int, name: str) -> Claim | None:
+    task_fd = _open_dir(name, job_fd)
+    if task_fd is None:
+        return None
+    try:
+        record = _read_owner(task_fd)
+        claimed = record.get("claimed_bytes") if record else None
+        if not isinstance(claimed, int) or claimed <= 0:
+            return None
+        try:
+            alive = ProcessOwner.from_dict(record).liveness() in (OwnerLiveness.ALIVE, OwnerLiveness.OTHER_HOST)
+        except ValueError:
+            return None
+        return Claim(claimed, _tree_bytes(task_fd)) if alive else None
+    finally:
+        os.close(task_fd)

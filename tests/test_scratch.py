@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -21,7 +22,6 @@ from storage.scratch import (
     ScratchError,
     ScratchSpaceError,
     UnsafeOffloadRootError,
-    check_free_space,
     default_offload_root,
     ensure_offload_root,
     sweep_orphans,
@@ -40,6 +40,20 @@ with task_scratch(Path(root), job, task, 1) as scratch:
     print(scratch, flush=True)
     time.sleep(600)
 """
+
+
+HOLD_CLAIM = """
+import sys, time
+from pathlib import Path
+from storage.scratch import task_scratch
+root, claim, written, flag = sys.argv[1:5]
+with task_scratch(Path(root), "running-job", "t000001", 1, claim_bytes=int(claim)) as scratch:
+    (scratch / "block-0.zst").write_bytes(b"k" * int(written))
+    print(scratch, flush=True)
+    while not Path(flag).exists():
+        time.sleep(0.05)
+"""
+MIB = 2**20
 
 
 def task_dirs(root: Path) -> list[Path]:
@@ -224,12 +238,17 @@ def small_filesystem(tmp_path: Path):
 
 def test_small_filesystem_guard_and_enospc_cleanup(small_filesystem: Path) -> None:
     root = small_filesystem / "kvbatch"
-    free_at_start = check_free_space(root, 1 * 2**20)
+    with task_scratch(root, "job1", "t1", 1, claim_bytes=1 * MIB):
+        pass
+    free_at_start = shutil.disk_usage(small_filesystem).free
     with pytest.raises(ScratchSpaceError, match=r"has 4\.0 MiB free; the task needs 8\.0 MiB") as refused:
-        check_free_space(root, 8 * 2**20)
-    assert refused.value.needed_bytes == 8 * 2**20 and refused.value.free_bytes == free_at_start
+        with task_scratch(root, "job1", "t1", 1, claim_bytes=8 * MIB, wait_s=60):  # nothing to wait for
+            pass
+    assert refused.value.needed_bytes == 8 * MIB and refused.value.free_bytes == free_at_start
     with pytest.raises(ScratchSpaceError):  # fits the bytes, but not with the reserve kept free
-        check_free_space(root, free_at_start - 1000)
+        with task_scratch(root, "job1", "t1", 1, claim_bytes=free_at_start - 1000):
+            pass
+    assert task_dirs(root) == [], "a refused claim left a dir"
 
     with pytest.raises(OSError) as full:
         with task_scratch(root, "job1", "t1", 1) as scratch:
@@ -242,6 +261,73 @@ def test_small_filesystem_guard_and_enospc_cleanup(small_filesystem: Path) -> No
     assert shutil.disk_usage(small_filesystem).free >= free_at_start - 64 * 1024
     with task_scratch(root, "job1", "t1", 2) as retry:  # the next attempt has the space again
         (retry / "block-0").write_bytes(b"k" * 2**20)
+
+
+def test_a_claim_counts_against_the_disk_before_its_bytes_are_written(small_filesystem: Path, tmp_path: Path) -> None:
+    # another process's task claimed 2.5 MiB of the 4 MiB and has written 0.5 MiB: 3.5 MiB are free,
+    # but only 1.5 MiB are not promised
+    root = small_filesystem / "kvbatch"
+    running = Child(HOLD_CLAIM, str(root), str(5 * MIB // 2), str(MIB // 2), str(tmp_path / "done"))
+    try:
+        running.read_line()
+        assert shutil.disk_usage(small_filesystem).free > 3 * MIB
+        started = time.monotonic()
+        with pytest.raises(ScratchSpaceError, match=r"2\.0 MiB of it claimed by 1 running task\(s\)"):
+            with task_scratch(root, "job2", "t000001", 1, claim_bytes=5 * MIB // 2, wait_s=0.5):
+                pass
+        assert time.monotonic() - started >= 0.5, "it did not wait for the running task"
+        with task_scratch(root, "job2", "t000002", 1, claim_bytes=MIB):  # what is not promised is there
+            pass
+    finally:
+        (tmp_path / "done").touch()
+        running.finish()
+
+
+def test_a_claim_that_fits_once_running_tasks_end_waits_for_them(small_filesystem: Path, tmp_path: Path) -> None:
+    root = small_filesystem / "kvbatch"
+    running = Child(HOLD_CLAIM, str(root), str(5 * MIB // 2), "0", str(tmp_path / "done"))
+    running.read_line()
+    entered: list[float] = []
+
+    def claim() -> None:
+        with task_scratch(root, "job2", "t000001", 1, claim_bytes=5 * MIB // 2, wait_s=120):
+            entered.append(time.monotonic())
+
+    waiting = threading.Thread(target=claim)
+    waiting.start()
+    time.sleep(1.0)
+    assert not entered and waiting.is_alive(), "the second claim did not wait for the room"
+    ended = time.monotonic()
+    (tmp_path / "done").touch()
+    running.finish()
+    waiting.join(timeout=30)
+    assert entered and entered[0] >= ended, "the second claim ran before the first one ended"
+    assert task_dirs(root) == []
+
+
+def test_a_dead_owners_claim_ends_with_it(small_filesystem: Path, tmp_path: Path) -> None:
+    root = small_filesystem / "kvbatch"
+    killed = Child(HOLD_CLAIM, str(root), str(5 * MIB // 2), "10000", str(tmp_path / "never"))
+    killed.read_line()
+    killed.kill()  # its dir stays (until swept) with what it wrote, but it claims nothing more
+    with task_scratch(root, "job2", "t000001", 1, claim_bytes=5 * MIB // 2):
+        pass
+
+
+def test_a_claim_too_big_for_the_disk_without_running_tasks_does_not_wait(small_filesystem: Path,
+                                                                          tmp_path: Path) -> None:
+    root = small_filesystem / "kvbatch"
+    running = Child(HOLD_CLAIM, str(root), str(MIB), "0", str(tmp_path / "done"))
+    try:
+        running.read_line()
+        started = time.monotonic()
+        with pytest.raises(ScratchSpaceError, match=r"the task needs 5\.0 MiB"):
+            with task_scratch(root, "job2", "t000001", 1, claim_bytes=5 * MIB, wait_s=120):
+                pass
+        assert time.monotonic() - started < 10
+    finally:
+        (tmp_path / "done").touch()
+        running.finish()
 
 
 DEAD = {"host": socket.gethostname(), "pid": 2**22 + 1, "start_time": 1.0}  # above pid_max: never alive

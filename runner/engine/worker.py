@@ -47,7 +47,6 @@ from runner.engine.scheduler import BatchScheduler, TaskClock
 from runner.engine.summarize import Summarizer, Summary
 from storage.scratch import (
     ScratchSpaceError,
-    check_free_space,
     ensure_offload_root,
     sweep_orphans,
     task_scratch,
@@ -274,12 +273,13 @@ class SummaryWorker:
         return _done(rung, summary, attempt.totals)
 
     def _scratch_dir(self, rung: str, request: TaskRequest) -> AbstractContextManager[Path | None]:
-        """The task's scratch dir on a rung that offloads to disk (once the disk has room for its
-        KV); none on the others."""
+        """The task's scratch dir on a rung that offloads to disk, with its KV's bytes claimed on the
+        disk (waiting for running tasks that hold the room, as long as one may run); none on the others."""
         if not RUNGS[rung].needs_offload_dir:
             return nullcontext(None)
-        check_free_space(self.offload_root, kv_bytes(self.kv_shape, request.context_tokens))
-        return task_scratch(self.offload_root, self.job_id, request.task.task_id, request.attempt)
+        return task_scratch(self.offload_root, self.job_id, request.task.task_id, request.attempt,
+                            claim_bytes=kv_bytes(self.kv_shape, request.context_tokens),
+                            wait_s=self.cfg.retry.task_timeout_s)
 
     def _release_memory(self) -> None:
         gc.collect()

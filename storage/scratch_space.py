@@ -1,0 +1,104 @@
+"""Room on an offload root's filesystem, shared fairly by the task dirs that write there at once.
+
+A task's KV reaches its disk over its whole decode, so the filesystem's free space at the moment a
+task starts says nothing about what its running neighbours (batch-mates in this worker, other
+workers, other jobs on the same root) will still write. Each task dir therefore records the bytes it
+claimed, and a new claim counts what the live dirs claimed and have not written yet as taken.
+Claims are decided one at a time under an exclusive `flock` of a file of the root (its marker; the
+kernel drops the lock when a process dies). A claim that would fit once the live dirs are gone waits
+for them (bounded) instead of failing: without that, which task of a batch ran at a shorter context
+would depend on which one reached the disk first.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+#: Never plan to use the last of a filesystem: keep min(256 MiB, 5% of its size) free.
+RESERVE_BYTES_MAX = 256 * 2**20
+RESERVE_FRACTION = 0.05
+POLL_S = 0.2
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A live task dir's hold on the disk: what it claimed when it began, what it holds now."""
+
+    claimed_bytes: int
+    used_bytes: int
+
+    @property
+    def unwritten_bytes(self) -> int:
+        """Still to be written: taken from the free space although no file holds it yet."""
+        return max(0, self.claimed_bytes - self.used_bytes)
+
+
+@dataclass(frozen=True)
+class Room:
+    """One look at the filesystem, the live claims on it and one more claim of `needed_bytes`."""
+
+    free_bytes: int
+    reserve_bytes: int
+    needed_bytes: int
+    claims: tuple[Claim, ...]
+
+    @property
+    def promised_bytes(self) -> int:
+        return sum(claim.unwritten_bytes for claim in self.claims)
+
+    @property
+    def fits(self) -> bool:
+        return self.needed_bytes + self.reserve_bytes + self.promised_bytes <= self.free_bytes
+
+    @property
+    def fits_once_claims_end(self) -> bool:
+        """Whether the claim fits when every live claim has ended and its files are gone (so it is
+        worth waiting for them)."""
+        used = sum(claim.used_bytes for claim in self.claims)
+        return self.needed_bytes + self.reserve_bytes <= self.free_bytes + used
+
+
+def look(offload_root: Path, needed_bytes: int, claims: tuple[Claim, ...] = ()) -> Room:
+    """The room for `needed_bytes` on the filesystem of `offload_root` (or of its nearest existing
+    parent, before the root is made)."""
+    probe = Path(offload_root)
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    usage = shutil.disk_usage(probe)
+    return Room(usage.free, min(RESERVE_BYTES_MAX, int(usage.total * RESERVE_FRACTION)), needed_bytes, claims)
+
+
+@contextmanager
+def _locked(lock_file: Path) -> Iterator[None]:
+    fd = os.open(lock_file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+@contextmanager
+def room_claimed(root: Path, lock_file: Path, needed_bytes: int, wait_s: float,
+                 live_claims: Callable[[], tuple[Claim, ...]], refuse: Callable[[Room], Exception]) -> Iterator[Room]:
+    """Held while the caller records its claim (its task dir and the claim in it), with `lock_file`
+    (an existing file on the root) locked, so that no other claim is decided in between. Waits up to `wait_s` while the room is held by live claims that
+    would leave enough when they end; raises `refuse(room)` when it does not fit then, or at once
+    when it would not fit even on a disk without them."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        with _locked(lock_file):
+            room = look(root, needed_bytes, live_claims())
+            if room.fits:
+                yield room
+                return
+            if not room.fits_once_claims_end or time.monotonic() >= deadline:
+                raise refuse(room)
+        time.sleep(POLL_S)
