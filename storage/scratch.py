@@ -26,7 +26,7 @@ from pathlib import Path
 
 from storage.location import Location, Where
 from storage.owner import OwnerLiveness, ProcessOwner
-from storage.scratch_space import Claim, Room, look, room_claimed
+from storage.scratch_space import Claim, Room, room_claimed
 
 OFFLOAD_ROOT_ENV = "KVBATCH_OFFLOAD_ROOT"
 ROOT_MARKER = ".kvbatch-offload-root"

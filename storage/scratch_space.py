@@ -89,9 +89,9 @@ def _locked(lock_file: Path) -> Iterator[None]:
 def room_claimed(root: Path, lock_file: Path, needed_bytes: int, wait_s: float,
                  live_claims: Callable[[], tuple[Claim, ...]], refuse: Callable[[Room], Exception]) -> Iterator[Room]:
     """Held while the caller records its claim (its task dir and the claim in it), with `lock_file`
-    (an existing file on the root) locked, so that no other claim is decided in between. Waits up to `wait_s` while the room is held by live claims that
-    would leave enough when they end; raises `refuse(room)` when it does not fit then, or at once
-    when it would not fit even on a disk without them."""
+    (an existing file on the root) locked, so that no other claim is decided in between. Waits up
+    to `wait_s` while the room is held by live claims that would leave enough when they end; raises
+    `refuse(room)` when it does not fit then, or at once when it would not fit even without them."""
     deadline = time.monotonic() + wait_s
     while True:
         with _locked(lock_file):
