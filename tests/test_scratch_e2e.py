@@ -229,13 +229,17 @@ def test_kvbatch_clean_removes_a_dead_workers_dir_never_a_live_ones(ray_address,
 
 def test_two_concurrent_jobs_on_one_root_never_see_each_others_files(ray_address, tmp_path):
     names = ["GPL-3", "GPL-2", "LGPL-2.1"]
+    # long enough that each job still runs when the other's worker has loaded, however loaded the machine;
+    # the reference on one worker too: a worker's torch thread count can flip a near-tie over 300 tokens
+    longer = ["--set", "summarize.max_new_tokens=300"]
     reference = tmp_path / "reference"
     kvbatch("submit", str(license_manifest(tmp_path, names)), "-c", str(TINY_CONFIG), "-j", str(reference),
-            "--address", ray_address, "--set", "cache.strategy=dynamic", check=0)
+            "--address", ray_address, "--set", "cache.strategy=dynamic", *ONE_WORKER, *longer, check=0)
     root = tmp_path / "kv"
     jobs = [tmp_path / "job-a", tmp_path / "job-b"]
     with RootWatcher(root) as watcher:
-        procs = [start_submit(license_manifest(tmp_path, names), job, ray_address, *DISK, *ONE_WORKER, *with_root(root))
+        procs = [start_submit(license_manifest(tmp_path, names), job, ray_address, *DISK, *ONE_WORKER, *with_root(root),
+                              *longer)
                  for job in jobs]
         for p in procs:
             out, err = p.communicate(timeout=300)
