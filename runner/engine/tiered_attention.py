@@ -81,7 +81,7 @@ class TieredStep:
         shape = (2, self.count, like.shape[1], self.span, like.shape[3])
         # zeros, not empty: a row's masked tail is still read, and garbage NaN times a zero weight is NaN
         self.staged = [torch.zeros(shape, dtype=like.dtype, device=like.device) for _ in range(2)]
-        self.slots = [[Slot(staged[:, row : row + 1]) for row in range(self.count)] for staged in self.staged]
+        self.slots = [[Slot.over(staged[:, row : row + 1]) for row in range(self.count)] for staged in self.staged]
         self.mask = length_mask([n + 1 for n in lengths], self.span, like.dtype, like.device)
         self._rows = torch.arange(self.count, device=like.device)
         self._positions = torch.tensor(lengths, device=like.device)
@@ -98,7 +98,8 @@ class TieredStep:
         waited = self._settle_reads() / self.count
         turns = [self._row(row, cache.begin_turn, layer_idx, slots[row]) for row, cache in enumerate(self.caches)]
         copy_all([pair for turn in turns for pair in turn.carried])  # old tokens read outside the slots: the step's first layer
-        copy_all([(turn.window, outgoing[row : row + 1, :, None]) for row, turn in enumerate(turns)])
+        tokens = outgoing[:, None, :, None].unbind()  # each row's as its tail holds it: (1, 2, 1, kv_heads, head_dim)
+        copy_all([(turn.window, token) for turn, token in zip(turns, tokens)])
         for row, (cache, turn) in enumerate(zip(self.caches, turns)):
             self._row(row, cache.finish_turn, turn, self.count, waited)
         reads = [self._row(row, cache.read_after, layer_idx, self._following[row]) for row, cache in enumerate(self.caches)]

@@ -63,19 +63,19 @@ class Resident:
 
 @dataclass(frozen=True)
 class Slot:
-    """A device buffer a read fills instead of allocating its own: one row of a batched step's
-    staging buffer (runner/engine/tiered_attention.py), keys and values of one row side by side."""
+    """A device buffer a read fills, keys and values side by side: one row of a batched step's
+    staging buffer (runner/engine/tiered_attention.py), or one the read allocates. Its views are made
+    once (`over`): a step's slots are read into at every layer, and each view is an op the host pays for."""
 
-    kv: torch.Tensor  # [2, 1, heads, tokens of room, head_dim], a view
+    kv: torch.Tensor  # [2, batch (1 in a step's slot), heads, tokens of room, head_dim]
+    keys: torch.Tensor  # kv[0]
+    values: torch.Tensor  # kv[1]
+    by_token: torch.Tensor  # kv as the tails hold tokens: [tokens of room, 2, 1, heads, head_dim]
     free: torch.cuda.Event | None = None  # on CUDA: recorded after the slot's previous reader was queued
 
-    @property
-    def keys(self) -> torch.Tensor:
-        return self.kv[0]
-
-    @property
-    def values(self) -> torch.Tensor:
-        return self.kv[1]
+    @classmethod
+    def over(cls, kv: torch.Tensor) -> Slot:
+        return cls(kv, kv[0], kv[1], kv.permute(3, 0, 1, 2, 4))
 
 
 @dataclass(frozen=True)
@@ -230,52 +230,52 @@ class LayerStore:
         copies are ordered after the tail's by an event (and after the slot's last reader, for a
         slot), and the result carries one for its reader."""
         with _writing([into]):
-            kv, copies, decoded = self._plan(snap, extra_tokens, into)
+            buffer, copies, decoded = self._plan(snap, extra_tokens, into)
             copy_all(copies)
-            return self._resident(snap, kv, decoded + _bytes(copies), self._record())
+            return self._resident(snap, buffer, decoded + _bytes(copies), self._record())
 
     def _plan(self, snap: _Snapshot, extra_tokens: int, into: Slot | None
-              ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]], int]:
-        """A read's buffer (keys and values side by side: 2, batch, heads, room, head_dim), the copies
+              ) -> tuple[Slot, list[tuple[torch.Tensor, torch.Tensor]], int]:
+        """A read's buffer (`into`, or a new one with room for `extra_tokens` more), the copies
         that fill it, (destination, source), left for the caller to make (`read_all` makes every
         row's at once), and the bytes already decoded into it (a disk block on CPU decodes straight
         into its window; a block in RAM is one of the copies)."""
         stream = torch.cuda.current_stream(self.device) if self.pinned else None
         if into is None:  # keys and values side by side, as the tail holds them: one copy reads the tail into both
             shape = (2, snap.batch, self.heads, snap.seq_len + extra_tokens, self.head_dim)
-            kv = torch.empty(shape, dtype=self.dtype, device=self.device)
+            into = Slot.over(torch.empty(shape, dtype=self.dtype, device=self.device))
         else:
-            kv = into.kv
-            assert kv.shape[1] == snap.batch and kv.shape[-2] >= snap.seq_len + extra_tokens, "the slot is too small"
+            assert into.kv.shape[1] == snap.batch and into.kv.shape[-2] >= snap.seq_len + extra_tokens, \
+                "the slot is too small"
             if stream is not None:  # written on this stream: its memory is not handed out again before
-                kv.record_stream(stream)  # these copies ran, even if the step that made it is gone
+                into.kv.record_stream(stream)  # these copies ran, even if the step that made it is gone
             if into.free is not None:
                 stream.wait_event(into.free)
-        keys, values = kv[0], kv[1]
         if snap.copies_done is not None:
             stream.wait_event(snap.copies_done)
         copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         decoded = 0
         for i, block in enumerate(snap.blocks):
             window = slice(i * self.block_tokens, (i + 1) * self.block_tokens)
+            keys, values = into.keys[:, :, window], into.values[:, :, window]
             if self.device.type == "cpu" and block.rows is None and not self.tier.keeps_blocks_in_ram:
-                decoded += self.tier.load_into(block.payload.result(), keys[:, :, window], values[:, :, window])
+                decoded += self.tier.load_into(block.payload.result(), keys, values)
                 continue
             block_keys, block_values = self._read_block(block)
-            copies += [(keys[:, :, window], block_keys), (values[:, :, window], block_values)]
+            copies += [(keys, block_keys), (values, block_values)]
         if snap.tail_len:
-            window = slice(snap.seq_len - snap.tail_len, snap.seq_len)
-            copies.append(_tail_copy(kv[:, :, :, window], snap.tail[: snap.tail_len]))
-        return kv, copies, decoded
+            start = snap.seq_len - snap.tail_len
+            copies.append(_tail_copy(into.by_token[start : snap.seq_len], snap.tail[: snap.tail_len]))
+        return into, copies, decoded
 
     def _record(self) -> torch.cuda.Event | None:
         """On CUDA: an event after the copies queued so far on this thread's stream, for their reader."""
         return torch.cuda.current_stream(self.device).record_event() if self.pinned else None
 
-    def _resident(self, snap: _Snapshot, kv: torch.Tensor, copied: int, filled: torch.cuda.Event | None) -> Resident:
+    def _resident(self, snap: _Snapshot, buffer: Slot, copied: int, filled: torch.cuda.Event | None) -> Resident:
         """The read's result, once its copies (`copied` bytes, counted here) are made or queued."""
         self.traffic.host_to_device += copied
-        return Resident(kv[0], kv[1], snap.seq_len, copied, filled)
+        return Resident(buffer.keys, buffer.values, snap.seq_len, copied, filled)
 
     # --- reshaping (callers settle any pending read of this layer first) -----------------------
 
@@ -338,14 +338,14 @@ def _head_major(tail: torch.Tensor, pinned: bool) -> torch.Tensor:
     return block
 
 
-def _tail_copy(kv: torch.Tensor, tail: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The copy of a token-major tail window (tokens, 2, batch, heads, head_dim) into a head-major
-    device window of keys and values side by side (2, batch, heads, tokens, head_dim): one copy. On
-    CUDA the pinned window goes to the device in one contiguous asynchronous copy first (made here)
-    and is transposed there."""
-    if tail.device != kv.device:
-        tail = tail.to(kv.device, non_blocking=True)
-    return kv.permute(3, 0, 1, 2, 4), tail
+def _tail_copy(window: torch.Tensor, tail: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The copy of a token-major tail window (tokens, 2, batch, heads, head_dim) into the same tokens
+    of a head-major device buffer of keys and values side by side, seen by token (`Slot.by_token`):
+    one copy. On CUDA the pinned window goes to the device in one contiguous asynchronous copy first
+    (made here) and is transposed there."""
+    if tail.device != window.device:
+        tail = tail.to(window.device, non_blocking=True)
+    return window, tail
 
 
 @dataclass
@@ -384,13 +384,13 @@ def read_all(reads: Sequence[Read]) -> None:
             read.done.set_exception(e)
         return
     filled = planned[0][0].store._record()
-    for read, kv, copies, decoded in planned:
-        read.done.set_result(read.store._resident(read.snap, kv, decoded + _bytes(copies), filled))
+    for read, buffer, copies, decoded in planned:
+        read.done.set_result(read.store._resident(read.snap, buffer, decoded + _bytes(copies), filled))
 
 
 def _writing(slots: Sequence[Slot | None]) -> AbstractContextManager[object]:
     """A slot made under inference mode (a decode step) is written under it, on whichever thread."""
-    inference = any(slot is not None and slot.keys.is_inference() for slot in slots)
+    inference = any(slot is not None and slot.kv.is_inference() for slot in slots)
     return torch.inference_mode() if inference else nullcontext()
 
 

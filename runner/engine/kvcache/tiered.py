@@ -131,7 +131,7 @@ class TieredLayer(CacheLayerMixin):
         waited = time.perf_counter() - waited_from
         assert old is not None, "a batched step's tiered rows hold tokens"
         carried = []
-        if old.keys.data_ptr() != slot.keys.data_ptr():  # read before the step had slots (its first layer's prefetch)
+        if old.keys.data_ptr() != slot.kv.data_ptr():  # read before the step had slots (its first layer's prefetch)
             carried = [(slot.keys[:, :, : old.length], old.keys[:, :, : old.length]),
                        (slot.values[:, :, : old.length], old.values[:, :, : old.length])]
         return SlotTurn(self, slot, old, waited, carried, self.store.token_window())
