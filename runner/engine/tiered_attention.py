@@ -4,8 +4,8 @@ A tiered row's streamed layer lives in host RAM or block files and comes to the 
 in the forward pass (runner/engine/kvcache/tiered.py). Per row, that turn used to be its own buffers,
 its own write of the new token and its own attention call. Here the step's tiered rows share two
 staging buffers, [2, rows, kv_heads, span, head_dim] (keys, then values), used by alternate layers:
-the read of a layer for every row (one job on one IO thread, the step's reader, during the layer
-before) fills each row's slot of one, while the layer before attends over the other. The step then
+the read of a layer for every row (one job on the first row's IO thread, queued at the layer before,
+not a job per row) fills each row's slot of one, while the layer before attends over the other. The step then
 writes every row's new K/V with one indexed write and attends with one call of the model's attention,
 each row to its own length through an additive mask, as the pooled rows do
 (runner/engine/pooled_attention.py).
@@ -106,11 +106,9 @@ class TieredStep:
         reads = [read for read in reads if read is not None]
         if not reads:
             return
-        reader = reads[0].store.io  # the first row's: one job for every row, one batched copy
-        if all(read.store.tier.keeps_blocks_in_ram for read in reads):
-            reader.run_here(read_all, reads)  # copies from RAM only: queued from here, no hand-off
-        else:  # blocks to decode: on the reader's thread, beside this layer's compute
-            self._reading = reader.submit(read_all, reads), reads
+        # one job for every row, one batched copy, on the first row's IO thread: its copies (and a
+        # disk tier's decoding) run beside this layer's compute, one hand-off a layer
+        self._reading = reads[0].store.io.submit(read_all, reads), reads
 
     def _settle_reads(self) -> float:
         """Finish the read job queued last (run it here if its IO thread has not started it: reading

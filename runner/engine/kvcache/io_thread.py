@@ -32,12 +32,6 @@ class IOThread:
         """Run `job` after everything already queued, and wait for it."""
         return self.submit(job, *args).result()
 
-    def run_here(self, job: Callable[..., T], *args: object) -> T:
-        """Run `job` on the calling thread, its copies on this IO thread's stream (on CUDA they still
-        overlap the caller's compute): for a job with only copies to queue, where a hand-off to the
-        thread would cost the caller more than the job."""
-        return self._run(job, *args)
-
     def _run(self, job: Callable[..., T], *args: object) -> T:
         with torch.cuda.stream(self._stream) if self._stream is not None else nullcontext():
             return job(*args)

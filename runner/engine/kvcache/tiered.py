@@ -134,6 +134,7 @@ class TieredLayer(CacheLayerMixin):
         if old.keys.data_ptr() != slot.kv.data_ptr():  # read before the step had slots (its first layer's prefetch)
             carried = [(slot.keys[:, :, : old.length], old.keys[:, :, : old.length]),
                        (slot.values[:, :, : old.length], old.values[:, :, : old.length])]
+            self.shared.device_meter.hold(self.layer_idx, slot.kv.nbytes)  # a read into the slot held it already
         return SlotTurn(self, slot, old, waited, carried, self.store.token_window())
 
     def finish_turn(self, turn: SlotTurn, waited_with_others: float) -> None:
@@ -142,7 +143,6 @@ class TieredLayer(CacheLayerMixin):
         assert self.store is not None
         copied_out = self.store.wrote_token(turn.window)
         self.shared.host_meter.hold(self.layer_idx, self.store.host_bytes)
-        self.shared.device_meter.hold(self.layer_idx, turn.slot.kv.nbytes)
         self._count_decode(1, turn.old, copied_out, turn.waited + waited_with_others)
 
     def _count_decode(self, new: int, old: Resident | None, copied_out: int, waited: float) -> None:
