@@ -9,6 +9,8 @@ head_dim), so the window a step writes, keys and values, is one contiguous run o
 copy takes it straight from the device into pinned memory, without a pageable temporary or a host
 sync (the device stacks the token's keys and values first, for a batched step all rows' at once). Sealing turns it into the head-major block the
 tiers store, (batch, heads, tokens, head_dim), which reads into a device buffer a block at a time.
+A read is a `Read`: a prefetch queues its own, a batched step one job of every row's (`read_all`),
+whose copies are one batched op, as are the step's writes of every row's token (`token_window`).
 On CUDA every wait between the compute stream and the IO thread's stream is a CUDA event waited
 for on a stream; the host waits only where it touches the bytes itself (sealing, reshaping).
 """
