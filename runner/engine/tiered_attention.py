@@ -4,10 +4,10 @@ A tiered row's streamed layer lives in host RAM or block files and comes to the 
 in the forward pass (runner/engine/kvcache/tiered.py). Per row, that turn used to be its own buffers,
 its own write of the new token and its own attention call. Here the step's tiered rows share two
 staging buffers, [2, rows, kv_heads, span, head_dim] (keys, then values), used by alternate layers:
-the read of a layer for every row (one job on the first row's IO thread, queued at the layer before,
-not a job per row) fills each row's slot of one, while the layer before attends over the other. The step then
-writes every row's new K/V with one indexed write and attends with one call of the model's attention,
-each row to its own length through an additive mask, as the pooled rows do
+the read of a layer for every row (one job on the first row's IO thread, queued at the layer
+before, not a job per row) fills each row's slot of one, while the layer before attends over the
+other. The step then writes every row's new K/V with one indexed write and attends with one call of
+the model's attention, each row to its own length through an additive mask, as the pooled rows do
 (runner/engine/pooled_attention.py).
 
 What moves still moves per row, but in one op for all rows: the read's blocks and tails into their
@@ -100,9 +100,8 @@ class TieredStep:
         copy_all([pair for turn in turns for pair in turn.carried])  # old tokens read outside the slots: the step's first layer
         tokens = outgoing[:, None, :, None].unbind()  # each row's as its tail holds it: (1, 2, 1, kv_heads, head_dim)
         copy_all([(turn.window, token) for turn, token in zip(turns, tokens)])
-        for row, (cache, turn) in enumerate(zip(self.caches, turns)):
-            self._row(row, cache.finish_turn, turn, self.count, waited)
-        reads = [self._row(row, cache.read_after, layer_idx, self._following[row]) for row, cache in enumerate(self.caches)]
+        reads = [self._row(row, cache.finish_turn, turn, self.count, waited, self._following[row])
+                 for row, (cache, turn) in enumerate(zip(self.caches, turns))]
         reads = [read for read in reads if read is not None]
         if not reads:
             return

@@ -346,16 +346,16 @@ class TieredCache(Cache):
         self._switch_to(layer_idx)
         return layer.begin_turn(slot)
 
-    def finish_turn(self, turn: SlotTurn, rows: int, waited_with_others: float) -> None:
-        """Second half, once the step of `rows` tiered rows copied the new token to `turn.window`."""
+    def finish_turn(self, turn: SlotTurn, rows: int, waited_with_others: float, next_slot: Slot | None
+                    ) -> Read | None:
+        """Second half, once the step of `rows` tiered rows copied the new token to `turn.window`:
+        the read of the streamed layer after this one, for the step to queue with its other rows'
+        (into `next_slot` when that is layer `layer_idx + 1`); None if there is none."""
+        layer_idx = turn.layer.layer_idx
         turn.layer.finish_turn(turn, waited_with_others)
-        self._note_kv_peak(turn.layer.layer_idx)
+        self._note_kv_peak(layer_idx)
         self.batched_layers += 1
         self.most_batched_rows = max(self.most_batched_rows, rows)
-
-    def read_after(self, layer_idx: int, next_slot: Slot | None) -> Read | None:
-        """The read of the streamed layer after `layer_idx` in a batched step, for the step to queue
-        with its other rows' (into `next_slot` when that is layer `layer_idx + 1`); None if none."""
         return self._read_after(layer_idx, 1, next_slot)
 
     def _count_step(self, layer_idx: int, new: int) -> None:
