@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from runner.engine.kvcache.io_thread import IOThread
-from runner.engine.kvcache.layer_store import LayerStore, Traffic
+from runner.engine.kvcache.layer_store import LayerStore, Traffic, read_all
 from runner.engine.kvcache.tiers import DiskTier, HostTier
 from storage.kvblocks import BlockCodec
 
@@ -68,3 +68,38 @@ def test_sealed_blocks_and_tail_read_back_bit_exact_after_reorder_and_crop(tier:
     assert torch.equal(resident.values.view(torch.int16), values[rows, :, :6].view(torch.int16))
     io.close()
     store_tier.close()
+
+
+def test_one_read_job_serves_several_rows_and_a_bad_row_fails_alone(tmp_path: Path) -> None:
+    """`read_all` reads three stores' layers (host blocks, disk blocks, a damaged disk block) in one
+    job with one batched copy: the good ones land bit-exact and count their own bytes, the damaged
+    one's error is on its own future only, and a read cancelled before the job ran is skipped."""
+    dtype = torch.bfloat16
+    io = IOThread(torch.device("cpu"))
+    tiers = [HostTier(), DiskTier(tmp_path / "good", BlockCodec("zstd", 1, True)),
+             DiskTier(tmp_path / "bad", BlockCodec("zstd", 1, True)), HostTier()]
+    stores, expected = [], []
+    for i, tier in enumerate(tiers):
+        store = LayerStore(0, _kv(1, dtype, 0), tier, io, BLOCK, Traffic())
+        keys, values = _kv(6, dtype, 30 + i), _kv(6, dtype, 40 + i)  # a sealed block and a tail of 2
+        store.append(keys, values)
+        stores.append(store)
+        expected.append((keys, values))
+    io.run(lambda: None)  # the blocks are sealed
+    for block in (tmp_path / "bad").rglob("*"):
+        if block.is_file():
+            block.write_bytes(b"")
+    reads = [store.read_later(extra_tokens=1) for store in stores]
+    assert reads[3].done.cancel()
+    read_all(reads)
+    for store, read, (keys, values) in zip(stores[:2], reads[:2], expected[:2]):
+        resident = read.done.result()
+        assert resident.length == 6 and resident.capacity == 7
+        assert torch.equal(resident.keys[:, :, :6].view(torch.int16), keys.view(torch.int16))
+        assert torch.equal(resident.values[:, :, :6].view(torch.int16), values.view(torch.int16))
+        assert store.traffic.host_to_device == resident.copied_bytes == 6 * store.token_bytes
+    assert reads[2].done.exception() is not None and stores[2].traffic.host_to_device == 0
+    assert reads[3].done.cancelled() and stores[3].traffic.host_to_device == 0
+    io.close()
+    for tier in tiers:
+        tier.close()

@@ -8,10 +8,13 @@ attended with), so none passes by running the rows one by one.
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import DynamicCache, PreTrainedModel
 
 from jobs.kvplan import Placement
@@ -49,6 +52,19 @@ def _decode(model: PreTrainedModel, caches: list[TieredCache], first: list[int])
         for row, token in zip(tokens, logits.argmax(dim=-1).tolist()):
             row.append(token)
     return tokens
+
+
+class _Copies(TorchDispatchMode):
+    """The copies dispatched on the thread that entered it: `copy_` one by one, `_foreach_copy_` batched."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func.overloadpacket.__name__ in ("copy_", "_foreach_copy_"):
+            self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
 
 
 def _alone(model: PreTrainedModel, length: int) -> list[int]:
@@ -150,3 +166,35 @@ def test_a_row_whose_blocks_are_damaged_fails_alone_by_its_own_number(tmp_path: 
     finally:
         for cache in rows:
             cache.close()
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_a_steps_copies_and_reads_do_not_grow_with_its_rows(tier: str, tmp_path: Path) -> None:
+    """Per streamed layer, one batched copy takes every row's new token to its tail and one read job
+    brings every row's next layer into its slot, one batched copy (the step's first layer adds one
+    for the old tokens its rows read at the previous step's end): 2 x layers + 1 copies a step at 1
+    row and at 4, none per row. Counted on the compute thread and on each row's IO thread: the
+    reads run on the first row's (here only if that thread had not started the job yet), never on
+    another row's, whose threads only seal blocks."""
+    model = tiny_model("llama-gqa")
+    layers = model.config.num_hidden_layers
+    for rows in (1, len(LENGTHS)):
+        caches, first = _prefilled(model, tier, tmp_path / str(rows), batched=True)
+        step, positions = caches[:rows], list(LENGTHS[:rows])
+        try:
+            # a first step, so that the counted one starts from reads a batched step queued
+            tokens = decode_step(model, first[:rows], positions, step).argmax(dim=-1).tolist()
+            here, on_io = _Copies(), [_Copies() for _ in step]
+            for cache, counter in zip(step, on_io):
+                cache.shared.io(torch.device("cpu")).run(counter.__enter__)  # the mode is that thread's own
+            with here:
+                decode_step(model, tokens, [n + 1 for n in positions], step)
+            for cache, counter in zip(step, on_io):
+                cache.shared.io(torch.device("cpu")).run(counter.__exit__, None, None, None)
+        finally:
+            for cache in caches:
+                cache.close()
+        assert all(cache.most_batched_rows == rows for cache in step)  # the batched step ran, with every row
+        assert here.ops["copy_"] == 0  # no row copied anything on its own
+        assert here.ops["_foreach_copy_"] + on_io[0].ops["_foreach_copy_"] == 2 * layers + 1
+        assert all(counter.ops["_foreach_copy_"] == 0 for counter in on_io[1:])

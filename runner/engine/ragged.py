@@ -39,7 +39,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from runner.engine.kvcache.tiered import TieredCache
 from runner.engine.kvpool import PooledCache
 from runner.engine.pooled_attention import PooledStep
-from runner.engine.tiered_attention import TieredStep
+from runner.engine.tiered_attention import TieredRowFailed, TieredStep
 
 RAGGED = "kvbatch-ragged"
 
@@ -134,17 +134,16 @@ class SequenceBatch:
 
     def _tiered_update(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor, first: int
                        ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The tiered rows (rows `first` on) of a layer they all stream: each its own reads, one write."""
+        """The tiered rows (rows `first` on) of a layer they all stream: one read job, one write."""
         step = self.tiered
         assert step is not None
         keys, values = _rows(keys, first, first + step.count), _rows(values, first, first + step.count)
         step.prepare(layer_idx, keys)
         outgoing = step.outgoing(keys, values)
-        for i in range(step.count):
-            try:
-                step.take(i, layer_idx, outgoing)
-            except Exception as e:  # the scheduler fails this row, not its batch-mates
-                raise RowFailed(first + i) from e
+        try:
+            step.take(layer_idx, outgoing)
+        except TieredRowFailed as e:  # the scheduler fails this row, not its batch-mates
+            raise RowFailed(first + e.row) from e.__cause__
         return step.write(layer_idx, outgoing)
 
 

@@ -4,28 +4,44 @@ A tiered row's streamed layer lives in host RAM or block files and comes to the 
 in the forward pass (runner/engine/kvcache/tiered.py). Per row, that turn used to be its own buffers,
 its own write of the new token and its own attention call. Here the step's tiered rows share two
 staging buffers, [2, rows, kv_heads, span, head_dim] (keys, then values), used by alternate layers:
-each row's read of a layer (the prefetch on its IO thread, during the layer before) fills its slot
-of one, while the layer before attends over the other. The step then writes every row's new K/V with
-one indexed write and attends with one call of the model's attention, each row to its own length
-through an additive mask, as the pooled rows do (runner/engine/pooled_attention.py).
+the read of a layer for every row (one job on the first row's IO thread, queued at the layer
+before, not a job per row) fills each row's slot of one, while the layer before attends over the
+other. The step then writes every row's new K/V with one indexed write and attends with one call of
+the model's attention, each row to its own length through an additive mask, as the pooled rows do
+(runner/engine/pooled_attention.py).
 
-What stays per row is what has to: each row's copies between its own host storage and its slot
-(its blocks and its tail in, its new token out), counted in its cache's traffic where they happen.
-A layer that any of the step's tiered rows keeps on the device, or as a sliding window, is attended
-row by row as before (`TieredCache.streams`).
+What moves still moves per row, but in one op for all rows: the read's blocks and tails into their
+slots is one batched copy, and so is every row's new token out to its own tail
+(`torch._foreach_copy_`; on CUDA its strided or host-to-device copies are still a kernel each). Each
+row's bytes are counted in its own cache's traffic from those copies' destinations. A layer that any
+of the step's tiered rows keeps on the device, or as a sliding window, is attended row by row as
+before (`TieredCache.streams`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from concurrent.futures import Future
+from typing import Any, TypeVar
 
 import torch
 
-from runner.engine.kvcache.layer_store import Slot
+from runner.engine.kvcache.layer_store import Read, Slot, copy_all, read_all
 from runner.engine.kvcache.tiered import TieredCache
 from runner.engine.pooled_attention import length_mask
+
+T = TypeVar("T")
+
+
+class TieredRowFailed(Exception):
+    """Tiered row `row` of the step (its number among the step's tiered rows) failed; `__cause__`
+    is its cache's error."""
+
+    def __init__(self, row: int) -> None:
+        super().__init__(f"tiered row {row} of the step failed")
+        self.row = row
 
 
 class TieredStep:
@@ -40,6 +56,7 @@ class TieredStep:
         self.slots: list[list[Slot]] = []  # [parity][row]: views of the staging buffers
         self.mask: torch.Tensor | None = None
         self._following: list[Slot] = []
+        self._reading: tuple[Future[None], list[Read]] | None = None  # the read job queued last, and its reads
         self._rows: torch.Tensor | None = None  # 0 .. rows - 1, and each row's position: where `write` puts them
         self._positions: torch.Tensor | None = None
 
@@ -64,7 +81,7 @@ class TieredStep:
         shape = (2, self.count, like.shape[1], self.span, like.shape[3])
         # zeros, not empty: a row's masked tail is still read, and garbage NaN times a zero weight is NaN
         self.staged = [torch.zeros(shape, dtype=like.dtype, device=like.device) for _ in range(2)]
-        self.slots = [[Slot(staged[:, row : row + 1]) for row in range(self.count)] for staged in self.staged]
+        self.slots = [[Slot.over(staged[:, row : row + 1]) for row in range(self.count)] for staged in self.staged]
         self.mask = length_mask([n + 1 for n in lengths], self.span, like.dtype, like.device)
         self._rows = torch.arange(self.count, device=like.device)
         self._positions = torch.tensor(lengths, device=like.device)
@@ -74,12 +91,44 @@ class TieredStep:
         ([rows, 2, kv_heads, head_dim]): one op, so each row's copy to its tail is one contiguous copy."""
         return torch.stack((keys[:, :, 0], values[:, :, 0]), dim=1)
 
-    def take(self, row: int, layer_idx: int, outgoing: torch.Tensor) -> None:
-        """Row `row`'s old tokens of the layer into its slot, its new one (its row of `outgoing`) to
-        its tier; the next layer read ahead into its slot of the other buffer."""
-        slot = self.slots[layer_idx % 2][row]
-        pair = outgoing[row : row + 1, :, None]  # (1 token, 2, 1 row, kv_heads, head_dim), a view
-        self.caches[row].update_in_slot(pair, layer_idx, slot, self._following[row], self.count)
+    def take(self, layer_idx: int, outgoing: torch.Tensor) -> None:
+        """Every row's old tokens of the layer in its slot, its new one (its row of `outgoing`) to its
+        tier, one copy for all rows each way; the next layer read ahead for every row in one job."""
+        slots = self.slots[layer_idx % 2]
+        waited = self._settle_reads() / self.count
+        turns = [self._row(row, cache.begin_turn, layer_idx, slots[row]) for row, cache in enumerate(self.caches)]
+        copy_all([pair for turn in turns for pair in turn.carried])  # old tokens read outside the slots: the step's first layer
+        tokens = outgoing[:, None, :, None].unbind()  # each row's as its tail holds it: (1, 2, 1, kv_heads, head_dim)
+        copy_all([(turn.window, token) for turn, token in zip(turns, tokens)])
+        reads = [self._row(row, cache.finish_turn, turn, self.count, waited, self._following[row])
+                 for row, (cache, turn) in enumerate(zip(self.caches, turns))]
+        reads = [read for read in reads if read is not None]
+        if not reads:
+            return
+        # one job for every row, one batched copy, on the first row's IO thread: its copies (and a
+        # disk tier's decoding) run beside this layer's compute, one hand-off a layer
+        self._reading = reads[0].store.io.submit(read_all, reads), reads
+
+    def _settle_reads(self) -> float:
+        """Finish the read job queued last (run it here if its IO thread has not started it: reading
+        beats waiting for its turn); the seconds this thread waited for it."""
+        if self._reading is None:
+            return 0.0
+        (job, reads), self._reading = self._reading, None
+        waited_from = time.perf_counter()
+        if job.cancel():
+            read_all(reads)
+        else:
+            job.result()
+        return time.perf_counter() - waited_from
+
+    @staticmethod
+    def _row(row: int, call: Callable[..., T], *args: Any) -> T:
+        """`call` for tiered row `row`: its failure is that row's (`TieredRowFailed`)."""
+        try:
+            return call(*args)
+        except Exception as e:  # the scheduler fails this row, not its batch-mates
+            raise TieredRowFailed(row) from e
 
     def write(self, layer_idx: int, outgoing: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Every row's new K/V (`outgoing`) into its slot, one index_put_; the staged K/V of the layer."""

@@ -9,6 +9,8 @@ head_dim), so the window a step writes, keys and values, is one contiguous run o
 copy takes it straight from the device into pinned memory, without a pageable temporary or a host
 sync (the device stacks the token's keys and values first, for a batched step all rows' at once). Sealing turns it into the head-major block the
 tiers store, (batch, heads, tokens, head_dim), which reads into a device buffer a block at a time.
+A read is a `Read`: a prefetch queues its own, a batched step one job of every row's (`read_all`),
+whose copies are one batched op, as are the step's writes of every row's token (`token_window`).
 On CUDA every wait between the compute stream and the IO thread's stream is a CUDA event waited
 for on a stream; the host waits only where it touches the bytes itself (sealing, reshaping).
 """
@@ -16,9 +18,10 @@ for on a stream; the host waits only where it touches the bytes itself (sealing,
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from concurrent.futures import Future
-from contextlib import nullcontext
-from dataclasses import dataclass
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
 
 import torch
 
@@ -62,19 +65,19 @@ class Resident:
 
 @dataclass(frozen=True)
 class Slot:
-    """A device buffer a read fills instead of allocating its own: one row of a batched step's
-    staging buffer (runner/engine/tiered_attention.py), keys and values of one row side by side."""
+    """A device buffer a read fills, keys and values side by side: one row of a batched step's
+    staging buffer (runner/engine/tiered_attention.py), or one the read allocates. Its views are made
+    once (`over`): a step's slots are read into at every layer, and each view is an op the host pays for."""
 
-    kv: torch.Tensor  # [2, 1, heads, tokens of room, head_dim], a view
+    kv: torch.Tensor  # [2, batch (1 in a step's slot), heads, tokens of room, head_dim]
+    keys: torch.Tensor  # kv[0]
+    values: torch.Tensor  # kv[1]
+    by_token: torch.Tensor  # kv as the tails hold tokens: [tokens of room, 2, 1, heads, head_dim]
     free: torch.cuda.Event | None = None  # on CUDA: recorded after the slot's previous reader was queued
 
-    @property
-    def keys(self) -> torch.Tensor:
-        return self.kv[0]
-
-    @property
-    def values(self) -> torch.Tensor:
-        return self.kv[1]
+    @classmethod
+    def over(cls, kv: torch.Tensor) -> Slot:
+        return cls(kv, kv[0], kv[1], kv.permute(3, 0, 1, 2, 4))
 
 
 @dataclass(frozen=True)
@@ -151,15 +154,36 @@ class LayerStore:
         new = pairs.shape[0]
         done = copied = 0
         while done < new:
-            if self.tail is None:
-                self.tail = self._new_tail()
-            n = min(new - done, self.block_tokens - self.tail_len)
-            copied += _copy(self.tail[self.tail_len : self.tail_len + n], pairs[done : done + n], self.pinned)
-            self.tail_len += n
-            done += n
-            if self.tail_len == self.block_tokens:
-                self._seal_tail()
-        self.seq_len += new
+            window = self._tail_window(new - done)
+            copied += _copy(window, pairs[done : done + window.shape[0]], self.pinned)
+            done += window.shape[0]
+            self._filled(window.shape[0])
+        return self._appended(new, copied)
+
+    def token_window(self) -> torch.Tensor:
+        """Where this layer's next token goes, (1, 2, batch, heads, head_dim), contiguous: a batched
+        step copies every row's new token into its row's window with one op, then `wrote_token`."""
+        return self._tail_window(1)
+
+    def wrote_token(self, window: torch.Tensor) -> int:
+        """After the copy into `token_window()`: the token is the layer's; returns the bytes it wrote."""
+        self._filled(1)
+        return self._appended(1, window.nbytes)
+
+    def _tail_window(self, tokens: int) -> torch.Tensor:
+        """The tail's room for up to `tokens` new tokens (a new tail if there is none)."""
+        if self.tail is None:
+            self.tail = self._new_tail()
+        return self.tail[self.tail_len : self.tail_len + min(tokens, self.block_tokens - self.tail_len)]
+
+    def _filled(self, tokens: int) -> None:
+        """`tokens` more of the tail are written: a full tail is sealed."""
+        self.tail_len += tokens
+        if self.tail_len == self.block_tokens:
+            self._seal_tail()
+
+    def _appended(self, tokens: int, copied: int) -> int:
+        self.seq_len += tokens
         self.traffic.device_to_host += copied
         self._mark_copies()
         return copied
@@ -184,10 +208,10 @@ class LayerStore:
             self._copies_done,
         )
 
-    def load_async(self, extra_tokens: int, into: Slot | None = None) -> Future[Resident]:
-        """Start bringing the layer to the device on the IO thread, with room for `extra_tokens`
-        (into the buffers of `into` when given: a batched step's slot for this row)."""
-        return self.io.submit(self._materialize, self._snapshot(), extra_tokens, into)
+    def read_later(self, extra_tokens: int, into: Slot | None = None) -> Read:
+        """A read of the layer as it is now, with room for `extra_tokens` (into the buffers of `into`
+        when given: a batched step's slot for this row), for `read_all` to do, with other rows' reads."""
+        return Read(self, self._snapshot(), extra_tokens, into)
 
     def load(self, extra_tokens: int, into: Slot | None = None) -> Resident:
         """Bring the layer to the device after the IO thread's queued work (its seals) is done."""
@@ -207,39 +231,53 @@ class LayerStore:
         """Runs on the IO thread's stream (or the compute thread's, see `load_here`): on CUDA its
         copies are ordered after the tail's by an event (and after the slot's last reader, for a
         slot), and the result carries one for its reader."""
-        # a slot made under inference mode (a decode step) is written under it, on whichever thread
-        with torch.inference_mode() if into is not None and into.keys.is_inference() else nullcontext():
-            return self._fill(snap, extra_tokens, into)
+        with _writing([into]):
+            buffer, copies, decoded = self._plan(snap, extra_tokens, into)
+            copy_all(copies)
+            return self._resident(snap, buffer, decoded + _bytes(copies), self._record())
 
-    def _fill(self, snap: _Snapshot, extra_tokens: int, into: Slot | None) -> Resident:
+    def _plan(self, snap: _Snapshot, extra_tokens: int, into: Slot | None
+              ) -> tuple[Slot, list[tuple[torch.Tensor, torch.Tensor]], int]:
+        """A read's buffer (`into`, or a new one with room for `extra_tokens` more), the copies
+        that fill it, (destination, source), left for the caller to make (`read_all` makes every
+        row's at once), and the bytes already decoded into it (a disk block on CPU decodes straight
+        into its window; a block in RAM is one of the copies)."""
         stream = torch.cuda.current_stream(self.device) if self.pinned else None
         if into is None:  # keys and values side by side, as the tail holds them: one copy reads the tail into both
             shape = (2, snap.batch, self.heads, snap.seq_len + extra_tokens, self.head_dim)
-            kv = torch.empty(shape, dtype=self.dtype, device=self.device)
+            into = Slot.over(torch.empty(shape, dtype=self.dtype, device=self.device))
         else:
-            kv = into.kv
-            assert kv.shape[1] == snap.batch and kv.shape[-2] >= snap.seq_len + extra_tokens, "the slot is too small"
+            assert into.kv.shape[1] == snap.batch and into.kv.shape[-2] >= snap.seq_len + extra_tokens, \
+                "the slot is too small"
             if stream is not None:  # written on this stream: its memory is not handed out again before
-                kv.record_stream(stream)  # these copies ran, even if the step that made it is gone
+                into.kv.record_stream(stream)  # these copies ran, even if the step that made it is gone
             if into.free is not None:
                 stream.wait_event(into.free)
-        keys, values = kv[0], kv[1]
         if snap.copies_done is not None:
             stream.wait_event(snap.copies_done)
-        copied = 0
+        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        decoded = 0
         for i, block in enumerate(snap.blocks):
             window = slice(i * self.block_tokens, (i + 1) * self.block_tokens)
-            if self.device.type == "cpu" and block.rows is None:
-                copied += self.tier.load_into(block.payload.result(), keys[:, :, window], values[:, :, window])
+            keys, values = into.keys[:, :, window], into.values[:, :, window]
+            if self.device.type == "cpu" and block.rows is None and not self.tier.keeps_blocks_in_ram:
+                decoded += self.tier.load_into(block.payload.result(), keys, values)
                 continue
             block_keys, block_values = self._read_block(block)
-            copied += _copy(keys[:, :, window], block_keys) + _copy(values[:, :, window], block_values)
+            copies += [(keys, block_keys), (values, block_values)]
         if snap.tail_len:
-            window = slice(snap.seq_len - snap.tail_len, snap.seq_len)
-            copied += _copy_tail(kv[:, :, :, window], snap.tail[: snap.tail_len])
+            start = snap.seq_len - snap.tail_len
+            copies.append(_tail_copy(into.by_token[start : snap.seq_len], snap.tail[: snap.tail_len]))
+        return into, copies, decoded
+
+    def _record(self) -> torch.cuda.Event | None:
+        """On CUDA: an event after the copies queued so far on this thread's stream, for their reader."""
+        return torch.cuda.current_stream(self.device).record_event() if self.pinned else None
+
+    def _resident(self, snap: _Snapshot, buffer: Slot, copied: int, filled: torch.cuda.Event | None) -> Resident:
+        """The read's result, once its copies (`copied` bytes, counted here) are made or queued."""
         self.traffic.host_to_device += copied
-        filled = stream.record_event() if stream is not None else None
-        return Resident(keys, values, snap.seq_len, copied, filled)
+        return Resident(buffer.keys, buffer.values, snap.seq_len, copied, filled)
 
     # --- reshaping (callers settle any pending read of this layer first) -----------------------
 
@@ -302,13 +340,72 @@ def _head_major(tail: torch.Tensor, pinned: bool) -> torch.Tensor:
     return block
 
 
-def _copy_tail(kv: torch.Tensor, tail: torch.Tensor) -> int:
-    """Copy a token-major tail window (tokens, 2, batch, heads, head_dim) into a head-major device
-    window of keys and values side by side (2, batch, heads, tokens, head_dim), in one copy. On CUDA
-    the pinned window goes to the device in one contiguous asynchronous copy and is transposed there."""
-    if tail.device != kv.device:
-        tail = tail.to(kv.device, non_blocking=True)
-    return _copy(kv.permute(3, 0, 1, 2, 4), tail)
+def _tail_copy(window: torch.Tensor, tail: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The copy of a token-major tail window (tokens, 2, batch, heads, head_dim) into the same tokens
+    of a head-major device buffer of keys and values side by side, seen by token (`Slot.by_token`):
+    one copy. On CUDA the pinned window goes to the device in one contiguous asynchronous copy first
+    (made here) and is transposed there."""
+    if tail.device != window.device:
+        tail = tail.to(window.device, non_blocking=True)
+    return window, tail
+
+
+@dataclass
+class Read:
+    """One layer of one row to bring to the device for its next turn, and the future its layer
+    settles on: a prefetch hands it to an IO thread alone, a batched step with its other rows'."""
+
+    store: LayerStore
+    snap: _Snapshot
+    extra_tokens: int
+    into: Slot | None
+    done: Future[Resident] = field(default_factory=Future)
+
+
+def read_all(reads: Sequence[Read]) -> None:
+    """Do `reads` (any rows' layers, on one device) as one job: one batched copy for all their
+    windows, blocks and tails, rather than a job and copies per row. A read whose future was
+    cancelled first (its layer read itself instead) is skipped; a read that fails fails its own
+    future only, so the error names its row."""
+    planned = []
+    for read in reads:
+        if not read.done.set_running_or_notify_cancel():
+            continue
+        try:
+            with _writing([read.into]):
+                planned.append((read, *read.store._plan(read.snap, read.extra_tokens, read.into)))
+        except Exception as e:  # noqa: BLE001 - raised where its row settles the read
+            read.done.set_exception(e)
+    if not planned:
+        return
+    try:
+        with _writing([read.into for read, *_ in planned]):
+            copy_all([pair for _, _, copies, _ in planned for pair in copies])
+    except Exception as e:  # noqa: BLE001 - raised where each row settles its read
+        for read, *_ in planned:
+            read.done.set_exception(e)
+        return
+    filled = planned[0][0].store._record()
+    for read, buffer, copies, decoded in planned:
+        read.done.set_result(read.store._resident(read.snap, buffer, decoded + _bytes(copies), filled))
+
+
+def _writing(slots: Sequence[Slot | None]) -> AbstractContextManager[object]:
+    """A slot made under inference mode (a decode step) is written under it, on whichever thread."""
+    inference = any(slot is not None and slot.kv.is_inference() for slot in slots)
+    return torch.inference_mode() if inference else nullcontext()
+
+
+def copy_all(copies: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Make every (destination, source) copy with one op (`_foreach_copy_`): one dispatch for many
+    rows' small copies, where a loop of `copy_` pays the host's cost of an op for each."""
+    if copies:
+        torch._foreach_copy_([dst for dst, _ in copies], [src for _, src in copies], non_blocking=True)
+
+
+def _bytes(copies: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> int:
+    """What `copies` write: the traffic counters add up the copies' own destinations."""
+    return sum(dst.nbytes for dst, _ in copies)
 
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = True) -> int:

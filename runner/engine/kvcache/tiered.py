@@ -16,7 +16,7 @@ Sliding-window layers are bounded by their window and stay resident as transform
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +34,7 @@ from jobs.kvplan import Placement
 from jobs.rungs import TierName
 from runner.engine.kvcache.budget import ResidentMeter
 from runner.engine.kvcache.io_thread import IOThread
-from runner.engine.kvcache.layer_store import LayerStore, Resident, Slot, Traffic
+from runner.engine.kvcache.layer_store import LayerStore, Read, Resident, Slot, Traffic, read_all
 from runner.engine.kvcache.resident import GrowingLayer, allocated_bytes
 from runner.engine.kvcache.tiers import DiskTier, HostTier, Tier
 from storage.kvblocks import BlockCodec, Compression
@@ -82,9 +82,7 @@ class TieredLayer(CacheLayerMixin):
         self.shared = shared
         self.tier = tier
         self.store: LayerStore | None = None
-        self._pending: Future[Resident] | None = None
-        self._pending_extra = 0
-        self._pending_into: Slot | None = None
+        self._pending: Read | None = None  # queued on an IO thread: this row's own, or a batched step's reader
         self._ready: Resident | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -122,37 +120,45 @@ class TieredLayer(CacheLayerMixin):
         self._count_decode(new, old, copied_out, waited)
         return keys, values
 
-    def update_in_slot(self, pair: torch.Tensor, slot: Slot) -> None:
-        """A batched decode step's share of this layer (runner/engine/tiered_attention.py): the old
-        tokens into `slot` (a prefetch into it already did that), the new one (`pair`: its keys and
-        values as the tail holds them, layer_store.token_pairs) off to the tier. The step writes the
-        new token into the slot itself, with every other row's, and attends."""
-        assert self.store is not None and pair.shape[0] == 1
+    def begin_turn(self, slot: Slot) -> SlotTurn:
+        """A batched decode step's share of this layer (runner/engine/tiered_attention.py), first
+        half: the old tokens in `slot` (a read ahead into it put them there; else the step copies
+        them in, `SlotTurn.carried`) and the tail window the new token goes to. The step copies
+        every row's new token into its window and into the slots, attends, and `finish_turn`s."""
+        assert self.store is not None
         waited_from = time.perf_counter()
         old = self._take_resident(extra_tokens=1, into=slot)
         waited = time.perf_counter() - waited_from
         assert old is not None, "a batched step's tiered rows hold tokens"
-        if old.keys.data_ptr() != slot.keys.data_ptr():  # read before the step had slots (its first layer's prefetch)
-            slot.keys[:, :, : old.length].copy_(old.keys[:, :, : old.length])
-            slot.values[:, :, : old.length].copy_(old.values[:, :, : old.length])
-        copied_out = self.store.append_pairs(pair)
+        carried = []
+        if old.keys.data_ptr() != slot.kv.data_ptr():  # read before the step had slots (its first layer's prefetch)
+            carried = [(slot.keys[:, :, : old.length], old.keys[:, :, : old.length]),
+                       (slot.values[:, :, : old.length], old.values[:, :, : old.length])]
+            self.shared.device_meter.hold(self.layer_idx, slot.kv.nbytes)  # a read into the slot held it already
+        return SlotTurn(self, slot, old, waited, carried, self.store.token_window())
+
+    def finish_turn(self, turn: SlotTurn, waited_with_others: float) -> None:
+        """After the step copied the new token into `turn.window`: the token is this layer's; the
+        copies are counted (`waited_with_others`: this row's share of the step's wait for its reads)."""
+        assert self.store is not None
+        copied_out = self.store.wrote_token(turn.window)
         self.shared.host_meter.hold(self.layer_idx, self.store.host_bytes)
-        self.shared.device_meter.hold(self.layer_idx, slot.kv.nbytes)
-        self._count_decode(1, old, copied_out, waited)
+        self._count_decode(1, turn.old, copied_out, turn.waited + waited_with_others)
 
     def _count_decode(self, new: int, old: Resident | None, copied_out: int, waited: float) -> None:
         if new == 1:  # a decode step: what the copies that brought its old tokens in and took its new one out wrote
             self.shared.traffic.decode_bytes += (old.copied_bytes if old is not None else 0) + copied_out
             self.shared.traffic.decode_wait_s += waited
 
-    def prefetch_async(self, extra_tokens: int, into: Slot | None = None) -> None:
-        """Start bringing this layer to the device for its next turn (with room for its new tokens;
-        into `into`, a batched step's slot, when given)."""
+    def read_ahead(self, extra_tokens: int, into: Slot | None = None) -> Read | None:
+        """The read that brings this layer to the device for its next turn (with room for its new
+        tokens; into `into`, a batched step's slot, when given), for the caller to queue: alone, or
+        with the step's other rows' (`read_all`). None if there is nothing to read or a read is pending."""
         if self.store is None or self.store.seq_len == 0 or self._pending is not None or self._ready is not None:
-            return
+            return None
         self.shared.device_meter.hold(self.layer_idx, self._resident_bytes(extra_tokens, into))
-        self._pending = self.store.load_async(extra_tokens, into)
-        self._pending_extra, self._pending_into = extra_tokens, into
+        self._pending = self.store.read_later(extra_tokens, into)
+        return self._pending
 
     def _take_resident(self, extra_tokens: int, into: Slot | None = None) -> Resident | None:
         self._settle()
@@ -173,13 +179,13 @@ class TieredLayer(CacheLayerMixin):
         """Finish a background read of this layer before anything reads or changes the layer."""
         if self._pending is not None:
             pending, self._pending = self._pending, None
-            if pending.cancel():
+            if pending.done.cancel():
                 # Still queued (the IO thread is busy or starved of CPU): reading here beats waiting
                 # for its turn. Nothing changed the layer since the read was queued.
                 assert self.store is not None
-                self._ready = self._adopt(self.store.load_here(self._pending_extra, self._pending_into))
+                self._ready = self._adopt(self.store.load_here(pending.extra_tokens, pending.into))
             else:
-                self._ready = self._adopt(pending.result())
+                self._ready = self._adopt(pending.done.result())
 
     def _adopt(self, resident: Resident) -> Resident:
         """Buffers filled on the IO thread's stream are used on this (the compute) thread's stream,
@@ -244,7 +250,19 @@ class TieredLayer(CacheLayerMixin):
         """Nothing to do: this layer is never left on the device between turns."""
 
     def prefetch(self) -> None:
-        """Nothing to do: `prefetch_async` (driven by TieredCache) brings the layer back."""
+        """Nothing to do: `read_ahead` (driven by TieredCache and batched steps) brings the layer back."""
+
+
+@dataclass
+class SlotTurn:
+    """One row's share of one streamed layer in a batched decode step, between its two halves."""
+
+    layer: TieredLayer
+    slot: Slot
+    old: Resident
+    waited: float  # seconds the compute thread waited for this row's read of the layer
+    carried: list[tuple[torch.Tensor, torch.Tensor]]  # copies (slot window, source) of old tokens read elsewhere
+    window: torch.Tensor  # the tail window the new token goes to
 
 
 class TieredCache(Cache):
@@ -319,21 +337,26 @@ class TieredCache(Cache):
         return isinstance(layer, TieredLayer) and layer.store is not None and layer.store.seq_len > 0 \
             and layer.store.batch == 1
 
-    def update_in_slot(self, pair: torch.Tensor, layer_idx: int, slot: Slot, next_slot: Slot | None,
-                       rows: int) -> None:
-        """This row's share of streamed layer `layer_idx` in a batched decode step of `rows` tiered
-        rows (runner/engine/tiered_attention.py): its old tokens into `slot`, its new one (`pair`,
-        (1, 2, 1, kv_heads, head_dim)) to the tier;
-        the next layer is read ahead into `next_slot` (this row's slot for layer `layer_idx + 1`)."""
+    def begin_turn(self, layer_idx: int, slot: Slot) -> SlotTurn:
+        """This row's share of streamed layer `layer_idx` in a batched decode step
+        (runner/engine/tiered_attention.py), first half: its old tokens in `slot`, its tail window."""
         layer = self.layers[layer_idx]
         assert isinstance(layer, TieredLayer)
         self._count_step(layer_idx, 1)
         self._switch_to(layer_idx)
-        layer.update_in_slot(pair, slot)
-        self._prefetch_after(layer_idx, 1, next_slot)
+        return layer.begin_turn(slot)
+
+    def finish_turn(self, turn: SlotTurn, rows: int, waited_with_others: float, next_slot: Slot | None
+                    ) -> Read | None:
+        """Second half, once the step of `rows` tiered rows copied the new token to `turn.window`:
+        the read of the streamed layer after this one, for the step to queue with its other rows'
+        (into `next_slot` when that is layer `layer_idx + 1`); None if there is none."""
+        layer_idx = turn.layer.layer_idx
+        turn.layer.finish_turn(turn, waited_with_others)
         self._note_kv_peak(layer_idx)
         self.batched_layers += 1
         self.most_batched_rows = max(self.most_batched_rows, rows)
+        return self._read_after(layer_idx, 1, next_slot)
 
     def _count_step(self, layer_idx: int, new: int) -> None:
         if layer_idx == self._first_layer and new == 1:
@@ -344,13 +367,19 @@ class TieredCache(Cache):
             self.shared.device_meter.drop(self._current)  # its attention has run: its buffers are free
         self._current = layer_idx
 
-    def _prefetch_after(self, layer_idx: int, new: int, next_slot: Slot | None = None) -> None:
+    def _prefetch_after(self, layer_idx: int, new: int) -> None:
+        read = self._read_after(layer_idx, new, None)
+        if read is not None:
+            read.store.io.submit(read_all, [read])
+
+    def _read_after(self, layer_idx: int, new: int, next_slot: Slot | None) -> Read | None:
         following_idx = self._next_tiered[layer_idx]
-        if following_idx != layer_idx:
-            # Within a step the next layer gets the same new tokens; past the last layer, guess a
-            # decode step (one token) rather than reserve room for another prompt-sized chunk.
-            into = next_slot if following_idx == layer_idx + 1 else None
-            self.layers[following_idx].prefetch_async(extra_tokens=new if following_idx > layer_idx else 1, into=into)
+        if following_idx == layer_idx:
+            return None
+        # Within a step the next layer gets the same new tokens; past the last layer, guess a
+        # decode step (one token) rather than reserve room for another prompt-sized chunk.
+        into = next_slot if following_idx == layer_idx + 1 else None
+        return self.layers[following_idx].read_ahead(extra_tokens=new if following_idx > layer_idx else 1, into=into)
 
     def _note_kv_peak(self, layer_idx: int) -> None:
         """After the last layer of a forward pass every layer holds its new tokens: the KV size
@@ -380,6 +409,9 @@ class TieredCache(Cache):
 
     def stats(self) -> dict[str, Any]:
         """Sizes and traffic so far; the first five keys are the result row's columns."""
+        for layer in self.layers:  # a read ahead may be queued on another row's IO thread (a batched step's)
+            if isinstance(layer, TieredLayer):
+                layer._settle()
         self.shared.drain()
         traffic = self.shared.traffic
         tier = self.shared.tier

@@ -33,7 +33,12 @@ class Tier(Protocol):
 
     def seal(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> object: ...
     def load(self, payload: object, shape: torch.Size, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]: ...
-    def load_into(self, payload: object, keys: torch.Tensor, values: torch.Tensor) -> int: ...
+    def load_into(self, payload: object, keys: torch.Tensor, values: torch.Tensor) -> int:
+        """Decode a block straight into CPU windows of a layer's buffer. Only tiers that do not keep
+        blocks in RAM have one: the others' `load` is the stored block itself, which the reader
+        copies with every other row's (layer_store.read_all)."""
+        ...
+
     def discard_from(self, payload: object) -> None: ...
     def close(self) -> None: ...
 
@@ -48,13 +53,6 @@ class HostTier:
 
     def load(self, payload: object, shape: torch.Size, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         return payload  # type: ignore[return-value]
-
-    def load_into(self, payload: object, keys: torch.Tensor, values: torch.Tensor) -> int:
-        """Copy the block into `keys` and `values`; returns the bytes written."""
-        stored_keys, stored_values = payload  # type: ignore[misc]
-        keys.copy_(stored_keys)
-        values.copy_(stored_values)
-        return keys.nbytes + values.nbytes
 
     def discard_from(self, payload: object) -> None:
         pass
