@@ -110,9 +110,11 @@ class PooledStep:
         """The model's attention over the live slots, one call per run; the rows' outputs, in row order."""
         if not self.packed:
             query = query.new_zeros((self.live, *query.shape[1:])).index_copy_(0, self.slots, query)
-        outs = [inner(module, query[start:end], key[start:end, :, :span], value[start:end, :, :span],
-                      self.mask[start:end, :, :, :span], **kwargs)[0] for start, end, span in self.runs]
-        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        if len(self.runs) == 1:  # the views as they are: no slicing ops
+            out = inner(module, query, key, value, self.mask, **kwargs)[0]
+        else:
+            out = torch.cat([inner(module, query[start:end], key[start:end, :, :span], value[start:end, :, :span],
+                                   self.mask[start:end, :, :, :span], **kwargs)[0] for start, end, span in self.runs])
         return out if self.packed else out.index_select(0, self.slots)
 
     def advance(self) -> None:
