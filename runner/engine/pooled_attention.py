@@ -14,8 +14,8 @@ long row the short ones read (masked) padding: the work a varlen kernel skips. T
 in slot order, into at most `MOST_RUNS` contiguous runs that each read up to their own longest row,
 where a cut saves enough of those reads (`attention_runs`); rows of like lengths (the bench's, a batch
 that joined together) stay one call per layer. A sequence takes the next free slot when it joins (one
-leaving hands its slot to the last), so slots run roughly from the longest-decoded rows to the newest
-and a long prompt that joined late sits at the end, apart: the cuts need no reordering of the pool.
+leaving hands its slot to the last), so slots run roughly from the longest-decoded rows to the newest;
+a long row anywhere among short ones is three runs: the cuts need no reordering (no copy) of the pool.
 """
 
 from __future__ import annotations
