@@ -44,16 +44,19 @@ class AttentionKeys(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _decode(model: PreTrainedModel, pool: KVPool, prompts: list[list[int]]) -> tuple[list[list[int]], list[list]]:
+def _decode(model: PreTrainedModel, pool: KVPool, prompts: list[list[int]], sitting_out: list[int] | None = None
+            ) -> tuple[list[list[int]], list[list]]:
     """Each prompt prefilled into its own slot (in order), then STEPS pooled steps of all of them: every
-    row's greedy tokens, and each step's attention keys."""
+    row's greedy tokens, and each step's attention keys. `sitting_out`, prefilled last, holds a slot
+    but takes no step (as a sequence does while its prompt rides in chunks)."""
     caches, tokens = [], []
-    for prompt in prompts:
+    for prompt in prompts + ([sitting_out] if sitting_out else []):
         cache = PooledCache(pool, len(prompt) + STEPS + 1)
         with torch.inference_mode():
             logits = model(input_ids=torch.tensor([prompt]), past_key_values=cache, use_cache=True).logits
         caches.append(cache)
         tokens.append([int(logits[0, -1].argmax())])
+    idle = [caches.pop(), tokens.pop()] if sitting_out else []
     steps = []
     for _ in range(STEPS):
         seen = AttentionKeys()
@@ -62,7 +65,7 @@ def _decode(model: PreTrainedModel, pool: KVPool, prompts: list[list[int]]) -> t
         steps.append(seen.keys)
         for row, token in enumerate(logits.argmax(-1).tolist()):
             tokens[row].append(token)
-    for cache in caches:
+    for cache in caches + idle[:1]:
         cache.close()
     return tokens, steps
 
@@ -80,6 +83,22 @@ def test_rows_far_apart_in_length_attend_in_runs_with_their_tokens_alone() -> No
     for step, keys in enumerate(steps):  # the long row attends 201 tokens at its first step, the short ones 16
         assert keys == [(1, kv_heads, 201 + step, head_dim), (11, kv_heads, 16 + step, head_dim)] * text.num_hidden_layers
     assert pool.most_runs == 2 and pool.most_rows == 12 and pool.meter.total == 0
+
+
+def test_a_long_row_among_short_ones_and_a_slot_sitting_out_attend_in_three_runs() -> None:
+    """The long row in the middle of the slots is a run of its own; the slot that takes no step (its
+    query scattered in, its output dropped: the step is not packed) rides in the last run."""
+    model = tiny_model("llama-gqa")
+    text = model.config
+    kv_heads, head_dim = text.num_key_value_heads, text.hidden_size // text.num_attention_heads
+    prompts = [random_prompt(n)[0].tolist() for n in (*range(5, 12), 200, *range(12, 20))]
+    pool = cpu_kv_pool(model)
+    got, steps = _decode(model, pool, prompts, sitting_out=random_prompt(30)[0].tolist())
+    assert got == [tokens_alone(model, p, STEPS + 1, NO_LOOP_STOP) for p in prompts]
+    for step, keys in enumerate(steps):  # the slot sitting out is read for one token, whatever it holds
+        assert keys == [(7, kv_heads, 12 + step, head_dim), (1, kv_heads, 201 + step, head_dim),
+                        (9, kv_heads, 20 + step, head_dim)] * text.num_hidden_layers
+    assert pool.most_runs == 3 and pool.most_rows == 16 and pool.meter.total == 0
 
 
 def test_rows_of_like_lengths_attend_in_one_call_per_layer_up_to_the_longest() -> None:
