@@ -2,11 +2,11 @@
 
 Every pooled sequence's KV lives in one slot of two buffers, keys and values, each
 [layers, slots, kv_heads, tokens, head_dim]: a decode step writes every pooled row's new K/V with one
-indexed write per layer and attends over all of them with one attention call per layer
-(runner/engine/pooled_attention.py). Slots, not paged blocks: a slot is one row of an ordinary
-[batch, heads, tokens, head_dim] tensor, which SDPA reads in place; paged blocks would need a gather
-of every row's KV per layer per step (a second read of all of it) or a paged kernel that torch does
-not ship for the CPU. The price is padding: every slot has the room of the longest sequence
+indexed write per layer and attends over all of them with one attention call per layer (a few where
+rows of very different lengths would read much padding: runner/engine/pooled_attention.py). Slots,
+not paged blocks: a slot is one row of an ordinary [batch, heads, tokens, head_dim] tensor, which SDPA
+reads in place; paged blocks would need a gather of every row's KV per layer per step (a second read
+of all of it) or a paged kernel that torch does not ship for the CPU. The price is padding: every slot has the room of the longest sequence
 (docs/kv-cache.md, "The pooled decode step").
 
 The live slots are kept packed at the front (a sequence leaving moves the last one into its slot),
@@ -46,11 +46,13 @@ class KVPool:
         self.steps = 0
         """Decode steps run over the pool: what a test or a bench asks to know the pooled path ran."""
         self.most_rows = 0
-        """The most rows one pooled step has attended in one call."""
+        """The most rows one pooled step has attended."""
+        self.most_runs = 0
+        """The most attention calls per layer one pooled step has made (runner/engine/pooled_attention.py runs)."""
 
     @classmethod
     def for_model(cls, config: PretrainedConfig, dtype: torch.dtype, device: torch.device,
-                  meter: ResidentMeter) -> "KVPool":
+                  meter: ResidentMeter) -> KVPool:
         text = config.get_text_config(decoder=True)
         layer_types, _ = get_layer_types_and_kwargs(text)
         if any(kind != "full_attention" for kind in layer_types):
@@ -75,14 +77,14 @@ class KVPool:
         assert self.keys is not None and self.values is not None, "the pool holds no sequence"
         return self.keys[layer_idx], self.values[layer_idx]
 
-    def claim(self, cache: "PooledCache", tokens: int) -> int:
+    def claim(self, cache: PooledCache, tokens: int) -> int:
         """A slot for `cache` with room for `tokens`; raises `KVBudgetExceeded` (a memory error: the
         scheduler waits for a smaller batch, or the task moves down the ladder) when it does not fit."""
         self.ensure(len(self.owners) + 1, tokens)
         self.owners.append(cache)
         return len(self.owners) - 1
 
-    def release(self, cache: "PooledCache") -> None:
+    def release(self, cache: PooledCache) -> None:
         """The sequence leaves: the last live slot moves into its place; an empty pool frees its buffers."""
         slot = self.owners.index(cache)
         last = self.owners.pop()
@@ -141,7 +143,7 @@ def _granule(tokens: int) -> int:
 class PooledLayer(DynamicLayer):
     """One layer of a pooled sequence: its KV is its slot of the pool's buffers."""
 
-    def __init__(self, cache: "PooledCache", layer_idx: int) -> None:
+    def __init__(self, cache: PooledCache, layer_idx: int) -> None:
         super().__init__()
         self.cache, self.layer_idx = cache, layer_idx
 

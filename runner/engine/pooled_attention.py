@@ -1,16 +1,26 @@
-"""The pooled rows of one decode step: one K/V write and one attention call per layer for all of them.
+"""The pooled rows of one decode step: one K/V write and few attention calls per layer for all of them.
 
 Built once per step (runner/engine/ragged.py `decode_step`), before the forward pass: the slots and
-positions the rows write to, and the additive length mask over the pool's live slots that lets each
-row attend to its own tokens only. Per layer, `write` puts every row's new K/V into the pool with one
-indexed write each and hands attention a view of the live slots; `attend` runs the model's own
-attention implementation once over that view. The step's rows are ordered by slot, so when they are
-all the pool's live slots (the usual case) the queries are the pool's rows as they are; otherwise
-they are scattered to their slots and gathered back, one op each.
+positions the rows write to, the additive length mask over the pool's live slots that lets each row
+attend to its own tokens only, and the runs the live slots are attended in. Per layer, `write` puts
+every row's new K/V into the pool with one indexed write each and hands attention a view of the live
+slots; `attend` runs the model's own attention implementation once per run over a view of it. The
+step's rows are ordered by slot, so when they are all the pool's live slots (the usual case) the
+queries are the pool's rows as they are; otherwise they are scattered to their slots and gathered
+back, one op each.
+
+Runs: one attention call over all live slots reads every slot up to the longest row, so beside a
+long row the short ones read (masked) padding: the work a varlen kernel skips. The live slots are cut,
+in slot order, into at most `MOST_RUNS` contiguous runs that each read up to their own longest row,
+where a cut saves enough of those reads (`attention_runs`); rows of like lengths (the bench's, a batch
+that joined together) stay one call per layer. A sequence takes the next free slot when it joins (one
+leaving hands its slot to the last), so slots run roughly from the longest-decoded rows to the newest;
+a long row anywhere among short ones is three runs: the cuts need no reordering (no copy) of the pool.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -18,12 +28,47 @@ import torch
 
 from runner.engine.kvpool import KVPool, PooledCache
 
+MOST_RUNS = 4
+"""Attention calls per layer at most for the pooled rows."""
+RUN_TOKENS = 1024
+"""What a call more must save in reads, in token-rows (rows x tokens): an attention call costs a
+launch and a fixed setup, which a handful of padded tokens does not repay."""
+
 
 def length_mask(attended: Sequence[int], span: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """The additive mask [rows, 1, 1, span] that lets row i attend to its first `attended[i]` tokens."""
     valid = torch.arange(span, device=device) < torch.tensor(attended, device=device)[:, None]
     return torch.zeros((len(attended), 1, 1, span), dtype=dtype, device=device).masked_fill_(
         ~valid[:, None, None, :], torch.finfo(dtype).min)
+
+
+def attention_runs(attended: Sequence[int]) -> list[tuple[int, int, int]]:
+    """The live slots (slot i attends its first `attended[i]` tokens) as runs `(start, end, span)`:
+    slots start..end-1 attended in one call up to `span`, the run's longest. The cut into at most
+    `MOST_RUNS` contiguous runs that reads the fewest token-rows, each run after the first charged
+    `RUN_TOKENS` (a dynamic programme over the cuts, skipped when the padding could not pay for one)."""
+    count, longest = len(attended), max(attended)
+    if count * longest - sum(attended) < RUN_TOKENS:
+        return [(0, count, longest)]
+    # reads[k][end]: the fewest token-rows slots 0..end-1 read in k runs; first[k][end]: where the last starts
+    reads = [[math.inf] * (count + 1) for _ in range(MOST_RUNS + 1)]
+    first = [[0] * (count + 1) for _ in range(MOST_RUNS + 1)]
+    reads[0][0] = 0
+    for k in range(1, MOST_RUNS + 1):
+        for end in range(k, count + 1) if k < MOST_RUNS else (count,):  # the last k: all the slots only
+            span = 0
+            for start in range(end - 1, k - 2, -1):
+                span = max(span, attended[start])
+                total = reads[k - 1][start] + (end - start) * span
+                if total < reads[k][end]:
+                    reads[k][end], first[k][end] = total, start
+    runs_count = min(range(1, MOST_RUNS + 1), key=lambda k: reads[k][count] + RUN_TOKENS * (k - 1))
+    runs, end = [], count
+    for k in range(runs_count, 0, -1):
+        start = first[k][end]
+        runs.append((start, end, max(attended[start:end])))
+        end = start
+    return runs[::-1]
 
 
 class PooledStep:
@@ -48,8 +93,10 @@ class PooledStep:
         for slot, length in zip(slots, lengths):
             attended[slot] = length + 1
         self.mask = length_mask(attended, self.span, pool.dtype, device)
+        self.runs = attention_runs(attended)
         pool.steps += 1
         pool.most_rows = max(pool.most_rows, self.count)
+        pool.most_runs = max(pool.most_runs, len(self.runs))
 
     def write(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows' new K/V ([rows, kv_heads, 1, head_dim]) into their slots; the live slots' K/V."""
@@ -59,11 +106,15 @@ class PooledStep:
         return pool_keys[: self.live, :, : self.span], pool_values[: self.live, :, : self.span]
 
     def attend(self, inner: Callable[..., Any], module: torch.nn.Module, query: torch.Tensor,
-               key: torch.Tensor | None, value: torch.Tensor | None, **kwargs: Any) -> torch.Tensor:
-        """One call of the model's attention over the live slots; the rows' outputs, in row order."""
+               key: torch.Tensor, value: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        """The model's attention over the live slots, one call per run; the rows' outputs, in row order."""
         if not self.packed:
             query = query.new_zeros((self.live, *query.shape[1:])).index_copy_(0, self.slots, query)
-        out = inner(module, query, key, value, self.mask, **kwargs)[0]
+        if len(self.runs) == 1:  # the views as they are: no slicing ops
+            out = inner(module, query, key, value, self.mask, **kwargs)[0]
+        else:
+            out = torch.cat([inner(module, query[start:end], key[start:end, :, :span], value[start:end, :, :span],
+                                   self.mask[start:end, :, :, :span], **kwargs)[0] for start, end, span in self.runs])
         return out if self.packed else out.index_select(0, self.slots)
 
     def advance(self) -> None:

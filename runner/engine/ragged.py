@@ -9,8 +9,9 @@ here ("kvbatch-ragged") attends row by row with the model's own attention functi
 builds no mask for an attention implementation it has no mask function for, and a decode row needs none.
 
 Rows whose cache is a slot of the worker's KV pool (runner/engine/kvpool.py) go first, in slot
-order, as one group: one write and one attention call per layer for all of them
-(runner/engine/pooled_attention.py). Tiered rows whose attention is batched (`batch.attention:
+order, as one group: one write and one attention call per layer for all of them (a few calls where
+their lengths differ widely, so short rows do not read a long one's padding:
+runner/engine/pooled_attention.py). Tiered rows whose attention is batched (`batch.attention:
 pooled`) go next, as a second group: one write and one attention call per streamed layer over
 staging slots their layers are read into (runner/engine/tiered_attention.py). The other rows of the
 same step stay per row.
