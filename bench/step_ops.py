@@ -35,7 +35,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel
 from jobs.config import SummarizeConfig
 from runner.engine.generation import TokenPicker, choose_tokens
 from runner.engine.kvcache import BudgetedDynamicCache, ResidentMeter, TieredCache
-from runner.engine.kvpool import KVPool, PooledCache
+from runner.engine.kvcache.pool import KVPool, PooledCache
 from runner.engine.model_loader import LoadedModel
 from runner.engine.model_registry import word_tokenizer
 from runner.engine.ragged import decode_step

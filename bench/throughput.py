@@ -62,7 +62,7 @@ from transformers import AutoModelForCausalLM, ContinuousBatchingConfig, Generat
 from jobs.config import ModelConfig, SummarizeConfig, load_config
 from runner.engine.generation import TokenClock, prefill
 from runner.engine.kvcache import BudgetedDynamicCache, ResidentMeter, TieredCache
-from runner.engine.kvpool import KVPool, PooledCache
+from runner.engine.kvcache.pool import KVPool, PooledCache
 from runner.engine.model_loader import LoadedModel, load_model
 from runner.engine.model_registry import word_tokenizer
 from runner.engine.ragged import decode_step

@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from jobs.config import CacheConfig, SummarizeConfig, load_config
 from jobs.task import Task
 from runner.engine.kvcache import ResidentMeter, TieredCache, build_cache
-from runner.engine.kvpool import KVPool
+from runner.engine.kvcache.pool import KVPool
 from runner.engine.model_loader import LoadedModel
 from runner.engine.model_registry import word_tokenizer
 from runner.engine.ragged import decode_step

@@ -1,4 +1,4 @@
-"""The pooled decode step (runner/engine/kvpool.py, pooled_attention.py) on real tiny random models.
+"""The pooled decode step (runner/engine/kvcache/pool.py, pooled_attention.py) on real tiny random models.
 
 Like tests/test_batching.py: the reference is plain `model.generate` one prompt at a time, and
 every test asserts that the path it targets really ran (the pool's own count of the rows it

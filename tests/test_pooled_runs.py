@@ -19,8 +19,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import PreTrainedModel
 
 from jobs.config import LoopStopConfig
-from runner.engine import ragged  # before kvpool: kvpool imported first meets the kvcache package half made
-from runner.engine.kvpool import KVPool, PooledCache
+from runner.engine import ragged
+from runner.engine.kvcache.pool import KVPool, PooledCache
 from runner.engine.pooled_attention import MOST_RUNS, RUN_TOKENS, attention_runs
 from tests.helpers.batching import cpu_kv_pool, tokens_alone
 from tests.helpers.models import random_prompt, tiny_model

@@ -19,7 +19,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from jobs.kvplan import Placement
 from runner.engine.kvcache import ResidentMeter, TieredCache
-from runner.engine.kvpool import KVPool, PooledCache
+from runner.engine.kvcache.pool import KVPool, PooledCache
 from runner.engine.ragged import RowFailed, decode_step
 from tests.helpers.models import random_prompt, tiny_model
 

@@ -17,7 +17,7 @@ from jobs.config import CacheConfig
 from jobs.kvplan import KVShape, Placement, device_kv_bytes, host_kv_bytes, kv_bytes, plan_placement
 from jobs.rungs import RUNGS
 from runner.engine.kvcache import CacheHandle, ResidentMeter, build_cache
-from runner.engine.kvpool import KVPool
+from runner.engine.kvcache.pool import KVPool
 
 
 @dataclass(frozen=True)

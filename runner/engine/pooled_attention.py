@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from runner.engine.kvpool import KVPool, PooledCache
+from runner.engine.kvcache.pool import KVPool, PooledCache
 
 MOST_RUNS = 4
 """Attention calls per layer at most for the pooled rows."""

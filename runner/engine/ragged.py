@@ -8,7 +8,7 @@ K/V to that row's cache and returns them as `RowGroups`, which the attention fun
 here ("kvbatch-ragged") attends row by row with the model's own attention function. transformers
 builds no mask for an attention implementation it has no mask function for, and a decode row needs none.
 
-Rows whose cache is a slot of the worker's KV pool (runner/engine/kvpool.py) go first, in slot
+Rows whose cache is a slot of the worker's KV pool (runner/engine/kvcache/pool.py) go first, in slot
 order, as one group: one write and one attention call per layer for all of them (a few calls where
 their lengths differ widely, so short rows do not read a long one's padding:
 runner/engine/pooled_attention.py). Tiered rows whose attention is batched (`batch.attention:
@@ -38,7 +38,7 @@ from transformers.cache_utils import Cache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from runner.engine.kvcache.tiered import TieredCache
-from runner.engine.kvpool import PooledCache
+from runner.engine.kvcache.pool import PooledCache
 from runner.engine.pooled_attention import PooledStep
 from runner.engine.tiered_attention import TieredRowFailed, TieredStep
 

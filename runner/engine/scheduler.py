@@ -46,7 +46,7 @@ from jobs.stopping import StopReason
 from runner.engine.batch_plan import BatchPlan, BatchSequence, Status
 from runner.engine.generation import Generation, TokenPicker, generate_once, choose_tokens, prefill
 from runner.engine.kvcache import CacheHandle
-from runner.engine.kvpool import PooledCache
+from runner.engine.kvcache.pool import PooledCache
 from runner.engine.model_loader import LoadedModel
 from runner.engine.probes import StageMemory, memory_snapshot
 from runner.engine.ragged import CHUNK_ATTENTION, PrefillChunk, RowFailed, mixed_step

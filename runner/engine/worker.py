@@ -39,7 +39,7 @@ from jobs.rungs import RUNGS
 from jobs.task import Task
 from runner.engine.cache_recipe import CacheKit
 from runner.engine.kvcache import ResidentMeter, kv_shape, ram_left_by_weights, resolve_budgets
-from runner.engine.kvpool import KVPool
+from runner.engine.kvcache.pool import KVPool
 from runner.engine.model_loader import load_model
 from runner.engine.probes import StageMemory, memory_snapshot
 from runner.engine.rung_attempt import CacheTotals, RungAttempt

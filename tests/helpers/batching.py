@@ -15,7 +15,7 @@ from jobs.config import CacheConfig, LoopStopConfig
 from jobs.kvplan import kv_bytes
 from jobs.stopping import loop_stopped
 from runner.engine.kvcache import CacheHandle, ResidentMeter, build_cache, kv_shape
-from runner.engine.kvpool import KVPool
+from runner.engine.kvcache.pool import KVPool
 from runner.engine.model_loader import LoadedModel
 from runner.engine.probes import StageMemory
 from runner.engine.scheduler import BatchScheduler, PassRequest
