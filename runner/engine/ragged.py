@@ -37,8 +37,8 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.cache_utils import Cache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from runner.engine.kvcache.tiered import TieredCache
 from runner.engine.kvcache.pool import PooledCache
+from runner.engine.kvcache.tiered import TieredCache
 from runner.engine.pooled_attention import PooledStep
 from runner.engine.tiered_attention import TieredRowFailed, TieredStep
 

@@ -44,7 +44,7 @@ from jobs.config import PREFILL_CHUNK_TOKENS, PrefillMode, SummarizeConfig
 from jobs.outcome import CacheStats
 from jobs.stopping import StopReason
 from runner.engine.batch_plan import BatchPlan, BatchSequence, Status
-from runner.engine.generation import Generation, TokenPicker, generate_once, choose_tokens, prefill
+from runner.engine.generation import Generation, TokenPicker, choose_tokens, generate_once, prefill
 from runner.engine.kvcache import CacheHandle
 from runner.engine.kvcache.pool import PooledCache
 from runner.engine.model_loader import LoadedModel

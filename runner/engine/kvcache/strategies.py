@@ -22,8 +22,8 @@ from jobs.rungs import RUNGS
 from runner.engine.kvcache.budget import ResidentMeter
 from runner.engine.kvcache.dynamic import BudgetedDynamicCache
 from runner.engine.kvcache.handle import CacheHandle
-from runner.engine.kvcache.tiered import TieredCache
 from runner.engine.kvcache.pool import KVPool, PooledCache
+from runner.engine.kvcache.tiered import TieredCache
 
 CUDA_SAFETY_MARGIN = 0.10
 """Share of a GPU's memory left for activations and the allocator when the device budget is auto."""
