@@ -27,6 +27,7 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -66,7 +67,11 @@ class Side:
             [sys.executable, str(WORKER), "--tree", str(spec.tree), "--prompts", str(prompts_file),
              "--attention", spec.attention, "--threads", str(threads), "--room", str(room)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=spec.tree)
-        self.ready = self._read()
+        try:
+            self.ready = self._read()
+        except BaseException:  # stopped while it prefills: it is no one's to close
+            self.proc.kill()
+            raise
 
     def ask(self, command: str) -> dict[str, Any]:
         assert self.proc.stdin is not None
@@ -127,6 +132,8 @@ def measure(shape: str, prompts: list[list[int]], specs: list[SideSpec], args: a
         for r in range(args.rounds):
             for side in sides[r % len(sides):] + sides[:r % len(sides)]:
                 seconds[side.spec.name].append(side.ask(f"steps {args.steps}")["seconds"])
+            print(f"  {shape}: round {r + 1}: " + ", ".join(
+                f"{name} {len(prompts) * args.steps / s[-1]:.1f} tok/s" for name, s in seconds.items()), flush=True)
         tokens = {s.spec.name: s.ask("tokens")["tokens"] for s in sides}
     finally:
         for side in sides:
@@ -167,6 +174,7 @@ def main() -> None:
     parser.add_argument("--revision", default=BEFORE, help="the code to compare with")
     parser.add_argument("--json", action="store_true", help="end with one JSON line of the figures")
     args = parser.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a stopped run still removes its checkout
     ids = corpus()
     print(f"SmolLM2-135M fp32, {args.threads} torch threads a side, greedy; load average "
           f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs", flush=True)

@@ -13,6 +13,7 @@ it answers {"ready": ...}; then each "steps N" line runs N batched decode steps 
 seconds; "tokens" answers every row's tokens so far; "quit" ends it.
 
 Run: python bench/decode_worker.py --tree DIR --prompts FILE.json [--attention per-row|pooled] [--threads 2]
+     [--prefill-threads 1]
 """
 
 from __future__ import annotations
@@ -38,7 +39,10 @@ def main() -> None:
     parser.add_argument("--tree", type=Path, required=True, help="the source tree whose engine decodes")
     parser.add_argument("--prompts", type=Path, required=True, help="a JSON list of token id lists")
     parser.add_argument("--attention", default="per-row", choices=["per-row", "pooled"])
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2, help="torch threads of the decode steps")
+    parser.add_argument("--prefill-threads", type=int, default=1, help=(
+        "torch threads of the prefill, which is not timed: one thread loses least to a machine shared with "
+        "other jobs (every side prefills the same way, so their caches are the same)"))
     parser.add_argument("--room", type=int, default=256, help="tokens each cache holds beyond its prompt")
     args = parser.parse_args()
     tree = args.tree.resolve()
@@ -61,7 +65,6 @@ def main() -> None:
     except ImportError:  # before the loader was split out of models.py
         from runner.engine.models import load_model
 
-    torch.set_num_threads(args.threads)
     prompts: list[list[int]] = json.loads(args.prompts.read_text(encoding="utf-8"))
     loaded = load_model(ModelConfig(name="builtin:smollm2-135m", dtype="float32", device="cpu"))
     loaded.model.generation_config.eos_token_id = None  # every row decodes every step, as in the old bench
@@ -73,10 +76,12 @@ def main() -> None:
                for ids in prompts]
     choose_tokens = getattr(generation, "choose_tokens", None)
 
+    torch.set_num_threads(args.prefill_threads)
     started = time.perf_counter()
     tokens = [[int(generation.prefill(loaded, ids, settings, cache, "auto").argmax())]
               for ids, cache in zip(prompts, caches, strict=True)]
     prefill_s = time.perf_counter() - started
+    torch.set_num_threads(args.threads)
     positions = [len(ids) for ids in prompts]
 
     def step() -> None:
