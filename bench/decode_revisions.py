@@ -11,7 +11,8 @@ steps through `ragged.decode_step` and the tree's own token choice (a `TokenPick
 88824c8, `choose_tokens` now). Prefill is excluded. The sides are started one after another (so
 their prefills do not compete) and then take turns: each round every side decodes `--steps` steps
 while the others wait, the order rotating from round to round, so they share the machine's state;
-tok/s is the median over rounds, and `x before` the median of each round's ratio. Every side's
+tok/s is the median over rounds, and `x before` (`x per-row`) the median of each round's ratio to the
+old revision (to this tree's per-row side). Every side's
 tokens must equal the old revision's (greedy fp32: batching and offloading change no token).
 
 Shapes: `LENGTHxROWS` (every prompt LENGTH tokens) or `mixed:LOW-HIGHxROWS` (lengths spread evenly
@@ -139,29 +140,32 @@ def measure(shape: str, prompts: list[list[int]], specs: list[SideSpec], args: a
         for side in sides:
             side.close()
         Path(f.name).unlink()
-    base = specs[0].name
+    base, per_row = specs[0].name, specs[1].name
     rows = len(prompts)
     result = {"shape": shape, "rows": rows, "prompt_tokens": [len(p) for p in prompts], "sides": []}
     for spec in specs:
         rates = [rows * args.steps / s for s in seconds[spec.name]]
         ratios = [b / s for b, s in zip(seconds[base], seconds[spec.name], strict=True)]
+        per_row_ratios = [b / s for b, s in zip(seconds[per_row], seconds[spec.name], strict=True)]
         same = sum(a == b for a, b in zip(tokens[spec.name], tokens[base], strict=True))
         result["sides"].append({"side": spec.name, "attention": spec.attention, "tok_s": statistics.median(rates),
                                 "tok_s_rounds": rates, "x_before": statistics.median(ratios),
-                                "x_before_rounds": ratios, "same_tokens": same})
+                                "x_before_rounds": ratios, "x_per_row": statistics.median(per_row_ratios),
+                                "same_tokens": same})
     return result
 
 
 def print_table(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
     print(f"\n{'shape':>18} {'side':>16} {'tok/s':>7} {'x before':>8} {'x before, each round':>24} "
-          f"{'same tokens':>11}")
+          f"{'x per-row':>9} {'same tokens':>11}")
     for result in results:
         for side in result["sides"]:
             rounds = " ".join(f"{x:.2f}" for x in side["x_before_rounds"])
             print(f"{result['shape']:>18} {side['side']:>16} {side['tok_s']:>7.1f} {side['x_before']:>8.2f} "
-                  f"{rounds:>24} {side['same_tokens']:>8}/{result['rows']}")
+                  f"{rounds:>24} {side['x_per_row']:>9.2f} {side['same_tokens']:>8}/{result['rows']}")
     print(f"\nbefore: {args.revision}; tok/s: median over {args.rounds} rounds of {args.steps} steps; x before: "
-          "median of each round's ratio; same tokens: rows whose tokens equal the before side's")
+          "median of each round's ratio; x per-row: the same against this tree's per-row side;\nsame tokens: rows whose "
+          "tokens equal the before side's")
 
 
 def main() -> None:
