@@ -1,5 +1,6 @@
 """What the benches that drive the real CLI share: `kvbatch` run as a user runs it, its exit checked,
-and the job folder read back, with the batch phase and the mean batch measured one way for all.
+and the job folder read back, with the batch phase and the mean batch measured one way for all; and
+an older revision of this repository checked out beside it, for a bench that runs both side by side.
 
 The batch phase runs from the last `worker_ready` to `batch_end` in job.log: Ray start-up and the
 workers' model loads before it are fixed costs paid once per batch, and compaction and Ray's
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -29,6 +31,21 @@ from storage.checkpoint import load_state
 
 LICENSES = Path("/usr/share/common-licenses")
 TAIL_CHARS = 2000
+
+
+@contextmanager
+def revision_tree(revision: str) -> Iterator[Path]:
+    """`revision` of this repository checked out (`git worktree add --detach`) in a temporary folder,
+    removed again afterwards: a tree a subprocess can put first on sys.path to run that revision's code
+    with this checkout's virtual environment."""
+    folder = Path(tempfile.mkdtemp(prefix=f"kvbench-{revision}-"))
+    tree = folder / "tree"
+    subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", "--quiet", str(tree), revision], check=True)
+    try:
+        yield tree
+    finally:
+        subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], check=False)
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def write_manifest(path: Path, documents: list[dict[str, Any]]) -> Path:

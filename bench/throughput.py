@@ -16,6 +16,8 @@ Sections (all in one run, so the ratios share the machine's state):
   (`batch.attention`: per-row, pooled), and whether the tokens agree with one at a time; beside
   plain `model.generate` one prompt at a time; then where a step's time goes at 3,000 tokens (weight
   matmuls, attention, the rest) and how fast attention reads the KV against a plain read of memory.
+  The same step against the code before issue 21 (88824c8), and pooled against per-row on a
+  mixed-length batch, side by side in one run: bench/decode_revisions.py.
 - step-ops: what one decode step and its token choice cost the host (aten ops, kernel-launching ops,
   host ms, host syncs) at 1, 8 and 32 rows of a model with Llama-3-8B's attention shape, per-row and
   pooled (bench/step_ops.py).

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 
-from jobs.attention import attention_path
 from jobs.config import ConfigError, SummarizeConfig, load_config
 from jobs.task import Task
 from runner.engine.kvcache import KVBudgetExceeded
@@ -118,15 +117,12 @@ def test_a_sequence_too_long_for_the_pool_alone_is_a_memory_error(tokenizer, tmp
     assert pool.steps == 0 and pool.meter.total == 0
 
 
-def test_batch_attention_is_validated_and_auto_chooses_by_device() -> None:
+def test_batch_attention_is_validated_and_the_pool_refuses_sliding_windows() -> None:
+    """Which path each setting takes: tests/test_attention.py."""
     assert load_config(None, ["batch.attention=pooled"]).batch.attention == "pooled"
     assert load_config(None, []).batch.attention == "auto"
     with pytest.raises(ConfigError, match=r"batch\.attention"):
         load_config(None, ["batch.attention=paged"])
-    assert attention_path("auto", "cuda", windowed_layers=False) == "pooled"
-    assert attention_path("auto", "cpu", windowed_layers=False) == "per-row"
-    assert attention_path("pooled", "cpu", windowed_layers=False) == "pooled"
-    assert attention_path("pooled", "cuda", windowed_layers=True) == "per-row"  # the pool holds full attention only
     with pytest.raises(ValueError, match="full-attention layers only"):
         cpu_kv_pool(tiny_model("mistral-sliding"))
 
