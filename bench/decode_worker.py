@@ -118,7 +118,7 @@ def _caches(loaded: Any, prompts: list[list[int]], attention: str, room: int, dy
     if attention == "per-row":
         return [dynamic(loaded.model.config, None, len(ids) + room) for ids in prompts]
     from runner.engine.kvcache import ResidentMeter
-    from runner.engine.kvpool import KVPool, PooledCache
+    from runner.engine.kvcache.pool import KVPool, PooledCache
 
     pool = KVPool.for_model(loaded.model.config, loaded.dtype, loaded.device, ResidentMeter(None, "device", ""))
     return [PooledCache(pool, len(ids) + room) for ids in prompts]
