@@ -19,7 +19,7 @@ import socket
 import stat
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -196,7 +196,8 @@ def task_scratch(offload_root: Path, job_id: str, task_id: str, attempt: int, cl
 
     `claim_bytes` is what the task will write there: it is claimed on the root's filesystem against
     what the other live task dirs claimed (storage.scratch_space), waiting up to `wait_s` for them
-    when they hold the room; ScratchSpaceError when it cannot fit.
+    when they hold the room; ScratchSpaceError when it cannot fit. A dir that claims nothing (its
+    task writes no KV there) is made without a look at the room.
     """
     _check_name("job id", job_id)
     _check_name("task id", task_id)
@@ -207,8 +208,9 @@ def task_scratch(offload_root: Path, job_id: str, task_id: str, attempt: int, cl
     root = ensure_offload_root(offload_root)
     job_dir = root / job_id
     task_dir = job_dir / f"{task_id}.{attempt}"
-    with room_claimed(root, root / ROOT_MARKER, claim_bytes, wait_s, lambda: live_claims(root),
-                      partial(_no_room, offload_root)):
+    claimed = (room_claimed(root, root / ROOT_MARKER, claim_bytes, wait_s, lambda: live_claims(root),
+                            partial(_no_room, offload_root)) if claim_bytes else nullcontext())
+    with claimed:
         _make_task_dir(job_dir, task_dir)
         try:
             _write_owner_file(task_dir, job_id, claim_bytes)

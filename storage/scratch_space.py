@@ -65,13 +65,9 @@ class Room:
         return self.needed_bytes + self.reserve_bytes <= self.free_bytes + used
 
 
-def look(offload_root: Path, needed_bytes: int, claims: tuple[Claim, ...] = ()) -> Room:
-    """The room for `needed_bytes` on the filesystem of `offload_root` (or of its nearest existing
-    parent, before the root is made)."""
-    probe = Path(offload_root)
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    usage = shutil.disk_usage(probe)
+def look(root: Path, needed_bytes: int, claims: tuple[Claim, ...] = ()) -> Room:
+    """The room for `needed_bytes` on the filesystem of the (existing) `root`."""
+    usage = shutil.disk_usage(root)
     return Room(usage.free, min(RESERVE_BYTES_MAX, int(usage.total * RESERVE_FRACTION)), needed_bytes, claims)
 
 

@@ -263,6 +263,23 @@ def test_small_filesystem_guard_and_enospc_cleanup(small_filesystem: Path) -> No
         (retry / "block-0").write_bytes(b"k" * 2**20)
 
 
+def test_a_dir_that_claims_nothing_opens_on_a_disk_full_past_its_reserve(small_filesystem: Path) -> None:
+    # another program filled the disk past the reserve kvbatch keeps free: a task that writes no KV
+    # there still gets its dir, while one that claims room is refused
+    root = small_filesystem / "kvbatch"
+    ensure_offload_root(root)
+    with open(small_filesystem / "someone-elses-file", "wb") as other:
+        while shutil.disk_usage(small_filesystem).free > 64 * 1024:
+            other.write(b"\0" * 65536)
+            other.flush()
+    with task_scratch(root, "job1", "t000001", 1) as scratch:
+        assert scratch.is_dir()
+    with pytest.raises(ScratchSpaceError, match=r"the task needs 0\.0 MiB plus a 0\.2 MiB reserve"):
+        with task_scratch(root, "job1", "t000002", 1, claim_bytes=1024):
+            pass
+    assert task_dirs(root) == []
+
+
 def test_a_claim_counts_against_the_disk_before_its_bytes_are_written(small_filesystem: Path, tmp_path: Path) -> None:
     # another process's task claimed 2.5 MiB of the 4 MiB and has written 0.5 MiB: 3.5 MiB are free,
     # but only 1.5 MiB are not promised
