@@ -92,7 +92,9 @@ class SummarizeConfig(_Section):
     min_context_tokens: int = Field(1024, gt=0, description=(
         "tokens below which a failing document's context is not shrunk further (it fails instead)"))
     chunk_overlap_tokens: int = Field(64, ge=0, description="tokens each chunk of a long document shares with the one before")
-    prefill_chunk_size: int = Field(512, ge=0, description="prompt tokens prefilled per forward pass; `0`: the whole prompt at once")
+    prefill_chunk_size: int = Field(512, ge=0, description=(
+        "prompt tokens prefilled per forward pass when a prompt is prefilled whole (with no decode rows beside "
+        "it, or where it cannot ride them: `batch.prefill_chunk_tokens`); `0`: the whole prompt in one pass"))
     do_sample: bool = Field(False, description="sample instead of greedy decoding")
     seed: int = Field(0, description="the sampling seed (each sequence gets its own generator)")
     generation: dict[str, Any] = Field(default_factory=dict, description=(
@@ -228,7 +230,7 @@ class BatchConfig(_Section):
     prefill_chunk_tokens: int = Field(PREFILL_CHUNK_TOKENS, ge=0, description=(
         "tokens of a joining sequence's prompt that ride each decode step (its chunk beside the decode rows "
         "in one forward pass), so a long prompt does not stall the batch; 0: each prompt is prefilled whole "
-        "before it joins. Tiered rungs, transformers' own cache implementations, `cache.prefill: layer-major` "
+        "(in `summarize.prefill_chunk_size` chunks) before it joins. Tiered rungs, transformers' own cache implementations, `cache.prefill: layer-major` "
         "and sliding-window models always prefill whole"))
 
     @field_validator("max_sequences")
