@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
@@ -175,23 +176,40 @@ def test_workers_land_on_every_node_and_agree_with_a_single_node_run(cluster, si
     assert summaries(job) == single_node
 
 
-def _lose_the_node_of_a_hung_task(cluster: LocalCluster, tmp_path: Path, *settings: str) -> Path:
-    """Runs the batch, removes the node whose worker hangs on Apache-2.0, and returns the finished job."""
+@contextmanager
+def submitted(manifest: Path, job: Path, address: str, *settings: str, env: dict | None = None
+              ) -> Iterator[subprocess.Popen]:
+    """`kvbatch submit` running in the background, killed if the block fails: a batch left running
+    would hold the cluster's CPUs, and every later test here would wait for workers that never start."""
+    proc = start_submit(manifest, job, address, *settings, env=env)
+    try:
+        yield proc
+    except BaseException:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        raise
+
+
+def _lose_the_node_of_a_hung_task(cluster: LocalCluster, tmp_path: Path, workers: int, *settings: str) -> Path:
+    """Runs the batch on `workers` workers, removes the node whose worker hangs on Apache-2.0, and
+    returns the finished job."""
     job = tmp_path / "job"
     hang = json.dumps([{"doc": "apache-2.0", "fault": "hang", "attempts": [1]}])
     # one task per worker at a time, so the worker with no result is the one the hang pins
-    proc = start_submit(manifest_of(tmp_path), job, cluster.address, *settings, "--set", "batch.max_sequences=1",
-                        "--set", "checkpoint.flush_every=1", env={"KVBATCH_FAULTS": hang})
-    # the worker that took Apache-2.0 hangs on it; every other one publishes results
-    def all_but_one_worker_published() -> bool:
-        ready = log_events(job, "worker_ready")
-        return bool(ready) and len(result_workers(job)) == len(ready) - 1
+    with submitted(manifest_of(tmp_path), job, cluster.address, *settings, "--set", "batch.max_sequences=1",
+                   "--set", "checkpoint.flush_every=1", env={"KVBATCH_FAULTS": hang}) as proc:
+        # every worker is ready, and all but the one that took Apache-2.0 published results (counted
+        # before all were ready, one ready worker without a result would pass for the pinned one)
+        def all_but_one_worker_published() -> bool:
+            ready = log_events(job, "worker_ready")
+            return len(ready) == workers and len(result_workers(job)) == workers - 1
 
-    assert wait_for(all_but_one_worker_published, proc, timeout=120), proc.communicate()
-    pinned = {e["worker"] for e in log_events(job, "worker_ready")} - result_workers(job)
-    assert len(pinned) == 1, f"expected one worker pinned by the hang, got {pinned}"
-    cluster.remove_node(cluster.node_of(pinned.pop()))
-    out, err = proc.communicate(timeout=120)  # well within the 300 s a lost worker is waited for
+        assert wait_for(all_but_one_worker_published, proc, timeout=120), proc.communicate()
+        pinned = {e["worker"] for e in log_events(job, "worker_ready")} - result_workers(job)
+        assert len(pinned) == 1, f"expected one worker pinned by the hang, got {pinned}"
+        cluster.remove_node(cluster.node_of(pinned.pop()))
+        out, err = proc.communicate(timeout=120)  # well within the 300 s a lost worker is waited for
     assert proc.returncode == 0, out + err
     return job
 
@@ -206,7 +224,7 @@ def _check_lost_task_rerun_once(job: Path, single_node: dict[str, str]) -> None:
 
 def test_a_node_removed_mid_batch_loses_and_duplicates_nothing(cluster, single_node, tmp_path):
     # two workers on three nodes: the third node is where the lost node's worker is restarted
-    job = _lose_the_node_of_a_hung_task(cluster, tmp_path, "--set", "workers.count=2")
+    job = _lose_the_node_of_a_hung_task(cluster, tmp_path, 2, "--set", "workers.count=2")
     _check_lost_task_rerun_once(job, single_node)
 
 ORPHAN_OWNER = """
@@ -226,30 +244,30 @@ def test_a_node_that_joins_mid_batch_has_orphaned_scratch_dirs_swept(cluster, tm
     job = tmp_path / "job"
     # Apache-2.0 hangs until the task timeout: the batch is still running when the node joins
     hang = json.dumps([{"doc": "apache-2.0", "fault": "hang", "attempts": [1]}])
-    proc = start_submit(manifest_of(tmp_path), job, cluster.address, "--set", f"cache.offload_root={root}",
-                        "--set", "retry.task_timeout_s=40", env={"KVBATCH_FAULTS": hang})
-    nodes_at_start = len(cluster.node_of_raylet) + 1  # the worker nodes left by earlier tests, and the head
-    assert wait_for(lambda: len(log_events(job, "node_swept")) >= nodes_at_start, proc, timeout=120), \
-        proc.communicate()
-    # a worker of an earlier batch, killed with its node: its task dir stays behind, owner dead
-    owner = Child(ORPHAN_OWNER, str(root))
-    orphan = Path(owner.read_line())
-    owner.kill()
-    assert orphan.is_dir()
+    with submitted(manifest_of(tmp_path), job, cluster.address, "--set", f"cache.offload_root={root}",
+                   "--set", "retry.task_timeout_s=40", env={"KVBATCH_FAULTS": hang}) as proc:
+        nodes_at_start = len(cluster.node_of_raylet) + 1  # the worker nodes left by earlier tests, and the head
+        assert wait_for(lambda: len(log_events(job, "node_swept")) >= nodes_at_start, proc, timeout=120), \
+            proc.communicate()
+        # a worker of an earlier batch, killed with its node: its task dir stays behind, owner dead
+        owner = Child(ORPHAN_OWNER, str(root))
+        orphan = Path(owner.read_line())
+        owner.kill()
+        assert orphan.is_dir()
 
-    joined = cluster.add_node()
-    assert wait_for(lambda: any(e["node_id"] == joined for e in log_events(job, "node_swept")), proc,
-                    timeout=60), proc.communicate()
-    swept = next(e for e in log_events(job, "node_swept") if e["node_id"] == joined)
-    assert swept["dirs"] == [str(orphan)] and swept["bytes_freed"] >= 4096
-    assert not orphan.exists()
-    out, err = proc.communicate(timeout=180)
+        joined = cluster.add_node()
+        assert wait_for(lambda: any(e["node_id"] == joined for e in log_events(job, "node_swept")), proc,
+                        timeout=60), proc.communicate()
+        swept = next(e for e in log_events(job, "node_swept") if e["node_id"] == joined)
+        assert swept["dirs"] == [str(orphan)] and swept["bytes_freed"] >= 4096
+        assert not orphan.exists()
+        out, err = proc.communicate(timeout=180)
     assert proc.returncode == 0, out + err
 
 
 def test_with_no_spare_capacity_a_lost_nodes_task_moves_to_another_worker(cluster, single_node, tmp_path):
     # a worker on every node: the lost worker cannot restart anywhere, so its task must move
     assert len(cluster.node_of_raylet) >= 2
-    job = _lose_the_node_of_a_hung_task(cluster, tmp_path)
+    job = _lose_the_node_of_a_hung_task(cluster, tmp_path, len(cluster.node_of_raylet))
     _check_lost_task_rerun_once(job, single_node)
     assert log_events(job, "batch_end")
