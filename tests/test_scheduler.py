@@ -78,8 +78,11 @@ def test_an_error_the_loop_cannot_pin_on_a_sequence_fails_every_waiting_future_a
         long = scheduler.submit(dynamic_request(model, random_prompt(20)[0].tolist(), 200))
         while scheduler.most_rows < 1:  # it decodes: admission of the next request sums device bytes
             time.sleep(0.001)
-        broken = scheduler.submit(dynamic_request(model, random_prompt(9)[0].tolist(), 8, device_bytes=None))
-        queued = scheduler.submit(dynamic_request(model, random_prompt(11)[0].tolist(), 8))
+        # in one moment of the loop's: submitted one by one, the loop could turn between them, fail
+        # `broken` alone and then serve `queued` (CI saw it), and nothing would have been queued behind it
+        broken, queued = scheduler.submit_all([
+            dynamic_request(model, random_prompt(9)[0].tolist(), 8, device_bytes=None),
+            dynamic_request(model, random_prompt(11)[0].tolist(), 8)])
         outcomes = [_outcome(f) for f in (long, broken, queued)]
         after = _outcome(scheduler.submit(dynamic_request(model, random_prompt(9)[0].tolist(), 8)))
     finally:

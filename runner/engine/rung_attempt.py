@@ -85,7 +85,7 @@ class RungAttempt:
 
     def __call__(self, prompts: list[list[int]], max_new_tokens: int) -> list[Generation]:
         """Generate for every prompt, side by side in the worker's batch; their generations in order."""
-        futures = [self._scheduler.submit(self._pass(ids, max_new_tokens)) for ids in prompts]
+        futures = self._scheduler.submit_all([self._pass(ids, max_new_tokens) for ids in prompts])
         generations = self._results(futures)
         self._strike_injected_fault()
         return generations

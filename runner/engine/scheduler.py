@@ -142,13 +142,19 @@ class BatchScheduler:
 
     # -- the task side ---------------------------------------------------------------------------
     def submit(self, request: PassRequest) -> Future[PassResult]:
-        future: Future[PassResult] = Future()
+        return self.submit_all([request])[0]
+
+    def submit_all(self, requests: list[PassRequest]) -> list[Future[PassResult]]:
+        """Queue them in one moment: the loop sees all or none of them, so one task's passes (its map
+        chunks) stand together in the queue, in their order, with no other task's pass between them."""
+        futures: list[Future[PassResult]] = [Future() for _ in requests]
         with self._changed:
             if self._closed:
                 raise RuntimeError("the worker's scheduler is closed")
-            self.plan.add(BatchSequence(request, future, self.settings.loop_stop))
+            for request, future in zip(requests, futures, strict=True):
+                self.plan.add(BatchSequence(request, future, self.settings.loop_stop))
             self._changed.notify_all()
-        return future
+        return futures
 
     def close(self) -> None:
         with self._changed:
