@@ -104,8 +104,9 @@ class SummarizeConfig(_Section):
         "`no_repeat_summary_ngram` is the summary-only ban"))
     no_repeat_summary_ngram: int = Field(4, ge=0, description=(
         "a token that would repeat an n-gram of this many tokens already in the summary (its own new "
-        "tokens, not the prompt: quoting the document stays allowed) is banned; the builtin model's greedy "
-        "summaries otherwise loop (docs/benchmarks.md, 'Summaries that end'); `0`: off"))
+        "tokens, not the prompt: quoting the document stays allowed) is banned, and where the banned token "
+        "begins a word so is every token that would glue on to the word before it; the builtin model's "
+        "greedy summaries otherwise loop (docs/benchmarks.md, 'Summaries that end'); `0`: off"))
     loop_stop: LoopStopConfig = Field(default_factory=LoopStopConfig)
 
     @model_validator(mode="after")

@@ -37,6 +37,7 @@ from transformers.generation.logits_process import (
 )
 
 from runner.engine.summary_ngrams import SummaryNoRepeatNGramLogitsProcessor
+from runner.engine.word_pieces import WordPieces
 
 SCORES_ONLY = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, TopHLogitsWarper, MinPLogitsWarper,
                TypicalLogitsWarper, EpsilonLogitsWarper, EtaLogitsWarper, LogitNormalization)
@@ -130,11 +131,15 @@ class HostBans(BatchedForm):
 
 class NoRepeatNGrams(HostBans):
     """NoRepeatNGramLogitsProcessor: a token that would complete an n-gram already in the sequence
-    (prompt included) is banned. The row keeps each (n-1)-gram's followers, so a step is one lookup."""
+    (prompt included) is banned. The row keeps each (n-1)-gram's followers, so a step is one lookup.
+    With `pieces` (the summary's ban, runner/engine/summary_ngrams.py), a row whose banned tokens
+    include a word start also has every word-continuing token banned: one more masked fill a step."""
 
-    def __init__(self, size: int, tokens: list[int]) -> None:
+    def __init__(self, size: int, tokens: list[int], pieces: WordPieces | None = None) -> None:
         super().__init__()
+        self.key = (type(self), id(pieces) if pieces is not None else None)
         self.size = size
+        self.pieces = pieces
         self.tokens: list[int] = []
         self.followers: dict[tuple[int, ...], set[int]] = {}
         for token in tokens:
@@ -150,6 +155,22 @@ class NoRepeatNGrams(HostBans):
         if len(self.tokens) < self.size:
             return []
         return sorted(self.followers.get(tuple(self.tokens[len(self.tokens) - self.size + 1 :]), ()))
+
+    def glues(self, vocab: int) -> bool:
+        """Whether a token it bans now begins a word (within the scores' `vocab`): then the word before
+        it ends there, and a token carrying it on is banned too."""
+        return self.pieces is not None and any(t < vocab and t in self.pieces.starts for t in self.banned())
+
+    @classmethod
+    def apply(cls, forms: Sequence[BatchedForm], scores: torch.Tensor) -> torch.Tensor:
+        scores = super().apply(forms, scores)
+        glued = [row for row, form in enumerate(forms) if form.glues(scores.shape[-1])]  # type: ignore[attr-defined]
+        if not glued:
+            return scores
+        rows = torch.zeros(scores.shape[0], 1, dtype=torch.bool, device=scores.device)
+        rows[glued] = True
+        continues = forms[glued[0]].pieces.mask("continues", scores)  # type: ignore[attr-defined]
+        return scores.masked_fill(rows & continues, -float("inf"))
 
 
 class TooShortForEos(HostBans):
@@ -177,7 +198,7 @@ def batched_form(processor: LogitsProcessor, tokens: list[int]) -> BatchedForm |
     if kind is NoRepeatNGramLogitsProcessor:
         return NoRepeatNGrams(processor.ngram_size, tokens)
     if kind is SummaryNoRepeatNGramLogitsProcessor:  # the same rule over the new tokens: the table starts empty
-        return NoRepeatNGrams(processor.ngram_size, [])
+        return NoRepeatNGrams(processor.ngram_size, [], processor.pieces)
     if kind is MinLengthLogitsProcessor:
         return TooShortForEos(len(tokens), processor.min_length, _ids(processor.eos_token_id))
     if kind is MinNewTokensLengthLogitsProcessor:

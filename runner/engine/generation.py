@@ -97,7 +97,7 @@ def generate_once(
             pad_token_id=loaded.tokenizer.pad_token_id,
             tokenizer=loaded.tokenizer,  # for stop_strings
             streamer=clock,
-            logits_processor=summary_processors(settings, len(prompt_ids)),
+            logits_processor=summary_processors(settings, len(prompt_ids), loaded),
             **settings.generation,  # GenerationConfig fields checked at submit (runner/preflight.py)
             **cache_kwargs,
         )
@@ -154,7 +154,8 @@ generate() places them: runner/engine/summary_ngrams.py), then greedy, or sampli
         config = _prepared_config(loaded, settings, ids, max_new_tokens)
         self.processors = model._get_logits_processor(
             generation_config=config, input_ids_seq_length=len(prompt_ids), encoder_input_ids=ids,
-            logits_processor=summary_processors(settings, len(prompt_ids)), device=model.device, model_kwargs={},
+            logits_processor=summary_processors(settings, len(prompt_ids), loaded), device=model.device,
+            model_kwargs={},
         )
         self.criteria = model._get_stopping_criteria(
             generation_config=config, stopping_criteria=StoppingCriteriaList(), tokenizer=loaded.tokenizer

@@ -14,6 +14,7 @@ the cache without paying for what they do not use.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from dataclasses import dataclass
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     from jobs.config import ModelConfig
+    from runner.engine.word_pieces import WordPieces
 
 
 @dataclass
@@ -56,6 +58,14 @@ class LoadedModel:
     """`model.quantization`, or ``checkpoint:<method>`` for a checkpoint quantized already."""
     weight_bytes: int = 0
     """What its weights really take (quantized ones at their packed size)."""
+
+    @functools.cached_property
+    def word_pieces(self) -> WordPieces:
+        """Its tokenizer's word-start and word-continuing tokens (the summary's n-gram ban reads them),
+        read once, on first use."""
+        from runner.engine.word_pieces import WordPieces
+
+        return WordPieces.of(self.tokenizer)
 
 
 def resolve_device(spec: str) -> torch.device:
