@@ -76,5 +76,7 @@ def test_a_lease_renewal_refused_by_the_store_stops_every_write(s3: str, tmp_pat
             log.add_result(done_row("b"))
         with pytest.raises(LeaseLostError):
             compact(job, lease.check)
+        with pytest.raises(LeaseLostError):  # and stops its interval flusher, which retried every 5 s for good
+            log.close()
     assert json.loads((job / ".lock").read_bytes())["token"] == "z", "the lost lease's release left the taker's record"
     assert load_state(job).done_task_ids == {"t-a"} and len(list_parts(job / "results")) == 1
