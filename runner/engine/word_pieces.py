@@ -10,8 +10,6 @@ vocabularies alike.
 
 from __future__ import annotations
 
-import threading
-
 import torch
 from transformers import PreTrainedTokenizerBase
 
@@ -31,7 +29,6 @@ class WordPieces:
         self._masks = {"starts": torch.tensor(starts, dtype=torch.bool),
                        "continues": torch.tensor(continues, dtype=torch.bool)}
         self._fitted: dict[tuple[str, int, torch.device], torch.Tensor] = {}
-        self._fitting = threading.Lock()
 
     @classmethod
     def of(cls, tokenizer: PreTrainedTokenizerBase) -> WordPieces:
@@ -45,8 +42,8 @@ class WordPieces:
         (an lm head wider than the tokenizer: its extra ids are neither)."""
         width = scores.shape[-1]
         key = (kind, width, scores.device)
-        with self._fitting:
-            if key not in self._fitted:
-                mask = self._masks[kind][:width]
-                self._fitted[key] = torch.cat([mask, mask.new_zeros(width - mask.shape[0])]).to(scores.device)
-            return self._fitted[key]
+        fitted = self._fitted.get(key)
+        if fitted is None:  # two threads at once both make the same mask: no lock on the step's path
+            mask = self._masks[kind][:width]
+            fitted = self._fitted[key] = torch.cat([mask, mask.new_zeros(width - mask.shape[0])]).to(scores.device)
+        return fitted
