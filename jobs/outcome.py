@@ -34,6 +34,8 @@ class TaskOutcome(TypedDict, total=False):
     input_tokens: int
     output_tokens: int
     chunks: int  # first-level chunks (1: one pass)
+    passes: int  # generate passes the summary took: its chunks, then the merges of their summaries
+    passes_reused: int  # of them, finished by an earlier attempt or run and read back (storage/passes.py)
     cache_strategy: str  # the rung that ran it
     stop_reason: str  # why the summary's pass ended: jobs.stopping.StopReason
     ttft_s: float

@@ -104,9 +104,35 @@ RESULT_SCHEMA = pa.schema(
         # (eos, length, repetition, stop_string)
         ("quantization", pa.string()),
         ("stop_reason", pa.string()),
+        # added with checkpointed passes: generate passes the summary took (chunks and merges), and how many
+        # of them were finished by an earlier attempt or run and read back from passes/ instead of redone
+        ("passes", pa.int32()),
+        ("passes_reused", pa.int32()),
     ]
 )
 
+
+#: One finished generate pass of a long document (a map chunk or a merge of summaries), kept in
+#: `passes/<task_id>/` until the document's result lands, so a kill, a retry or a move to another cache
+#: rung or context does not redo it. `key` names what the pass was given (model and generation settings,
+#: prompt tokens, new-token limit): a pass is reused exactly when that is the same.
+PASS_SCHEMA = pa.schema(
+    [
+        ("task_id", pa.string()),
+        ("doc_id", pa.string()),
+        ("key", pa.string()),  # sha256 of fingerprint, prompt token ids and max_new_tokens
+        ("fingerprint", pa.string()),  # sha256 of the model and the settings that decide its tokens
+        ("level", pa.int32()),  # 0: the document's chunks; 1, 2, ...: merge rounds of their summaries
+        ("index", pa.int32()),  # the pass's place in its level
+        ("context_tokens", pa.int64()),  # the context the chunk plan was made for
+        ("prompt_tokens", pa.int64()),
+        ("tokens", pa.list_(pa.int32())),  # the generated token ids
+        ("text", pa.string()),  # what they decode to
+        ("stop_reason", pa.string()),
+        ("worker", pa.string()),
+        ("finished_at", pa.float64()),
+    ]
+)
 
 #: Columns a part must have to be read at all; any other column missing from an older part reads as null.
 KEY_COLUMNS = frozenset({"task_id", "doc_id", "status", "attempt", "state"})

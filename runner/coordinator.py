@@ -20,6 +20,7 @@ import heapq
 import itertools
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -66,6 +67,7 @@ from storage.jobdir import JobDir
 from storage.lease import LeaseLostError
 from storage.location import no_fence
 from storage.lock import HeldLock
+from storage.passes import remove_passes, tasks_with_passes
 
 EXIT_OK = 0
 EXIT_FAILED_TASKS = 3
@@ -210,6 +212,14 @@ class WorkQueue:
             return len(self._heap)
 
 
+def passes_home(job: JobDir) -> tuple[str, str | None]:
+    """Where workers keep finished passes: the job folder (absolute), and the host that must see it
+    there (None for shared storage; a worker on another host keeps nothing rather than a stray copy)."""
+    if job.path.is_local:
+        return job.path.path, socket.gethostname()
+    return job.path.uri, None
+
+
 def _transient_failure(e: TransientFailure) -> TaskOutcome:
     """The outcome of a task whose transient failures used up its attempts at a context size."""
     return TaskOutcome(status="failed", failure_class=FailureClass.TRANSIENT.value, error_type=e.error_type,
@@ -229,12 +239,31 @@ class Coordinator:
         self.stop = threading.Event()
         self.log = JobLog(job.log, fence)
         self.alerts = AlertMonitor(self.log, console)
+        self.job = job
         checkpoint = CheckpointLog(job.path, flush_every=config.checkpoint.flush_every,
-                                   flush_interval_s=config.checkpoint.flush_interval_s, fence=fence)
+                                   flush_interval_s=config.checkpoint.flush_interval_s, fence=fence,
+                                   after_results=self._drop_passes)
         self.recorder = TaskRecorder(checkpoint, self.log, self.alerts, BatchMetrics(job_id), self.stop)
-        self.pool = WorkerPool(config, job_id, offload_root, faults)
+        self.pool = WorkerPool(config, job_id, offload_root, faults, *passes_home(job))
         self.retrying = task_retrying(config.retry, self._before_retry, self._sleep)
         self._queued_at = time.time()
+
+    def _drop_passes(self, task_ids: list[str]) -> None:
+        """A document's passes go once its result is published; if this fails the next run's sweep takes them."""
+        try:
+            remove_passes(self.job.path, task_ids)
+        except OSError as e:
+            self.log.warning("passes_not_removed", tasks=len(task_ids), error=str(e))
+
+    def _sweep_passes(self, open_tasks: list[Task]) -> None:
+        """Passes of tasks that have ended (a crash came between their result and the passes' removal)."""
+        open_ids = {task.task_id for task in open_tasks}
+        try:
+            ended = [task_id for task_id in tasks_with_passes(self.job.path) if task_id not in open_ids]
+        except OSError as e:
+            self.log.warning("passes_not_listed", error=str(e))
+            return
+        self._drop_passes(ended)
 
     # -- one attempt ----------------------------------------------------------------------------
     def _attempt(self, worker: Worker, run: TaskRun) -> TaskOutcome:
@@ -396,6 +425,7 @@ class Coordinator:
     def _run(self, open_tasks: list[Task], already_done: int, total: int) -> int:
         context = self.cfg.summarize.context_tokens
         runs = [TaskRun(task=task, context_tokens=context) for task in open_tasks]
+        self._sweep_passes(open_tasks)
         count = self.pool.worker_count(len(open_tasks))
         self.log.info("batch_start", open_tasks=len(open_tasks), workers=count,
                       sequences_per_worker=self.cfg.batch.sequences)

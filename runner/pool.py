@@ -127,8 +127,13 @@ class _Slot:
 
 
 class WorkerPool:
-    def __init__(self, config: JobConfig, job_id: str, offload_root: Path, faults: list[FaultRule]) -> None:
+    def __init__(self, config: JobConfig, job_id: str, offload_root: Path, faults: list[FaultRule],
+                 job_dir: str | None = None, job_host: str | None = None) -> None:
+        """`job_dir`: the job folder where workers keep finished passes, seen there by workers on
+        `job_host` (any host: None)."""
         self.cfg = config
+        self.job_dir = job_dir
+        self.job_host = job_host
         self.job_id = job_id
         self.offload_root = offload_root
         self.faults = faults
@@ -168,7 +173,8 @@ class WorkerPool:
         config = self.cfg.model_dump(mode="json")
         faults = [f.model_dump() for f in self.faults]
         node_workers = workers_per_node(count, cluster_nodes(), self.cfg.workers.cpus_per_worker, gpus)
-        self.workers = [remote_cls.remote(config, self.job_id, str(self.offload_root), faults, threads, node_workers)
+        self.workers = [remote_cls.remote(config, self.job_id, str(self.offload_root), faults, threads, node_workers,
+                                          self.job_dir, self.job_host)
                         for _ in range(count)]
         try:
             infos = self._await_start(give_up, gpus)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
@@ -43,9 +44,11 @@ def _row_label(row: dict[str, Any]) -> str:
 class _Stream:
     """One directory of parts (events or results) and the rows not yet published to it."""
 
-    def __init__(self, directory: Location, schema: pa.Schema, fence: Fence) -> None:
+    def __init__(self, directory: Location, schema: pa.Schema, fence: Fence,
+                 after_publish: Callable[[list[str]], None] | None = None) -> None:
         self.directory = directory
         self.fence = fence
+        self.after_publish = after_publish
         self.schema = schema
         self.columns = frozenset(schema.names)
         self.pending: list[dict[str, Any]] = []
@@ -80,6 +83,8 @@ class _Stream:
         if table.num_rows:
             self.unmerged.append((write_part(self.directory, table, fence=self.fence), table))
         self.pending = []
+        if table.num_rows and self.after_publish is not None:
+            self.after_publish(table.column("task_id").to_pylist())
         if rejected:
             raise CheckpointRowError(
                 f"{len(rejected)} {self.directory.name} row(s) do not fit the schema and were not written: "
@@ -103,8 +108,10 @@ class CheckpointLog:
         flush_interval_s: float = 5.0,
         merge_every: int = DEFAULT_MERGE_EVERY,
         fence: Fence = no_fence,
+        after_results: Callable[[list[str]], None] | None = None,
     ) -> None:
-        """`fence` is called before every publish (the job lock's check)."""
+        """`fence` is called before every publish (the job lock's check); `after_results` with the task
+        ids of every part of results once it is published (what may go now that they are recorded)."""
         if flush_every < 1 or flush_interval_s <= 0 or merge_every < 2:
             raise ValueError(
                 f"checkpoint settings must be flush_every >= 1, flush_interval_s > 0, merge_every >= 2; "
@@ -114,7 +121,7 @@ class CheckpointLog:
         self.flush_interval_s = flush_interval_s
         self.merge_every = merge_every
         job_dir = Location.of(job_dir)
-        self._results = _Stream(job_dir / RESULTS_DIR, RESULT_SCHEMA, fence)
+        self._results = _Stream(job_dir / RESULTS_DIR, RESULT_SCHEMA, fence, after_results)
         self._events = _Stream(job_dir / EVENTS_DIR, EVENT_SCHEMA, fence)
         self._lock = threading.Condition()
         self._oldest_pending: float | None = None

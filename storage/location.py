@@ -181,6 +181,14 @@ class Location:
         )
         return [self / name for name in names]
 
+    def folders(self) -> list[str]:
+        """Names of the folders directly in this folder, sorted; none if it is missing. On an object
+        store a folder is a common prefix of its keys."""
+        selector = pafs.FileSelector(self.path, allow_not_found=True)
+        with self._user_errors():
+            infos = self.fs.get_file_info(selector)
+        return sorted(info.base_name for info in infos if info.type == pafs.FileType.Directory)
+
     # --- writing ------------------------------------------------------------------------------
 
     def makedirs(self) -> None:

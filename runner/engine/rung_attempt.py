@@ -4,7 +4,8 @@ The worker's ladder makes one `RungAttempt` per rung it tries. The attempt turns
 summarizer hands it into a pass for the worker's scheduler, with its cache recipe (numbered pass
 folders in the task's scratch dir on a disk rung), waits for every pass it handed over, adds up
 their cache figures, and raises the first pass's error only once all have ended (so no pass still
-writes into a scratch dir that is going away). A fault a test injected for this task and rung
+writes into a scratch dir that is going away). A pass that an earlier attempt finished is taken from
+the task's `PassBook` instead of being run; every pass that ends is kept there the moment it ends. A fault a test injected for this task and rung
 strikes after the passes, mid-task, with the scratch dir in place.
 """
 
@@ -14,7 +15,8 @@ import errno
 import itertools
 import os
 import time
-from concurrent.futures import Future
+from collections.abc import Callable
+from concurrent.futures import Future, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +27,7 @@ from jobs.kvplan import Placement
 from jobs.outcome import CacheStats
 from runner.engine.cache_recipe import CacheKit
 from runner.engine.generation import Generation
+from runner.engine.pass_book import PassBook
 from runner.engine.probes import StageMemory
 from runner.engine.scheduler import BatchScheduler, PassRequest, PassResult, TaskClock
 
@@ -69,9 +72,10 @@ class RungAttempt:
     """One task's passes on one rung, and their cache totals."""
 
     def __init__(self, rung: str, kit: CacheKit, scheduler: BatchScheduler, memory: StageMemory, clock: TaskClock,
-                 offload_dir: Path | None, doc_id: str, fault: FaultKind | None) -> None:
+                 offload_dir: Path | None, doc_id: str, fault: FaultKind | None, passes: PassBook | None = None) -> None:
         """`offload_dir`: the task's scratch dir on a rung that offloads to disk; `fault`: what a test
-        injected for this task on this rung (jobs.faults), None for a real run."""
+        injected for this task on this rung (jobs.faults), None for a real run; `passes`: the task's
+        finished passes, shared by every rung of the attempt (None: none are found or kept)."""
         self.rung = rung
         self.totals = CacheTotals()
         self._kit = kit
@@ -82,11 +86,21 @@ class RungAttempt:
         self._doc_id = doc_id
         self._fault = fault
         self._pass_numbers = itertools.count()
+        self._passes = passes if passes is not None else PassBook.kept_nowhere()
+        self._levels = itertools.count()  # each call is one level: the chunks, then each merge round
 
     def __call__(self, prompts: list[list[int]], max_new_tokens: int) -> list[Generation]:
         """Generate for every prompt, side by side in the worker's batch; their generations in order."""
-        futures = self._scheduler.submit_all([self._pass(ids, max_new_tokens) for ids in prompts])
-        generations = self._results(futures)
+        level = next(self._levels)
+        generations = [self._passes.find(ids, max_new_tokens) for ids in prompts]
+        to_run = [i for i, generation in enumerate(generations) if generation is None]
+        futures = self._scheduler.submit_all([self._pass(prompts[i], max_new_tokens) for i in to_run])
+
+        def keep(k: int, generation: Generation) -> None:
+            self._passes.keep(level, to_run[k], prompts[to_run[k]], max_new_tokens, generation)
+
+        for i, generation in zip(to_run, self._results(futures, keep)):
+            generations[i] = generation
         self._strike_injected_fault()
         return generations
 
@@ -101,20 +115,24 @@ class RungAttempt:
         number = next(self._pass_numbers)
         return self._offload_dir / f"pass-{number}" if self._offload_dir else None
 
-    def _results(self, futures: list[Future[PassResult]]) -> list[Generation]:
-        """Every pass's generation once all have ended; the first error, if any, is raised then."""
-        generations, errors = [], []
-        for future in futures:
+    def _results(self, futures: list[Future[PassResult]], keep: Callable[[int, Generation], None]) -> list[Generation]:
+        """Every pass's generation once all have ended, each kept as it ends; the first pass's error,
+        if any, is raised then."""
+        index = {future: k for k, future in enumerate(futures)}
+        generations: dict[int, Generation] = {}
+        errors: dict[int, Exception] = {}
+        for future in as_completed(futures):
             try:
                 result = future.result()
             except Exception as e:  # noqa: BLE001 - the first one is raised below
-                errors.append(e)
+                errors[index[future]] = e
                 continue
             self.totals.add(result.cache_stats)
-            generations.append(result.generation)
+            generations[index[future]] = result.generation
+            keep(index[future], result.generation)
         if errors:
-            raise errors[0]
-        return generations
+            raise errors[min(errors)]
+        return [generations[k] for k in range(len(futures))]
 
     def _strike_injected_fault(self) -> None:
         """Raise what the real failure raises, where it would raise it."""

@@ -40,22 +40,32 @@ class Summary:
     """Why the pass that wrote the summary ended (jobs.stopping.StopReason)."""
 
     @property
+    def run_passes(self) -> list[Generation]:
+        """The passes this attempt ran (not those an earlier one finished): what the timings are of."""
+        return [p for p in self.passes if not p.reused]
+
+    @property
+    def reused_passes(self) -> int:
+        return len(self.passes) - len(self.run_passes)
+
+    @property
     def ttft_s(self) -> float:
-        return self.passes[0].ttft_s
+        run = self.run_passes
+        return run[0].ttft_s if run else 0.0
 
     @property
     def decode_tokens_per_s(self) -> float:
-        decode_s = sum(p.decode_s for p in self.passes)
-        decoded = sum(max(p.output_tokens - 1, 0) for p in self.passes)
+        decode_s = sum(p.decode_s for p in self.run_passes)
+        decoded = sum(max(p.output_tokens - 1, 0) for p in self.run_passes)
         return decoded / decode_s if decode_s > 0 else 0.0
 
     @property
     def batch_size(self) -> float:
         """Mean sequences sharing this document's decode steps (each pass weighted by its steps)."""
-        steps = sum(max(p.output_tokens - 1, 0) for p in self.passes)
+        steps = sum(max(p.output_tokens - 1, 0) for p in self.run_passes)
         if not steps:
             return 1.0
-        return sum(p.batch_size * max(p.output_tokens - 1, 0) for p in self.passes) / steps
+        return sum(p.batch_size * max(p.output_tokens - 1, 0) for p in self.run_passes) / steps
 
 
 class Summarizer:
@@ -70,7 +80,7 @@ class Summarizer:
         with self._tokenizing:
             return self.tokenizer(text, add_special_tokens=False, **kwargs)
 
-    def _decode(self, tokens: list[int]) -> str:
+    def decode(self, tokens: list[int]) -> str:
         with self._tokenizing:
             return self.tokenizer.decode(tokens, skip_special_tokens=True).strip()
 
@@ -108,7 +118,7 @@ class Summarizer:
         def summarise(documents: list[str]) -> list[tuple[str, int, str]]:
             generations = generate([self.prompt_ids(instruction, d) for d in documents], max_new_tokens)
             summary.passes.extend(generations)
-            return [(self._decode(g.tokens), g.output_tokens, g.stop_reason) for g in generations]
+            return [(self.decode(g.tokens), g.output_tokens, g.stop_reason) for g in generations]
 
         parts = summarise([chunk.text for chunk in chunks])
         separator_tokens = len(self._encode(SUMMARY_SEPARATOR)["input_ids"])

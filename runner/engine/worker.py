@@ -41,6 +41,7 @@ from runner.engine.cache_recipe import CacheKit
 from runner.engine.kvcache import ResidentMeter, kv_shape, ram_left_by_weights, resolve_budgets
 from runner.engine.kvcache.pool import KVPool
 from runner.engine.model_loader import load_model
+from runner.engine.pass_book import PassBook, settings_fingerprint
 from runner.engine.probes import StageMemory, memory_snapshot
 from runner.engine.rung_attempt import CacheTotals, RungAttempt
 from runner.engine.scheduler import BatchScheduler, TaskClock
@@ -125,9 +126,13 @@ class SummaryWorker:
         faults: list[dict[str, Any]] | None = None,
         threads: int | None = None,
         node_workers: int = 1,
+        job_dir: str | None = None,
+        job_host: str | None = None,
     ) -> None:
         """`node_workers`: how many workers of the batch share this node (the pool's count from the
-        cluster's resources, jobs.node_share), among whom `auto` budgets are split."""
+        cluster's resources, jobs.node_share), among whom `auto` budgets are split; `job_dir`: the job
+        folder whose `passes/` keeps each finished pass of a long document (None: nothing is kept), a
+        local one only seen by workers on `job_host`."""
         self.cfg = JobConfig.model_validate(config)
         self.job_id = job_id
         self.offload_root = Path(offload_root)
@@ -143,6 +148,8 @@ class SummaryWorker:
         self.ram_left = ram_left_by_weights(self.ram_before_load, self.loaded.weight_bytes,
                                             psutil.virtual_memory().available)
         self.summarizer = Summarizer(self.loaded, self.cfg.summarize.chunk_overlap_tokens)
+        self.job_dir = job_dir if job_host in (None, socket.gethostname()) else None
+        self.fingerprint = settings_fingerprint(self.cfg, self.loaded.device.type, str(self.loaded.dtype))
         self.kv_shape = kv_shape(self.loaded.model.config, self.loaded.dtype)
         self.node_workers = max(1, node_workers)
         self.device_budget, self.host_budget = resolve_budgets(
@@ -203,7 +210,8 @@ class SummaryWorker:
         self._clocks[call_id] = request.clock
         try:
             with _PeakRss() as rss:
-                outcome |= self._first_rung_that_runs(request, memory, outcome["fallbacks"], started)
+                outcome |= self._first_rung_that_runs(request, memory, self._pass_book(request),
+                                                      outcome["fallbacks"], started)
         finally:
             self._clocks.pop(call_id, None)
         outcome.update(
@@ -226,6 +234,10 @@ class SummaryWorker:
             instruction=str(task.overrides.get("prompt", self.cfg.summarize.prompt)),
         )
 
+    def _pass_book(self, request: TaskRequest) -> PassBook:
+        return PassBook(self.job_dir, request.task.task_id, request.task.doc_id, request.context_tokens,
+                        self.fingerprint, self.summarizer.decode, self.name)
+
     # -- stage 2: the first rung that runs it --------------------------------------------------
     def _rungs(self, request: TaskRequest) -> list[str]:
         if self.cfg.cache.strategy != "auto":
@@ -239,13 +251,13 @@ class SummaryWorker:
             self.loaded.device.type == "cpu",
         )
 
-    def _first_rung_that_runs(self, request: TaskRequest, memory: StageMemory, fallbacks: list[str],
-                              started: float) -> TaskOutcome:
+    def _first_rung_that_runs(self, request: TaskRequest, memory: StageMemory, passes: PassBook,
+                              fallbacks: list[str], started: float) -> TaskOutcome:
         rungs = self._rungs(request)
         last_error = ("OutOfMemoryError", "no cache rung fits the budgets")  # when the ladder is empty
         for i, rung in enumerate(rungs):
             try:
-                return self._summarize_on(rung, request, memory)
+                return self._summarize_on(rung, request, memory, passes)
             except ContextTooSmallError as e:
                 return _failure(FailureClass.INPUT, type(e).__name__, str(e), started)
             except Exception as e:  # noqa: BLE001 - classified below, reported to the coordinator
@@ -260,13 +272,13 @@ class SummaryWorker:
             fallbacks.append(cache_fallback_note(rung, rungs[i + 1] if i + 1 < len(rungs) else None, last_error[0]))
         return _failure(FailureClass.MEMORY, *last_error, started)
 
-    def _summarize_on(self, rung: str, request: TaskRequest, memory: StageMemory) -> TaskOutcome:
+    def _summarize_on(self, rung: str, request: TaskRequest, memory: StageMemory, passes: PassBook) -> TaskOutcome:
         """The task done on `rung` (its passes in the worker's batch); raises what stops it there."""
         task = request.task
         with self._scratch_dir(rung, request) as offload_dir:
             attempt = RungAttempt(rung, self.cache_kit, self.scheduler, memory, request.clock, offload_dir,
                                   task.doc_id, fault_for(self.faults, task.doc_id, request.attempt, rung,
-                                                         request.context_tokens))
+                                                         request.context_tokens), passes)
             summary = self.summarizer.summarize(
                 request.text, request.instruction, request.max_new_tokens, request.context_tokens, attempt
             )
@@ -299,8 +311,10 @@ def _done(rung: str, summary: Summary, totals: CacheTotals) -> TaskOutcome:
         "stop_reason": summary.stop_reason,
         "ttft_s": summary.ttft_s,
         "decode_tokens_per_s": summary.decode_tokens_per_s,
-        "prefill_s": sum(p.ttft_s for p in summary.passes),
-        "decode_s": sum(p.decode_s for p in summary.passes),
+        "prefill_s": sum(p.ttft_s for p in summary.run_passes),
+        "decode_s": sum(p.decode_s for p in summary.run_passes),
+        "passes": len(summary.passes),
+        "passes_reused": summary.reused_passes,
         "batch_size": summary.batch_size,
         "padding_share": 0.0,  # ragged decode steps: every row attends to its own length, nothing is padded
         "kv_bytes": totals.kv_bytes,

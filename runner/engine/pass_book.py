@@ -1,0 +1,103 @@
+"""A task's finished passes, as its attempts see them: reuse what is done, keep what gets done.
+
+The worker opens one `PassBook` per attempt at a task (storage/passes.py holds the parts). Before a
+pass is handed to the scheduler, `find` looks it up by key; after it ends, `keep` publishes it. The
+key is a hash of the fingerprint (the model and every setting that decides a pass's tokens, nothing
+that only decides where its KV lives or how its prompt is prefilled), the prompt's token ids and the
+new-token limit, so a pass is reused exactly when running it again would give the same tokens: at
+the same context all of them; at a shorter one, only passes whose prompt came out the same.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from jobs.config import JobConfig
+from jobs.stopping import StopReason
+from runner.engine.generation import Generation
+from storage.passes import read_passes, write_pass
+
+logger = logging.getLogger(__name__)
+
+#: Summarize settings that do not decide a pass's tokens once its prompt ids are known (the prompt and
+#: max_new_tokens are in the key itself; the context and overlap only shape which prompts there are).
+_NOT_IN_FINGERPRINT = frozenset({"prompt", "max_new_tokens", "context_tokens", "min_context_tokens",
+                                 "chunk_overlap_tokens", "prefill_chunk_size"})
+
+
+def settings_fingerprint(config: JobConfig, device_type: str, dtype: str) -> str:
+    """What decides a pass's tokens besides its prompt: the model as loaded and the generation settings."""
+    summarize = {k: v for k, v in config.summarize.model_dump(mode="json").items() if k not in _NOT_IN_FINGERPRINT}
+    decisive = {"model": config.model.model_dump(mode="json"), "device": device_type, "dtype": dtype,
+                "summarize": summarize}
+    return hashlib.sha256(json.dumps(decisive, sort_keys=True).encode()).hexdigest()
+
+
+class PassBook:
+    """One attempt's view of a task's passes; `job_dir` None keeps nothing (an engine run outside a job)."""
+
+    def __init__(self, job_dir: str | None, task_id: str, doc_id: str, context_tokens: int, fingerprint: str,
+                 decode: Callable[[list[int]], str], worker: str) -> None:
+        self._job_dir = job_dir
+        self._task_id, self._doc_id = task_id, doc_id
+        self._context_tokens = context_tokens
+        self._fingerprint = fingerprint
+        self._decode = decode
+        self._worker = worker
+        self._lock = threading.Lock()
+        self._known = self._read() if job_dir else {}
+        self.reused = 0
+        self.kept = 0
+
+    @classmethod
+    def kept_nowhere(cls) -> PassBook:
+        """A book that finds and keeps nothing: the engine run outside a job."""
+        return cls(None, "", "", 0, "", str, "")
+
+    def _read(self) -> dict[str, dict[str, Any]]:
+        try:
+            known = read_passes(self._job_dir, self._task_id)
+        except OSError as e:  # the passes only save time: without them every pass runs
+            logger.warning("passes of %s unreadable, running them all: %s", self._doc_id, e)
+            return {}
+        return {key: row for key, row in known.items() if row["fingerprint"] == self._fingerprint}
+
+    def key(self, prompt_ids: list[int], max_new_tokens: int) -> str:
+        digest = hashlib.sha256(self._fingerprint.encode())
+        digest.update(json.dumps([max_new_tokens, prompt_ids]).encode())
+        return digest.hexdigest()
+
+    def find(self, prompt_ids: list[int], max_new_tokens: int) -> Generation | None:
+        """The pass's generation when an earlier attempt finished it (no timings: it took none now)."""
+        row = self._known.get(self.key(prompt_ids, max_new_tokens))
+        if row is None:
+            return None
+        with self._lock:
+            self.reused += 1
+        return Generation(tokens=list(row["tokens"]), input_tokens=len(prompt_ids), ttft_s=0.0, decode_s=0.0,
+                          stop_reason=StopReason(row["stop_reason"]), reused=True)
+
+    def keep(self, level: int, index: int, prompt_ids: list[int], max_new_tokens: int, generation: Generation) -> None:
+        """Publish a pass that just ended; a failed write only means it runs again if it is needed again."""
+        if self._job_dir is None:
+            return
+        key = self.key(prompt_ids, max_new_tokens)
+        row = {"task_id": self._task_id, "doc_id": self._doc_id, "key": key, "fingerprint": self._fingerprint,
+               "level": level, "index": index, "context_tokens": self._context_tokens,
+               "prompt_tokens": len(prompt_ids), "tokens": generation.tokens,
+               "text": self._decode(generation.tokens), "stop_reason": str(generation.stop_reason),
+               "worker": self._worker, "finished_at": time.time()}
+        try:
+            write_pass(self._job_dir, row)
+        except OSError as e:
+            logger.warning("pass %d.%d of %s not kept: %s", level, index, self._doc_id, e)
+            return
+        with self._lock:
+            self._known[key] = row
+            self.kept += 1
