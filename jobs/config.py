@@ -6,6 +6,8 @@ names the dotted key so the user knows what to fix.
 
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -24,8 +26,34 @@ class ConfigError(ValueError):
     """A config file, key or value the user must fix; the message says which and how."""
 
 
+MAX_SECONDS = 7 * 86400
+"""The longest wait any `*_s` key may set: finite, and far inside what threading and Ray accept as a timeout."""
+
+MAX_CONTEXT_TOKENS = 2**20
+"""Tokens no one pass of a model holds more of in practice; what a KV block may hold at most."""
+
+MAX_DOCUMENT_BYTES = 2**31 - 1
+"""A document is read into memory whole and kept as one Arrow string value, which holds at most 2 GiB."""
+
+MIN_RAY_CPUS = 0.0001
+"""Ray's resource granularity: a smaller fraction rounds to 0 and Ray refuses the worker."""
+
+MAX_SEED = 2**64 - 1
+MIN_SEED = -(2**63)
+"""torch.manual_seed's range (a 64-bit seed, signed or not)."""
+
+MAX_CONFIG_VALUES = 10_000
+"""Values (list items, mapping entries) a config may expand to; a YAML alias bomb expands to billions."""
+
+#: torch's device types (torch.device's parser), so jobs/ checks `model.device` without importing torch.
+TORCH_DEVICE_TYPES = ("cpu", "cuda", "ipu", "xpu", "mkldnn", "opengl", "opencl", "ideep", "hip", "ve", "fpga",
+                      "maia", "xla", "lazy", "vulkan", "mps", "meta", "hpu", "mtia", "privateuseone")
+_DEVICE = re.compile(rf"({'|'.join(TORCH_DEVICE_TYPES)})(?::(0|[1-9][0-9]*))?")
+_MAX_DEVICE_INDEX = 127  # torch keeps a device index in an int8
+
+
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 Dtype = Literal["auto", "float32", "float16", "bfloat16"]
@@ -47,6 +75,20 @@ class ModelConfig(_Section):
         "`torchao-int4` needs CUDA); a checkpoint that is quantized already loads as it is with `none`"))
     quantization_compute_dtype: Dtype = Field("auto", description=(
         "what `bnb-4bit` dequantises to for its matmuls; `auto`: `model.dtype`"))
+
+    @field_validator("name")
+    @classmethod
+    def _absolute_folder(cls, name: str) -> str:
+        """A local folder is stored absolute, so `resume` from another working directory finds it."""
+        return absolute_path(name) if looks_like_path(name) else name
+
+    @field_validator("device")
+    @classmethod
+    def _device_name(cls, spec: str) -> str:
+        match = _DEVICE.fullmatch(spec)
+        if spec != "auto" and (match is None or int(match.group(2) or 0) > _MAX_DEVICE_INDEX):
+            raise ValueError(f"is not a device torch knows: use auto, cpu, cuda or cuda:N (N from 0 to {_MAX_DEVICE_INDEX})")
+        return spec
 
 
 class LoopStopConfig(_Section):
@@ -96,7 +138,8 @@ class SummarizeConfig(_Section):
         "prompt tokens prefilled per forward pass when a prompt is prefilled whole (with no decode rows beside "
         "it, or where it cannot ride them: `batch.prefill_chunk_tokens`); `0`: the whole prompt in one pass"))
     do_sample: bool = Field(False, description="sample instead of greedy decoding")
-    seed: int = Field(0, description="the sampling seed (each sequence gets its own generator)")
+    seed: int = Field(0, ge=MIN_SEED, le=MAX_SEED, description=(
+        "the sampling seed (each sequence gets its own generator), a 64-bit integer as torch takes it"))
     generation: dict[str, Any] = Field(default_factory=dict, description=(
         "transformers `GenerationConfig` fields passed to `generate()`, e.g. `{repetition_penalty: 1.15}`; "
         "checked at submit, one the batched decode cannot honour is refused (docs/input.md). Its "
@@ -140,7 +183,8 @@ class CacheConfig(_Section):
     offload_root: str | None = Field(None, description=(
         "folder (ideally NVMe, the same path on every node) for tiered-disk block files; `null`: "
         "`$KVBATCH_OFFLOAD_ROOT`, else `JOB_DIR/scratch/kvbatch` (`~/.cache/kvbatch/offload` for a job on S3)"))
-    block_tokens: int = Field(512, gt=0, description="tokens per KV block file on tiered-disk")
+    block_tokens: int = Field(512, gt=0, le=MAX_CONTEXT_TOKENS, description=(
+        f"tokens per KV block file on tiered-disk (at most {MAX_CONTEXT_TOKENS:,}: a block's buffer is allocated whole)"))
     compression: Literal["zstd", "none"] = Field("zstd", description="how block files are written: `zstd`, or raw with `none`")
     zstd_level: int = Field(1, ge=-7, le=22, description="zstd level of block files (-7 fastest, 22 smallest)")
     shuffle: bool = Field(True, description="byte-plane shuffle before zstd (lossless; compresses float KV better)")
@@ -148,6 +192,12 @@ class CacheConfig(_Section):
         "`layer-major` prefills a layer at a time, so a tiered cache reads the prompt's KV back once, not "
         "once per chunk; `chunked`: transformers' order; `auto`: layer-major on tiered rungs of covered "
         "models with 2+ prefill chunks, else chunked"))
+
+    @field_validator("offload_root")
+    @classmethod
+    def _absolute_root(cls, root: str | None) -> str | None:
+        """Stored absolute, so `resume` from another working directory writes where `submit` did."""
+        return absolute_path(root) if root else root
 
     @field_validator("device_kv_budget_bytes", "host_kv_budget_bytes")
     @classmethod
@@ -180,11 +230,11 @@ class RetryConfig(_Section):
     """How transient failures are retried and failing documents shortened (docs/cluster.md)."""
 
     max_attempts: int = Field(3, gt=0, description="attempts per task at one context size before it is shortened or failed")
-    backoff_initial_s: float = Field(1.0, ge=0, description="seconds before the first retry; doubles each retry")
-    backoff_max_s: float = Field(60.0, ge=0, description="the longest wait between retries, in seconds")
+    backoff_initial_s: float = Field(1.0, ge=0, le=MAX_SECONDS, description="seconds before the first retry; doubles each retry")
+    backoff_max_s: float = Field(60.0, ge=0, le=MAX_SECONDS, description="the longest wait between retries, in seconds")
     context_shrink: float = Field(0.5, gt=0, lt=1, description=(
         "factor (0-1) on `context_tokens` for a document that keeps failing, down to `min_context_tokens`"))
-    task_timeout_s: float = Field(3600.0, gt=0, description=(
+    task_timeout_s: float = Field(3600.0, gt=0, le=MAX_SECONDS, description=(
         "seconds a task may run once its first sequence begins before its worker is restarted; waiting "
         "behind batch-mates has its own limit, this x `batch.max_sequences`"))
 
@@ -195,10 +245,17 @@ class WorkersConfig(_Section):
     count: int | Literal["auto"] = Field("auto", description=(
         "workers; `auto`: one per GPU, else one per `cpus_per_worker` CPUs, across the cluster"))
     gpus_per_worker: float = Field(1.0, ge=0, description="GPUs Ray gives each worker (fractions share a GPU); 0 on a cluster without GPUs")
-    cpus_per_worker: float = Field(1.0, gt=0, description="CPUs Ray gives each worker")
-    start_timeout_s: float = Field(300.0, gt=0, description=(
+    cpus_per_worker: float = Field(1.0, ge=MIN_RAY_CPUS, description=f"CPUs Ray gives each worker (at least {MIN_RAY_CPUS})")
+    start_timeout_s: float = Field(300.0, gt=0, le=MAX_SECONDS, description=(
         "seconds a worker may take to be placed, start and load its model before the run stops (exit 4, "
         "resumable)"))
+
+    @field_validator("gpus_per_worker")
+    @classmethod
+    def _ray_fraction(cls, gpus: float) -> float:
+        if 0 < gpus < MIN_RAY_CPUS:
+            raise ValueError(f"must be 0 or at least {MIN_RAY_CPUS} (Ray rounds a smaller fraction to 0)")
+        return gpus
 
     @field_validator("count")
     @classmethod
@@ -212,6 +269,11 @@ AUTO_MAX_SEQUENCES = 16
 """`batch.max_sequences: auto`: this many, whatever the budgets; admission lets fewer decode together
 when the budgets hold fewer."""
 
+MAX_SEQUENCES = 256
+"""The most `batch.max_sequences`: each task in flight holds a thread in its worker and one in the
+coordinator, and a worker's Ray actor is made with that many (100,000 made its start fail, and Ray
+restarted it forever); 256 is also vLLM's default `max_num_seqs` for one GPU."""
+
 
 PREFILL_CHUNK_TOKENS = 256
 """batch.prefill_chunk_tokens' default: a chunk costs a few decode steps' time on a CPU, not a stall."""
@@ -221,8 +283,8 @@ class BatchConfig(_Section):
     """How many sequences (documents, map chunks, merge passes) share a worker's decode steps."""
 
     max_sequences: int | Literal["auto"] = Field("auto", description=(
-        f"tasks a worker keeps in flight and the most sequences it decodes together; `auto`: {AUTO_MAX_SEQUENCES} "
-        "(a constant). Whatever the value, a sequence joins only while the batch's KV at full length fits "
+        f"tasks a worker keeps in flight and the most sequences it decodes together, at most {MAX_SEQUENCES}; "
+        f"`auto`: {AUTO_MAX_SEQUENCES} (a constant). Whatever the value, a sequence joins only while the batch's KV at full length fits "
         "the worker's device (and, on tiered rungs, host) budget, and a memory error lowers the limit for "
         "a while (jobs/batch_limit.py)"))
     attention: Literal["auto", "pooled", "per-row"] = Field("auto", description=(
@@ -237,8 +299,8 @@ class BatchConfig(_Section):
     @field_validator("max_sequences")
     @classmethod
     def _positive(cls, v: int | str) -> int | str:
-        if v != "auto" and v <= 0:
-            raise ValueError("must be a positive number of sequences or 'auto'")
+        if v != "auto" and not 0 < v <= MAX_SEQUENCES:
+            raise ValueError(f"must be a number of sequences from 1 to {MAX_SEQUENCES}, or 'auto'")
         return v
 
     @property
@@ -250,7 +312,8 @@ class CheckpointConfig(_Section):
     """How often finished documents are published to `JOB_DIR/results/` (a crash loses only unpublished ones)."""
 
     flush_every: int = Field(32, gt=0, description="results buffered before a Parquet part is published")
-    flush_interval_s: float = Field(5.0, gt=0, description="seconds after which buffered results are published anyway")
+    flush_interval_s: float = Field(5.0, gt=0, le=86400, description=(
+        "seconds (at most a day) after which buffered results are published anyway"))
 
 
 class InputConfig(_Section):
@@ -258,8 +321,9 @@ class InputConfig(_Section):
 
     documents_root: str | None = Field(None, description=(
         "folder every `path` must resolve inside (symlinks followed); `null`: anywhere"))
-    max_document_bytes: int = Field(50_000_000, gt=0, description=(
-        "bytes above which a document is rejected from its size, unread (a DOCX from its expanded size)"))
+    max_document_bytes: int = Field(50_000_000, gt=0, le=MAX_DOCUMENT_BYTES, description=(
+        "bytes above which a document is rejected from its size, unread (a DOCX from its expanded size); at "
+        f"most {MAX_DOCUMENT_BYTES:,}, the most one stored text value holds"))
 
 
 class JobConfig(_Section):
@@ -271,6 +335,45 @@ class JobConfig(_Section):
     workers: WorkersConfig = Field(default_factory=WorkersConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     input: InputConfig = Field(default_factory=InputConfig)
+
+
+def looks_like_path(name: str) -> bool:
+    """A model name that is a local folder: written like a path, or existing on disk (as transformers
+    decides); `builtin:...` names and hub ids (`org/name`) that are no folder here are not."""
+    return name.startswith(("/", "./", "../", "~")) or name in (".", "..") or os.path.exists(name)
+
+
+def absolute_path(path: str) -> str:
+    """`path` from the working directory (and `~`) made absolute, symlinks kept as written."""
+    return os.path.abspath(os.path.expanduser(path))
+
+
+def max_answer_tokens(context_tokens: int) -> int:
+    """The most `max_new_tokens` a pass of `context_tokens` may give the answer: half, the rest holds
+    the prompt and the document (or the partial summaries a merge pass joins)."""
+    return context_tokens // 2
+
+
+def _check_expansion(data: Any, source: str) -> None:
+    """Refuse a config that refers to itself or expands to more than MAX_CONFIG_VALUES values (YAML
+    aliases), before validation or a message copies it out."""
+    counted = 0
+
+    def visit(node: Any, key: str, inside: frozenset[int]) -> None:
+        nonlocal counted
+        if not isinstance(node, (dict, list)):
+            return
+        if id(node) in inside:
+            raise ConfigError(f"invalid config ({source}): {key} contains itself (a circular YAML alias): "
+                              "write the value out instead")
+        counted += len(node)
+        if counted > MAX_CONFIG_VALUES:
+            raise ConfigError(f"invalid config ({source}): it expands to more than {MAX_CONFIG_VALUES:,} values "
+                              f"(at {key}; YAML aliases repeated inside each other?): write the values out")
+        for child_key, child in (node.items() if isinstance(node, dict) else enumerate(node)):
+            visit(child, f"{key}.{child_key}" if key else str(child_key), inside | {id(node)})
+
+    visit(data, "", frozenset())
 
 
 def _key_name(loc: tuple[Any, ...]) -> str:
@@ -317,6 +420,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
 
 
 def config_from_dict(data: dict[str, Any], source: str = "config") -> JobConfig:
+    _check_expansion(data, source)
     try:
         return JobConfig.model_validate(data)
     except ValidationError as err:

@@ -24,7 +24,7 @@ from typing import Any, BinaryIO
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from jobs.config import ConfigError, InputConfig
+from jobs.config import ConfigError, InputConfig, max_answer_tokens
 from jobs.documents import (
     DocumentError,
     check_size,
@@ -135,10 +135,21 @@ def _positive_int(name: str, value: Any) -> int:
     return value
 
 
-def _overrides(fields: dict[str, Any]) -> dict[str, Any]:
+def _answer_room(max_new_tokens: int, context_tokens: int | None) -> int:
+    """The row's answer may take at most half the context, as `summarize.max_new_tokens` may."""
+    if context_tokens is not None and max_new_tokens > (most := max_answer_tokens(context_tokens)):
+        raise _RowRejected(
+            f"'max_new_tokens' ({max_new_tokens}) leaves too little of summarize.context_tokens ({context_tokens}) "
+            f"for the prompt and the document (the answer may take at most half): set it to {most} or less, or "
+            f"summarize.context_tokens to {2 * max_new_tokens} or more"
+        )
+    return max_new_tokens
+
+
+def _overrides(fields: dict[str, Any], context_tokens: int | None) -> dict[str, Any]:
     overrides: dict[str, Any] = {}
     if (value := fields.get("max_new_tokens")) is not None:
-        overrides["max_new_tokens"] = _positive_int("max_new_tokens", value)
+        overrides["max_new_tokens"] = _answer_room(_positive_int("max_new_tokens", value), context_tokens)
     if (value := fields.get("prompt")) is not None:
         if not isinstance(value, str) or not value.strip():
             raise _RowRejected(f"'prompt' must be a non-empty string, got {_shown(value)}: fix or remove it")
@@ -226,6 +237,7 @@ class _Validator:
     row_unit: str  # "line", "row" or "item", as messages call a row of this manifest
     seen_ids: dict[str, tuple[int, str]]  # NFC-normalised id -> (row, id as given)
     uri_base: str | None = None  # the folder URI of a manifest read from shared storage
+    context_tokens: int | None = None  # summarize.context_tokens, which bounds a row's max_new_tokens
 
     def task(self, record: _Record) -> Task:
         if record.fields is None:
@@ -238,7 +250,7 @@ class _Validator:
         doc_id = _doc_id(fields.get("id"))
         try:
             self._claim_id(doc_id, record.row)
-            overrides = _overrides(fields)
+            overrides = _overrides(fields, self.context_tokens)
             source_type, source, document = self._document(fields)
         except _RowRejected as e:
             raise _RowRejected(e.problem, doc_id) from None
@@ -505,12 +517,13 @@ def _documents_root(input_cfg: InputConfig) -> Path | None:
 
 
 def read_manifest(
-    path: Path, input_cfg: InputConfig, uri_base: str | None = None
+    path: Path, input_cfg: InputConfig, uri_base: str | None = None, context_tokens: int | None = None
 ) -> tuple[list[Task], list[Rejection]]:
     """Every runnable task of the manifest, and every row that will not run with its reason.
 
     `uri_base`: the manifest is a local copy of one on shared storage, in that folder; relative
-    document paths are read from there.
+    document paths are read from there. `context_tokens`: summarize.context_tokens, of which a row's
+    `max_new_tokens` may take at most half (None: not checked).
     """
     path = Path(path)
     if not path.is_file():
@@ -526,6 +539,7 @@ def read_manifest(
             row_unit=_ROW_UNITS[fmt],
             seen_ids={},
             uri_base=uri_base,
+            context_tokens=context_tokens,
         )
         for record in _records(path, fmt, input_cfg.max_document_bytes):
             try:

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import hashlib
 import os
+import signal
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import pyarrow as pa
 from rich.console import Console
+from rich.markup import escape
 
 from jobs.config import JobConfig, apply_overrides, config_from_dict, load_config
 from jobs.faults import FAULTS_ENV, parse_faults
@@ -76,16 +78,36 @@ def report_rejections(console: Console, rejections: list[Rejection], limit: int 
         return
     console.print(f"[yellow]{len(rejections)} manifest row(s) rejected (see `kvbatch results --errors`):")
     for r in rejections[:limit]:
-        console.print(f"  row {r.row}: {r.reason}")
+        console.print(f"  row {r.row}: {escape(r.reason)}", highlight=False)
     if len(rejections) > limit:
         console.print(f"  ... and {len(rejections) - limit} more")
 
 
 def _read_staged(staged: StagedManifest, config: JobConfig) -> tuple[list[Task], list[Rejection]]:
     try:
-        return read_manifest(staged.path, config.input, staged.uri_base)
+        return read_manifest(staged.path, config.input, staged.uri_base, config.summarize.context_tokens)
     except ManifestError as e:  # name the manifest as the user gave it, not its local copy
         raise ManifestError(str(e).replace(str(staged.path), staged.shown)) from None
+
+
+def _stop_on_sigterm(signum: int, frame: object) -> None:
+    """SIGTERM stops a submit or resume as Ctrl-C does, also before the coordinator takes it over."""
+    raise KeyboardInterrupt
+
+
+def _interruptible(run: Callable[[], int], job: JobDir, console: Console) -> int:
+    """Ctrl-C or SIGTERM outside the coordinator's run (while Ray starts, say): exit 130 with what to do."""
+    previous = signal.signal(signal.SIGTERM, _stop_on_sigterm)
+    try:
+        return run()
+    except KeyboardInterrupt:
+        if job.job_json.exists():
+            console.print(f"[yellow]interrupted; continue with: kvbatch resume {escape(str(job.path))}")
+        else:
+            console.print("[yellow]interrupted before the job folder was made: nothing ran; submit again")
+        return EXIT_INTERRUPTED
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def submit(source: str, pattern: str | None, config_path: Path | None, job_dir: Where | None,
@@ -93,7 +115,13 @@ def submit(source: str, pattern: str | None, config_path: Path | None, job_dir: 
     """`source`: a manifest or a folder of documents, local or on shared storage; `pattern`: --glob."""
     job_id = new_job_id()
     job = JobDir(job_dir or Path("runs") / job_id)
-    console.print(f"job {job_id} -> {job.path}")
+    console.print(f"job {job_id} -> {escape(str(job.path))}", highlight=False)
+    return _interruptible(lambda: _submit(job, job_id, source, pattern, config_path, overrides, address, strict,
+                                          console), job, console)
+
+
+def _submit(job: JobDir, job_id: str, source: str, pattern: str | None, config_path: Path | None,
+            overrides: list[str], address: str | None, strict: bool, console: Console) -> int:
     check_new_job_folder(job)
     config = load_config(config_path, overrides)
     check_settings(config)
@@ -109,7 +137,8 @@ def submit(source: str, pattern: str | None, config_path: Path | None, job_dir: 
             return EXIT_USAGE
         if staged.from_folder:
             manifest_path = str(job.path / FOLDER_MANIFEST_NAME)
-            console.print(f"{len(tasks) + len(rejections)} document(s) in {source} -> {manifest_path}")
+            console.print(f"{len(tasks) + len(rejections)} document(s) in {escape(source)} -> {escape(manifest_path)}",
+                          highlight=False)
         else:
             manifest_path = staged.shown if staged.uri_base is not None else str(staged.path.resolve())
         info = JobInfo(
@@ -129,6 +158,10 @@ def submit(source: str, pattern: str | None, config_path: Path | None, job_dir: 
 def resume(job_dir: Where, retry_failed: bool, overrides: list[str], address: str | None,
            console: Console) -> int:
     job = JobDir(job_dir)
+    return _interruptible(lambda: _resume(job, retry_failed, overrides, address, console), job, console)
+
+
+def _resume(job: JobDir, retry_failed: bool, overrides: list[str], address: str | None, console: Console) -> int:
     check_job_folder(job)
     with job_lock(job.lock) as lock:  # job.json is the running coordinator's until this is held
         info = read_job(job)
@@ -137,7 +170,7 @@ def resume(job_dir: Where, retry_failed: bool, overrides: list[str], address: st
         check_offload_root(offload_root_for(config, job.path))
         if overrides:
             update_job_config(job, config.model_dump(mode="json"))
-        console.print(f"job {info.job_id} <- {job.path}")
+        console.print(f"job {info.job_id} <- {escape(str(job.path))}", highlight=False)
         return _execute(job, info, config, address, retry_failed, console, lock)
 
 
@@ -148,9 +181,15 @@ def _checked_cluster(config: JobConfig, address: str | None, needed: bool) -> It
     if not needed:
         yield
         return
-    with ray_session(address):
-        check_cluster(config)
-        yield
+    try:
+        with ray_session(address):
+            signal.signal(signal.SIGTERM, _stop_on_sigterm)  # ray.init put its own there: sys.exit(15)
+            check_cluster(config)
+            yield
+    except SystemExit as e:  # SIGTERM inside ray.init, after it set its handler
+        if e.code != signal.SIGTERM:
+            raise
+        raise KeyboardInterrupt from None
 
 
 def offload_root_for(config: JobConfig, job_dir: Where) -> Path:
@@ -166,7 +205,7 @@ def _execute(job: JobDir, info: JobInfo, config: JobConfig, address: str | None,
     tasks = tasks_from_table(read_manifest_table(job))
     state = load_state(job.path)
     for part in state.corrupt:
-        console.print(f"[yellow]skipped a damaged checkpoint part: {part}")
+        console.print(f"[yellow]skipped a damaged checkpoint part: {escape(str(part))}")
     if state.corrupt:
         console.print(f"  {CORRUPT_PART_ADVICE}", highlight=False)
     finished = state.done_task_ids | state.rejected_task_ids
@@ -188,14 +227,14 @@ def _execute(job: JobDir, info: JobInfo, config: JobConfig, address: str | None,
                                        "--set key=value") from None
     if code in (EXIT_INTERRUPTED, EXIT_NO_WORKERS):
         what = "interrupted" if code == EXIT_INTERRUPTED else "stopped without workers"
-        console.print(f"[yellow]{what}; continue with: kvbatch resume {job.path}")
+        console.print(f"[yellow]{what}; continue with: kvbatch resume {escape(str(job.path))}")
         return code
     if code == EXIT_LEASE_LOST:
         return code
     try:
         compact(job.path, lock.check)
     except LeaseLostError as e:
-        console.print(f"[red]{e}")
+        console.print(f"[red]{escape(str(e))}")
         return EXIT_LEASE_LOST
     state = load_state(job.path)
     return _final_report(job, state, console)
@@ -203,12 +242,12 @@ def _execute(job: JobDir, info: JobInfo, config: JobConfig, address: str | None,
 
 def _final_report(job: JobDir, state: JobState, console: Console) -> int:
     done, failed, rejected = len(state.done_task_ids), len(state.failed_task_ids), len(state.rejected_task_ids)
-    console.print(f"done {done}, failed {failed}, rejected {rejected}; results in {job.results}")
-    console.print(f"export: kvbatch results {job.path} -o summaries.jsonl")
+    console.print(f"done {done}, failed {failed}, rejected {rejected}; results in {escape(str(job.results))}")
+    console.print(f"export: kvbatch results {escape(str(job.path))} -o summaries.jsonl")
     if failed:
-        console.print(f"[red]{failed} document(s) failed: kvbatch results {job.path} --errors")
+        console.print(f"[red]{failed} document(s) failed: kvbatch results {escape(str(job.path))} --errors")
         return EXIT_FAILED_TASKS
     if rejected and not done:
-        console.print(f"[red]every document was rejected, none was summarised: kvbatch results {job.path} --errors")
+        console.print(f"[red]every document was rejected, none was summarised: kvbatch results {escape(str(job.path))} --errors")
         return EXIT_FAILED_TASKS
     return EXIT_OK
