@@ -8,7 +8,7 @@ import pyarrow.csv as pacsv
 import pyarrow.parquet as pq
 import pytest
 
-from tests.helpers.cli import LICENSES, TINY_CONFIG, export_rows, kvbatch, write_jsonl
+from tests.helpers.cli import LICENSES, TINY_CONFIG, export_rows, kvbatch, refusal, write_jsonl
 
 LONG_DOCS = ["GPL-3", "Apache-2.0", "BSD", "MPL-2.0"]
 
@@ -80,14 +80,14 @@ def test_status_json_after_the_job(finished_job):
 
 def test_submit_refuses_a_bad_config_key_before_anything_runs(tmp_path):
     manifest = write_jsonl(tmp_path / "m.jsonl", [{"id": "a", "text": "hello"}])
-    proc = kvbatch("submit", str(manifest), "-j", str(tmp_path / "job"), "--set", "cache.stratgy=dynamic", check=2)
+    proc = refusal("submit", str(manifest), "-j", str(tmp_path / "job"), "--set", "cache.stratgy=dynamic")
     assert "cache.stratgy" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "job" / "results").exists()
 
 
 def test_strict_refuses_a_manifest_with_rejected_rows(tmp_path):
     manifest = write_jsonl(tmp_path / "m.jsonl", [{"id": "a", "text": "hello"}, {"id": "b"}])
-    proc = kvbatch("submit", str(manifest), "-j", str(tmp_path / "job"), "--strict", check=2)
+    proc = refusal("submit", str(manifest), "-j", str(tmp_path / "job"), "--strict")
     assert "row 2" in proc.stdout
 
 

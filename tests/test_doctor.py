@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.cli import kvbatch
+from tests.helpers.cli import kvbatch, refusal
 from tests.helpers.system import mounted_tmpfs
 
 
@@ -52,5 +52,5 @@ def test_doctor_fails_on_a_read_only_filesystem(read_only_mount, tmp_path, below
 def test_doctor_reports_a_bad_config_key_as_usage_error(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("cache:\n  offload_rot: /tmp/x\n")
-    proc = kvbatch("doctor", "-c", str(bad), check=2)
+    proc = refusal("doctor", "-c", str(bad))
     assert "offload_rot" in proc.stderr and "Traceback" not in proc.stderr

@@ -9,7 +9,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from tests.helpers.cli import TINY_CONFIG, export_rows, kvbatch, write_jsonl
+from tests.helpers.cli import TINY_CONFIG, export_rows, kvbatch, refusal, write_jsonl
 
 BIG = 2**64 + 1  # above what a 64-bit integer holds
 
@@ -57,10 +57,10 @@ def test_csv_and_parquet_exports_hold_ragged_metadata_as_text(ragged_job: Path, 
 
 
 def test_results_of_a_missing_job_folder_is_an_error(tmp_path: Path) -> None:
-    proc = kvbatch("results", str(tmp_path / "no" / "such" / "job"), "-o", str(tmp_path / "x.jsonl"), check=2)
+    proc = refusal("results", str(tmp_path / "no" / "such" / "job"), "-o", str(tmp_path / "x.jsonl"))
     message = " ".join(proc.stderr.split())
     assert f"{tmp_path / 'no' / 'such' / 'job'} is not a job folder" in message and "Traceback" not in message
     assert not (tmp_path / "x.jsonl").exists()
     empty = tmp_path / "empty"
     empty.mkdir()
-    assert "is not a job folder" in kvbatch("results", str(empty), check=2).stderr
+    assert "is not a job folder" in refusal("results", str(empty)).stderr

@@ -11,7 +11,7 @@ import pytest
 from jobs.config import ConfigError, SummarizeConfig, load_config
 from runner.engine.generation import generate_once
 from runner.preflight import check_settings
-from tests.helpers.cli import TINY_CONFIG, kvbatch, write_jsonl
+from tests.helpers.cli import TINY_CONFIG, kvbatch, refusal, write_jsonl
 
 
 def _tokens(tiny, **generation) -> list[int]:
@@ -44,8 +44,8 @@ def test_bad_settings_are_config_errors_naming_the_key(setting: str, message: st
 
 def test_a_bad_setting_stops_submit_before_anything_starts(tmp_path: Path) -> None:
     manifest = write_jsonl(tmp_path / "m.jsonl", [{"id": "a", "text": "Some text."}])
-    proc = kvbatch("submit", str(manifest), "-c", str(TINY_CONFIG), "-j", str(tmp_path / "job"),
-                   "--set", "summarize.generation.repetition_penlty=1.15", check=2)
+    proc = refusal("submit", str(manifest), "-c", str(TINY_CONFIG), "-j", str(tmp_path / "job"),
+                   "--set", "summarize.generation.repetition_penlty=1.15")
     assert "unknown key 'summarize.generation.repetition_penlty'" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "job").exists()
 
@@ -58,8 +58,8 @@ def test_context_limit_is_read_from_a_model_folder_without_weights(tmp_path: Pat
     LlamaConfig(max_position_embeddings=512, hidden_size=64, num_attention_heads=4, num_hidden_layers=1).save_pretrained(model)
     assert [p.name for p in model.iterdir()] == ["config.json"]
     manifest = write_jsonl(tmp_path / "m.jsonl", [{"id": "a", "text": "Some text."}])
-    proc = kvbatch("submit", str(manifest), "-c", str(TINY_CONFIG), "-j", str(tmp_path / "job"),
-                   "--set", f"model.name={model}", "--set", "summarize.context_tokens=1024", check=2)
+    proc = refusal("submit", str(manifest), "-c", str(TINY_CONFIG), "-j", str(tmp_path / "job"),
+                   "--set", f"model.name={model}", "--set", "summarize.context_tokens=1024")
     assert f"above the max_position_embeddings (512) of model {model}" in " ".join(proc.stderr.split())
 
 
@@ -69,5 +69,5 @@ def test_resume_with_a_bad_setting_is_a_config_error(tmp_path: Path, ray_address
     kvbatch("submit", str(manifest), "-c", str(TINY_CONFIG), "-j", str(job), "--address", ray_address,
             "--set", "summarize.generation.repetition_penalty=1.15", check=0)
     assert json.loads((job / "job.json").read_text())["config"]["summarize"]["generation"] == {"repetition_penalty": 1.15}
-    proc = kvbatch("resume", str(job), "--set", "summarize.generation.top_pp=0.9", check=2)
+    proc = refusal("resume", str(job), "--set", "summarize.generation.top_pp=0.9")
     assert "unknown key 'summarize.generation.top_pp'" in proc.stderr

@@ -21,7 +21,7 @@ import pytest
 
 from runner.observe.joblog import read_log
 from runner.observe.report_plots import PLOTS, fallback_path
-from tests.helpers.cli import LICENSES, TINY_CONFIG, export_rows, kvbatch, write_jsonl
+from tests.helpers.cli import LICENSES, TINY_CONFIG, export_rows, kvbatch, refusal, write_jsonl
 
 FAULTS = [
     {"doc": "cc0", "fault": "oom", "rungs": ["dynamic"]},  # one cache fallback: dynamic -> tiered-disk
@@ -228,7 +228,7 @@ def test_a_job_with_nothing_run_still_gets_a_report(tmp_path):
 
 
 def test_report_of_a_missing_job_is_a_usage_error(tmp_path):
-    proc = kvbatch("report", str(tmp_path / "nope"), check=2)
+    proc = refusal("report", str(tmp_path / "nope"))
     message = " ".join(proc.stderr.split())  # the console wraps long lines
     assert f"{tmp_path / 'nope'} is not a job folder" in message and "Traceback" not in message
 

@@ -30,6 +30,18 @@ def kvbatch(*args: str, env: dict[str, str] | None = None, timeout: float = 600,
     return proc
 
 
+def refusal(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """The real CLI in this process for a command refused with exit 2 before anything starts: the same
+    app, output and exit code as `kvbatch(..., check=2)` without a Python start-up that imports torch."""
+    from typer.testing import CliRunner
+
+    from runner.cli import app
+
+    result = CliRunner().invoke(app, list(args), env=env, catch_exceptions=False)
+    assert result.exit_code == 2, f"exit {result.exit_code}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
+    return subprocess.CompletedProcess(list(args), result.exit_code, result.stdout, result.stderr)
+
+
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     return path
