@@ -9,6 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from jobs.config import ConfigError
 from jobs.manifest import ManifestError
@@ -36,7 +37,7 @@ def _run(fn, *args) -> None:  # noqa: ANN001 - thin wrapper shared by the comman
     try:
         code = fn(*args)
     except USER_ERRORS as e:
-        errors.print(f"[red]error:[/red] {e}", highlight=False)
+        errors.print(f"[red]error:[/red] {escape(str(e))}", highlight=False)
         raise typer.Exit(EXIT_USAGE) from None
     raise typer.Exit(code)
 
@@ -104,7 +105,7 @@ def results(
             raise ConfigError(f"--format {fmt}: choose jsonl, csv or parquet")
         n = export_results(job_dir, output, format_for(output, fmt), errors_only, with_text)
         if output is not None:
-            errors.print(f"{n} row(s) -> {output}")
+            errors.print(f"{n} row(s) -> {escape(str(output))}", highlight=False)
         return 0
 
     _run(export)

@@ -4,7 +4,8 @@ A folder becomes a manifest of one row per file: id = the file's path relative t
 `/`), path = where it is. Hidden files and folders (names starting with `.`) are left out, and
 `--glob` keeps only relative paths matching it (`fnmatch`: `*` also crosses `/`, so `*.pdf` finds
 PDFs at any depth). kvbatch job folders inside it (earlier runs) are left out, and so are symlinked
-subfolders of a local folder (not followed: a link can loop, or bring a tree in twice); both are
+subfolders of a local folder, given as a path or a file:// URI (not followed: a link can loop, or
+bring a tree in twice); both are
 named in `StagedManifest.notes` for submit to print. A manifest on shared storage is copied to a
 local file to be read; its relative document paths are read from beside it there.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 import fnmatch
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -78,7 +80,8 @@ def _stage_uri(source: str, pattern: str | None, workdir: Path) -> StagedManifes
         location = Location.of(source)
         kind = location.fs.get_file_info(location.path).type
         if source.endswith("/") or base.endswith("/") or kind == pafs.FileType.Directory:
-            listing = _uri_listing(location, source, base.rstrip("/"), query, pattern)
+            listing = (_local_listing(location.local_path, source, pattern, None, _uri_of(base, query))
+                       if location.is_local else _uri_listing(location, source, base.rstrip("/"), query, pattern))
             return _write_rows(listing, source, pattern, workdir)
         if pattern is not None:
             raise ManifestError(f"--glob selects files of a folder, but {source} is a file: drop --glob or give a folder")
@@ -107,8 +110,15 @@ def _not_documents(source: str) -> ManifestError:
     )
 
 
-def _local_listing(root: Path, source: str, pattern: str | None, skip: Path | None) -> _Listing:
+def _uri_of(base: str, query: str) -> Callable[[str], str]:
+    """A file:// folder's rows keep their URIs (pyarrow's recursive listing would follow symlinked folders)."""
+    return lambda relative: f"{base.rstrip('/')}/{relative}" + (f"?{query}" if query else "")
+
+
+def _local_listing(root: Path, source: str, pattern: str | None, skip: Path | None,
+                   path_of: Callable[[str], str] | None = None) -> _Listing:
     root = root.absolute()
+    path_of = path_of or (lambda relative: str(root / relative))
     skip = skip.absolute() if skip is not None else None
     listing = _Listing()
     for folder, dirs, files in os.walk(root):
@@ -129,7 +139,7 @@ def _local_listing(root: Path, source: str, pattern: str | None, skip: Path | No
         for name in sorted(files):
             relative = Path(folder, name).relative_to(root).as_posix()
             if _selected(relative, pattern):
-                listing.rows.append({"id": relative, "path": str(Path(folder, name))})
+                listing.rows.append({"id": relative, "path": path_of(relative)})
     return listing
 
 

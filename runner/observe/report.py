@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 
 from runner.observe.joblog import read_log
 from runner.observe.progress import format_duration
@@ -160,5 +161,5 @@ def write_report(job_dir: Where, output: Path | None, console: Console) -> int:
         raise
     except OSError as e:
         raise output_error(out, e) from None
-    console.print(f"report -> {out}  (open it in a browser; it is one self-contained file)", highlight=False, soft_wrap=True)
+    console.print(f"report -> {escape(str(out))}  (open it in a browser; it is one self-contained file)", highlight=False, soft_wrap=True)
     return 0

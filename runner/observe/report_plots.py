@@ -14,6 +14,8 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")
+# labels come from user data (doc ids, strategies): a `$` in one must be drawn, not parsed as mathtext
+matplotlib.rcParams["text.parse_math"] = False
 import matplotlib.pyplot as plt  # noqa: E402 - the backend must be chosen first
 from matplotlib.figure import Figure  # noqa: E402
 

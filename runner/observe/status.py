@@ -257,7 +257,7 @@ def job_status(job_dir: Where, slowest: int = 5) -> JobStatus:
 def print_status(status: JobStatus, console: Console) -> None:
     c = status["counts"]
     where = f"running ({status['coordinator']})" if status["coordinator"] else "not running"
-    console.print(f"job {status['job_id']}  ({status['job_dir']})  {where}", highlight=False, soft_wrap=True)
+    console.print(f"job {status['job_id']}  ({escape(status['job_dir'])})  {escape(where)}", highlight=False, soft_wrap=True)
     console.print(
         f"total {status['total']}: done {c['done']}, running {c['running']}, pending {c['pending']}, "
         f"failed {c['failed']}, rejected {c['rejected']}", highlight=False, soft_wrap=True,
