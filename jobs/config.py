@@ -87,7 +87,8 @@ class ModelConfig(_Section):
     def _device_name(cls, spec: str) -> str:
         match = _DEVICE.fullmatch(spec)
         if spec != "auto" and (match is None or int(match.group(2) or 0) > _MAX_DEVICE_INDEX):
-            raise ValueError(f"is not a device torch knows: use auto, cpu, cuda or cuda:N (N from 0 to {_MAX_DEVICE_INDEX})")
+            raise ValueError(
+                f"is not a device torch knows: use auto, cpu, cuda or cuda:N (N from 0 to {_MAX_DEVICE_INDEX})")
         return spec
 
 
@@ -184,7 +185,8 @@ class CacheConfig(_Section):
         "folder (ideally NVMe, the same path on every node) for tiered-disk block files; `null`: "
         "`$KVBATCH_OFFLOAD_ROOT`, else `JOB_DIR/scratch/kvbatch` (`~/.cache/kvbatch/offload` for a job on S3)"))
     block_tokens: int = Field(512, gt=0, le=MAX_CONTEXT_TOKENS, description=(
-        f"tokens per KV block file on tiered-disk (at most {MAX_CONTEXT_TOKENS:,}: a block's buffer is allocated whole)"))
+        f"tokens per KV block file on tiered-disk (at most {MAX_CONTEXT_TOKENS:,}: a block's buffer is "
+        "allocated whole)"))
     compression: Literal["zstd", "none"] = Field("zstd", description="how block files are written: `zstd`, or raw with `none`")
     zstd_level: int = Field(1, ge=-7, le=22, description="zstd level of block files (-7 fastest, 22 smallest)")
     shuffle: bool = Field(True, description="byte-plane shuffle before zstd (lossless; compresses float KV better)")
@@ -245,7 +247,8 @@ class WorkersConfig(_Section):
     count: int | Literal["auto"] = Field("auto", description=(
         "workers; `auto`: one per GPU, else one per `cpus_per_worker` CPUs, across the cluster"))
     gpus_per_worker: float = Field(1.0, ge=0, description="GPUs Ray gives each worker (fractions share a GPU); 0 on a cluster without GPUs")
-    cpus_per_worker: float = Field(1.0, ge=MIN_RAY_CPUS, description=f"CPUs Ray gives each worker (at least {MIN_RAY_CPUS})")
+    cpus_per_worker: float = Field(1.0, ge=MIN_RAY_CPUS, description=(
+        f"CPUs Ray gives each worker (at least {MIN_RAY_CPUS})"))
     start_timeout_s: float = Field(300.0, gt=0, le=MAX_SECONDS, description=(
         "seconds a worker may take to be placed, start and load its model before the run stops (exit 4, "
         "resumable)"))

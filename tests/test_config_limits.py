@@ -53,7 +53,7 @@ def test_the_bounds_themselves_are_accepted(override):
 
 
 def test_a_yaml_alias_bomb_is_refused_before_it_expands(tmp_path):
-    lines = ["summarize:", "  generation:", '    l0: &l0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    lines = ["summarize:", "  generation:", f"    l0: &l0 [{', '.join(['lol'] * 9)}]"]
     lines += [f"    l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]" for i in range(1, 9)]
     bomb = tmp_path / "bomb.yaml"
     bomb.write_text("\n".join(lines) + "\n")  # 9**9 strings once expanded, a few hundred bytes as written
