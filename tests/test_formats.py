@@ -15,7 +15,7 @@ from jobs.config import InputConfig
 from jobs.documents import load_task_text
 from jobs.extract import MAX_CONTROL_SHARE
 from jobs.manifest import read_manifest
-from tests.helpers.cli import TINY_CONFIG, export_rows, kvbatch, write_jsonl
+from tests.helpers.cli import TINY_CONFIG, export_rows, kvbatch, refusal, write_jsonl
 from tests.helpers.collection import (
     ACCEPTED,
     ARTICLE,
@@ -196,7 +196,7 @@ def test_submit_a_folder_with_glob(collection: Path, tmp_path: Path, ray_address
             "--address", ray_address, check=0)
     rows = {r["doc_id"]: r["status"] for r in export_rows(job)}
     assert rows == {"lease.pdf": "done", "scan.pdf": "rejected", "locked.pdf": "rejected"}
-    proc = kvbatch("submit", str(collection), "--glob", "*.odt", "-c", str(TINY_CONFIG), "-j", str(tmp_path / "none"), check=2)
+    proc = refusal("submit", str(collection), "--glob", "*.odt", "-c", str(TINY_CONFIG), "-j", str(tmp_path / "none"))
     assert "has no documents matching --glob '*.odt'" in proc.stderr
 
 
@@ -253,8 +253,7 @@ def test_submit_names_the_job_folders_it_leaves_out_and_refuses_a_job_folder_as_
     assert "left out 1 kvbatch job folder(s): runs/first" in proc.stdout, proc.stdout + proc.stderr
     listed = [json.loads(line)["id"] for line in (tmp_path / "second" / "input-manifest.jsonl").read_text().splitlines()]
     assert listed == ["notes/empty.md"]
-    refused = kvbatch("submit", str(docs / "runs" / "first"), "-c", str(TINY_CONFIG), "-j", str(tmp_path / "third"),
-                      check=2)
+    refused = refusal("submit", str(docs / "runs" / "first"), "-c", str(TINY_CONFIG), "-j", str(tmp_path / "third"))
     assert f"is a kvbatch job folder, not a folder of documents: continue it with `kvbatch resume {docs / 'runs' / 'first'}`" \
         in " ".join(refused.stderr.split())
     assert not (tmp_path / "third").exists()

@@ -23,7 +23,7 @@ from runner.engine.scheduler import BatchScheduler
 from runner.engine.worker import _is_memory_error
 from runner.preflight import OWNED_FIELDS, UNSUPPORTED_FIELDS, check_generation
 from tests.helpers.batching import BIG, as_loaded_model, run_batch
-from tests.helpers.cli import TINY_CONFIG, kvbatch, write_jsonl
+from tests.helpers.cli import TINY_CONFIG, refusal, write_jsonl
 from tests.helpers.models import random_prompt, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -156,7 +156,7 @@ def test_a_field_the_batched_decode_cannot_honour_is_refused_with_its_reason(fie
 def test_submit_refuses_such_a_field_in_one_line_before_anything_starts(setting: str, message: str,
                                                                        tmp_path: Path) -> None:
     manifest = write_jsonl(tmp_path / "m.jsonl", [{"id": "a", "text": "Some text."}])
-    proc = kvbatch("submit", str(manifest), "-c", str(TINY_CONFIG), "-j", str(tmp_path / "job"),
-                   "--set", setting, check=2)
+    proc = refusal("submit", str(manifest), "-c", str(TINY_CONFIG), "-j", str(tmp_path / "job"),
+                   "--set", setting)
     assert message in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
     assert not (tmp_path / "job").exists()

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from jobs.config import ConfigError, InputConfig, config_from_dict
 from jobs.manifest import read_manifest
-from tests.helpers.cli import REPO, TINY_CONFIG, export_rows, kvbatch, write_jsonl
+from tests.helpers.cli import REPO, TINY_CONFIG, export_rows, kvbatch, refusal, write_jsonl
 
 SMALL_INPUT = InputConfig(max_document_bytes=4096)
 
@@ -115,7 +115,7 @@ def test_bad_config_files_exit_2_through_the_cli_naming_the_key(tmp_path: Path, 
     config = tmp_path / "bad.yaml"
     config.write_bytes(content)
     manifest = write_jsonl(tmp_path / "m.jsonl", [{"id": "a", "text": "Some text."}])
-    proc = kvbatch("submit", str(manifest), "-c", str(config), "-j", str(tmp_path / "job"), check=2)
+    proc = refusal("submit", str(manifest), "-c", str(config), "-j", str(tmp_path / "job"))
     assert named in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "job" / "job.json").exists()  # nothing started
 

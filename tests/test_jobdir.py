@@ -16,7 +16,7 @@ import pytest
 
 from storage.parts import CORRUPT_PART_ADVICE
 from tests.helpers.child_process import Child
-from tests.helpers.cli import TINY_CONFIG, export_rows, kvbatch, license_manifest, write_jsonl
+from tests.helpers.cli import TINY_CONFIG, export_rows, kvbatch, refusal, license_manifest, write_jsonl
 
 DOCS = ["BSD", "Apache-2.0", "GPL-3"]
 DAMAGED_NAME = "part-00000000000000000001-00000000-1-badbad.parquet"
@@ -121,7 +121,7 @@ def test_missing_or_damaged_job_files_stop_status_and_resume_with_a_way_out(
     damage(job)
     before = _fingerprints(job)
     for command in ("status", "resume"):
-        proc = kvbatch(command, str(job), check=2)
+        proc = refusal(command, str(job))
         _no_traceback(proc)
         shown = " ".join(proc.stderr.split())
         assert message.format(job=job) in shown
@@ -140,7 +140,7 @@ def test_a_refused_second_submit_of_a_folder_changes_nothing_in_the_job(tmp_path
     assert "empty.txt" in kept
     before = {p: p.read_bytes() for p in sorted(job.rglob("*")) if p.is_file()}
     (docs / "later.txt").write_text("")  # the folder changed: a new listing would differ
-    second = kvbatch("submit", str(docs), "-c", str(TINY_CONFIG), "-j", str(job), check=2)
+    second = refusal("submit", str(docs), "-c", str(TINY_CONFIG), "-j", str(job))
     _no_traceback(second)
     assert f"{job} already holds a job" in " ".join(second.stderr.split())
     assert {p: p.read_bytes() for p in sorted(job.rglob("*")) if p.is_file()} == before
@@ -247,7 +247,7 @@ def test_resume_with_set_leaves_job_json_alone_while_another_coordinator_holds_t
     holder = Child(HOLD_LOCK, str(job / ".lock"))
     try:
         assert holder.read_line() == "holding"
-        refused = kvbatch("resume", str(job), "--set", "summarize.max_new_tokens=7", check=2)
+        refused = refusal("resume", str(job), "--set", "summarize.max_new_tokens=7")
         assert "in use by a running coordinator" in " ".join(refused.stderr.split())
         assert (job / "job.json").read_bytes() == before
     finally:

@@ -21,7 +21,7 @@ from runner.engine.quantization import weight_bytes
 from runner.engine.scheduler import BatchScheduler, PassRequest
 from runner.engine.worker import SummaryWorker, _is_memory_error
 from tests.helpers.batching import PLAIN
-from tests.helpers.cli import LICENSES, TINY_CONFIG, export_rows, kvbatch, write_jsonl
+from tests.helpers.cli import LICENSES, TINY_CONFIG, export_rows, kvbatch, refusal, write_jsonl
 
 CPU_METHODS = ["bnb-8bit", "bnb-4bit", "torchao-int8"]
 LENGTHS = [37, 20, 51]
@@ -138,8 +138,8 @@ def test_a_method_this_machine_cannot_run_is_exit_2_at_submit(tmp_path) -> None:
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA: torchao-int4 can run here")
     manifest = write_jsonl(tmp_path / "m.jsonl", [{"id": "a", "text": "hello"}])
-    proc = kvbatch("submit", str(manifest), "-c", str(TINY_CONFIG), "-j", str(tmp_path / "job"),
-                   "--set", "model.quantization=torchao-int4", check=2)
+    proc = refusal("submit", str(manifest), "-c", str(TINY_CONFIG), "-j", str(tmp_path / "job"),
+                   "--set", "model.quantization=torchao-int4")
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
     assert "model.quantization torchao-int4" in lines[0] and "CUDA" in lines[0] and "bnb-4bit" in lines[0]
@@ -160,8 +160,8 @@ def test_a_quantized_checkpoint_loads_as_it_is_and_is_reported(tmp_path) -> None
     assert _alone(again.model, prompt, 8) == _alone(first.model, prompt, 8)
     # asking for a method on top of it is refused at submit
     manifest = write_jsonl(tmp_path / "m.jsonl", [{"id": "a", "text": "hello"}])
-    proc = kvbatch("submit", str(manifest), "-c", str(TINY_CONFIG), "-j", str(tmp_path / "job"),
-                   "--set", f"model.name={saved}", "--set", "model.quantization=bnb-4bit", check=2)
+    proc = refusal("submit", str(manifest), "-c", str(TINY_CONFIG), "-j", str(tmp_path / "job"),
+                   "--set", f"model.name={saved}", "--set", "model.quantization=bnb-4bit")
     assert "quantized already (checkpoint:bitsandbytes)" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
 
