@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import signal
@@ -53,6 +54,8 @@ from storage.parts import CORRUPT_PART_ADVICE
 from storage.scratch import check_offload_root, default_offload_root
 
 EXIT_USAGE = 2
+#: the job folder's disk filled up: what was published stays, `resume` continues once there is space
+EXIT_NO_SPACE = 6
 
 
 def _sha256_of(path: Path) -> str:
@@ -95,8 +98,13 @@ def _stop_on_sigterm(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
+def _disk_full(error: OSError) -> bool:
+    return error.errno in (errno.ENOSPC, errno.EDQUOT) or "No space left on device" in str(error)
+
+
 def _interruptible(run: Callable[[], int], job: JobDir, console: Console) -> int:
-    """Ctrl-C or SIGTERM outside the coordinator's run (while Ray starts, say): exit 130 with what to do."""
+    """Ctrl-C or SIGTERM outside the coordinator's run (while Ray starts, say): exit 130 with what to do;
+    a full disk: exit 6, the same (published parts stay, a resume reruns only what has no result)."""
     previous = signal.signal(signal.SIGTERM, _stop_on_sigterm)
     try:
         return run()
@@ -106,6 +114,12 @@ def _interruptible(run: Callable[[], int], job: JobDir, console: Console) -> int
         else:
             console.print("[yellow]interrupted before the job folder was made: nothing ran; submit again")
         return EXIT_INTERRUPTED
+    except OSError as e:
+        if not _disk_full(e):
+            raise
+        console.print(f"[red]no space left on the job folder's disk ({escape(str(e))}); what was published is kept: "
+                      f"free space then `kvbatch resume {escape(str(job.path))}`")
+        return EXIT_NO_SPACE
     finally:
         signal.signal(signal.SIGTERM, previous)
 

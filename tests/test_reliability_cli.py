@@ -17,8 +17,20 @@ from typer.testing import CliRunner
 from runner.cli import app
 from runner.observe.report_plots import fallback_ladder, latency_split
 from storage.inputs import stage_input
-from tests.helpers.cli import REPO, TINY_CONFIG, wait_for, write_jsonl
+from runner.submit import EXIT_NO_SPACE
+from tests.helpers.cli import (
+    LICENSE_DOCS,
+    REPO,
+    TINY_CONFIG,
+    done_summaries,
+    kvbatch,
+    license_manifest,
+    start_submit,
+    wait_for,
+    write_jsonl,
+)
 from tests.helpers.results import done_row
+from tests.helpers.system import mounted_tmpfs
 
 
 def test_markup_in_a_doc_id_is_printed_as_it_is(tmp_path: Path) -> None:
@@ -96,3 +108,36 @@ def test_sigterm_while_ray_starts_exits_130_with_what_to_do(tmp_path: Path) -> N
     assert "task(s):" not in out, out  # the signal landed before the job ran: while Ray started
     assert proc.returncode == 130, (proc.returncode, out, err)
     assert "interrupted" in out and "Traceback" not in err, (out, err)
+
+
+def _fill(disk: Path) -> Path:
+    """Writes a file until the filesystem is full; deleting it frees the space again."""
+    filler = disk / "filler"
+    with open(filler, "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+        except OSError:
+            pass
+    return filler
+
+
+def test_disk_full_while_checkpointing_stops_resumably(tmp_path: Path, ray_address: str) -> None:
+    manifest = license_manifest(tmp_path, LICENSE_DOCS[:4])
+    with mounted_tmpfs(tmp_path / "small", "size=16m") as disk:
+        job = disk / "job"
+        proc = start_submit(manifest, job, ray_address, env={"PYTHONUNBUFFERED": "1"})
+        try:  # full once the job folder is made, before the first result is published
+            assert wait_for(lambda: (job / "job.json").is_file(), proc, timeout=120), proc.communicate()
+            filler = _fill(disk)
+            assert not any((job / "results").glob("*.parquet")), "a result was published before the disk filled"
+            out, err = proc.communicate(timeout=300)
+        finally:
+            proc.kill()
+        assert proc.returncode == EXIT_NO_SPACE, (proc.returncode, out, err[-3000:])
+        assert "Traceback" not in out + err, (out, err)
+        assert f"free space then `kvbatch resume {job}`" in out + err, (out, err)
+        filler.unlink()
+        kvbatch("resume", str(job), "--address", ray_address, check=0)
+        assert sorted(done_summaries(job)) == sorted(n.lower() for n in LICENSE_DOCS[:4])

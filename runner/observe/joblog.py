@@ -62,6 +62,14 @@ class _ObjectLogHandler(logging.Handler):
         super().close()
 
 
+class _FileHandler(logging.FileHandler):
+    """A line that cannot be written (a full disk) is dropped without a traceback on stderr: the
+    checkpoint's own write fails the same way and stops the job with what to do."""
+
+    def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 - logging's name
+        pass
+
+
 class JobLog:
     """Appends events to JOB_DIR/job.log; warnings are echoed to the console by the caller."""
 
@@ -72,7 +80,7 @@ class JobLog:
         self._logger.propagate = False
         self._logger.setLevel(logging.INFO)
         self._handler: logging.Handler = (
-            logging.FileHandler(location.local_path, encoding="utf-8") if location.is_local
+            _FileHandler(location.local_path, encoding="utf-8") if location.is_local
             else _ObjectLogHandler(location, fence)
         )
         self._handler.setFormatter(_JsonLines())
