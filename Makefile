@@ -8,7 +8,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: venv demo test test-fast bench device-wheels clean
+.PHONY: venv demo test test-fast bench device-wheels device-rehearsal clean
 
 venv: $(VENV)/.installed
 
@@ -41,18 +41,38 @@ bench: venv
 	$(PY) bench/decode_revisions.py --rounds 5
 
 # What bench/device.sh installs on a GPU machine that cannot download (docs/device.md): the engine's
-# imports that machine lacks, at the versions tested here, as Python 3.12 x86-64 wheels (about 27 MB)
+# imports that machine lacks, at the versions tested here, as Python 3.12 x86-64 wheels (about 27 MB).
+# huggingface-hub: transformers 5.23 needs >= 1.31, newer than the image's (a 1.x: its httpx, not 2.x's httpx2)
 DEVICE_WHEELS ?= .whl
-DEVICE_PACKAGES := transformers==5.23.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 \
-	typing-inspection==0.4.5 typing-extensions==4.16.0 regex==2026.11.19 zstandard==0.25.0 tenacity==9.2.1 \
-	pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1 torchao==0.18.0 accelerate==1.15.0
+DEVICE_PACKAGES := transformers==5.23.0 huggingface-hub==1.33.0 pydantic==2.14.4 pydantic-core==2.50.5 \
+	annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0 regex==2026.11.19 zstandard==0.25.0 \
+	tenacity==9.2.1 pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1 torchao==0.18.0 accelerate==1.15.0
 DEVICE_PLATFORMS := manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64
 
+# DEVICE_PACKAGES' wheels into folder $(1) for CPython $(2)
+define device_download
+	rm -rf $(1)
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version $(2) --implementation cp \
+		$(addprefix --platform ,$(DEVICE_PLATFORMS)) -d $(1) $(DEVICE_PACKAGES)
+	@du -sh $(1)
+endef
+
 device-wheels: venv
-	rm -rf $(DEVICE_WHEELS)
-	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-		$(addprefix --platform ,$(DEVICE_PLATFORMS)) -d $(DEVICE_WHEELS) $(DEVICE_PACKAGES)
-	@du -sh $(DEVICE_WHEELS)
+	$(call device_download,$(DEVICE_WHEELS),3.12)
+
+# bench/device.sh --device cpu in a venv holding only what the GPU machine's image has (docs/device.md),
+# with DEVICE_PACKAGES downloaded for this interpreter: an import the image lacks fails here, not there
+REHEARSAL ?= .rehearsal
+REHEARSAL_IMAGE := torch==2.13.0 transformers==5.17.* pyarrow psutil rich typer pytest
+REHEARSAL_ABSENT := pydantic pydantic-core annotated-types typing-inspection zstandard tenacity ray hypothesis
+
+device-rehearsal: venv
+	$(call device_download,$(REHEARSAL)/whl,$(shell python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])'))
+	rm -rf $(REHEARSAL)/venv && python3 -m venv $(REHEARSAL)/venv
+	$(REHEARSAL)/venv/bin/pip install -q $(REHEARSAL_IMAGE)
+	$(REHEARSAL)/venv/bin/pip uninstall -q -y $(REHEARSAL_ABSENT)  # typer brings pydantic; the image has neither
+	PYTHON=$(REHEARSAL)/venv/bin/python DEVICE_WHEELS=$(REHEARSAL)/whl KVBATCH_SITE=$(REHEARSAL)/site \
+		bash bench/device.sh --device cpu --out $(REHEARSAL)/report
 
 clean:
 	rm -rf runs build *.egg-info

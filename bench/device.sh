@@ -23,12 +23,14 @@ python=${PYTHON:-}
 if [ -z "$python" ]; then
     if [ -x .venv/bin/python ]; then python=.venv/bin/python; else python=python3; fi
 fi
-site=/tmp/kvbatch-site
-if ls .whl/*.whl >/dev/null 2>&1 && ! "$python" -c 'import pydantic, zstandard' 2>/dev/null; then
-    "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" .whl/*.whl \
-        || { echo "bench/device.sh: installing .whl/*.whl failed: rebuild them with 'make device-wheels'" >&2; exit 1; }
+wheels=${DEVICE_WHEELS:-.whl}
+site=${KVBATCH_SITE:-/tmp/kvbatch-site}
+if ls "$wheels"/*.whl >/dev/null 2>&1 && ! "$python" -c 'import pydantic, zstandard' 2>/dev/null; then
+    rm -rf "$site"
+    "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" "$wheels"/*.whl \
+        || { echo "bench/device.sh: installing $wheels/*.whl failed: rebuild them with 'make device-wheels'" >&2; exit 1; }
 elif ! "$python" -c 'import pydantic, zstandard' 2>/dev/null; then
-    echo "bench/device.sh: $python lacks pydantic and zstandard: run 'make device-wheels' and carry .whl" >&2
+    echo "bench/device.sh: $python lacks pydantic and zstandard: run 'make device-wheels' and carry $wheels" >&2
     exit 1
 fi
 # the project runs from this checkout (nothing is installed on that machine), the wheels ahead of the image's
@@ -46,15 +48,26 @@ if [ "$device" = cuda ]; then tests_s=150 bench_s=200 quant_s=110 bench_args=() 
     quant_s=200 quant_args=(--decode-steps 8 --prompt-tokens 128); fi
 
 started=$(date +%s)
-timeout "$tests_s" "$python" -m pytest -q -s -p no:cacheprovider tests/test_cuda.py >"$work/tests.log" 2>&1
-tests_rc=$?
-timeout "$bench_s" "$python" bench/throughput.py --device "$device" "${bench_args[@]}" --report "$work/bench.json" \
-    >"$work/bench.log" 2>&1
-bench_rc=$?
-timeout "$quant_s" "$python" bench/throughput.py --device "$device" --sections device-quant "${quant_args[@]}" \
-    --report "$work/quant.json" >"$work/quant.log" 2>&1
-quant_rc=$?
-
+# before any device time: every module the steps import loads (the image lacks what the wheels do not bring)
+{ "$python" -m pytest -q --collect-only -p no:cacheprovider tests/test_cuda.py \
+    && (cd bench && "$python" -c 'import throughput'); } >"$work/preflight.log" 2>&1
+preflight_rc=$?
+if [ $preflight_rc = 0 ]; then
+    timeout "$tests_s" "$python" -m pytest -q -s -p no:cacheprovider tests/test_cuda.py >"$work/tests.log" 2>&1
+    tests_rc=$?
+    timeout "$bench_s" "$python" bench/throughput.py --device "$device" "${bench_args[@]}" --report "$work/bench.json" \
+        --deadline $(( bench_s - 15 )) >"$work/bench.log" 2>&1
+    bench_rc=$?
+    timeout "$quant_s" "$python" bench/throughput.py --device "$device" --sections device-quant "${quant_args[@]}" \
+        --report "$work/quant.json" >"$work/quant.log" 2>&1
+    quant_rc=$?
+else
+    blocker=$(grep -E 'Error|error:' "$work/preflight.log" | tail -1)
+    echo "bench/device.sh: the steps would not start, none was run: ${blocker:-see $report}" >&2
+    echo "bench/device.sh: bring what is missing as a wheel (DEVICE_PACKAGES in the Makefile, then 'make device-wheels')" >&2
+    tests_rc=skipped bench_rc=skipped quant_rc=skipped
+    for step in tests bench quant; do echo "not run: the preflight failed" >"$work/$step.log"; done
+fi
 {
     echo "# kvbatch device report"
     echo
@@ -64,6 +77,14 @@ quant_rc=$?
     echo "- $("$python" -c 'import sys, torch, transformers; print(f"python {sys.version.split()[0]}, torch {torch.__version__}, transformers {transformers.__version__}")' 2>&1)"
     echo "- tests/test_cuda.py: exit $tests_rc$([ $tests_rc = 124 ] && echo " (stopped after $tests_s s)"); bench/throughput.py: exit $bench_rc$([ $bench_rc = 124 ] && echo " (stopped after $bench_s s)"); quantized weights: exit $quant_rc$([ $quant_rc = 124 ] && echo " (stopped after $quant_s s)")"
     echo
+    if [ $preflight_rc != 0 ]; then
+        echo "## preflight (the imports of every step): exit $preflight_rc"
+        echo
+        echo '```'
+        tail -40 "$work/preflight.log"
+        echo '```'
+        echo
+    fi
     echo "## tests/test_cuda.py"
     echo
     echo '```'
@@ -88,5 +109,5 @@ quant_rc=$?
         echo '```'
     fi
 } >"$report"
-echo "bench/device.sh: report in $report (tests exit $tests_rc, bench exit $bench_rc, quantized exit $quant_rc)"
-[ $tests_rc = 0 ] && [ $bench_rc = 0 ] && [ $quant_rc = 0 ]
+echo "bench/device.sh: report in $report (preflight exit $preflight_rc, tests exit $tests_rc, bench exit $bench_rc, quantized exit $quant_rc)"
+[ $preflight_rc = 0 ] && [ $tests_rc = 0 ] && [ $bench_rc = 0 ] && [ $quant_rc = 0 ]

@@ -76,6 +76,8 @@ DOCUMENTS = [("BSD", 500), ("CC0-1.0", 1500), ("Artistic", 1300), ("LGPL-3", 165
              ("LGPL-2.1", 4000)]
 NEW_TOKENS = 120
 CONTEXT = 2048
+STARTED = time.monotonic()
+"""When this process began: the device section's deadline counts from it (its model and imports included)."""
 
 
 @dataclass
@@ -414,15 +416,22 @@ def generate_batch_decode_rate(loaded: LoadedModel, prompts: list[list[int]], st
                                ) -> tuple[float | None, list[list[int]]]:
     """transformers' continuous batching on the same prompts: its tokens, and its decode tok/s while every
     prompt decodes (from its token timestamps: after the last first token, up to the first last token),
-    None when that window holds no step. Its paged cache is sized to the prompts (by default it takes
-    most of the free memory, which on the CPU costs more than the decode)."""
+    None when that window holds no step. It prefills the prompts `max_batch_tokens` at a time while the
+    first ones already decode, so each prompt gets as many extra new tokens as that prefill takes steps:
+    with only `steps` the first prompts finish before the last one starts and no window is left. Its
+    paged cache is sized to the prompts (by default it takes most of the free memory, which on the CPU
+    costs more than the decode)."""
+    batch_tokens = 8192  # transformers' default, fixed here so the prefill's steps are known
+    prefill_steps = -(-sum(len(p) for p in prompts) // batch_tokens) + len(prompts)
+    new_tokens = steps + 1 + prefill_steps
     page = ContinuousBatchingConfig().page_size
-    pages = sum(-(-(len(p) + steps + 2) // page) for p in prompts) + len(prompts)
-    config = GenerationConfig(max_new_tokens=steps + 1, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    pages = sum(-(-(len(p) + new_tokens + 2) // page) for p in prompts) + len(prompts)
+    config = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    cb_config = ContinuousBatchingConfig(num_blocks=pages, max_batch_tokens=batch_tokens)
     with torch.no_grad():  # its generation thread makes tensors outside inference mode, which then refuses them
         outputs = list(loaded.model.generate_batch(
             inputs=prompts, generation_config=config, progress_bar=False, record_timestamps=True,
-            continuous_batching_config=ContinuousBatchingConfig(num_blocks=pages)).values())
+            continuous_batching_config=cb_config).values())
     by_prompt = {tuple(o.prompt_ids): list(o.generated_tokens) for o in outputs}
     start = max(o.timestamps[0] for o in outputs)
     end = min(o.timestamps[-1] for o in outputs)
@@ -463,8 +472,21 @@ def offload_rates(loaded: LoadedModel, prompt_tokens: int, steps: int) -> list[d
     return rows
 
 
+def device_order(widths: list[int]) -> list[tuple[int, str]]:
+    """The device rows, widest first and pooled before per-row: the issue's figure (pooled at 32 rows)
+    is measured before a deadline or a timeout can cut the run."""
+    return [(width, attention) for width in sorted(widths, reverse=True) for attention in ("pooled", "per-row")]
+
+
+def write_report(path: Path | None, report: dict) -> None:
+    """The figures so far as JSON: written after every row, so a run that is stopped keeps what finished."""
+    if path is not None:
+        path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+
+
 def device_section(args: argparse.Namespace) -> dict:
-    """Decode at 1/8/32 rows on this device against its read bound and against generate_batch."""
+    """Decode at 1/8/32 rows on this device against its read bound and against generate_batch; rows
+    not started by `args.deadline` seconds after the start are skipped and listed."""
     device = torch.device(args.device)
     fields, prompt_tokens, rows_spec, offload_tokens = DEVICE_SHAPES[device.type]
     prompt_tokens = args.prompt_tokens or prompt_tokens
@@ -477,33 +499,60 @@ def device_section(args: argparse.Namespace) -> dict:
     steps = args.decode_steps
     report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "model": loaded.name, "prompt_tokens": prompt_tokens, "decode_steps": steps, "read_gbs": read_gbs,
-              "rows": []}
+              "deadline_s": args.deadline, "rows": [], "skipped": []}
     print(f"{loaded.name} on {report['device']}, {prompt_tokens}-token prompts, {steps} decode steps; "
-          f"memory read at {read_gbs:.0f} GB/s", flush=True)
-    alone_rate, alone_tokens = decode_rate(loaded, prompts, 1, steps)  # every prompt alone: the reference
-    print(f"{'rows':>4} {'attention':>9} {'tok/s':>9} {'bound':>9} {'of bound':>8} {'gen_batch':>9} {'x gen_batch':>11} "
-          f"{'same as alone':>13} {'gen_batch same':>14}")
-    for width in widths:
-        batch_rate, batch_tokens = generate_batch_decode_rate(loaded, prompts[:width], steps)
-        _free(device)
-        bound = width * read_gbs * 1e9 / step_bytes(loaded, width, prompt_tokens + steps // 2)
-        for attention in ("per-row", "pooled"):  # batch.attention's two paths, the same prompts
-            rate, tokens = ((alone_rate, alone_tokens) if (width, attention) == (1, "per-row")
-                            else decode_rate(loaded, prompts[:width], width, steps, attention=attention))
+          f"memory read at {read_gbs:.0f} GB/s; rows not started {args.deadline:.0f} s in are skipped", flush=True)
+    print(f"{'rows':>4} {'attention':>9} {'tok/s':>9} {'bound':>9} {'of bound':>8} {'gen_batch':>9} {'x gen_batch':>11}")
+    tokens_of: dict[tuple[int, str], list[list[int]]] = {}
+    batch_of: dict[int, tuple[float | None, list[list[int]]]] = {}
+    for width, attention in device_order(widths):
+        if time.monotonic() - STARTED > args.deadline:
+            report["skipped"].append({"rows": width, "attention": attention, "why": f"past the {args.deadline:.0f} s deadline"})
+            print(f"{width:>4} {attention:>9} skipped: past the {args.deadline:.0f} s deadline", flush=True)
+            continue
+        if width not in batch_of:
+            batch_of[width] = generate_batch_decode_rate(loaded, prompts[:width], steps)
             _free(device)
-            row = {"rows": width, "attention": attention, "decode_tok_s": rate, "bound_tok_s": bound,
-                   "of_bound": rate / bound, "generate_batch_tok_s": batch_rate,
-                   "agree_with_alone": agreement(tokens, alone_tokens[:width]),
-                   "generate_batch_agree_with_alone": agreement(batch_tokens, alone_tokens[:width])}
-            report["rows"].append(row)
-            versus = f"{batch_rate:>9.1f} {rate / batch_rate:>11.2f}" if batch_rate else f"{'n/a':>9} {'n/a':>11}"
-            print(f"{width:>4} {attention:>9} {rate:>9.1f} {bound:>9.1f} {rate / bound:>8.1%} {versus} "
-                  f"{row['agree_with_alone']:>13.1%} {row['generate_batch_agree_with_alone']:>14.1%}", flush=True)
+        batch_rate = batch_of[width][0]
+        bound = width * read_gbs * 1e9 / step_bytes(loaded, width, prompt_tokens + steps // 2)
+        rate, tokens_of[width, attention] = decode_rate(loaded, prompts[:width], width, steps, attention=attention)
+        _free(device)
+        report["rows"].append({"rows": width, "attention": attention, "decode_tok_s": rate, "bound_tok_s": bound,
+                               "of_bound": rate / bound, "generate_batch_tok_s": batch_rate})
+        write_report(args.report, report)
+        versus = f"{batch_rate:>9.1f} {rate / batch_rate:>11.2f}" if batch_rate else f"{'n/a':>9} {'n/a':>11}"
+        print(f"{width:>4} {attention:>9} {rate:>9.1f} {bound:>9.1f} {rate / bound:>8.1%} {versus}", flush=True)
+    alone_agreement(loaded, prompts, steps, report, tokens_of, batch_of, args)
+    if time.monotonic() - STARTED > args.deadline:
+        report["skipped"].append({"offload": f"past the {args.deadline:.0f} s deadline"})
+        print(f"offload rows skipped: past the {args.deadline:.0f} s deadline", flush=True)
+        return report
     report["offload"] = offload_rates(loaded, args.offload_tokens or offload_tokens, 16)
     for row in report["offload"]:
         print(f"{row['prompt_tokens']}-token prompt, {row['cache']:<12}: prefill {row['prefill_s']:6.1f} s, "
               f"decode {row['decode_tok_s']:7.2f} tok/s", flush=True)
     return report
+
+
+def alone_agreement(loaded: LoadedModel, prompts: list[list[int]], steps: int, report: dict,
+                    tokens_of: dict[tuple[int, str], list[list[int]]],
+                    batch_of: dict[int, tuple[float | None, list[list[int]]]], args: argparse.Namespace) -> None:
+    """Each measured row's tokens (and generate_batch's) against the same prompts decoded one at a time,
+    decoded after the rows (so the rows come first), unless the deadline has passed."""
+    if time.monotonic() - STARTED > args.deadline:
+        report["skipped"].append({"agreement": f"past the {args.deadline:.0f} s deadline"})
+        print(f"tokens against alone skipped: past the {args.deadline:.0f} s deadline", flush=True)
+        return
+    alone = decode_rate(loaded, prompts, 1, steps)[1]
+    _free(loaded.device)
+    print(f"{'rows':>4} {'attention':>9} {'same as alone':>13} {'gen_batch same':>14}")
+    for row in report["rows"]:
+        width = row["rows"]
+        row["agree_with_alone"] = agreement(tokens_of[width, row["attention"]], alone[:width])
+        row["generate_batch_agree_with_alone"] = agreement(batch_of[width][1], alone[:width])
+        print(f"{width:>4} {row['attention']:>9} {row['agree_with_alone']:>13.1%} "
+              f"{row['generate_batch_agree_with_alone']:>14.1%}", flush=True)
+    write_report(args.report, report)
 
 
 QUANT_METHODS = ("none", "torchao-int8", "torchao-int4", "bnb-8bit", "bnb-4bit")
@@ -597,17 +646,16 @@ def main() -> None:
     parser.add_argument("--rows", help="device section: rows per decode step (default 1,8,32)")
     parser.add_argument("--prompt-tokens", type=int, help="device section: prompt length (8192 on CUDA, 256 on the CPU)")
     parser.add_argument("--offload-tokens", type=int, help="device section: the long prompt streamed from host RAM")
-    parser.add_argument("--report", type=Path, help="device section: also write its figures to this JSON file")
+    parser.add_argument("--report", type=Path, help="device section: also write its figures to this JSON file (after every row)")
+    parser.add_argument("--deadline", type=float, default=185.0,
+                        help="device section: seconds from the start after which rows not yet started are skipped "
+                             "(default 185: bench/device.sh stops it at 200)")
     args = parser.parse_args()
     if args.sections == "device-quant":
-        report = device_quant_section(args)
-        if args.report:
-            args.report.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        write_report(args.report, device_quant_section(args))
         return
     if args.device == "cuda" or args.sections == "device":
-        report = device_section(args)
-        if args.report:
-            args.report.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        write_report(args.report, device_section(args))
         return
     sections = args.sections.split(",")
     torch.set_num_threads(2)
