@@ -41,7 +41,7 @@ bench: venv
 	$(PY) bench/decode_revisions.py --rounds 5
 
 # What bench/device.sh installs on a GPU machine that cannot download (docs/device.md): the engine's
-# imports that machine lacks, at the versions tested here, as Python 3.12 x86-64 wheels (about 27 MB).
+# imports that machine lacks, at the versions tested here, as Python 3.12 x86-64 wheels (about 28 MB).
 # huggingface-hub: transformers 5.23 needs >= 1.31, newer than the image's (a 1.x: its httpx, not 2.x's httpx2)
 DEVICE_WHEELS ?= .whl
 DEVICE_PACKAGES := transformers==5.23.0 huggingface-hub==1.33.0 pydantic==2.14.4 pydantic-core==2.50.5 \
