@@ -20,6 +20,7 @@ from pathlib import Path
 
 import psutil
 
+from runner.pool import PROBE_INTERVAL_S
 from storage.scratch import OWNER_FILE, ROOT_MARKER
 from tests.helpers.child_process import Child
 from tests.helpers.cli import TINY_CONFIG, export_rows, kvbatch, license_manifest, start_submit, wait_for
@@ -227,22 +228,59 @@ def test_kvbatch_clean_removes_a_dead_workers_dir_never_a_live_ones(ray_address,
     assert f"removed {live_dir}" in out and task_dirs(root) == []
 
 
+def task_owners(root: Path) -> dict[Path, int]:
+    """Task dir -> pid of the worker that owns it, for every task dir owned now."""
+    owners = {}
+    for task_dir in task_dirs(root):
+        try:
+            owners[task_dir] = json.loads((task_dir / OWNER_FILE).read_text())["pid"]
+        except (OSError, ValueError):
+            pass  # not owned yet, or removed right now
+    return owners
+
+
+def wait_for_long_owned_dir(root: Path, proc: subprocess.Popen, seconds: float) -> tuple[Path, int]:
+    """A task dir and its owner's pid, once one has been owned for `seconds`: its task has run that long."""
+    first_seen: dict[Path, float] = {}
+    found: list[tuple[Path, int]] = []
+
+    def long_owned() -> bool:
+        now = time.monotonic()
+        found[:] = [(d, pid) for d, pid in task_owners(root).items() if now - first_seen.setdefault(d, now) >= seconds]
+        return bool(found)
+
+    assert wait_for(long_owned, proc, poll=0.01), f"the batch ended before a task dir was owned for {seconds:g}s"
+    return found[0]
+
+
 def test_two_concurrent_jobs_on_one_root_never_see_each_others_files(ray_address, tmp_path):
     names = ["GPL-3", "GPL-2", "LGPL-2.1"]
-    # long enough that each job still runs when the other's worker has loaded, however loaded the machine;
-    # the reference on one worker too: a worker's torch thread count can flip a near-tie over 300 tokens
-    longer = ["--set", "summarize.max_new_tokens=300"]
+    # tasks long enough to outlast the wait below; the reference on one worker too: a worker's torch thread
+    # count can flip a near-tie over many tokens
+    longer = ["--set", "summarize.max_new_tokens=64"]
     reference = tmp_path / "reference"
     kvbatch("submit", str(license_manifest(tmp_path, names)), "-c", str(TINY_CONFIG), "-j", str(reference),
             "--address", ray_address, "--set", "cache.strategy=dynamic", *ONE_WORKER, *longer, check=0)
     root = tmp_path / "kv"
     jobs = [tmp_path / "job-a", tmp_path / "job-b"]
     with RootWatcher(root) as watcher:
-        procs = [start_submit(license_manifest(tmp_path, names), job, ray_address, *DISK, *ONE_WORKER, *with_root(root),
-                              *longer)
-                 for job in jobs]
-        for p in procs:
-            out, err = p.communicate(timeout=600)  # CI once ran past 300 s: two jobs at once on 2 slow cores
+        # the barrier: job a's worker is stopped inside a task until job b's worker holds a task dir too, so
+        # the two jobs overlap however fast or slow the machine is. It is stopped once the coordinator has
+        # seen the task begin (it asks every PROBE_INTERVAL_S; a stopped worker would not answer and be hung)
+        first = start_submit(license_manifest(tmp_path, names), jobs[0], ray_address, *DISK, *ONE_WORKER,
+                             *with_root(root), *longer)
+        paused_dir, paused = wait_for_long_owned_dir(root, first, PROBE_INTERVAL_S + 3)
+        os.kill(paused, signal.SIGSTOP)
+        try:
+            second = start_submit(license_manifest(tmp_path, names), jobs[1], ray_address, *DISK, *ONE_WORKER,
+                                  *with_root(root), *longer)
+            b_owns_one = lambda: {d.parent for d in task_owners(root)} - {paused_dir.parent}  # noqa: E731
+            assert wait_for(b_owns_one, second, poll=0.002), "job b ended before it owned a task dir"
+            assert paused_dir.is_dir(), "job a's task dir went while its worker was stopped"
+        finally:
+            os.kill(paused, signal.SIGCONT)
+        for p in (first, second):
+            out, err = p.communicate(timeout=300)
             assert p.returncode == 0, out + err
     job_ids = {json.loads((job / "job.json").read_text())["job_id"]: job for job in jobs}
     assert watcher.jobs_at_once == 2, "the two jobs never had task dirs at the same time"
