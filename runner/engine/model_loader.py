@@ -15,12 +15,12 @@ the cache without paying for what they do not use.
 from __future__ import annotations
 
 import functools
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from jobs.config import looks_like_path
 from runner.engine.model_errors import ModelLoadError
 from runner.engine.model_registry import (
     BUILTIN_PREFIX,
@@ -168,7 +168,7 @@ def check_model_name(name: str) -> None:
     if name.startswith(BUILTIN_PREFIX):
         check_builtin(name)
         return
-    if _looks_like_path(name):
+    if looks_like_path(name):
         if not (Path(name).expanduser() / "config.json").is_file():
             raise ModelLoadError(f"model '{name}' is not a saved model: {_missing_model_fix(name)}")
         return
@@ -241,7 +241,7 @@ def _prepare_for_generation(model: PreTrainedModel, tokenizer: PreTrainedTokeniz
 def _missing_model_fix(name: str) -> str:
     import huggingface_hub.constants
 
-    if _looks_like_path(name):
+    if looks_like_path(name):
         return f"check that {name} holds a saved model: config.json, weights and tokenizer files"
     if huggingface_hub.constants.is_offline_mode():
         return (
@@ -268,7 +268,7 @@ def _from_pretrained(
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     location = str(source)
-    if _looks_like_path(location):
+    if looks_like_path(location):
         location = str(Path(location).expanduser())
         if not Path(location).is_dir():
             raise ModelLoadError(f"model '{name}': folder {location} does not exist; fix model.name")
@@ -295,11 +295,6 @@ def _from_pretrained(
 
 def _location(name: str) -> str:
     """What transformers is given for a model name: a folder, user-expanded, or a hub id."""
-    return str(Path(name).expanduser()) if _looks_like_path(name) else name
-
-
-def _looks_like_path(name: str) -> bool:
-    """A hub id is `org/name`; anything existing on disk or written like a path is a folder."""
-    return name.startswith(("/", "./", "../", "~")) or os.path.exists(name)
+    return str(Path(name).expanduser()) if looks_like_path(name) else name
 
 
