@@ -106,7 +106,7 @@ def test_property_tests_are_derandomized_when_ci_is_set() -> None:
         (b"input:\n  max_document_bytes: 0\n", "input.max_document_bytes"),
         (b"retry: 5\n", "retry: Input should be a valid dictionary"),
         (b"model:\n  name: \xff\xfe\n", "is not valid UTF-8"),
-        (b"a: &a [*a]\n", "unknown key 'a'"),
+        (b"a: &a [*a]\n", "a.0 contains itself"),
         (b"cache: {ladder: []}\n", "cache.ladder"),
     ],
     ids=["typo", "negative", "zero-budget", "zero-limit", "not-a-section", "bad-utf8", "recursive-yaml", "empty-ladder"],
