@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from tenacity import (
     RetryCallState,
     Retrying,
@@ -466,7 +467,7 @@ class Coordinator:
             errors.append(e)
         if (lease_lost := self._lease_lost(errors)) is not None:
             self.log.warning("lease_lost", error=str(lease_lost))
-            self.console.print(f"[red]{lease_lost}")
+            self.console.print(f"[red]{escape(str(lease_lost))}")
             return EXIT_LEASE_LOST
         if errors:
             raise errors[0]
@@ -489,7 +490,7 @@ class Coordinator:
         self.log.warning("workers_not_started", error=str(e))
         if isinstance(e, WorkerStartError):
             raise e
-        self.console.print(f"[red]{e}")
+        self.console.print(f"[red]{escape(str(e))}")
         return EXIT_NO_WORKERS
 
     def _abandon_in_flight(self, threads: list[threading.Thread]) -> None:
