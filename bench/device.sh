@@ -50,7 +50,7 @@ if [ "$device" = cuda ]; then tests_s=150 bench_s=200 quant_s=110 bench_args=() 
 started=$(date +%s)
 # before any device time: every module the steps import loads (the image lacks what the wheels do not bring)
 { "$python" -m pytest -q --collect-only -p no:cacheprovider tests/test_cuda.py \
-    && (cd bench && "$python" -c 'import throughput'); } >"$work/preflight.log" 2>&1
+    && "$python" -c 'import sys; sys.path.insert(0, "bench"); import throughput'; } >"$work/preflight.log" 2>&1
 preflight_rc=$?
 if [ $preflight_rc = 0 ]; then
     timeout "$tests_s" "$python" -m pytest -q -s -p no:cacheprovider tests/test_cuda.py >"$work/tests.log" 2>&1
