@@ -62,7 +62,7 @@ if [ $preflight_rc = 0 ]; then
         --report "$work/quant.json" >"$work/quant.log" 2>&1
     quant_rc=$?
 else
-    blocker=$(grep -E 'Error|error:' "$work/preflight.log" | tail -1)
+    blocker=$(grep -v '^ *$' "$work/preflight.log" | tail -1)
     echo "bench/device.sh: the steps would not start, none was run: ${blocker:-see $report}" >&2
     echo "bench/device.sh: bring what is missing as a wheel (DEVICE_PACKAGES in the Makefile, then 'make device-wheels')" >&2
     tests_rc=skipped bench_rc=skipped quant_rc=skipped
