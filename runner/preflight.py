@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from jobs.config import ConfigError, JobConfig, SummarizeConfig
+from jobs.config import ConfigError, JobConfig, SummarizeConfig, max_answer_tokens
 from jobs.node_share import workers_that_fit
 from jobs.rungs import RUNGS
 from runner.engine.model_errors import ModelLoadError
@@ -146,11 +146,12 @@ def check_model(config: JobConfig) -> None:
 def check_answer_room(settings: SummarizeConfig) -> None:
     """The answer may take at most half the context: the rest holds the prompt and the document (and,
     for a long document, the partial summaries a merge pass joins)."""
-    if settings.max_new_tokens > settings.context_tokens // 2:
+    most = max_answer_tokens(settings.context_tokens)
+    if settings.max_new_tokens > most:
         raise ConfigError(
             f"summarize.max_new_tokens ({settings.max_new_tokens}) leaves too little of summarize.context_tokens "
             f"({settings.context_tokens}) for the prompt and the document (the answer may take at most half): "
-            f"set summarize.max_new_tokens to {settings.context_tokens // 2} or less, or summarize.context_tokens "
+            f"set summarize.max_new_tokens to {most} or less, or summarize.context_tokens "
             f"to {2 * settings.max_new_tokens} or more"
         )
 

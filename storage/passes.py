@@ -18,7 +18,7 @@ import pyarrow as pa
 
 from jobs.schema import PASS_SCHEMA
 from storage.location import Location, Where
-from storage.parts import list_parts, list_temp_files, read_parts, write_part
+from storage.parts import read_parts, write_part
 
 PASSES_DIR = "passes"
 
@@ -47,7 +47,7 @@ def remove_passes(job_dir: Where, task_ids: Iterable[str]) -> None:
     """Remove each task's passes (and writes of them that never completed)."""
     for task_id in task_ids:
         folder = _task_folder(job_dir, task_id)
-        for part in list_parts(folder) + list_temp_files(folder):
+        for part in folder.files():  # its parts and any unfinished write of one, in one listing
             part.delete()
         if folder.is_local:
             try:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -50,10 +49,8 @@ class PassBook:
         self._fingerprint = fingerprint
         self._decode = decode
         self._worker = worker
-        self._lock = threading.Lock()
         self._known = self._read() if job_dir else {}
-        self.reused = 0
-        self.kept = 0
+        self.reused = 0  # the attempt's task thread is the only caller: no lock
 
     @classmethod
     def kept_nowhere(cls) -> PassBook:
@@ -78,8 +75,7 @@ class PassBook:
         row = self._known.get(self.key(prompt_ids, max_new_tokens))
         if row is None:
             return None
-        with self._lock:
-            self.reused += 1
+        self.reused += 1
         return Generation(tokens=list(row["tokens"]), input_tokens=len(prompt_ids), ttft_s=0.0, decode_s=0.0,
                           stop_reason=StopReason(row["stop_reason"]), reused=True)
 
@@ -98,6 +94,4 @@ class PassBook:
         except OSError as e:
             logger.warning("pass %d.%d of %s not kept: %s", level, index, self._doc_id, e)
             return
-        with self._lock:
-            self._known[key] = row
-            self.kept += 1
+        self._known[key] = row  # another rung of this attempt finds it too
