@@ -47,4 +47,7 @@ def test_a_task_that_hangs_once_it_runs_still_times_out(tmp_path: Path, ray_addr
     rows = {r["doc_id"]: r for r in export_rows(job)}
     assert rows["park"]["status"] == "failed" and rows["park"]["error_type"] == "TimeoutError", rows["park"]
     assert f"retry.task_timeout_s={TIMEOUT_S}s" in rows["park"]["error"]
+    # the hung worker's restart sends park again, and that call reads back the pass kept before the
+    # hang, so no sequence of it ever runs: its timeout still runs from when it began
+    assert rows["park"]["attempts"] == 2, rows["park"]
     assert rows["budget"]["status"] == "done"

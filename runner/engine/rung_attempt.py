@@ -94,6 +94,8 @@ class RungAttempt:
         level = next(self._levels)
         generations = [self._passes.find(ids, max_new_tokens) for ids in prompts]
         to_run = [i for i, generation in enumerate(generations) if generation is None]
+        if len(to_run) < len(prompts):  # a pass read back is work done: the task's timeout runs from here
+            self._clock.start()
         futures = self._scheduler.submit_all([self._pass(prompts[i], max_new_tokens) for i in to_run])
 
         def keep(k: int, generation: Generation) -> None:
