@@ -26,11 +26,16 @@ demo: venv
 	@echo "results: runs/demo/results/ (export: $(VENV)/bin/kvbatch results runs/demo -o summaries.jsonl)"
 	$(PY) -c "import json,subprocess,sys; rows=[json.loads(l) for l in subprocess.run([sys.prefix+'/bin/kvbatch','results','runs/demo'],capture_output=True,text=True,check=True).stdout.splitlines()]; [print(f\"\n== {r['doc_id']} ({r['input_tokens']} tokens, {r['cache_strategy']}):\n{r['summary']}\") for r in rows]"
 
+# in parallel processes (pytest-xdist; tests/README.md): most tests wait on Ray, subprocesses and timeouts,
+# so 4 processes gain even on 2 cores; a module sharing one costly fixture stays on one process (loadgroup)
+PYTEST_JOBS ?= 4
+PARALLEL := -n $(PYTEST_JOBS) --dist loadgroup
+
 test: venv
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(PARALLEL)
 
 test-fast: venv
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q $(PARALLEL) -m "not slow"
 
 bench: venv
 	$(PY) bench/throughput.py

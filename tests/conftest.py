@@ -1,6 +1,8 @@
 """Fixtures only (helpers are plain functions in tests/helpers/): one real local Ray instance per test
 session, the builtin tiny random model per module, a real S3-compatible server per module, one torch
-thread where a module asks for it."""
+thread where a module asks for it. Under pytest-xdist (`make test`) a session is one worker process: each
+has its own Ray, tmp folders and moto ports, and a module whose tests share a costly module fixture stays
+on one worker (`xdist_group`), so that fixture runs once."""
 
 from __future__ import annotations
 
@@ -27,6 +29,24 @@ if settings is not None:
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+#: module fixtures cheap enough to set up again on each xdist worker that runs some of a module's tests
+_CHEAP_MODULE_FIXTURES = {"tiny_random", "tokenizer", "s3"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the marks under --dist loadgroup
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Keeps a module on one xdist worker when its tests share a costly module fixture (one real job,
+    a cluster): split across workers, each would run that job again."""
+    for item in items:
+        definitions = getattr(item, "_fixtureinfo", None)
+        if definitions is None or item.get_closest_marker("xdist_group"):
+            continue
+        shared = [name for name, defs in definitions.name2fixturedefs.items()
+                  if name not in _CHEAP_MODULE_FIXTURES and defs[-1].scope == "module"]
+        if shared:
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
 
 
 @pytest.fixture(scope="session")
