@@ -8,6 +8,8 @@ attended with), so none passes by running the rows one by one.
 
 from __future__ import annotations
 
+import gc
+import weakref
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -198,3 +200,25 @@ def test_a_steps_copies_and_reads_do_not_grow_with_its_rows(tier: str, tmp_path:
         assert here.ops["copy_"] == 0  # no row copied anything on its own
         assert here.ops["_foreach_copy_"] + on_io[0].ops["_foreach_copy_"] == 2 * layers + 1
         assert all(counter.ops["_foreach_copy_"] == 0 for counter in on_io[1:])
+
+
+def test_the_staging_buffers_are_kept_across_steps_and_go_with_the_last_row(tmp_path: Path) -> None:
+    """Every batched step of the rows attends over the same two staging buffers (allocated once, not
+    per step: the longest row stays within their room), which every row holds and which are freed
+    once the last of those rows is closed."""
+    model = tiny_model("llama-gqa")
+    caches, tokens = _prefilled(model, "host", tmp_path, batched=True)
+    buffers = []
+    try:
+        for step in range(STEPS):
+            tokens = decode_step(model, tokens, [n + step for n in LENGTHS], caches).argmax(dim=-1).tolist()
+            buffers.append([buffer.data_ptr() for buffer in caches[0].staging.buffers])
+        staging = weakref.ref(caches[0].staging)
+        assert all(cache.staging is staging() for cache in caches)
+        assert all(cache.most_batched_rows == len(LENGTHS) for cache in caches)  # the batched step ran
+    finally:
+        for cache in caches:
+            cache.close()
+    assert len(buffers[0]) == 2 and buffers == [buffers[0]] * STEPS
+    gc.collect()
+    assert staging() is None

@@ -36,6 +36,7 @@ from transformers.generation.logits_process import (
     TypicalLogitsWarper,
 )
 
+from runner.engine.step_inputs import step_inputs
 from runner.engine.summary_ngrams import SummaryNoRepeatNGramLogitsProcessor
 from runner.engine.word_pieces import WordPieces
 
@@ -91,8 +92,8 @@ class SeenTokensPenalty(BatchedForm):
             vocab = scores.shape[-1]
             self.seen = torch.zeros(vocab, dtype=torch.bool, device=scores.device)
             # ids past the lm head's vocabulary cannot be chosen; transformers leaves them out too
-            self.seen[torch.tensor([t for t in self.tokens if t < vocab], dtype=torch.long,  # type: ignore[union-attr]
-                                   device=scores.device)] = True
+            self.seen[step_inputs(scores.device).put(
+                "seen tokens", [t for t in self.tokens if t < vocab])] = True  # type: ignore[union-attr]
             self.tokens = None
         return self.seen
 
@@ -125,7 +126,8 @@ class HostBans(BatchedForm):
         if not rows:
             return scores
         mask = torch.zeros_like(scores, dtype=torch.bool)
-        mask[torch.tensor(rows, device=scores.device), torch.tensor(tokens, device=scores.device)] = True
+        inputs = step_inputs(scores.device)
+        mask[inputs.put("banned rows", rows), inputs.put("banned tokens", tokens)] = True
         return scores.masked_fill(mask, -float("inf"))
 
 
@@ -168,7 +170,7 @@ class NoRepeatNGrams(HostBans):
         if not glued:
             return scores
         rows = torch.zeros(scores.shape[0], 1, dtype=torch.bool, device=scores.device)
-        rows[glued] = True
+        rows[step_inputs(scores.device).put("glued rows", glued)] = True
         continues = forms[glued[0]].pieces.mask("continues", scores)  # type: ignore[attr-defined]
         return scores.masked_fill(rows & continues, -float("inf"))
 

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from runner.engine.kvcache.pool import KVPool, PooledCache
+from runner.engine.step_inputs import step_inputs
 
 MOST_RUNS = 4
 """Attention calls per layer at most for the pooled rows."""
@@ -35,9 +36,11 @@ RUN_TOKENS = 1024
 launch and a fixed setup, which a handful of padded tokens does not repay."""
 
 
-def length_mask(attended: Sequence[int], span: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """The additive mask [rows, 1, 1, span] that lets row i attend to its first `attended[i]` tokens."""
-    valid = torch.arange(span, device=device) < torch.tensor(attended, device=device)[:, None]
+def length_mask(attended: Sequence[int], span: int, dtype: torch.dtype, device: torch.device, kind: str
+                ) -> torch.Tensor:
+    """The additive mask [rows, 1, 1, span] that lets row i attend to its first `attended[i]` tokens
+    (`kind`: the step input the lengths go to the device as, runner/engine/step_inputs.py)."""
+    valid = torch.arange(span, device=device) < step_inputs(device).put(kind, attended)[:, None]
     return torch.zeros((len(attended), 1, 1, span), dtype=dtype, device=device).masked_fill_(
         ~valid[:, None, None, :], torch.finfo(dtype).min)
 
@@ -87,12 +90,13 @@ class PooledStep:
         self.live = live
         self.packed = slots == list(range(live))
         device = pool.device
-        self.slots = torch.tensor(slots, device=device)
-        self.positions = torch.tensor(lengths, device=device)
+        inputs = step_inputs(device)
+        self.slots = inputs.put("pooled slots", slots)
+        self.positions = inputs.put("pooled positions", lengths)
         attended = [1] * live  # a slot without a row in this step: any non-empty length, its output is dropped
         for slot, length in zip(slots, lengths):
             attended[slot] = length + 1
-        self.mask = length_mask(attended, self.span, pool.dtype, device)
+        self.mask = length_mask(attended, self.span, pool.dtype, device, "pooled lengths")
         self.runs = attention_runs(attended)
         pool.steps += 1
         pool.most_rows = max(pool.most_rows, self.count)

@@ -40,6 +40,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from runner.engine.kvcache.pool import PooledCache
 from runner.engine.kvcache.tiered import TieredCache
 from runner.engine.pooled_attention import PooledStep
+from runner.engine.step_inputs import step_inputs
 from runner.engine.tiered_attention import TieredRowFailed, TieredStep
 
 RAGGED = "kvbatch-ragged"
@@ -239,14 +240,15 @@ def mixed_step(model: PreTrainedModel, last_tokens: Sequence[int], positions: Se
     if chunk is not None:
         tokens += chunk.tokens
         token_positions += range(chunk.start, chunk.start + len(chunk.tokens))
-    ids = torch.tensor([tokens], device=model.device)  # [1, step tokens]
-    position_ids = torch.tensor([token_positions], device=model.device)  # [1, step tokens]
+    inputs = step_inputs(model.device)
+    ids = inputs.put("ids", tokens)[None]  # [1, step tokens]
+    position_ids = inputs.put("positions", token_positions)[None]  # [1, step tokens]
     keep = list(range(len(order))) + ([len(tokens) - 1] if chunk is not None and chunk.wants_logits else [])
     batch = SequenceBatch([caches[row] for row in order[len(grouped):]], pooled, tiered, chunk)
     try:
         with torch.inference_mode(), ragged_step(model):
             out = model(input_ids=ids, position_ids=position_ids, past_key_values=batch, use_cache=True,
-                        logits_to_keep=0 if chunk is None else torch.tensor(keep, dtype=torch.long, device=model.device))
+                        logits_to_keep=0 if chunk is None else inputs.put("kept", keep))
     except RowFailed as e:  # the row as the caller numbers it
         raise RowFailed(order[e.row] if e.row < len(order) else len(caches)) from e.__cause__
     if pooled:
@@ -255,5 +257,5 @@ def mixed_step(model: PreTrainedModel, last_tokens: Sequence[int], positions: Se
     chunk_logits = logits[len(order) :] if chunk is not None and chunk.wants_logits else None
     logits = logits[: len(order)]
     if order != list(range(len(caches))):
-        logits = logits[torch.tensor(order, device=logits.device).argsort()]
+        logits = logits[inputs.put("order", order).argsort()]
     return logits, chunk_logits

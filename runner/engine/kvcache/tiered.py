@@ -308,6 +308,9 @@ class TieredCache(Cache):
         """Layers this cache took part in through a batched tiered step: what a test or a bench asks."""
         self.most_batched_rows = 0
         """The most tiered rows one batched step attended with this one in one call."""
+        self.staging: object | None = None
+        """The staging buffers of the batched steps this row takes part in (runner/engine/tiered_attention.py
+        `Staging`): held here so they outlive a step and are freed once no open row holds them."""
         self._kv_peak = 0
         self._closed = False
 
@@ -459,6 +462,7 @@ class TieredCache(Cache):
             return
         self._closed = True
         self.shared.close()  # waits for the IO thread's running job; queued reads are cancelled
+        self.staging = None
         self.shared.device_meter.release()
         self.shared.host_meter.release()
 

@@ -1,0 +1,79 @@
+"""The small integer tensors a decode step builds on the host (token ids, positions, slots, lengths,
+banned tokens) and hands to the device, without stalling the step.
+
+`torch.tensor(values, device=cuda)` copies from pageable memory: CUDA stages that through a driver
+buffer and the host waits for it, once per tensor, several times a step. On CUDA the values are
+written instead into a pinned host buffer kept per kind of input (grown when a step needs more) and
+copied with `non_blocking=True`, so the host queues the copy and goes on. On any other device the
+tensor is made exactly as before (`torch.tensor`): pinning needs CUDA, and there is nothing to overlap.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import torch
+
+_PER_THREAD = threading.local()
+
+
+class StepInputs:
+    """One thread's step inputs for one device: `put` a kind's values, get them as a device tensor.
+
+    Why reusing a pinned buffer is safe: the host writes into it only after the device has read
+    what it held before. Each kind has two buffers used in turn, and each copy out of one records a
+    CUDA event on the stream it was queued on; writing into that buffer again first waits for its
+    event. With two, the wait is for the copy of the use before last, which the device has long
+    run in practice (a kind is used once or twice a step), so the host rarely blocks. A buffer
+    replaced by a bigger one is simply dropped: torch's pinned-memory allocator does not hand its
+    memory out again before the copies queued from it have run."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.pinned = device.type == "cuda"
+        self._buffers: dict[str, list[torch.Tensor | None]] = {}
+        self._copied: dict[str, list[torch.cuda.Event]] = {}
+        self._turn: dict[str, int] = {}
+
+    def put(self, kind: str, values: Sequence[int]) -> torch.Tensor:
+        """`values` as a 1-D int64 tensor on the device; `kind` names the host buffer it goes through
+        (inputs of one step that are alive at once should be of different kinds)."""
+        if not self.pinned:
+            return torch.tensor(values, dtype=torch.long, device=self.device)
+        host, turn = self._host(kind, len(values))
+        host.numpy()[:] = values
+        out = host.to(self.device, non_blocking=True)
+        self._copied[kind][turn].record(torch.cuda.current_stream(self.device))
+        return out
+
+    def host_buffer(self, kind: str) -> torch.Tensor | None:
+        """The pinned buffer `kind`'s last `put` went through (None before any, or off CUDA): what a
+        test looks at to see that it is pinned and kept."""
+        if kind not in self._turn:
+            return None
+        return self._buffers[kind][1 - self._turn[kind]]
+
+    def _host(self, kind: str, count: int) -> tuple[torch.Tensor, int]:
+        """The next of `kind`'s two pinned buffers, its first `count` values, once free; and its number."""
+        if kind not in self._buffers:
+            self._buffers[kind], self._turn[kind] = [None, None], 0
+            self._copied[kind] = [torch.cuda.Event(), torch.cuda.Event()]
+        turn = self._turn[kind]
+        self._turn[kind] = 1 - turn
+        self._copied[kind][turn].synchronize()  # the copy out of it before (returns at once if none)
+        buffer = self._buffers[kind][turn]
+        if buffer is None or buffer.numel() < count:
+            buffer = torch.empty(max(count, 2 * (buffer.numel() if buffer is not None else 32)),
+                                 dtype=torch.long, pin_memory=True)
+            self._buffers[kind][turn] = buffer
+        return buffer[:count], turn
+
+
+def step_inputs(device: torch.device) -> StepInputs:
+    """This thread's `StepInputs` for `device`: kept across steps so its pinned buffers are reused;
+    one per thread, since a buffer is written by the host thread that queues its copy."""
+    kept: dict[torch.device, StepInputs] = _PER_THREAD.__dict__.setdefault("inputs", {})
+    if device not in kept:
+        kept[device] = StepInputs(device)
+    return kept[device]
