@@ -27,6 +27,7 @@ from runner.engine.model_loader import LoadedModel
 from runner.engine.model_registry import word_tokenizer
 from runner.engine.ragged import decode_step
 from runner.engine.scheduler import BatchScheduler, PassRequest
+from runner.engine.step_inputs import StepInputs
 from runner.engine.worker import SummaryWorker, _is_memory_error
 from tests.helpers.batching import PLAIN
 from tests.helpers.cli import TINY_CONFIG
@@ -199,6 +200,47 @@ def test_a_tiered_decode_step_copies_to_pinned_memory_only(batched: bool, fp32: 
     # each row's K and V of every streamed layer leave the device once, together, straight into the pinned tail
     assert pinned >= 2 * LAYERS, names
     assert pageable == 0, names
+
+
+@cuda_only
+def test_step_inputs_queued_behind_a_busy_device_keep_their_values_in_two_pinned_buffers() -> None:
+    """Puts of one kind far faster than the device runs their copies (a kernel keeps the stream busy
+    first): each device tensor holds its own values, so no pinned buffer was rewritten before the copy
+    out of it ran; and every one went through the same two pinned buffers, none made per put."""
+    inputs = StepInputs(DEVICE)
+    generator = torch.Generator().manual_seed(3)
+    wanted = [torch.randint(0, 1 << 40, (24,), generator=generator).tolist() for _ in range(64)]
+    torch.cuda._sleep(100_000_000)  # about 50 ms of the stream: the copies queue behind it
+    got, buffers = [], set()
+    for values in wanted:
+        got.append(inputs.put("positions", values))
+        host = inputs.host_buffer("positions")
+        assert host is not None and host.is_pinned()
+        buffers.add(host.data_ptr())
+    torch.cuda.synchronize()
+    assert all(t.device.type == "cuda" and t.dtype == torch.long for t in got)
+    assert [t.tolist() for t in got] == wanted
+    assert len(buffers) == 2
+
+
+@cuda_only
+@pytest.mark.parametrize("strategy", ["dynamic", "tiered-host"])
+def test_a_pooled_decode_step_copies_no_pageable_memory_to_the_device(strategy: str, fp32: LoadedModel,
+                                                                      tmp_path: Path) -> None:
+    """The step's inputs (token ids, positions, slots, lengths) reach the device from pinned memory:
+    no `Memcpy HtoD (Pageable -> Device)`, which would make the host wait for each one."""
+    kv_pool = KVPool.for_model(fp32.model.config, fp32.dtype, fp32.device, ResidentMeter(None, "device", ""))
+    caches, firsts = _prefilled_caches(fp32, strategy, 2, tmp_path, kv_pool)
+    prof = _profiled_step(fp32, caches, firsts)
+    names = [e.name for e in prof.events() if e.name.startswith("Memcpy")]
+    batched = kv_pool.most_rows if strategy == "dynamic" else min(c.most_batched_rows for c in caches)
+    for cache in caches:
+        cache.close()
+    assert batched == 2, "the pooled (or batched tiered) step did not run with both rows"
+    print(f"{strategy} pooled decode step, 2 rows: {names.count('Memcpy HtoD (Pinned -> Device)')} HtoD copies "
+          f"from pinned memory, {names.count('Memcpy HtoD (Pageable -> Device)')} from pageable")
+    assert names.count("Memcpy HtoD (Pinned -> Device)") >= 2, names  # the token ids and positions at least
+    assert names.count("Memcpy HtoD (Pageable -> Device)") == 0, names
 
 
 @cuda_only

@@ -13,10 +13,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import torch
 
 from jobs.config import ConfigError, SummarizeConfig, load_config
 from jobs.task import Task
-from runner.engine.kvcache import KVBudgetExceeded
+from runner.engine.kvcache import KVBudgetExceeded, ResidentMeter
+from runner.engine.kvcache.pool import KVPool
 from runner.engine.scheduler import BatchScheduler
 from runner.engine.worker import SummaryWorker, _is_memory_error
 from tests.helpers.batching import BIG, LENGTHS, NEW, PLAIN, as_loaded_model, cpu_kv_pool, run_batch, tokens_alone
@@ -101,6 +103,41 @@ def test_a_pool_that_cannot_grow_mid_step_splits_the_batch(tokenizer, tmp_path: 
     assert scheduler.splits >= 1 and scheduler.max_sequences <= 2 and pool.most_rows == 4
     assert got == [tokens_alone(model, p, n) for p, n in zip(prompts, new)]
     assert pool.meter.total == 0
+
+
+class _CountedPool(KVPool):
+    """A KV pool that counts its allocations (each one after the first is a copy of its live slots)."""
+
+    allocations: list[tuple[int, int]]
+
+    def _reallocate(self, slots: int, tokens: int) -> None:
+        self.allocations = [*getattr(self, "allocations", []), (slots, tokens)]
+        super()._reallocate(slots, tokens)
+
+
+@pytest.mark.parametrize("planned", [None, (8, 60)])
+def test_a_planned_pool_is_allocated_once_for_its_batch(planned: tuple[int, int] | None, tokenizer,
+                                                        tmp_path: Path) -> None:
+    """Four sequences joining the batch: without a plan the pool grows as they claim slots (new
+    buffers and a copy each time); with one it is allocated once, at the first claim, for the plan's
+    sequences cut to the four the budget has room for, and never again. The same tokens either way."""
+    model = tiny_model("llama-gqa")
+    prompts = [random_prompt(n)[0].tolist() for n in LENGTHS[:4]]
+    new = [12, 12, 12, 12]  # every sequence fits one 64-token granule
+    meter = ResidentMeter(None, "the batch's resident device", "cache.device_kv_budget_bytes")
+    pool = _CountedPool.for_model(model.config, torch.float32, torch.device("cpu"), meter, planned)
+    meter.budget_bytes = pool.bytes_for(4, 64)
+    scheduler = BatchScheduler(as_loaded_model(model, tokenizer), SummarizeConfig(**PLAIN), "auto", 4, BIG, _is_memory_error)
+    try:
+        got = [g.tokens for g in run_batch(scheduler, model, ["dynamic"] * 4, tmp_path, prompts, new, kv_pool=pool)]
+    finally:
+        scheduler.close()
+    assert got == [tokens_alone(model, p, n) for p, n in zip(prompts, new)]
+    assert pool.most_rows == 4 and pool.meter.total == 0  # the four rows stepped together
+    if planned is None:
+        assert len(pool.allocations) > 1
+    else:
+        assert pool.allocations == [(4, 64)]
 
 
 def test_a_sequence_too_long_for_the_pool_alone_is_a_memory_error(tokenizer, tmp_path: Path) -> None:

@@ -12,6 +12,12 @@ of all of it) or a paged kernel that torch does not ship for the CPU. The price 
 The live slots are kept packed at the front (a sequence leaving moves the last one into its slot),
 so the step's attention reads a view `[:live]` of the pool, and the pool's allocation is what it
 holds in the worker's device meter: admission, the split on OOM and the budget guard see it there.
+
+Growing the pool means a new pair of buffers and a copy of every live slot into them, with the old
+and the new pair on the device at once. Given `planned` (the most sequences a batch holds and the
+most tokens a pass holds), the first claim sizes the pool once for all of them, or for as many
+slots of that length as the device budget has room for, so a batch within that plan never grows
+it; without a plan it grows as claims need (×2 in slots, ×1.5 in tokens).
 """
 
 from __future__ import annotations
@@ -33,10 +39,12 @@ class KVPool:
     """The worker's pooled KV: `claim` a slot for a sequence, `release` it when the sequence leaves."""
 
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
-                 meter: ResidentMeter) -> None:
+                 meter: ResidentMeter, planned: tuple[int, int] | None = None) -> None:
         self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
         self.dtype, self.device = dtype, device
         self.meter = meter
+        self.planned = planned
+        """(sequences, tokens) the first claim sizes the pool for, within the budget; None: grow as needed."""
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
         self.owners: list[PooledCache] = []
@@ -52,7 +60,7 @@ class KVPool:
 
     @classmethod
     def for_model(cls, config: PretrainedConfig, dtype: torch.dtype, device: torch.device,
-                  meter: ResidentMeter) -> KVPool:
+                  meter: ResidentMeter, planned: tuple[int, int] | None = None) -> KVPool:
         text = config.get_text_config(decoder=True)
         layer_types, _ = get_layer_types_and_kwargs(text)
         if any(kind != "full_attention" for kind in layer_types):
@@ -60,7 +68,7 @@ class KVPool:
         heads = text.num_attention_heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
         kv_heads = getattr(text, "num_key_value_heads", None) or heads
-        return cls(text.num_hidden_layers, kv_heads, head_dim, dtype, device, meter)
+        return cls(text.num_hidden_layers, kv_heads, head_dim, dtype, device, meter, planned)
 
     @property
     def slots(self) -> int:
@@ -99,12 +107,17 @@ class KVPool:
             self.meter.drop(METER_SLOT)
 
     def ensure(self, slots: int, tokens: int) -> None:
-        """Room for `slots` sequences of `tokens`: geometrically while the budget allows, else exactly."""
+        """Room for `slots` sequences of `tokens`: an empty pool with a plan, once for the plan; else
+        geometrically; either while the budget allows, else exactly."""
         if slots <= self.slots and tokens <= self.tokens:
             return
         exact = (max(slots, len(self.owners)), _granule(max(tokens, self.longest())))
-        wanted = (self.slots if exact[0] <= self.slots else max(exact[0], 2 * self.slots),
-                  self.tokens if exact[1] <= self.tokens else _granule(max(exact[1], math.ceil(self.tokens * GROWTH))))
+        if self.keys is None and self.planned is not None:
+            wanted = self._planned_shape(*exact)
+        else:
+            wanted = (self.slots if exact[0] <= self.slots else max(exact[0], 2 * self.slots),
+                      self.tokens if exact[1] <= self.tokens
+                      else _granule(max(exact[1], math.ceil(self.tokens * GROWTH))))
         try:
             self.meter.hold(METER_SLOT, self.bytes_for(*wanted))
             shape = wanted
@@ -116,6 +129,16 @@ class KVPool:
         except BaseException:  # a real device OOM: the meter goes back to what the pool still holds
             self.meter.hold(METER_SLOT, self.bytes_for(self.slots, self.tokens))
             raise
+
+    def _planned_shape(self, slots: int, tokens: int) -> tuple[int, int]:
+        """The plan's shape, at least (`slots`, `tokens`): its slots cut to what the budget has room
+        for beside what the meter already holds (the batch's other caches)."""
+        assert self.planned is not None
+        tokens = max(tokens, _granule(self.planned[1]))
+        fit = self.planned[0]
+        if self.meter.budget_bytes is not None:
+            fit = min(fit, (self.meter.budget_bytes - self.meter.total) // self.bytes_for(1, tokens))
+        return max(slots, fit), tokens
 
     def bytes_for(self, slots: int, tokens: int) -> int:
         return slots * tokens * self.token_bytes
