@@ -49,14 +49,23 @@ def pass_counts(doc_tokens: int, context_tokens: int, max_new_tokens: int, overl
     return passes
 
 
-def expected_work(task: Task, config: JobConfig, context_tokens: int | None = None) -> float:
-    """A task's expected work at `context_tokens` (the configured context unless it was moved to a
-    shorter one), in prefilled-token units: every pass's prompt plus its weighted decode."""
+def _max_new_tokens(task: Task, config: JobConfig) -> int:
+    return int(task.overrides.get("max_new_tokens", config.summarize.max_new_tokens))
+
+
+def expected_passes(task: Task, config: JobConfig, context_tokens: int | None = None) -> list[int]:
+    """Document tokens of each pass the task is expected to take at `context_tokens` (the configured
+    context unless it was moved to a shorter one): one for a document that fits."""
     summarize = config.summarize
-    context = context_tokens or summarize.context_tokens
-    max_new = int(task.overrides.get("max_new_tokens", summarize.max_new_tokens))
-    passes = pass_counts(task.n_chars // CHARS_PER_TOKEN, context, max_new, summarize.chunk_overlap_tokens)
-    return sum(tokens + PROMPT_TOKENS for tokens in passes) + len(passes) * max_new * DECODE_TOKEN_WEIGHT
+    return pass_counts(task.n_chars // CHARS_PER_TOKEN, context_tokens or summarize.context_tokens,
+                       _max_new_tokens(task, config), summarize.chunk_overlap_tokens)
+
+
+def expected_work(task: Task, config: JobConfig, context_tokens: int | None = None) -> float:
+    """A task's expected work in prefilled-token units: every pass's prompt plus its weighted decode."""
+    passes = expected_passes(task, config, context_tokens)
+    return (sum(tokens + PROMPT_TOKENS for tokens in passes)
+            + len(passes) * _max_new_tokens(task, config) * DECODE_TOKEN_WEIGHT)
 
 
 def may_take(worker: Hashable, loads: Mapping[Hashable, float], free: Collection[Hashable]) -> bool:

@@ -23,6 +23,7 @@ import signal
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -41,7 +42,7 @@ from tenacity import (
 )
 from tenacity.stop import stop_base
 
-from jobs.balance import expected_work, may_take
+from jobs.balance import expected_passes, expected_work, may_take
 from jobs.config import JobConfig, RetryConfig
 from jobs.faults import FaultRule
 from jobs.outcome import TaskOutcome
@@ -109,6 +110,14 @@ class TaskEnd(Enum):
     HANDED_BACK = "handed back"  # its worker was lost and the task goes on: back to the queue, for any worker
 
 
+@dataclass(eq=False)
+class Helping:
+    """A feeding thread's turn at helping with a long task another worker runs (batch.spread_passes)."""
+
+    run: TaskRun
+    help_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+
 class attempts_at_context_reach(stop_base):  # noqa: N801 - named like tenacity's own stops
     """Stop once the task has had `limit` attempts at its current context size, on any worker (a task
     handed to another worker keeps its count; a shorter context starts a new one)."""
@@ -140,10 +149,13 @@ class WorkQueue:
     lost worker goes in front, with its work at its (maybe shorter) context. A worker takes the next
     task only while no other worker with a free slot has less expected work in flight, so the long
     documents spread over the workers instead of one worker's queue setting the batch's end. `take`
-    waits while other threads still hold tasks they may hand back."""
+    waits while other threads still hold tasks they may hand back. Once none is left to start, a
+    thread whose worker could help with a long task another worker is running (`shares` says which
+    may be shared) gets a `Helping` with it instead: one helper per task at a time."""
 
     def __init__(self, runs: list[TaskRun], work_of: Callable[[TaskRun], float], workers: list[Worker],
-                 slots: int, is_down: Callable[[Worker], bool]) -> None:
+                 slots: int, is_down: Callable[[Worker], bool],
+                 shares: Callable[[TaskRun], bool] | None = None) -> None:
         self._order = itertools.count()
         self._work_of = work_of
         self._heap = [self._entry(1, run) for run in runs]
@@ -151,6 +163,10 @@ class WorkQueue:
         self._held: dict[Worker, list[TaskRun]] = {w: [] for w in workers}
         self._slots = slots
         self._is_down = is_down
+        self._shares = shares
+        self._running: set[TaskRun] = set()  # tasks with an attempt in flight: the ones a helper may join
+        self._helpers: dict[TaskRun, tuple[Worker, Helping]] = {}
+        self._cannot_help: set[Worker] = set()
         self._changed = threading.Condition()
 
     def _entry(self, priority: int, run: TaskRun) -> tuple[int, float, int, TaskRun]:
@@ -160,9 +176,10 @@ class WorkQueue:
         return sum(self._work_of(run) for run in self._held[worker])
 
     @contextmanager
-    def taking(self, worker: Worker, stop: threading.Event) -> Iterator[TaskRun | None]:
-        """The next task for `worker`, held by it until the block ends or it is handed back; None once
-        none is left and none can come back (or the batch stops)."""
+    def taking(self, worker: Worker, stop: threading.Event) -> Iterator[TaskRun | Helping | None]:
+        """The next task for `worker`, held by it until the block ends or it is handed back, or a task
+        to help with until the block ends; None once none is left and none can come back (or the
+        batch stops)."""
         run = self._take(worker, stop)
         try:
             yield run
@@ -182,19 +199,53 @@ class WorkQueue:
                         return run
                 elif not any(self._held.values()):
                     return None
+                elif (helping := self._help_for(worker)) is not None:
+                    return helping
                 self._changed.wait(0.2)
             return None
+
+    def _help_for(self, worker: Worker) -> Helping | None:
+        """The longest task running on another worker that may be shared and has no helper yet."""
+        if self._shares is None or worker in self._cannot_help:
+            return None
+        others = [run for w, held in self._held.items() if w is not worker for run in held
+                  if run in self._running and run not in self._helpers and not run.alone and self._shares(run)]
+        if not others:
+            return None
+        helping = Helping(max(others, key=self._work_of))
+        self._helpers[helping.run] = (worker, helping)
+        return helping
+
+    def attempt_started(self, run: TaskRun) -> None:
+        with self._changed:
+            self._running.add(run)
+            self._changed.notify_all()
+
+    def attempt_ended(self, run: TaskRun) -> tuple[Worker, str] | None:
+        """No helper may join `run` until its next attempt; the helper it has now, and its help id."""
+        with self._changed:
+            self._running.discard(run)
+            worker, helping = self._helpers.get(run, (None, None))
+            return None if helping is None else (worker, helping.help_id)
+
+    def cannot_help(self, worker: Worker) -> None:
+        """`worker` does not see the job folder where passes are kept: it helps nobody."""
+        with self._changed:
+            self._cannot_help.add(worker)
 
     def load(self, worker: Worker) -> float:
         """The expected work of the tasks `worker` holds now."""
         with self._changed:
             return self._load(worker)
 
-    def _release(self, worker: Worker, run: TaskRun) -> None:
+    def _release(self, worker: Worker, run: TaskRun | Helping) -> None:
         with self._changed:
-            if run in self._held[worker]:  # not handed back
+            if isinstance(run, Helping):
+                if self._helpers.get(run.run, (None, None))[1] is run:
+                    del self._helpers[run.run]
+            elif run in self._held[worker]:  # not handed back
                 self._held[worker].remove(run)
-                self._changed.notify_all()
+            self._changed.notify_all()
 
     def hand_back(self, worker: Worker, run: TaskRun) -> None:
         """Another worker takes `run` on now (in front of the queue); `worker` no longer holds it."""
@@ -276,6 +327,7 @@ class Coordinator:
         slot = self.pool.slot_name(worker)
         self.recorder.started(run.task, run.attempt, run.context_tokens, slot)
         own = True  # whether the attempt counts against the task
+        self.work.attempt_started(run)
         try:
             outcome = self.pool.run(worker, run.task, run.attempt, run.context_tokens, run.alone)
         except PoolStopped:
@@ -286,6 +338,8 @@ class Coordinator:
             own = self._lost(slot, run, lost)
             raise
         finally:
+            if (helper := self.work.attempt_ended(run)) is not None:
+                self.pool.end_help(*helper)
             run.slow_alerted = self.recorder.stopped(run.task)
             if own:
                 run.tries_at_context += 1
@@ -321,6 +375,29 @@ class Coordinator:
 
     def _work_of(self, run: TaskRun) -> float:
         return expected_work(run.task, self.cfg, run.context_tokens)
+
+    def _shares(self, run: TaskRun) -> bool:
+        """Whether another worker could help with `run`: it is expected to take several passes."""
+        return len(expected_passes(run.task, self.cfg, run.context_tokens)) > 1
+
+    def _help(self, worker: Worker, helping: Helping) -> None:
+        """`worker` helps with another worker's long task until that attempt ends; a lost worker only
+        ends the help (the feeding thread then waits for its restart)."""
+        run, slot = helping.run, self.pool.slot_name(worker)
+        try:
+            shared = self.pool.help(worker, run.task, run.context_tokens, helping.help_id)
+        except PoolStopped:
+            raise Interrupted() from None
+        except WorkerLost as lost:
+            if self.stop.is_set():
+                raise Interrupted() from None
+            if lost.first_to_see:
+                self.recorder.worker_lost(slot, lost.error_type, None)
+            return
+        if not shared["sees_job"]:
+            self.work.cannot_help(worker)
+        self.log.info("passes_shared", task_id=run.task.task_id, doc_id=run.task.doc_id, worker=slot,
+                      context_tokens=run.context_tokens, passes_run=shared["passes_run"], ended=shared["ended"])
 
     # -- one task -------------------------------------------------------------------------------
     def _finish(self, run: TaskRun, outcome: TaskOutcome) -> None:
@@ -375,10 +452,13 @@ class Coordinator:
             with work.taking(worker, self.stop) as run:
                 if run is None:
                     return
-                self.log.info("task_assigned", task_id=run.task.task_id, doc_id=run.task.doc_id,
-                              worker=self.pool.slot_name(worker), context_tokens=run.context_tokens,
-                              expected_work=round(self._work_of(run)), worker_work=round(work.load(worker)))
                 try:
+                    if isinstance(run, Helping):
+                        self._help(worker, run)
+                        continue
+                    self.log.info("task_assigned", task_id=run.task.task_id, doc_id=run.task.doc_id,
+                                  worker=self.pool.slot_name(worker), context_tokens=run.context_tokens,
+                                  expected_work=round(self._work_of(run)), worker_work=round(work.load(worker)))
                     end = self._run_task(worker, run)
                 except Interrupted:
                     return
@@ -444,7 +524,8 @@ class Coordinator:
         self._queued_at = time.time()  # queue wait counts from here: waiting for a free worker
         errors: list[BaseException] = []
         workers = self.pool.workers
-        work = WorkQueue(runs, self._work_of, workers, self.cfg.batch.sequences, self.pool.is_down)
+        work = self.work = WorkQueue(runs, self._work_of, workers, self.cfg.batch.sequences, self.pool.is_down,
+                                     self._shares if self.cfg.batch.spread_passes and len(workers) > 1 else None)
         with self.alerts.watching(), NodeSweeper(self.offload_root, self.log), \
                 BatchProgress(self.console, total, already_done, len(workers), self.alerts.active) as progress:
             self.recorder.progress = progress

@@ -226,6 +226,21 @@ class WorkerPool:
         """The worker's outcome for one attempt; raises `WorkerLost` when its process died or hung.
         `alone`: wait until nothing else runs on the worker and keep it so, so that a loss now is
         this task's own."""
+        return self._call(worker, alone, lambda call_id: worker.run.remote(
+            dataclasses.asdict(task), attempt, context_tokens, call_id))
+
+    def help(self, worker: Worker, task: Task, context_tokens: int, help_id: str) -> dict[str, Any]:
+        """`worker` helps with `task`, which another worker owns (batch.spread_passes), until `end_help`
+        (or nothing is left to share); how many passes it ran. Raises like `run`."""
+        return self._call(worker, False, lambda call_id: worker.help.remote(
+            dataclasses.asdict(task), context_tokens, help_id, call_id))
+
+    def end_help(self, worker: Worker, help_id: str) -> None:
+        """Tell `worker` its help `help_id` is no longer needed; not waited for (a lost worker's help is over)."""
+        worker.end_help.options(concurrency_group=PROBE_GROUP).remote(help_id)
+
+    def _call(self, worker: Worker, alone: bool, send: Callable[[str], Any]) -> Any:
+        """What `send(call_id)`'s call returns, once the worker can take it (see `run`)."""
         slot = self._slots[worker]
         # a call must reach a live incarnation: one sent while Ray restarts the worker fails at once
         if slot.down and not self.await_restart(worker, lambda: self._killed):
@@ -241,7 +256,7 @@ class WorkerPool:
             shared = slot.in_flight > 1
             losses_before = slot.losses
         call_id = uuid.uuid4().hex
-        ref = worker.run.remote(dataclasses.asdict(task), attempt, context_tokens, call_id)
+        ref = send(call_id)
         try:
             return self._result(worker, ref, call_id)
         except _Hung as e:

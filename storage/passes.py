@@ -7,6 +7,8 @@ the document (a resume after a kill, a retry, another cache rung, a shorter cont
 folder back and reuses every pass whose key matches what it is about to run. A pass's key covers
 everything that decides its tokens, so reusing one never changes a summary. The folder goes once
 the document's result has been published; a crash in between leaves it for the next run's sweep.
+Two workers sharing a long document's passes (batch.spread_passes) meet here too: each looks again
+before it starts a pass, and skips one the other has kept.
 """
 
 from __future__ import annotations
@@ -36,6 +38,11 @@ def read_passes(job_dir: Where, task_id: str) -> dict[str, dict[str, Any]]:
     """The task's finished passes by key. A damaged part only costs its pass, which runs again."""
     table, _ = read_parts(_task_folder(job_dir, task_id), PASS_SCHEMA)
     return {row["key"]: row for row in table.to_pylist()}
+
+
+def pass_parts(job_dir: Where, task_id: str) -> frozenset[str]:
+    """The names of the task's parts now: a cheap way to tell that another worker kept a pass since."""
+    return frozenset(part.name for part in _task_folder(job_dir, task_id).files())
 
 
 def tasks_with_passes(job_dir: Where) -> list[str]:

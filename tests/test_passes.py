@@ -122,7 +122,12 @@ def test_a_pass_is_found_by_what_it_was_given_whatever_the_context_and_lost_with
     found = again.find([1, 2, 3], 16)
     assert found is not None and found.tokens == [7, 8] and found.reused and found.stop_reason == StopReason.EOS
     assert again.find([1, 2, 4], 16) is None and again.find([1, 2, 3], 17) is None
-    assert again.reused == 1
+    # a book open while another worker keeps a pass sees it when it looks again, not before
+    again_kept = book(tmp_path, fingerprint)
+    again_kept.keep(0, 1, [4, 5], 16, generation([9]))
+    assert again.find([4, 5], 16) is None
+    assert again.find([4, 5], 16, fresh=True).tokens == [9]
+    assert first.kept == 1 and again.kept == 0
     other = settings_fingerprint(JobConfig(summarize={"seed": 1}), "cpu", "torch.float32")
     assert other != fingerprint
     assert book(tmp_path, other).find([1, 2, 3], 16) is None

@@ -6,6 +6,8 @@ key is a hash of the fingerprint (the model and every setting that decides a pas
 that only decides where its KV lives or how its prompt is prefilled), the prompt's token ids and the
 new-token limit, so a pass is reused exactly when running it again would give the same tokens: at
 the same context all of them; at a shorter one, only passes whose prompt came out the same.
+A book can also look again (`find(..., fresh=True)`): what a worker helping with the same document
+(batch.spread_passes) has kept since, so a pass either of them finished is not run by the other.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -20,7 +23,7 @@ from typing import Any
 from jobs.config import JobConfig
 from jobs.stopping import StopReason
 from runner.engine.generation import Generation
-from storage.passes import read_passes, write_pass
+from storage.passes import pass_parts, read_passes, write_pass
 
 logger = logging.getLogger(__name__)
 
@@ -49,8 +52,10 @@ class PassBook:
         self._fingerprint = fingerprint
         self._decode = decode
         self._worker = worker
+        self._lock = threading.Lock()  # the task's thread finds and keeps; the scheduler's finds afresh
+        self._parts: frozenset[str] = frozenset()
         self._known = self._read() if job_dir else {}
-        self.reused = 0  # the attempt's task thread is the only caller: no lock
+        self.kept = 0  # passes this book published
 
     @classmethod
     def kept_nowhere(cls) -> PassBook:
@@ -59,23 +64,37 @@ class PassBook:
 
     def _read(self) -> dict[str, dict[str, Any]]:
         try:
+            self._parts = pass_parts(self._job_dir, self._task_id)
             known = read_passes(self._job_dir, self._task_id)
         except OSError as e:  # the passes only save time: without them every pass runs
             logger.warning("passes of %s unreadable, running them all: %s", self._doc_id, e)
             return {}
         return {key: row for key, row in known.items() if row["fingerprint"] == self._fingerprint}
 
+    def _look_again(self) -> None:
+        """Read the parts again when the folder has changed since (one listing when it has not)."""
+        try:
+            changed = pass_parts(self._job_dir, self._task_id) != self._parts
+        except OSError:
+            return
+        if changed:
+            self._known.update(self._read())
+
     def key(self, prompt_ids: list[int], max_new_tokens: int) -> str:
         digest = hashlib.sha256(self._fingerprint.encode())
         digest.update(json.dumps([max_new_tokens, prompt_ids]).encode())
         return digest.hexdigest()
 
-    def find(self, prompt_ids: list[int], max_new_tokens: int) -> Generation | None:
-        """The pass's generation when an earlier attempt finished it (no timings: it took none now)."""
-        row = self._known.get(self.key(prompt_ids, max_new_tokens))
+    def find(self, prompt_ids: list[int], max_new_tokens: int, fresh: bool = False) -> Generation | None:
+        """The pass's generation when an earlier attempt, or (`fresh`: looking again) another worker
+        since, finished it; no timings: it took none now."""
+        key = self.key(prompt_ids, max_new_tokens)
+        with self._lock:
+            if fresh and key not in self._known and self._job_dir is not None:
+                self._look_again()
+            row = self._known.get(key)
         if row is None:
             return None
-        self.reused += 1
         return Generation(tokens=list(row["tokens"]), input_tokens=len(prompt_ids), ttft_s=0.0, decode_s=0.0,
                           stop_reason=StopReason(row["stop_reason"]), reused=True)
 
@@ -90,8 +109,11 @@ class PassBook:
                "text": self._decode(generation.tokens), "stop_reason": str(generation.stop_reason),
                "worker": self._worker, "finished_at": time.time()}
         try:
-            write_pass(self._job_dir, row)
+            part = write_pass(self._job_dir, row)
         except OSError as e:
             logger.warning("pass %d.%d of %s not kept: %s", level, index, self._doc_id, e)
             return
-        self._known[key] = row  # another rung of this attempt finds it too
+        with self._lock:
+            self._known[key] = row  # another rung of this attempt finds it too
+            self._parts |= {part.name}  # no need to read back what this book wrote
+            self.kept += 1

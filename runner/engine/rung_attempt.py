@@ -5,15 +5,21 @@ summarizer hands it into a pass for the worker's scheduler, with its cache recip
 folders in the task's scratch dir on a disk rung), waits for every pass it handed over, adds up
 their cache figures, and raises the first pass's error only once all have ended (so no pass still
 writes into a scratch dir that is going away). A pass that an earlier attempt finished is taken from
-the task's `PassBook` instead of being run; every pass that ends is kept there the moment it ends. A fault a test injected for this task and rung
-strikes after the passes, mid-task, with the scratch dir in place.
+the task's `PassBook` instead of being run; every pass that ends is kept there the moment it ends.
+When two workers share a long document (batch.spread_passes) each pass of a level with several
+looks at the book again just before it starts, and ends with the other worker's generation if that
+one kept it meanwhile; the helping attempt hands its passes over from the last, and gives up once a
+level has a single pass or the task it helps has ended. A fault a test injected for this task and
+rung strikes after the passes, mid-task, with the scratch dir in place.
 """
 
 from __future__ import annotations
 
 import errno
+import functools
 import itertools
 import os
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, as_completed
@@ -29,7 +35,7 @@ from runner.engine.cache_recipe import CacheKit
 from runner.engine.generation import Generation
 from runner.engine.pass_book import PassBook
 from runner.engine.probes import StageMemory
-from runner.engine.scheduler import BatchScheduler, PassRequest, PassResult, TaskClock
+from runner.engine.scheduler import BatchScheduler, PassAbandoned, PassRequest, PassResult, TaskClock
 
 
 @dataclass
@@ -72,10 +78,13 @@ class RungAttempt:
     """One task's passes on one rung, and their cache totals."""
 
     def __init__(self, rung: str, kit: CacheKit, scheduler: BatchScheduler, memory: StageMemory, clock: TaskClock,
-                 offload_dir: Path | None, doc_id: str, fault: FaultKind | None, passes: PassBook | None = None) -> None:
+                 offload_dir: Path | None, doc_id: str, fault: FaultKind | None, passes: PassBook | None = None,
+                 shared: bool = False, helping: threading.Event | None = None) -> None:
         """`offload_dir`: the task's scratch dir on a rung that offloads to disk; `fault`: what a test
         injected for this task on this rung (jobs.faults), None for a real run; `passes`: the task's
-        finished passes, shared by every rung of the attempt (None: none are found or kept)."""
+        finished passes, shared by every rung of the attempt (None: none are found or kept);
+        `shared`: another worker may help with the task (look again before each pass); `helping`:
+        this attempt helps another worker's task, until the event is set."""
         self.rung = rung
         self.totals = CacheTotals()
         self._kit = kit
@@ -88,29 +97,46 @@ class RungAttempt:
         self._pass_numbers = itertools.count()
         self._passes = passes if passes is not None else PassBook.kept_nowhere()
         self._levels = itertools.count()  # each call is one level: the chunks, then each merge round
+        self._shared = shared or helping is not None
+        self._helping = helping
 
     def __call__(self, prompts: list[list[int]], max_new_tokens: int) -> list[Generation]:
         """Generate for every prompt, side by side in the worker's batch; their generations in order."""
         level = next(self._levels)
-        generations = [self._passes.find(ids, max_new_tokens) for ids in prompts]
+        if self._helping is not None and len(prompts) == 1:
+            raise PassAbandoned("one pass left: the worker that owns the task runs it")
+        generations = [self._passes.find(ids, max_new_tokens, fresh=self._helping is not None) for ids in prompts]
         to_run = [i for i, generation in enumerate(generations) if generation is None]
         if len(to_run) < len(prompts):  # a pass read back is work done: the task's timeout runs from here
             self._clock.start()
-        futures = self._scheduler.submit_all([self._pass(prompts[i], max_new_tokens) for i in to_run])
+        if self._helping is not None:
+            to_run.reverse()  # from the far end, while the owner goes from the front
+        look_again = self._shared and len(prompts) > 1
+        futures = self._scheduler.submit_all([self._pass(prompts[i], max_new_tokens, look_again) for i in to_run])
 
         def keep(k: int, generation: Generation) -> None:
-            self._passes.keep(level, to_run[k], prompts[to_run[k]], max_new_tokens, generation)
+            if not generation.reused:  # not one the other worker kept
+                self._passes.keep(level, to_run[k], prompts[to_run[k]], max_new_tokens, generation)
 
         for i, generation in zip(to_run, self._results(futures, keep)):
             generations[i] = generation
         self._strike_injected_fault()
         return generations
 
-    def _pass(self, prompt_ids: list[int], max_new_tokens: int) -> PassRequest:
+    def _pass(self, prompt_ids: list[int], max_new_tokens: int, look_again: bool) -> PassRequest:
         recipe = self._kit.recipe(self.rung, len(prompt_ids) + max_new_tokens, self._pass_dir())
         self.totals.add_placement(recipe.placement)
         return PassRequest(prompt_ids, max_new_tokens, make_cache=recipe, device_bytes=recipe.device_bytes,
-                           host_bytes=recipe.host_bytes, memory=self._memory, clock=self._clock)
+                           host_bytes=recipe.host_bytes, memory=self._memory, clock=self._clock,
+                           look_again=functools.partial(self._look_again, prompt_ids, max_new_tokens)
+                           if look_again else None,
+                           abandoned=self._helping)
+
+    def _look_again(self, prompt_ids: list[int], max_new_tokens: int) -> Generation | None:
+        """Just before a shared pass starts: the other worker's generation of it, if it kept one."""
+        if self._helping is not None and self._helping.is_set():
+            raise PassAbandoned("no longer needed: the task it helped has ended")
+        return self._passes.find(prompt_ids, max_new_tokens, fresh=True)
 
     def _pass_dir(self) -> Path | None:
         """Each pass's own folder in the scratch dir, numbered in the order the passes are handed over."""

@@ -44,7 +44,7 @@ from runner.engine.model_loader import load_model
 from runner.engine.pass_book import PassBook, settings_fingerprint
 from runner.engine.probes import StageMemory, memory_snapshot
 from runner.engine.rung_attempt import CacheTotals, RungAttempt
-from runner.engine.scheduler import BatchScheduler, TaskClock
+from runner.engine.scheduler import BatchScheduler, PassAbandoned, TaskClock
 from runner.engine.summarize import Summarizer, Summary
 from storage.scratch import (
     ScratchSpaceError,
@@ -77,6 +77,10 @@ class _PeakRss:
         self._thread.join()
         self.peak = max(self.peak, self._proc.memory_info().rss)
 
+
+#: The attempt number a help with another worker's task runs under: its scratch dir is `<task>.0`,
+#: apart from every attempt of the task's owner (those count from 1).
+HELP_ATTEMPT = 0
 
 _ALLOCATION_FAILURES = (
     "CUDA error: out of memory",  # C10_CUDA_CHECK on cudaErrorMemoryAllocation: a pinned cudaHostAlloc
@@ -171,6 +175,8 @@ class SummaryWorker:
                                         host_budget=self.host_budget,
                                         prefill_chunk_tokens=self.cfg.batch.prefill_chunk_tokens)
         self._clocks: dict[str, TaskClock] = {}  # call id -> clock of the task in flight
+        self._help_ends: dict[str, threading.Event] = {}  # help id -> set when that help is no longer needed
+        self._help_lock = threading.Lock()
 
     def info(self) -> dict[str, Any]:
         return {
@@ -195,6 +201,39 @@ class SummaryWorker:
         behind batch-mates, or not yet started). Answered from its own thread, so a busy worker answers."""
         clock = self._clocks.get(call_id)
         return None if clock is None else clock.running_s()
+
+    def help(self, task_data: dict[str, Any], context_tokens: int, help_id: str, call_id: str = "") -> dict[str, Any]:
+        """Run passes of a long task another worker owns (batch.spread_passes), from its far end, each
+        kept in the job folder where the owner finds it before it would start it; ends when the owner
+        no longer needs it (`end_help`) or a level is down to one pass. Its own errors only end the
+        help: the owner runs what it did not. Returns how many passes it ran, why it ended, and
+        whether this worker sees the job folder at all (if not, it can help nobody)."""
+        request = self._request(Task(**task_data), HELP_ATTEMPT, context_tokens)
+        if self.job_dir is None:
+            return {"passes_run": 0, "sees_job": False, "ended": "the job folder is not seen from this host"}
+        with self._help_lock:
+            ended = self._help_ends.setdefault(help_id, threading.Event())
+        passes = self._pass_book(request)
+        self._clocks[call_id] = request.clock
+        try:
+            self._summarize_on(self._rungs(request)[0], request, StageMemory(), passes, helping=ended)
+            why = "every pass it could share is done"
+        except PassAbandoned as e:
+            why = str(e)
+        except Exception as e:  # noqa: BLE001 - see the docstring
+            why = f"{type(e).__name__}: {e}"
+        finally:
+            self._clocks.pop(call_id, None)
+            with self._help_lock:
+                self._help_ends.pop(help_id, None)
+        self._release_memory()
+        return {"passes_run": passes.kept, "sees_job": True, "ended": why}
+
+    def end_help(self, help_id: str) -> None:
+        """The task that help `help_id` is for has ended its attempt: the help stops (answered from
+        the probe thread; it may come before the help call itself)."""
+        with self._help_lock:
+            self._help_ends.setdefault(help_id, threading.Event()).set()
 
     def run(self, task_data: dict[str, Any], attempt: int, context_tokens: int, call_id: str = "") -> TaskOutcome:
         """Summarise one task; returns an outcome dict (never raises for an expected failure).
@@ -272,13 +311,15 @@ class SummaryWorker:
             fallbacks.append(cache_fallback_note(rung, rungs[i + 1] if i + 1 < len(rungs) else None, last_error[0]))
         return _failure(FailureClass.MEMORY, *last_error, started)
 
-    def _summarize_on(self, rung: str, request: TaskRequest, memory: StageMemory, passes: PassBook) -> TaskOutcome:
-        """The task done on `rung` (its passes in the worker's batch); raises what stops it there."""
+    def _summarize_on(self, rung: str, request: TaskRequest, memory: StageMemory, passes: PassBook,
+                      helping: threading.Event | None = None) -> TaskOutcome:
+        """The task done on `rung` (its passes in the worker's batch); raises what stops it there.
+        `helping`: this is a help with another worker's task (no faults strike), until it is set."""
         task = request.task
+        fault = None if helping else fault_for(self.faults, task.doc_id, request.attempt, rung, request.context_tokens)
         with self._scratch_dir(rung, request) as offload_dir:
             attempt = RungAttempt(rung, self.cache_kit, self.scheduler, memory, request.clock, offload_dir,
-                                  task.doc_id, fault_for(self.faults, task.doc_id, request.attempt, rung,
-                                                         request.context_tokens), passes)
+                                  task.doc_id, fault, passes, shared=self.cfg.batch.spread_passes, helping=helping)
             summary = self.summarizer.summarize(
                 request.text, request.instruction, request.max_new_tokens, request.context_tokens, attempt
             )
