@@ -216,7 +216,10 @@ class SummaryWorker:
         passes = self._pass_book(request)
         self._clocks[call_id] = request.clock
         try:
-            self._summarize_on(self._rungs(request)[0], request, StageMemory(), passes, helping=ended)
+            rung = next(iter(self._rungs(request)), None)
+            if rung is None:
+                raise PassAbandoned("no cache rung fits the budgets here")
+            self._summarize_on(rung, request, StageMemory(), passes, helping=ended)
             why = "every pass it could share is done"
         except PassAbandoned as e:
             why = str(e)
