@@ -222,3 +222,21 @@ def test_the_staging_buffers_are_kept_across_steps_and_go_with_the_last_row(tmp_
     assert len(buffers[0]) == 2 and buffers == [buffers[0]] * STEPS
     gc.collect()
     assert staging() is None
+
+
+def test_a_rows_own_reads_go_into_the_same_two_buffers_every_step(tmp_path: Path) -> None:
+    """Per row (no batched step), each streamed layer is read into one of the cache's two read
+    buffers in turn, the same two at every step: the device allocates nothing per read."""
+    model = tiny_model("llama-gqa")
+    caches, tokens = _prefilled(model, "host", tmp_path, batched=False)
+    buffers = []
+    try:
+        for step in range(STEPS):
+            tokens = decode_step(model, tokens, [n + step for n in LENGTHS], caches).argmax(dim=-1).tolist()
+            buffers.append([[buffer.data_ptr() for buffer in cache.shared.reads.buffers] for cache in caches])
+        reads = [cache.shared.traffic.host_to_device for cache in caches]
+    finally:
+        for cache in caches:
+            cache.close()
+    assert all(n > 0 for n in reads) and all(c.batched_layers == 0 for c in caches)  # read per row, not batched
+    assert all(len(pair) == 2 for pair in buffers[0]) and buffers == [buffers[0]] * STEPS

@@ -10,12 +10,12 @@ other. The step then writes every row's new K/V with one indexed write and atten
 the model's attention, each row to its own length through an additive mask, as the pooled rows do
 (runner/engine/pooled_attention.py).
 
-The two staging buffers are kept across steps (`Staging`, one per worker thread, device and KV
-shape, alive while an open tiered row uses it): a step takes views of them, `[:, :rows, :, :span]`,
-so the device allocates nothing a step; they grow (×1.5, in 64-token granules) only when a step's
-rows or longest row outgrow them. What the views do not cover is never read; what they cover past a
-row's length is KV an earlier step or layer left there, always finite, which the mask weighs at
-exactly zero, as it did the zeros of a fresh buffer.
+The two staging buffers are kept across steps (`StagingBuffers`, one pair per worker thread, device
+and KV shape, alive while an open tiered row holds it): a step takes views of them, `[:, :rows, :,
+:span]`, so the device allocates nothing a step; they are made again, bigger, only when a step's
+rows or longest row outgrow them (in 64-token granules). What a view covers past a row's length is
+KV an earlier step or layer left there, always finite, which the mask weighs at exactly zero, as it
+did the zeros of a fresh buffer.
 
 What moves still moves per row, but in one op for all rows: the read's blocks and tails into their
 slots is one batched copy, and so is every row's new token out to its own tail
@@ -28,7 +28,6 @@ before (`TieredCache.streams`).
 from __future__ import annotations
 
 import dataclasses
-import math
 import threading
 import time
 import weakref
@@ -38,8 +37,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from runner.engine.kvcache.layer_store import Read, Slot, copy_all, read_all
-from runner.engine.kvcache.resident import GRANULE_TOKENS, GROWTH
+from runner.engine.kvcache.layer_store import Read, Slot, StagingBuffers, copy_all, read_all
 from runner.engine.kvcache.tiered import TieredCache
 from runner.engine.pooled_attention import length_mask
 from runner.engine.step_inputs import step_inputs
@@ -48,43 +46,19 @@ T = TypeVar("T")
 _PER_THREAD = threading.local()
 
 
-class Staging:
-    """The two staging buffers of a thread's batched tiered steps, [2, rows, kv_heads, tokens, head_dim]
-    each (keys, then values), reused by every step and layer; regrown only when a step outgrows them."""
-
-    def __init__(self, like: torch.Tensor) -> None:
-        self.dtype, self.device = like.dtype, like.device
-        self.kv_heads, self.head_dim = like.shape[1], like.shape[3]
-        self.buffers: list[torch.Tensor] = []
-
-    @classmethod
-    def for_rows(cls, caches: Sequence[TieredCache], like: torch.Tensor) -> Staging:
-        """This thread's staging for KV like `like` ([rows, kv_heads, 1, head_dim]), held by `caches`: it
-        lives while one of them is open, and the next step of them (or of rows joining them) reuses it."""
-        kept: weakref.WeakValueDictionary[tuple[Any, ...], Staging] = _PER_THREAD.__dict__.setdefault(
-            "staging", weakref.WeakValueDictionary())
-        key = (like.device, like.dtype, like.shape[1], like.shape[3])
-        staging = kept.get(key)
-        if staging is None:
-            staging = kept[key] = cls(like)
-        for cache in caches:
-            cache.staging = staging
-        return staging
-
-    def views(self, rows: int, span: int) -> list[torch.Tensor]:
-        """Both buffers cut to `rows` rows of `span` tokens (grown first if they are smaller)."""
-        if not self.buffers or rows > self.buffers[0].shape[1] or span > self.buffers[0].shape[3]:
-            self._grow(rows, span)
-        return [buffer[:, :rows, :, :span] for buffer in self.buffers]
-
-    def _grow(self, rows: int, span: int) -> None:
-        had_rows, had_span = (self.buffers[0].shape[1], self.buffers[0].shape[3]) if self.buffers else (0, 0)
-        tokens = had_span if span <= had_span else max(span, math.ceil(had_span * GROWTH))
-        tokens = -(-tokens // GRANULE_TOKENS) * GRANULE_TOKENS
-        shape = (2, max(rows, had_rows), self.kv_heads, tokens, self.head_dim)
-        self.buffers = []  # the old ones go before the new are made: the device holds one pair at a time
-        # zeros, not empty: a row's masked tail is still read, and garbage NaN times a zero weight is NaN
-        self.buffers = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(2)]
+def staging_for(caches: Sequence[TieredCache], like: torch.Tensor) -> StagingBuffers:
+    """This thread's staging buffers for KV like `like` ([rows, kv_heads, 1, head_dim]), held by
+    `caches`: they live while one of them is open, and the next step of them (or of rows joining
+    them) reuses them."""
+    kept: weakref.WeakValueDictionary[tuple[Any, ...], StagingBuffers] = _PER_THREAD.__dict__.setdefault(
+        "staging", weakref.WeakValueDictionary())
+    key = (like.device, like.dtype, like.shape[1], like.shape[3])
+    staging = kept.get(key)
+    if staging is None:
+        staging = kept[key] = StagingBuffers(like.shape[1], like.shape[3], like.dtype, like.device)
+    for cache in caches:
+        cache.staging = staging
+    return staging
 
 
 class TieredRowFailed(Exception):
@@ -130,7 +104,7 @@ class TieredStep:
         if lengths == self.lengths:
             return
         self.lengths, self.span = lengths, max(lengths) + 1
-        self.staged = Staging.for_rows(self.caches, like).views(self.count, self.span)
+        self.staged = staging_for(self.caches, like).views(self.count, self.span)
         self.slots = [[Slot.over(staged[:, row : row + 1]) for row in range(self.count)] for staged in self.staged]
         self.mask = length_mask([n + 1 for n in lengths], self.span, like.dtype, like.device, "tiered lengths")
         self._rows = torch.arange(self.count, device=like.device)

@@ -80,6 +80,49 @@ class Slot:
         return cls(kv, kv[0], kv[1], kv.permute(3, 0, 1, 2, 4))
 
 
+class StagingBuffers:
+    """Two device buffers, [2, rows, heads, tokens, head_dim] each (keys, then values), that a
+    cache's reads (or a batched step's) fill layer after layer, step after step: the device allocates
+    nothing per read. `views` cuts both to the rows and tokens wanted; the buffers are made again,
+    bigger, only when a view would not fit (in 64-token granules: a decode step grows a layer by one
+    token). What a view covers past what a read wrote is KV an earlier read left (always finite) or
+    zeros, never uninitialised memory: a batched step's mask weighs it at zero, and garbage NaN times
+    a zero weight would be NaN."""
+
+    GRANULE = 64
+
+    def __init__(self, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.heads, self.head_dim, self.dtype, self.device = heads, head_dim, dtype, device
+        self.buffers: list[torch.Tensor] = []
+        self.turn = 0
+        """Which of the two `next_slot` hands out next."""
+
+    def fits(self, heads: int, head_dim: int, dtype: torch.dtype) -> bool:
+        """Whether a layer of this shape and dtype can be read into them."""
+        return (heads, head_dim, dtype) == (self.heads, self.head_dim, self.dtype)
+
+    def views(self, rows: int, tokens: int) -> list[torch.Tensor]:
+        """Both buffers cut to `rows` rows of `tokens` tokens (made bigger first if they are smaller)."""
+        if not self.buffers or rows > self.buffers[0].shape[1] or tokens > self.buffers[0].shape[3]:
+            had_rows, had_tokens = (self.buffers[0].shape[1], self.buffers[0].shape[3]) if self.buffers else (0, 0)
+            shape = (2, max(rows, had_rows), self.heads, -(-max(tokens, had_tokens) // self.GRANULE) * self.GRANULE,
+                     self.head_dim)
+            self.buffers = []  # the old pair goes before the new one is made
+            self.buffers = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(2)]
+        return [buffer[:, :rows, :, :tokens] for buffer in self.buffers]
+
+    def next_slot(self, rows: int, tokens: int) -> Slot:
+        """The buffer the one handed out before is not, as a slot of `rows` x `tokens`: a read fills it
+        while the layer read before it is attended from the other. On CUDA its `free` event is
+        recorded now, on the compute stream, after the attention that read it last (the layer before
+        that one) was queued: the read's copies wait for it."""
+        slot = Slot.over(self.views(rows, tokens)[self.turn])
+        self.turn = 1 - self.turn
+        if self.device.type == "cuda":
+            slot = dataclasses.replace(slot, free=torch.cuda.current_stream(self.device).record_event())
+        return slot
+
+
 @dataclass(frozen=True)
 class _Snapshot:
     """What a background read needs, frozen at submission (the layer may change afterwards)."""
@@ -123,9 +166,6 @@ class LayerStore:
         in_ram = len(self.blocks) if self.tier.keeps_blocks_in_ram else 0
         tail = 1 if self.tail is not None else 0
         return (in_ram + tail) * self.block_tokens * self.token_bytes
-
-    def resident_bytes(self, extra_tokens: int) -> int:
-        return (self.seq_len + extra_tokens) * self.token_bytes
 
     # --- writing -------------------------------------------------------------------------------
 

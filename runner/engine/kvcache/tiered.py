@@ -34,7 +34,7 @@ from jobs.kvplan import Placement
 from jobs.rungs import TierName
 from runner.engine.kvcache.budget import ResidentMeter
 from runner.engine.kvcache.io_thread import IOThread
-from runner.engine.kvcache.layer_store import LayerStore, Read, Resident, Slot, Traffic, read_all
+from runner.engine.kvcache.layer_store import LayerStore, Read, Resident, Slot, StagingBuffers, Traffic, read_all
 from runner.engine.kvcache.resident import GrowingLayer, allocated_bytes
 from runner.engine.kvcache.tiers import DiskTier, HostTier, Tier
 from storage.kvblocks import BlockCodec, Compression
@@ -52,6 +52,16 @@ class _Shared:
         self.host_meter = host_meter
         self.traffic = Traffic()
         self._io: IOThread | None = None
+        self.reads: StagingBuffers | None = None
+        """The two buffers the layers are read into (`read_slot`), once a layer is read."""
+
+    def read_slot(self, store: LayerStore, extra_tokens: int) -> Slot:
+        """Where a read of `store`'s layer (not into a batched step's slot) goes: the next of the
+        cache's two read buffers, kept across layers and steps, while the layer read before it is
+        attended from the other (one read is pending at a time)."""
+        if self.reads is None or not self.reads.fits(store.heads, store.head_dim, store.dtype):
+            self.reads = StagingBuffers(store.heads, store.head_dim, store.dtype, store.device)
+        return self.reads.next_slot(store.batch, store.seq_len + extra_tokens)
 
     def io(self, device: torch.device) -> IOThread:
         if self._io is None:
@@ -67,6 +77,7 @@ class _Shared:
         if self._io is not None:
             self._io.close()
             self._io = None
+        self.reads = None
         self.tier.close()
 
 
@@ -156,7 +167,8 @@ class TieredLayer(CacheLayerMixin):
         with the step's other rows' (`read_all`). None if there is nothing to read or a read is pending."""
         if self.store is None or self.store.seq_len == 0 or self._pending is not None or self._ready is not None:
             return None
-        self.shared.device_meter.hold(self.layer_idx, self._resident_bytes(extra_tokens, into))
+        into = into if into is not None else self.shared.read_slot(self.store, extra_tokens)
+        self.shared.device_meter.hold(self.layer_idx, into.kv.nbytes)
         self._pending = self.store.read_later(extra_tokens, into)
         return self._pending
 
@@ -168,12 +180,9 @@ class TieredLayer(CacheLayerMixin):
         assert self.store is not None
         if self.store.seq_len == 0:
             return None
-        self.shared.device_meter.hold(self.layer_idx, self._resident_bytes(extra_tokens, into))
+        into = into if into is not None else self.shared.read_slot(self.store, extra_tokens)
+        self.shared.device_meter.hold(self.layer_idx, into.kv.nbytes)
         return self._adopt(self.store.load(extra_tokens, into))
-
-    def _resident_bytes(self, extra_tokens: int, into: Slot | None) -> int:
-        assert self.store is not None
-        return into.kv.nbytes if into is not None else self.store.resident_bytes(extra_tokens)
 
     def _settle(self) -> None:
         """Finish a background read of this layer before anything reads or changes the layer."""
