@@ -140,10 +140,14 @@ def test_a_planned_pool_is_allocated_once_for_its_batch(planned: tuple[int, int]
         assert pool.allocations == [(4, 64)]
 
 
-def test_a_sequence_too_long_for_the_pool_alone_is_a_memory_error(tokenizer, tmp_path: Path) -> None:
-    """What moves its task down the cache ladder: the budget guard's error, from the pool."""
+@pytest.mark.parametrize("planned", [None, (4, 64)])
+def test_a_sequence_too_long_for_the_pool_alone_is_a_memory_error(planned: tuple[int, int] | None, tokenizer,
+                                                                   tmp_path: Path) -> None:
+    """What moves its task down the cache ladder: the budget guard's error, from the pool, with a
+    plan too (its slots cut to the budget's one, the sequence longer than the plan)."""
     model = tiny_model("llama-gqa")
     pool = cpu_kv_pool(model)
+    pool.planned = planned
     pool.meter.budget_bytes = pool.bytes_for(1, 64)
     scheduler = BatchScheduler(as_loaded_model(model, tokenizer), SummarizeConfig(**PLAIN), "auto", 4, BIG, _is_memory_error)
     try:
