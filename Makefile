@@ -27,9 +27,10 @@ demo: venv
 	$(PY) -c "import json,subprocess,sys; rows=[json.loads(l) for l in subprocess.run([sys.prefix+'/bin/kvbatch','results','runs/demo'],capture_output=True,text=True,check=True).stdout.splitlines()]; [print(f\"\n== {r['doc_id']} ({r['input_tokens']} tokens, {r['cache_strategy']}):\n{r['summary']}\") for r in rows]"
 
 # in parallel processes (pytest-xdist; tests/README.md): most tests wait on Ray, subprocesses and timeouts,
-# so 4 processes gain even on 2 cores; a module sharing one costly fixture stays on one process (loadgroup)
-PYTEST_JOBS ?= 4
-PARALLEL := -n $(PYTEST_JOBS) --dist loadgroup
+# so 3 processes gain even on 2 cores; a file stays on one process, so its module fixtures run once
+# (loadfile: xdist 3.8's loadgroup marks are lost under pytest 9, whose node ids xdist cannot suffix)
+PYTEST_JOBS ?= 3
+PARALLEL := -n $(PYTEST_JOBS) --dist loadfile
 
 test: venv
 	$(PY) -m pytest -q $(PARALLEL)

@@ -1,8 +1,8 @@
 """Fixtures only (helpers are plain functions in tests/helpers/): one real local Ray instance per test
 session, the builtin tiny random model per module, a real S3-compatible server per module, one torch
 thread where a module asks for it. Under pytest-xdist (`make test`) a session is one worker process: each
-has its own Ray, tmp folders and moto ports, and a module whose tests share a costly module fixture stays
-on one worker (`xdist_group`), so that fixture runs once."""
+has its own Ray, tmp folders and moto ports; `--dist loadfile` keeps a file on one worker, so a module
+fixture (one real job, a cluster) runs once."""
 
 from __future__ import annotations
 
@@ -31,22 +31,17 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-#: module fixtures cheap enough to set up again on each xdist worker that runs some of a module's tests
-_CHEAP_MODULE_FIXTURES = {"tiny_random", "tokenizer", "s3"}
+#: the files that take longest under `make test` (its --durations), longest first: they start first,
+#: so no long file is left to run alone at the end. Order only: a file missing here just starts later.
+_LONGEST_FILES = ["test_batching_e2e", "test_cluster", "test_scratch_e2e", "test_object_storage", "test_soak",
+                  "test_load", "test_cli_e2e", "test_balance", "test_checkpoint"]
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the marks under --dist loadgroup
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Keeps a module on one xdist worker when its tests share a costly module fixture (one real job,
-    a cluster): split across workers, each would run that job again."""
-    for item in items:
-        definitions = getattr(item, "_fixtureinfo", None)
-        if definitions is None or item.get_closest_marker("xdist_group"):
-            continue
-        shared = [name for name, defs in definitions.name2fixturedefs.items()
-                  if name not in _CHEAP_MODULE_FIXTURES and defs[-1].scope == "module"]
-        if shared:
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+    """Puts the longest files first (a stable sort: each file's tests keep their order): under
+    `--dist loadfile` (`make test`) each xdist worker takes whole files in this order."""
+    rank = {name: i for i, name in enumerate(_LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))
 
 
 @pytest.fixture(scope="session")

@@ -167,10 +167,10 @@ def single_node(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 def test_workers_land_on_every_node_and_agree_with_a_single_node_run(cluster, single_node, tmp_path):
     job = tmp_path / "job"
     proc = start_submit(manifest_of(tmp_path), job, cluster.address)
-    assert wait_for(lambda: len(log_events(job, "worker_ready")) == WORKER_NODES, proc, timeout=120), \
+    assert wait_for(lambda: len(log_events(job, "worker_ready")) == WORKER_NODES, proc, timeout=300), \
         proc.communicate()
     nodes = {cluster.node_of(e["worker"]) for e in log_events(job, "worker_ready")}  # while the workers live
-    out, err = proc.communicate(timeout=120)
+    out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, out + err
     assert nodes == set(cluster.node_of_raylet.values())
     assert summaries(job) == single_node
@@ -205,7 +205,7 @@ def _lose_the_node_of_a_hung_task(cluster: LocalCluster, tmp_path: Path, workers
             ready = log_events(job, "worker_ready")
             return len(ready) == workers and len(result_workers(job)) == workers - 1
 
-        assert wait_for(all_but_one_worker_published, proc, timeout=120), proc.communicate()
+        assert wait_for(all_but_one_worker_published, proc, timeout=300), proc.communicate()
         pinned = {e["worker"] for e in log_events(job, "worker_ready")} - result_workers(job)
         assert len(pinned) == 1, f"expected one worker pinned by the hang, got {pinned}"
         cluster.remove_node(cluster.node_of(pinned.pop()))
@@ -247,7 +247,7 @@ def test_a_node_that_joins_mid_batch_has_orphaned_scratch_dirs_swept(cluster, tm
     with submitted(manifest_of(tmp_path), job, cluster.address, "--set", f"cache.offload_root={root}",
                    "--set", "retry.task_timeout_s=40", env={"KVBATCH_FAULTS": hang}) as proc:
         nodes_at_start = len(cluster.node_of_raylet) + 1  # the worker nodes left by earlier tests, and the head
-        assert wait_for(lambda: len(log_events(job, "node_swept")) >= nodes_at_start, proc, timeout=120), \
+        assert wait_for(lambda: len(log_events(job, "node_swept")) >= nodes_at_start, proc, timeout=300), \
             proc.communicate()
         # a worker of an earlier batch, killed with its node: its task dir stays behind, owner dead
         owner = Child(ORPHAN_OWNER, str(root))
