@@ -21,8 +21,10 @@ from tests.helpers.cli import TINY_CONFIG, export_rows, kvbatch, license_manifes
 
 #: five long licence texts: 4 to 17 chunks each at a 512-token context, a merge round or two above them
 LONG_DOCS = ["LGPL-2.1", "GPL-2", "MPL-2.0", "Apache-2.0", "Artistic"]
+#: spreading off: each count below is of one worker's own reuse, which the passes a helping worker
+#: ran would add to (tests/test_pass_spreading.py)
 SHORT_CONTEXT = ["--set", "summarize.context_tokens=512", "--set", "summarize.min_context_tokens=256",
-                 "--set", "checkpoint.flush_every=1"]
+                 "--set", "checkpoint.flush_every=1", "--set", "batch.spread_passes=false"]
 
 
 def saved_passes(job: Path) -> dict[str, int]:
