@@ -295,3 +295,21 @@ def _pinned_in_use() -> int:
     stats = torch.cuda.host_memory_stats()
     assert "active_bytes.current" in stats, f"this torch names its pinned-memory figures otherwise: {sorted(stats)}"
     return stats["active_bytes.current"]
+
+
+@cuda_only
+def test_a_cuda_workers_kv_pool_is_planned_for_its_batch_and_allocated_once(tmp_path: Path) -> None:
+    config = load_config(TINY_CONFIG, ["model.device=cuda", "batch.attention=pooled", "batch.max_sequences=4",
+                                       "summarize.context_tokens=1024", "summarize.max_new_tokens=8"])
+    worker = SummaryWorker(config.model_dump(mode="json"), "job", str(tmp_path / "kv"))
+    try:
+        assert worker.kv_pool is not None and worker.kv_pool.planned == (4, 1024)
+        text = "The council met about the budget and agreed to publish the minutes. " * 20
+        task = Task(task_id="t000001", doc_id="doc-1", source_type="text", source=text, n_chars=len(text),
+                    n_bytes=len(text.encode()), sha256=hashlib.sha256(text.encode()).hexdigest(), overrides={}, meta={})
+        outcome = worker.run(dataclasses.asdict(task), 1, 1024)
+        assert outcome["status"] == "done", outcome
+        # sized at its first claim for four sequences of the whole context: no growth was needed
+        assert worker.kv_pool.slots >= 1 and worker.kv_pool.tokens >= 1024
+    finally:
+        worker.scheduler.close()

@@ -166,7 +166,7 @@ class SummaryWorker:
         self.attention = attention_path(self.cfg.batch.attention, self.loaded.device.type,
                                         any(window is not None for window in self.kv_shape.layer_windows))
         self.kv_pool = (KVPool.for_model(self.loaded.model.config, self.loaded.dtype, self.loaded.device,
-                                         self.device_pool) if self.attention == "pooled" else None)
+                                         self.device_pool, self._pool_plan()) if self.attention == "pooled" else None)
         self.cache_kit = CacheKit(self.loaded.model, self.cfg.cache, self.kv_shape, self.device_budget,
                                   self.host_budget, self.device_pool, self.host_pool, self.kv_pool,
                                   device_is_cpu=self.loaded.device.type == "cpu")
@@ -177,6 +177,14 @@ class SummaryWorker:
         self._clocks: dict[str, TaskClock] = {}  # call id -> clock of the task in flight
         self._help_ends: dict[str, threading.Event] = {}  # help id -> set when that help is no longer needed
         self._help_lock = threading.Lock()
+
+    def _pool_plan(self) -> tuple[int, int] | None:
+        """On CUDA the KV pool is sized once, for the batch's most sequences at the longest pass (the
+        context), so a decode never stops to grow and copy it; on the CPU the device budget is RAM,
+        and a pool that grows with the batch leaves it to the rest."""
+        if self.loaded.device.type != "cuda":
+            return None
+        return self.cfg.batch.sequences, self.cfg.summarize.context_tokens
 
     def info(self) -> dict[str, Any]:
         return {
