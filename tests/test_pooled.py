@@ -66,6 +66,19 @@ def test_a_step_with_pooled_and_tiered_rows_gives_each_its_tokens_alone(tokenize
     assert [(c.most_batched_rows, c.batched_layers > 0) for c in tiered] == [(2, True), (2, True)]
 
 
+
+def _four_dynamic_rows_match_generate(model, tokenizer, tmp_path: Path, prompts: list[list[int]], new: list[int],
+                                      pool: KVPool) -> BatchScheduler:
+    """Run the four prompts as one batch of `dynamic` rows over `pool`; each must give generate()'s
+    tokens. The closed scheduler, for its figures."""
+    scheduler = BatchScheduler(as_loaded_model(model, tokenizer), SummarizeConfig(**PLAIN), "auto", 4, BIG, _is_memory_error)
+    try:
+        got = [g.tokens for g in run_batch(scheduler, model, ["dynamic"] * 4, tmp_path, prompts, new, kv_pool=pool)]
+    finally:
+        scheduler.close()
+    assert got == [tokens_alone(model, p, n) for p, n in zip(prompts, new)]
+    return scheduler
+
 def test_a_full_pool_makes_a_sequence_wait_for_room(tokenizer, tmp_path: Path) -> None:
     """The pool's budget holds two slots: a third sequence is not failed (as a cache it could not
     make would be) but waits until one leaves; the batch never holds more than the pool does."""
@@ -75,12 +88,7 @@ def test_a_full_pool_makes_a_sequence_wait_for_room(tokenizer, tmp_path: Path) -
     pool = cpu_kv_pool(model)
     slot = pool.bytes_for(1, 64)  # every sequence here fits one 64-token granule
     pool.meter.budget_bytes = 2 * slot
-    scheduler = BatchScheduler(as_loaded_model(model, tokenizer), SummarizeConfig(**PLAIN), "auto", 4, BIG, _is_memory_error)
-    try:
-        got = [g.tokens for g in run_batch(scheduler, model, ["dynamic"] * 4, tmp_path, prompts, new, kv_pool=pool)]
-    finally:
-        scheduler.close()
-    assert got == [tokens_alone(model, p, n) for p, n in zip(prompts, new)]
+    scheduler = _four_dynamic_rows_match_generate(model, tokenizer, tmp_path, prompts, new, pool)
     assert pool.most_rows == 2 and scheduler.max_sequences == 2 and scheduler.splits == 0
     assert pool.meter.peak <= 2 * slot and pool.meter.total == 0
 
@@ -127,12 +135,7 @@ def test_a_planned_pool_is_allocated_once_for_its_batch(planned: tuple[int, int]
     meter = ResidentMeter(None, "the batch's resident device", "cache.device_kv_budget_bytes")
     pool = _CountedPool.for_model(model.config, torch.float32, torch.device("cpu"), meter, planned)
     meter.budget_bytes = pool.bytes_for(4, 64)
-    scheduler = BatchScheduler(as_loaded_model(model, tokenizer), SummarizeConfig(**PLAIN), "auto", 4, BIG, _is_memory_error)
-    try:
-        got = [g.tokens for g in run_batch(scheduler, model, ["dynamic"] * 4, tmp_path, prompts, new, kv_pool=pool)]
-    finally:
-        scheduler.close()
-    assert got == [tokens_alone(model, p, n) for p, n in zip(prompts, new)]
+    _four_dynamic_rows_match_generate(model, tokenizer, tmp_path, prompts, new, pool)
     assert pool.most_rows == 4 and pool.meter.total == 0  # the four rows stepped together
     if planned is None:
         assert len(pool.allocations) > 1

@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import weakref
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -202,17 +203,23 @@ def test_a_steps_copies_and_reads_do_not_grow_with_its_rows(tier: str, tmp_path:
         assert all(counter.ops["_foreach_copy_"] == 0 for counter in on_io[1:])
 
 
+def _buffers_each_step(model, caches: list, tokens: list[int], buffers: Callable[[], list]) -> list[list]:
+    """`buffers()` (the addresses of the buffers under test) after each of STEPS decode steps of the rows."""
+    seen = []
+    for step in range(STEPS):
+        tokens = decode_step(model, tokens, [n + step for n in LENGTHS], caches).argmax(dim=-1).tolist()
+        seen.append(buffers())
+    return seen
+
+
 def test_the_staging_buffers_are_kept_across_steps_and_go_with_the_last_row(tmp_path: Path) -> None:
     """Every batched step of the rows attends over the same two staging buffers (allocated once, not
     per step: the longest row stays within their room), which every row holds and which are freed
     once the last of those rows is closed."""
     model = tiny_model("llama-gqa")
     caches, tokens = _prefilled(model, "host", tmp_path, batched=True)
-    buffers = []
     try:
-        for step in range(STEPS):
-            tokens = decode_step(model, tokens, [n + step for n in LENGTHS], caches).argmax(dim=-1).tolist()
-            buffers.append([buffer.data_ptr() for buffer in caches[0].staging.buffers])
+        buffers = _buffers_each_step(model, caches, tokens, lambda: [b.data_ptr() for b in caches[0].staging.buffers])
         staging = weakref.ref(caches[0].staging)
         assert all(cache.staging is staging() for cache in caches)
         assert all(cache.most_batched_rows == len(LENGTHS) for cache in caches)  # the batched step ran
@@ -229,11 +236,9 @@ def test_a_rows_own_reads_go_into_the_same_two_buffers_every_step(tmp_path: Path
     buffers in turn, the same two at every step: the device allocates nothing per read."""
     model = tiny_model("llama-gqa")
     caches, tokens = _prefilled(model, "host", tmp_path, batched=False)
-    buffers = []
     try:
-        for step in range(STEPS):
-            tokens = decode_step(model, tokens, [n + step for n in LENGTHS], caches).argmax(dim=-1).tolist()
-            buffers.append([[buffer.data_ptr() for buffer in cache.shared.reads.buffers] for cache in caches])
+        buffers = _buffers_each_step(model, caches, tokens, lambda: [[b.data_ptr() for b in cache.shared.reads.buffers]
+                                                                      for cache in caches])
         reads = [cache.shared.traffic.host_to_device for cache in caches]
     finally:
         for cache in caches:
