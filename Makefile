@@ -28,9 +28,10 @@ demo: venv
 
 # in parallel processes (pytest-xdist; tests/README.md): most tests wait on Ray, subprocesses and timeouts,
 # so 3 processes gain even on 2 cores; a file stays on one process, so its module fixtures run once
-# (loadfile: xdist 3.8's loadgroup marks are lost under pytest 9, whose node ids xdist cannot suffix)
+# (loadfile: xdist 3.8's loadgroup marks are lost under pytest 9, whose node ids xdist cannot suffix);
+# files go out in collection order, which tests/conftest.py starts with the longest (not by test count)
 PYTEST_JOBS ?= 3
-PARALLEL := -n $(PYTEST_JOBS) --dist loadfile
+PARALLEL := -n $(PYTEST_JOBS) --dist loadfile --no-loadscope-reorder
 
 test: venv
 	$(PY) -m pytest -q $(PARALLEL)
