@@ -196,6 +196,13 @@ class Location:
         if self.is_local:
             Path(self.path).mkdir(parents=True, exist_ok=True)
 
+    def touch(self) -> None:
+        """An empty file here: a marker, with no bytes to tear, so neither a temp name nor an fsync."""
+        self.parent.makedirs()
+        with self._user_errors():
+            with self.fs.open_output_stream(self.path):
+                pass
+
     def delete(self) -> None:
         """Remove the file if it is there."""
         try:

@@ -8,7 +8,8 @@ folder back and reuses every pass whose key matches what it is about to run. A p
 everything that decides its tokens, so reusing one never changes a summary. The folder goes once
 the document's result has been published; a crash in between leaves it for the next run's sweep.
 Two workers sharing a long document's passes (batch.spread_passes) meet here too: each looks again
-before it starts a pass, and skips one the other has kept.
+before it starts a pass, and skips one the other has kept; the document's own worker also leaves an
+empty `started-<key>` marker as it starts a pass, which the helping worker leaves to it.
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ import pyarrow as pa
 
 from jobs.schema import PASS_SCHEMA
 from storage.location import Location, Where
-from storage.parts import read_parts, write_part
+from storage.parts import PART_PREFIX, PART_SUFFIX, read_parts, write_part
 
 PASSES_DIR = "passes"
+STARTED_PREFIX = "started-"
 
 
 def _task_folder(job_dir: Where, task_id: str) -> Location:
@@ -40,9 +42,17 @@ def read_passes(job_dir: Where, task_id: str) -> dict[str, dict[str, Any]]:
     return {row["key"]: row for row in table.to_pylist()}
 
 
-def pass_parts(job_dir: Where, task_id: str) -> frozenset[str]:
-    """The names of the task's parts now: a cheap way to tell that another worker kept a pass since."""
-    return frozenset(part.name for part in _task_folder(job_dir, task_id).files())
+def pass_folder(job_dir: Where, task_id: str) -> tuple[frozenset[str], frozenset[str]]:
+    """From one listing: the names of the task's parts (a cheap way to tell that another worker kept a
+    pass since) and the keys of the passes marked started."""
+    names = [f.name for f in _task_folder(job_dir, task_id).files()]
+    return (frozenset(n for n in names if n.startswith(PART_PREFIX) and n.endswith(PART_SUFFIX)),
+            frozenset(n.removeprefix(STARTED_PREFIX) for n in names if n.startswith(STARTED_PREFIX)))
+
+
+def mark_started(job_dir: Where, task_id: str, key: str) -> None:
+    """Say that pass `key` of the task has begun, so a helping worker leaves it to the one that began it."""
+    (_task_folder(job_dir, task_id) / f"{STARTED_PREFIX}{key}").touch()
 
 
 def tasks_with_passes(job_dir: Where) -> list[str]:

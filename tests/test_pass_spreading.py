@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -14,7 +16,7 @@ import pytest
 from jobs.config import load_config
 from runner.engine.pass_book import PassBook
 from runner.engine.probes import StageMemory
-from runner.engine.rung_attempt import RungAttempt
+from runner.engine.rung_attempt import OWNER_POLL_S, RungAttempt
 from runner.engine.scheduler import PassAbandoned, TaskClock
 from runner.engine.worker import SummaryWorker
 from tests.helpers.cli import TINY_CONFIG, export_rows, kvbatch, write_jsonl
@@ -73,8 +75,11 @@ def worker(tmp_path_factory) -> SummaryWorker:
     worker.scheduler.close()
 
 
-def _attempt(worker: SummaryWorker, job: Path, helping: threading.Event | None = None) -> RungAttempt:
-    book = PassBook(str(job), "t00000001", "doc", 1024, worker.fingerprint, worker.summarizer.decode, "w")
+def _book(worker: SummaryWorker, job: Path) -> PassBook:
+    return PassBook(str(job), "t00000001", "doc", 1024, worker.fingerprint, worker.summarizer.decode, "w")
+
+
+def _attempt(worker: SummaryWorker, book: PassBook, helping: threading.Event | None = None) -> RungAttempt:
     return RungAttempt("dynamic", worker.cache_kit, worker.scheduler, StageMemory(), TaskClock(), None, "doc",
                        fault=None, passes=book, shared=True, helping=helping)
 
@@ -86,9 +91,9 @@ def _chunks(worker: SummaryWorker, count: int) -> list[list[int]]:
 
 def test_the_owner_takes_each_pass_the_helper_kept_unrun_and_the_helper_leaves_the_last_one(worker, tmp_path):
     prompts = _chunks(worker, 4)
-    plain = _attempt(worker, tmp_path / "plain")(prompts, 8)
-    owner = _attempt(worker, tmp_path / "job")  # opened before the helper keeps anything
-    helper = _attempt(worker, tmp_path / "job", helping=threading.Event())
+    plain = _attempt(worker, _book(worker, tmp_path / "plain"))(prompts, 8)
+    owner = _attempt(worker, _book(worker, tmp_path / "job"))  # opened before the helper keeps anything
+    helper = _attempt(worker, _book(worker, tmp_path / "job"), helping=threading.Event())
     helped = helper(prompts, 8)
     steps = worker.scheduler.plan.decode_steps
     taken = owner(prompts, 8)
@@ -100,15 +105,35 @@ def test_the_owner_takes_each_pass_the_helper_kept_unrun_and_the_helper_leaves_t
         helper(prompts[:1], 8)
 
 
+def test_the_helper_leaves_a_pass_the_owner_started_to_the_owner_and_takes_its_tokens(worker, tmp_path):
+    prompts = _chunks(worker, 4)
+    plain = _attempt(worker, _book(worker, tmp_path / "plain"))(prompts, 8)
+    owner, helper_book = _book(worker, tmp_path / "job"), _book(worker, tmp_path / "job")
+    for ids in prompts[:2]:  # the owner has begun the first two
+        owner.mark_started(ids, 8)
+    with ThreadPoolExecutor(1) as pool:
+        helped = pool.submit(_attempt(worker, helper_book, helping=threading.Event()), prompts, 8)
+        # the moment under test: the helper runs the two the owner had not begun, and waits for the others
+        while helper_book.kept < 2:
+            time.sleep(0.01)
+        time.sleep(3 * OWNER_POLL_S)
+        assert not helped.done() and helper_book.kept == 2
+        for ids, generation in zip(prompts[:2], plain[:2]):  # the owner finishes its two
+            owner.keep(0, 0, ids, 8, generation)
+        got = helped.result(timeout=30)
+    assert [g.tokens for g in got] == [g.tokens for g in plain]
+    assert [g.reused for g in got] == [True, True, False, False] and helper_book.kept == 2
+
+
 def test_a_help_no_longer_needed_ends_its_passes_waiting_ones_unstarted_running_ones_at_their_next_step(
         worker, tmp_path):
     ended = threading.Event()
-    helper = _attempt(worker, tmp_path / "job", helping=ended)
+    helper = _attempt(worker, _book(worker, tmp_path / "job"), helping=ended)
     started = worker.scheduler.plan.decode_steps
 
     def end_after_three_steps() -> None:
         while worker.scheduler.plan.decode_steps < started + 3:
-            threading.Event().wait(0.005)
+            time.sleep(0.005)
         ended.set()
 
     threading.Thread(target=end_after_three_steps, daemon=True).start()

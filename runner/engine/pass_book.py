@@ -23,7 +23,7 @@ from typing import Any
 from jobs.config import JobConfig
 from jobs.stopping import StopReason
 from runner.engine.generation import Generation
-from storage.passes import pass_parts, read_passes, write_pass
+from storage.passes import mark_started, pass_folder, read_passes, write_pass
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +54,8 @@ class PassBook:
         self._worker = worker
         self._lock = threading.Lock()  # the task's thread finds and keeps; the scheduler's finds afresh
         self._parts: frozenset[str] = frozenset()
+        self._started: frozenset[str] = frozenset()  # keys marked started, as of the last listing
+        self._marked: set[str] = set()  # keys this book marked started
         self._known = self._read() if job_dir else {}
         self.kept = 0  # passes this book published
 
@@ -64,7 +66,7 @@ class PassBook:
 
     def _read(self) -> dict[str, dict[str, Any]]:
         try:
-            self._parts = pass_parts(self._job_dir, self._task_id)
+            self._parts, self._started = pass_folder(self._job_dir, self._task_id)
             known = read_passes(self._job_dir, self._task_id)
         except OSError as e:  # the passes only save time: without them every pass runs
             logger.warning("passes of %s unreadable, running them all: %s", self._doc_id, e)
@@ -74,10 +76,10 @@ class PassBook:
     def _look_again(self) -> None:
         """Read the parts again when the folder has changed since (one listing when it has not)."""
         try:
-            changed = pass_parts(self._job_dir, self._task_id) != self._parts
+            parts, self._started = pass_folder(self._job_dir, self._task_id)
         except OSError:
             return
-        if changed:
+        if parts != self._parts:
             self._known.update(self._read())
 
     def key(self, prompt_ids: list[int], max_new_tokens: int) -> str:
@@ -97,6 +99,25 @@ class PassBook:
             return None
         return Generation(tokens=list(row["tokens"]), input_tokens=len(prompt_ids), ttft_s=0.0, decode_s=0.0,
                           stop_reason=StopReason(row["stop_reason"]), reused=True)
+
+    def started_elsewhere(self, prompt_ids: list[int], max_new_tokens: int) -> bool:
+        """Whether another worker marked the pass started, as of the last look (`find(..., fresh=True)`)."""
+        key = self.key(prompt_ids, max_new_tokens)
+        with self._lock:
+            return key in self._started and key not in self._marked
+
+    def mark_started(self, prompt_ids: list[int], max_new_tokens: int) -> None:
+        """Say the pass begins here, so a worker helping with the task leaves it to this one."""
+        if self._job_dir is None:
+            return
+        key = self.key(prompt_ids, max_new_tokens)
+        try:
+            mark_started(self._job_dir, self._task_id, key)
+        except OSError as e:  # the helper may run it too: time, not tokens
+            logger.warning("pass of %s not marked started: %s", self._doc_id, e)
+            return
+        with self._lock:
+            self._marked.add(key)
 
     def keep(self, level: int, index: int, prompt_ids: list[int], max_new_tokens: int, generation: Generation) -> None:
         """Publish a pass that just ended; a failed write only means it runs again if it is needed again."""

@@ -8,8 +8,10 @@ writes into a scratch dir that is going away). A pass that an earlier attempt fi
 the task's `PassBook` instead of being run; every pass that ends is kept there the moment it ends.
 When two workers share a long document (batch.spread_passes) each pass of a level with several
 looks at the book again just before it starts, and ends with the other worker's generation if that
-one kept it meanwhile; the helping attempt hands its passes over from the last, and gives up once a
-level has a single pass or the task it helps has ended. A fault a test injected for this task and
+one kept it meanwhile; the owner marks each such pass started as it starts it, and the helping
+attempt, which hands its passes over from the last, leaves a started one to the owner (its tokens
+are the owner's once kept), and gives up once a level has a single pass or the task it helps has
+ended. A fault a test injected for this task and
 rung strikes after the passes, mid-task, with the scratch dir in place.
 """
 
@@ -74,6 +76,14 @@ class CacheTotals:
         return self._raw / self._stored if self._stored else None
 
 
+#: How often a helper looks for a pass the owner started and has not kept yet.
+OWNER_POLL_S = 0.2
+
+
+class StartedElsewhere(Exception):
+    """A helper's pass that the task's own worker has started: the helper takes the owner's tokens."""
+
+
 class RungAttempt:
     """One task's passes on one rung, and their cache totals."""
 
@@ -118,7 +128,10 @@ class RungAttempt:
             if not generation.reused:  # not one the other worker kept
                 self._passes.keep(level, to_run[k], prompts[to_run[k]], max_new_tokens, generation)
 
-        for i, generation in zip(to_run, self._results(futures, keep)):
+        def owners(k: int) -> Generation:
+            return self._owners_pass(prompts[to_run[k]], max_new_tokens)
+
+        for i, generation in zip(to_run, self._results(futures, keep, owners)):
             generations[i] = generation
         self._strike_injected_fault()
         return generations
@@ -133,19 +146,36 @@ class RungAttempt:
                            abandoned=self._helping)
 
     def _look_again(self, prompt_ids: list[int], max_new_tokens: int) -> Generation | None:
-        """Just before a shared pass starts: the other worker's generation of it, if it kept one."""
+        """Just before a shared pass starts: the other worker's generation of it, if it kept one. The
+        owner then marks the pass started; a helper leaves a pass the owner has started to it."""
         if self._helping is not None and self._helping.is_set():
             raise PassAbandoned("no longer needed: the task it helped has ended")
-        return self._passes.find(prompt_ids, max_new_tokens, fresh=True)
+        found = self._passes.find(prompt_ids, max_new_tokens, fresh=True)
+        if found is not None:
+            return found
+        if self._helping is None:
+            self._passes.mark_started(prompt_ids, max_new_tokens)
+        elif self._passes.started_elsewhere(prompt_ids, max_new_tokens):
+            raise StartedElsewhere()
+        return None
+
+    def _owners_pass(self, prompt_ids: list[int], max_new_tokens: int) -> Generation:
+        """A pass the owner started, once it keeps it; the help ends first if the owner's attempt does."""
+        while not self._helping.wait(OWNER_POLL_S):
+            found = self._passes.find(prompt_ids, max_new_tokens, fresh=True)
+            if found is not None:
+                return found
+        raise PassAbandoned("no longer needed: the task it helped has ended")
 
     def _pass_dir(self) -> Path | None:
         """Each pass's own folder in the scratch dir, numbered in the order the passes are handed over."""
         number = next(self._pass_numbers)
         return self._offload_dir / f"pass-{number}" if self._offload_dir else None
 
-    def _results(self, futures: list[Future[PassResult]], keep: Callable[[int, Generation], None]) -> list[Generation]:
-        """Every pass's generation once all have ended, each kept as it ends; the first pass's error,
-        if any, is raised then."""
+    def _results(self, futures: list[Future[PassResult]], keep: Callable[[int, Generation], None],
+                 owners: Callable[[int], Generation]) -> list[Generation]:
+        """Every pass's generation once all have ended, each kept as it ends (a helper's pass that the
+        owner started: the owner's, from `owners`); the first pass's error, if any, is raised then."""
         index = {future: k for k, future in enumerate(futures)}
         generations: dict[int, Generation] = {}
         errors: dict[int, Exception] = {}
@@ -158,6 +188,9 @@ class RungAttempt:
             self.totals.add(result.cache_stats)
             generations[index[future]] = result.generation
             keep(index[future], result.generation)
+        if errors and all(isinstance(e, StartedElsewhere) for e in errors.values()):  # the owner's complete the level
+            generations.update((k, owners(k)) for k in errors)
+            errors.clear()
         if errors:
             raise errors[min(errors)]
         return [generations[k] for k in range(len(futures))]
