@@ -41,13 +41,13 @@ def test_a_task_that_hangs_once_it_runs_still_times_out(tmp_path: Path, ray_addr
     job = tmp_path / "job"
     faults = [{"doc": "park", "fault": "hang"}]
     kvbatch("submit", str(_manifest(tmp_path, ["budget", "park"])), "-c", str(TINY_CONFIG), "-j", str(job),
-            "--address", ray_address, *ONE_AT_A_TIME, "--set", "retry.max_attempts=1",
+            "--address", ray_address, *ONE_AT_A_TIME, "--set", "retry.max_attempts=2",
             "--set", "summarize.min_context_tokens=1024",  # no shorter context to fall back to
             env={"KVBATCH_FAULTS": json.dumps(faults)}, check=3, timeout=120)
     rows = {r["doc_id"]: r for r in export_rows(job)}
     assert rows["park"]["status"] == "failed" and rows["park"]["error_type"] == "TimeoutError", rows["park"]
     assert f"retry.task_timeout_s={TIMEOUT_S}s" in rows["park"]["error"]
-    # the hung worker's restart sends park again, and that call reads back the pass kept before the
-    # hang, so no sequence of it ever runs: its timeout still runs from when it began
-    assert rows["park"]["attempts"] == 2, rows["park"]
+    # a later attempt reads back the pass kept before the first hang, so no sequence of it ever runs:
+    # its timeout still runs from when it began (a third one when the first loss was shared with budget)
+    assert rows["park"]["attempts"] >= 2, rows["park"]
     assert rows["budget"]["status"] == "done"
