@@ -10,7 +10,7 @@ table gives each mode's batch phase (last worker ready -> batch end, from job.lo
 means, how many passes of the long document the helper ran and how many the owner took unrun, and
 whether the summaries are the same as today's (they must be, token for token).
 
-Run: python bench/pass_spreading.py [--model builtin:smollm2-135m] [--rounds 2]
+Run: python bench/pass_spreading.py [--model builtin:smollm2-135m] [--rounds 2] [--max-sequences auto]
 """
 
 from __future__ import annotations
@@ -33,9 +33,10 @@ def _manifest(folder: Path) -> Path:
     return write_manifest(folder / "mix.jsonl", documents)
 
 
-def _run(manifest: Path, job: Path, model: str, spread: bool, address: str) -> JobRun:
+def _run(manifest: Path, job: Path, model: str, spread: bool, address: str, sequences: str) -> JobRun:
     settings = [f"model.name={model}", "workers.count=2", "workers.cpus_per_worker=1", "summarize.max_new_tokens=64",
-                "summarize.context_tokens=1024", f"batch.spread_passes={str(spread).lower()}"]
+                "summarize.context_tokens=1024", f"batch.max_sequences={sequences}",
+                f"batch.spread_passes={str(spread).lower()}"]
     return submit(manifest, REPO / "configs" / "default.yaml", job, settings, address)
 
 
@@ -50,6 +51,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="builtin:smollm2-135m")
     parser.add_argument("--rounds", type=int, default=2, help="runs of each mode, alternating")
+    parser.add_argument("--max-sequences", default="auto", help="batch.max_sequences of both workers")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="kvbench-spread-") as tmp, local_ray(cpus=2) as address:
         folder = Path(tmp)
@@ -58,12 +60,12 @@ def main() -> None:
         for round_ in range(args.rounds):
             for spread in (False, True):
                 job = folder / f"{'spread' if spread else 'today'}-{round_}"
-                runs[spread].append(_run(manifest, job, args.model, spread, address))
+                runs[spread].append(_run(manifest, job, args.model, spread, address, args.max_sequences))
     today, spread = runs[False], runs[True]
     long_row = next(r for r in today[0].rows if r["doc_id"] == LONG.lower())
     same = all(run.summaries == today[0].summaries for run in today + spread)
     mean = {mode: statistics.mean(run.batch_s for run in mode_runs) for mode, mode_runs in runs.items()}
-    print(f"{args.model}, 2 workers: {LONG} ({long_row['chunks']} chunks, {long_row['passes']} passes) "
+    print(f"{args.model}, 2 workers, batch.max_sequences={args.max_sequences}: {LONG} ({long_row['chunks']} chunks, {long_row['passes']} passes) "
           f"+ {len(SHORT)} short documents; {args.rounds} runs of each mode, alternating")
     print()
     print("| mode | batch phase s (each run) | mean s | long doc's passes: run by the helper / taken unrun |")
