@@ -242,19 +242,23 @@ class WorkerPool:
     def _call(self, worker: Worker, alone: bool, send: Callable[[str], Any]) -> Any:
         """What `send(call_id)`'s call returns, once the worker can take it (see `run`)."""
         slot = self._slots[worker]
-        # a call must reach a live incarnation: one sent while Ray restarts the worker fails at once
-        if slot.down and not self.await_restart(worker, lambda: self._killed):
-            raise WorkerLost("WorkerDied", f"{slot.name} did not come back within {WORKER_RESTART_TIMEOUT_S:.0f} s",
-                             shared=True, first_to_see=False)
-        with self._lock:
-            while slot.exclusive or (alone and slot.in_flight > 0):
-                if self._killed:
-                    raise PoolStopped()
-                self._lock.wait(0.2)
-            slot.in_flight += 1
-            slot.exclusive = alone
-            shared = slot.in_flight > 1
-            losses_before = slot.losses
+        while True:
+            # a call must reach a live incarnation: one sent while Ray restarts the worker fails at once
+            if slot.down and not self.await_restart(worker, lambda: self._killed):
+                raise WorkerLost("WorkerDied", f"{slot.name} did not come back within {WORKER_RESTART_TIMEOUT_S:.0f} s",
+                                 shared=True, first_to_see=False)
+            with self._lock:
+                while slot.exclusive or (alone and slot.in_flight > 0):
+                    if self._killed:
+                        raise PoolStopped()
+                    self._lock.wait(0.2)
+                if slot.down:  # lost while this call waited for its turn: wait for the restart again
+                    continue
+                slot.in_flight += 1
+                slot.exclusive = alone
+                shared = slot.in_flight > 1
+                losses_before = slot.losses
+                break
         call_id = uuid.uuid4().hex
         ref = send(call_id)
         try:

@@ -59,3 +59,46 @@ def test_the_interrupted_batch_waits_for_its_killed_workers_before_the_last_swee
 
     assert sorted(str(s.path) for s in swept) == sorted(folder for folder, _ in held), [s.reason for s in swept]
     assert sorted(p.name for p in root.iterdir()) == [ROOT_MARKER]
+
+
+def test_a_call_waiting_to_run_alone_reaches_the_worker_that_replaces_the_one_lost_before_it(ray_address, tmp_path):
+    """Two tasks that must run alone on one worker: the first hangs and its worker is killed and
+    restarted. The second, which waited behind it, runs on the new process; it is not sent to the
+    restarting one, whose loss would be charged to it (a batch-mate of a crashing document failed so)."""
+    import threading
+    import time
+
+    from jobs.documents import text_sha256
+    from jobs.faults import FaultRule
+    from jobs.task import Task
+    from runner.pool import WorkerLost
+
+    def task(doc_id: str) -> Task:
+        text = "A short memo about the license of this package. " * 4
+        return Task(f"t-{doc_id}", doc_id, "text", text, len(text), len(text), text_sha256(text), {}, {})
+
+    config = load_config(TINY_CONFIG, ["workers.count=1", "retry.task_timeout_s=6"])
+    pool = WorkerPool(config, "job", tmp_path / "kv", [FaultRule(doc="hangs", fault="hang")])
+    try:
+        [info] = pool.start(1, give_up=lambda: False)
+        worker = pool.workers[0]
+        ended: dict[str, float] = {}
+
+        def hanging() -> None:
+            try:
+                pool.run(worker, task("hangs"), 1, 1024, alone=True)
+            except WorkerLost:
+                ended["hangs"] = time.monotonic()
+
+        first = threading.Thread(target=hanging)
+        first.start()
+        time.sleep(2.0)  # the first call is in the worker, hanging: the second must wait for it
+        assert first.is_alive()
+        sent = time.monotonic()
+        outcome = pool.run(worker, task("waits"), 1, 1024, alone=True)
+        first.join()
+    finally:
+        pool.kill_all()
+    assert sent < ended["hangs"], "the second call did not wait behind the first: nothing was tested"
+    assert outcome["status"] == "done", outcome
+    assert outcome["worker"] != info["worker"], "it ran on the process that hung"
