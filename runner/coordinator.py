@@ -517,6 +517,10 @@ class Coordinator:
             return self._not_started(e)
         for info in infos:
             self.log.info("worker_ready", **info)
+            if info["passes_not_kept"] and self.pool.job_host is None:  # a local folder is unseen elsewhere by design
+                self.log.warning("passes_not_kept", worker=info["worker"], reason=info["passes_not_kept"],
+                                 hint="a kill or retry redoes this worker's finished passes of long documents: "
+                                      "give the workers the job folder's storage settings")
         if 0 < len(infos) < count:
             self.log.warning("workers_not_started", started=len(infos), wanted=count,
                              hint=f"the rest did not start within workers.start_timeout_s="

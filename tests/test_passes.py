@@ -136,3 +136,46 @@ def test_a_pass_is_found_by_what_it_was_given_whatever_the_context_and_lost_with
     # where the KV lives, the context and the prefill chunking do not decide tokens: same fingerprint
     assert settings_fingerprint(JobConfig(cache={"strategy": "tiered-disk"}, summarize={"context_tokens": 2048}),
                                 "cpu", "torch.float32") == fingerprint
+
+
+@pytest.fixture
+def unreachable_bucket(monkeypatch) -> str:
+    """An s3:// job folder whose endpoint nobody listens on: each call to it fails after the SDK's retries."""
+    from tests.helpers.system import BUCKET, free_port
+
+    for key, value in {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}", "AWS_ACCESS_KEY_ID": "testing",
+                       "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+                       "AWS_EC2_METADATA_DISABLED": "true"}.items():
+        monkeypatch.setenv(key, value)
+    return f"s3://{BUCKET}/jobs/unseen"
+
+
+def test_a_book_whose_job_folder_fails_stops_trying_it_for_the_rest_of_the_attempt(unreachable_bucket, caplog):
+    """Each call to an unreachable store costs seconds on the scheduler's thread; a book that tried once
+    runs its passes unkept (they only save time) instead of paying that at every pass."""
+    fingerprint = settings_fingerprint(JobConfig(), "cpu", "torch.float32")
+    with caplog.at_level("WARNING", logger="runner.engine.pass_book"):
+        unseen = book(unreachable_bucket, fingerprint)
+        for index in range(3):
+            assert unseen.find([1, 2, index], 16, fresh=True) is None
+            unseen.mark_started([1, 2, index], 16)
+            unseen.keep(0, index, [1, 2, index], 16, generation([7]))
+    [warning] = [r.getMessage() for r in caplog.records]
+    assert "cannot reach the storage endpoint" in warning and "not kept" in warning, warning
+    assert unseen.kept == 0
+
+
+def test_a_worker_that_cannot_reach_the_job_folder_says_so_and_keeps_no_passes(unreachable_bucket, tmp_path):
+    from jobs.config import load_config
+    from runner.engine.worker import SummaryWorker
+
+    config = load_config(TINY_CONFIG).model_dump(mode="json")
+    worker = SummaryWorker(config, "job", str(tmp_path / "kv"), threads=1, job_dir=unreachable_bucket)
+    try:
+        info = worker.info()
+    finally:
+        worker.scheduler.close()
+    assert "cannot reach the storage endpoint" in info["passes_not_kept"], info
+    seen = SummaryWorker(config, "job", str(tmp_path / "kv"), threads=1, job_dir=str(tmp_path / "job"))
+    seen.scheduler.close()
+    assert seen.info()["passes_not_kept"] is None

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -23,7 +24,7 @@ from typing import Any
 from jobs.config import JobConfig
 from jobs.stopping import StopReason
 from runner.engine.generation import Generation
-from storage.passes import mark_started, pass_folder, read_passes, write_pass
+from storage.passes import mark_started, pass_folder, read_passes, tasks_with_passes, write_pass
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +40,21 @@ def settings_fingerprint(config: JobConfig, device_type: str, dtype: str) -> str
     decisive = {"model": config.model.model_dump(mode="json"), "device": device_type, "dtype": dtype,
                 "summarize": summarize}
     return hashlib.sha256(json.dumps(decisive, sort_keys=True).encode()).hexdigest()
+
+
+def job_folder_seen(job_dir: str | None, job_host: str | None) -> tuple[str | None, str | None]:
+    """The job folder this process keeps passes in, or None and why not. A local folder (`job_host`
+    set) is seen on its host only; a store that fails one listing now (an endpoint or credentials
+    the worker lacks) is not tried again at every pass."""
+    if job_dir is None:
+        return None, "no job folder: an engine run outside a job"
+    if job_host not in (None, socket.gethostname()):
+        return None, f"the job folder is local to host {job_host}"
+    try:
+        tasks_with_passes(job_dir)
+    except OSError as e:
+        return None, str(e)
+    return job_dir, None
 
 
 class PassBook:
@@ -68,8 +84,8 @@ class PassBook:
         try:
             self._parts, self._started = pass_folder(self._job_dir, self._task_id)
             known = read_passes(self._job_dir, self._task_id)
-        except OSError as e:  # the passes only save time: without them every pass runs
-            logger.warning("passes of %s unreadable, running them all: %s", self._doc_id, e)
+        except OSError as e:
+            self._give_up(e)
             return {}
         return {key: row for key, row in known.items() if row["fingerprint"] == self._fingerprint}
 
@@ -77,10 +93,17 @@ class PassBook:
         """Read the parts again when the folder has changed since (one listing when it has not)."""
         try:
             parts, self._started = pass_folder(self._job_dir, self._task_id)
-        except OSError:
+        except OSError as e:
+            self._give_up(e)
             return
         if parts != self._parts:
             self._known.update(self._read())
+
+    def _give_up(self, error: OSError) -> None:
+        """The job folder failed: the rest of this attempt keeps and finds nothing. Passes only save
+        time, and a store that does not answer costs seconds a call (on the scheduler's thread)."""
+        logger.warning("passes of %s not kept from here on, the job folder failed: %s", self._doc_id, error)
+        self._job_dir = None
 
     def key(self, prompt_ids: list[int], max_new_tokens: int) -> str:
         digest = hashlib.sha256(self._fingerprint.encode())
@@ -114,7 +137,7 @@ class PassBook:
         try:
             mark_started(self._job_dir, self._task_id, key)
         except OSError as e:  # the helper may run it too: time, not tokens
-            logger.warning("pass of %s not marked started: %s", self._doc_id, e)
+            self._give_up(e)
             return
         with self._lock:
             self._marked.add(key)
@@ -132,7 +155,7 @@ class PassBook:
         try:
             part = write_pass(self._job_dir, row)
         except OSError as e:
-            logger.warning("pass %d.%d of %s not kept: %s", level, index, self._doc_id, e)
+            self._give_up(e)
             return
         with self._lock:
             self._known[key] = row  # another rung of this attempt finds it too

@@ -41,7 +41,7 @@ from runner.engine.cache_recipe import CacheKit
 from runner.engine.kvcache import ResidentMeter, kv_shape, ram_left_by_weights, resolve_budgets
 from runner.engine.kvcache.pool import KVPool
 from runner.engine.model_loader import load_model
-from runner.engine.pass_book import PassBook, settings_fingerprint
+from runner.engine.pass_book import PassBook, job_folder_seen, settings_fingerprint
 from runner.engine.probes import StageMemory, memory_snapshot
 from runner.engine.rung_attempt import CacheTotals, RungAttempt
 from runner.engine.scheduler import BatchScheduler, PassAbandoned, TaskClock
@@ -152,7 +152,7 @@ class SummaryWorker:
         self.ram_left = ram_left_by_weights(self.ram_before_load, self.loaded.weight_bytes,
                                             psutil.virtual_memory().available)
         self.summarizer = Summarizer(self.loaded, self.cfg.summarize.chunk_overlap_tokens)
-        self.job_dir = job_dir if job_host in (None, socket.gethostname()) else None
+        self.job_dir, self.passes_not_kept = job_folder_seen(job_dir, job_host)
         self.fingerprint = settings_fingerprint(self.cfg, self.loaded.device.type, str(self.loaded.dtype))
         self.kv_shape = kv_shape(self.loaded.model.config, self.loaded.dtype)
         self.node_workers = max(1, node_workers)
@@ -202,6 +202,7 @@ class SummaryWorker:
             "device_kv_budget_bytes": self.device_budget,
             "host_kv_budget_bytes": self.host_budget,
             "attention": self.attention,
+            "passes_not_kept": self.passes_not_kept,
         }
 
     def running_s(self, call_id: str) -> float | None:
@@ -218,7 +219,7 @@ class SummaryWorker:
         whether this worker sees the job folder at all (if not, it can help nobody)."""
         request = self._request(Task(**task_data), HELP_ATTEMPT, context_tokens)
         if self.job_dir is None:
-            return {"passes_run": 0, "sees_job": False, "ended": "the job folder is not seen from this host"}
+            return {"passes_run": 0, "sees_job": False, "ended": self.passes_not_kept}
         with self._help_lock:
             ended = self._help_ends.setdefault(help_id, threading.Event())
         passes = self._pass_book(request)
