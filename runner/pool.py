@@ -31,6 +31,7 @@ from jobs.node_share import workers_per_node, workers_that_fit
 from jobs.outcome import TaskOutcome
 from jobs.task import Task
 from runner.cluster import kill_and_wait
+from runner.worker_actor import WorkerActor
 
 #: How long a restarted worker may take to come back (process start + model load), not task time.
 WORKER_RESTART_TIMEOUT_S = 300.0
@@ -159,12 +160,10 @@ class WorkerPool:
         every worker would fail alike), `PoolStopped` once `give_up()` says so, and `WorkersNotStarted`
         when none is up within `workers.start_timeout_s`; those up by then run the batch without the rest.
         """
-        from runner.engine.worker import SummaryWorker  # torch and the model stack: not for submit's checks
-
         gpus = gpus_per_worker(self.cfg, cluster_nodes())
         # SPREAD: one worker per node before any node gets a second, so a lost node costs the fewest;
         # max_concurrency: each task in flight runs in an actor thread of its own
-        remote_cls = ray.remote(concurrency_groups={PROBE_GROUP: 1})(SummaryWorker).options(
+        remote_cls = ray.remote(concurrency_groups={PROBE_GROUP: 1})(WorkerActor).options(
             num_cpus=self.cfg.workers.cpus_per_worker, num_gpus=gpus,
             max_restarts=-1, max_task_retries=0, scheduling_strategy="SPREAD",
             max_concurrency=self.cfg.batch.sequences,

@@ -128,15 +128,16 @@ def check_context(config: JobConfig) -> None:
 
 
 def check_model(config: JobConfig) -> None:
-    """`model.name` names a model a worker can load; `model.device` is a device name."""
-    import torch
-
+    """`model.name` names a model a worker can load; `model.device` is a device name (torch is imported
+    for that alone: seconds of a submit's start-up, before any worker starts)."""
     try:
         check_model_name(config.model.name)
     except ModelLoadError as e:
         raise ConfigError(f"model.name: {e}") from None
     spec = config.model.device
     if spec != "auto":
+        import torch
+
         try:
             torch.device(spec)
         except (RuntimeError, ValueError):
