@@ -72,6 +72,11 @@ def _create_job(uri: str, tmp_path, names: list[str], *overrides: str) -> None:
     create_job(JobDir(uri), info, tasks_to_table(tasks), pa.Table.from_pylist([], schema=RESULT_SCHEMA))
 
 
+#: the lease TTL of the two-coordinator tests: short, so a takeover waits seconds, yet each renewal (every
+#: fifth of it, moto answering on a machine busy with the files running beside this one) has seconds
+TEST_TTL_S = 8
+
+
 def _coordinator_on(host: str, *args: str, ttl_s: float) -> subprocess.Popen:
     """`kvbatch ARGS` in a UTS namespace whose host name is `host`: a coordinator on another machine,
     as far as every host check is concerned (same bucket, same Ray)."""
@@ -92,7 +97,7 @@ def _keys(uri: str) -> dict[str, int]:
 def test_two_coordinators_started_together_one_runs_and_the_other_exits_clearly(s3, ray_address, tmp_path) -> None:
     job = f"{s3}/jobs/together"
     _create_job(job, tmp_path, DOCS)
-    procs = {host: _coordinator_on(host, "resume", job, "--address", ray_address, ttl_s=4.0)
+    procs = {host: _coordinator_on(host, "resume", job, "--address", ray_address, ttl_s=TEST_TTL_S)
              for host in ("node-a", "node-b")}
     outcomes = {host: (proc.wait(timeout=600), proc.stdout.read() + proc.stderr.read()) for host, proc in procs.items()}
     codes = sorted(code for code, _ in outcomes.values())
@@ -108,13 +113,14 @@ def test_two_coordinators_started_together_one_runs_and_the_other_exits_clearly(
 def test_a_paused_holder_whose_lease_is_taken_writes_nothing_after_it_resumes(s3, ray_address, tmp_path) -> None:
     job = f"{s3}/jobs/paused"
     _create_job(job, tmp_path, DOCS)
-    paused = _coordinator_on("node-a", "resume", job, "--address", ray_address, ttl_s=3.0)
+    paused = _coordinator_on("node-a", "resume", job, "--address", ray_address, ttl_s=TEST_TTL_S)
     try:
         reached = wait_for(lambda: len(list_parts(f"{job}/results")) >= 1, paused, poll=0.05)
         assert reached, paused.communicate()
         paused.send_signal(signal.SIGSTOP)
-        taker = kvbatch("resume", job, "--address", ray_address, env={LEASE_TTL_ENV: "3"}, check=0)
-        assert "took over stale lock" in taker.stdout + taker.stderr and "not renewed for 3 s" in taker.stdout + taker.stderr
+        taker = kvbatch("resume", job, "--address", ray_address, env={LEASE_TTL_ENV: str(TEST_TTL_S)}, check=0)
+        said = taker.stdout + taker.stderr
+        assert "took over stale lock" in said and f"not renewed for {TEST_TTL_S} s" in said
         written_by_taker = _keys(job)
         summaries = done_summaries(job)
         paused.send_signal(signal.SIGCONT)
