@@ -10,7 +10,7 @@ import sys
 from tests.helpers.cli import REPO, TINY_CONFIG, export_rows, license_manifest
 
 #: modules the submitting process must not import (torch costs ~3 s, the worker's module ~6 s here)
-WORKER_ONLY = ("torch", "runner.engine.worker")
+WORKER_ONLY = frozenset({"torch", "runner.engine.worker"})
 
 
 def imported(stderr: str) -> set[str]:
@@ -28,5 +28,5 @@ def test_a_submit_runs_its_batch_without_importing_torch_in_its_own_process(ray_
     assert proc.returncode == 0, proc.stderr[-3000:]
     modules = imported(proc.stderr)
     assert {"runner.pool", "transformers"} <= modules  # the trace covers the whole run
-    assert not modules & set(WORKER_ONLY)
+    assert not modules & WORKER_ONLY
     assert [row["status"] for row in export_rows(job)] == ["done"]  # the workers did import them
