@@ -445,7 +445,8 @@ class Coordinator:
 
     def _feed(self, worker: Worker, work: WorkQueue, errors: list[BaseException]) -> None:
         """One of a worker's feeding threads: takes tasks until none is left (while its worker is down
-        after a loss, it waits for the worker rather than take a task the worker cannot run)."""
+        after a loss, it waits for the worker rather than take a task the worker cannot run, and stops
+        waiting once nothing is left that it could run)."""
         while True:
             if self.pool.is_down(worker) and not self._await_restart(worker, errors, until_drained=work):
                 return
@@ -468,10 +469,6 @@ class Coordinator:
                     return
                 if end is TaskEnd.HANDED_BACK:
                     work.hand_back(worker, run)  # another worker takes it now; this one waits for its restart
-                elif end is TaskEnd.WORKER_LOST and not self._await_restart(worker, errors):
-                    return
-            if end is TaskEnd.HANDED_BACK and not self._await_restart(worker, errors, until_drained=work):
-                return
 
     def _await_restart(self, worker: Worker, errors: list[BaseException],
                        until_drained: WorkQueue | None = None) -> bool:
@@ -546,6 +543,8 @@ class Coordinator:
                     self.stop.set()
             if self.stop.is_set():
                 self._abandon_in_flight(threads)
+            else:  # a worker still down is not waited for (its restart would load the model for nothing)
+                self._name_survivors(self.pool.kill_down())
         try:
             self.recorder.close()
         except LeaseLostError as e:
@@ -578,13 +577,16 @@ class Coordinator:
         self.console.print(f"[red]{escape(str(e))}")
         return EXIT_NO_WORKERS
 
-    def _abandon_in_flight(self, threads: list[threading.Thread]) -> None:
-        """Killing the workers ends every pending call at once, so no thread outlives the batch; the
-        batch's last sweep runs once their processes are gone, so it removes their task dirs."""
-        still_alive = self.pool.kill_all()
+    def _name_survivors(self, still_alive: list[str]) -> None:
+        """Killed workers' processes still alive: the batch's last sweep, which runs once they are gone,
+        cannot remove their task dirs."""
         if still_alive:
             self.log.warning("workers_not_gone", processes=still_alive,
                              hint="their scratch dirs stay until `kvbatch clean` runs after they exit")
+
+    def _abandon_in_flight(self, threads: list[threading.Thread]) -> None:
+        """Killing the workers ends every pending call at once, so no thread outlives the batch."""
+        self._name_survivors(self.pool.kill_all())
         for t in threads:
             t.join(timeout=30)
 

@@ -343,6 +343,12 @@ class WorkerPool:
             ready = worker.info.remote()
         return False
 
+    def kill_down(self) -> list[str]:
+        """Kills the workers that are down (lost, not yet back) for good; like `kill_all`, returns once
+        their processes are gone, naming any still alive."""
+        down = [w for w in self.workers if self._slots[w].down]
+        return kill_and_wait(down) if down else []
+
     def kill_all(self) -> list[str]:
         """Ends every pending call at once (they raise `PoolStopped`) and returns once the workers'
         processes are gone, naming any still alive after the wait."""

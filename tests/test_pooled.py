@@ -8,7 +8,9 @@ attended in one call, the scheduler's largest batch), so none passes by running 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import hashlib
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -18,7 +20,7 @@ import torch
 from jobs.config import ConfigError, SummarizeConfig, load_config
 from jobs.task import Task
 from runner.engine.kvcache import KVBudgetExceeded, ResidentMeter
-from runner.engine.kvcache.pool import KVPool
+from runner.engine.kvcache.pool import KVPool, PooledCache
 from runner.engine.scheduler import BatchScheduler
 from runner.engine.worker import SummaryWorker, _is_memory_error
 from tests.helpers.batching import BIG, LENGTHS, NEW, PLAIN, as_loaded_model, cpu_kv_pool, run_batch, tokens_alone
@@ -91,6 +93,26 @@ def test_a_full_pool_makes_a_sequence_wait_for_room(tokenizer, tmp_path: Path) -
     scheduler = _four_dynamic_rows_match_generate(model, tokenizer, tmp_path, prompts, new, pool)
     assert pool.most_rows == 2 and scheduler.max_sequences == 2 and scheduler.splits == 0
     assert pool.meter.peak <= 2 * slot and pool.meter.total == 0
+
+
+def test_a_released_cache_is_gone_when_dropped_not_at_the_next_collection() -> None:
+    """Its layers point back at it weakly: with no cycle to wait for the collector, a failed rung's cache
+    is freed the moment its sequence drops it, before the next rung allocates (test_worker_memory.py)."""
+    pool = cpu_kv_pool(tiny_model("llama-gqa"))
+    cache = PooledCache(pool, 64)
+    key = torch.randn(1, pool.kv_heads, 5, pool.head_dim)
+    for layer in cache.layers:
+        layer.update(key, key)
+    length = cache.get_seq_length()
+    assert length == 5
+    cache.close()
+    gone = weakref.ref(cache)
+    gc.disable()
+    try:
+        del cache
+        assert gone() is None, gc.get_referrers(gone())
+    finally:
+        gc.enable()
 
 
 def test_a_pool_that_cannot_grow_mid_step_splits_the_batch(tokenizer, tmp_path: Path) -> None:

@@ -23,6 +23,7 @@ it; without a plan it grows as claims need (×2 in slots, ×1.5 in tokens).
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any
 
 import torch
@@ -168,7 +169,8 @@ class PooledLayer(DynamicLayer):
 
     def __init__(self, cache: PooledCache, layer_idx: int) -> None:
         super().__init__()
-        self.cache, self.layer_idx = cache, layer_idx
+        # weakly: with no cycle, a cache its sequence drops is freed at once, not at the next collection
+        self.cache, self.layer_idx = weakref.proxy(cache), layer_idx
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
                ) -> tuple[torch.Tensor, torch.Tensor]:
