@@ -10,15 +10,17 @@ import pytest
 
 from tests.helpers.cli import LICENSES, TINY_CONFIG, export_rows, kvbatch, refusal, write_jsonl
 
-LONG_DOCS = ["GPL-3", "Apache-2.0", "BSD", "MPL-2.0"]
+#: a long text that must be map-reduced, and a short one that fits the context
+DOCS = ["GPL-3", "BSD"]
 
 
 @pytest.fixture(scope="module")
 def finished_job(ray_address, tmp_path_factory):
-    """One real batch on long licence texts, with some rows that must be rejected."""
+    """One real batch on licence texts, with some rows that must be rejected (on one worker: how many
+    run it is not the point here)."""
     tmp = tmp_path_factory.mktemp("e2e")
     (tmp / "empty.txt").write_text("")
-    rows = [{"id": n.lower(), "path": str(LICENSES / n), "family": "licence"} for n in LONG_DOCS]
+    rows = [{"id": n.lower(), "path": str(LICENSES / n), "family": "licence"} for n in DOCS]
     rows += [
         {"id": "inline", "text": "Short inline note about a meeting on Thursday.", "max_new_tokens": 8},
         {"id": "missing", "path": "no-such-file.txt"},
@@ -28,7 +30,7 @@ def finished_job(ray_address, tmp_path_factory):
     manifest = write_jsonl(tmp / "manifest.jsonl", rows)
     job = tmp / "job"
     proc = kvbatch("submit", str(manifest), "-c", str(TINY_CONFIG), "-j", str(job),
-                   "--address", ray_address, check=0)
+                   "--address", ray_address, "--set", "workers.count=1", check=0)
     return job, proc
 
 
@@ -37,7 +39,7 @@ def test_submit_summarises_every_valid_document(finished_job):
     assert proc.stdout.splitlines()[0].startswith("job ")
     rows = {r["doc_id"]: r for r in export_rows(job)}
     done = {d for d, r in rows.items() if r["status"] == "done"}
-    assert done == {"gpl-3", "apache-2.0", "bsd", "mpl-2.0", "inline"}
+    assert done == {"gpl-3", "bsd", "inline"}
     for doc in done:
         r = rows[doc]
         assert r["summary"] and r["output_tokens"] > 0 and r["attempts"] == 1
@@ -73,8 +75,8 @@ def test_results_export_round_trips(finished_job, tmp_path):
 def test_status_json_after_the_job(finished_job):
     job, _ = finished_job
     status = json.loads(kvbatch("status", str(job), "--json", check=0).stdout)
-    assert status["counts"] == {"pending": 0, "running": 0, "done": 5, "failed": 0, "rejected": 3}
-    assert status["total"] == 8 and status["eta_s"] == 0.0
+    assert status["counts"] == {"pending": 0, "running": 0, "done": 3, "failed": 0, "rejected": 3}
+    assert status["total"] == 6 and status["eta_s"] == 0.0
     assert {"throughput_docs_per_s", "strategies", "fallbacks", "slowest"} <= status.keys()
 
 

@@ -18,8 +18,8 @@ from storage.parts import CORRUPT_PART_ADVICE
 from tests.helpers.child_process import Child
 from tests.helpers.cli import TINY_CONFIG, export_rows, kvbatch, refusal, license_manifest, write_jsonl
 
-DOCS = ["BSD", "Apache-2.0", "GPL-3"]
-DAMAGED_NAME = "part-00000000000000000001-00000000-1-badbad.parquet"
+#: short texts: what is in them is not the point, only that there are several
+DOCS = ["BSD", "CC0-1.0", "LGPL-3"]
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +27,7 @@ def finished_job(ray_address: str, tmp_path_factory: pytest.TempPathFactory) -> 
     base = tmp_path_factory.mktemp("finished")
     job = base / "job"
     kvbatch("submit", str(license_manifest(base, DOCS)), "-c", str(TINY_CONFIG), "-j", str(job),
-            "--address", ray_address, check=0)
+            "--address", ray_address, "--set", "workers.count=1", check=0)
     return job
 
 
@@ -55,21 +55,22 @@ def _wrong_schema(path: Path) -> None:
     pq.write_table(pa.table({"doc_id": ["x"], "colour": ["blue"]}), path)
 
 
-@pytest.mark.parametrize(
-    ("directory", "damage", "reason"),
-    [
-        ("results", _zero_bytes, "empty file (0 bytes)"),
-        ("events", _garbage, "unreadable Parquet"),
-        ("results", _wrong_schema, "wrong schema: missing column(s)"),
-    ],
-)
-def test_a_damaged_part_is_named_skipped_and_left_alone(
-    finished_job: Path, tmp_path: Path, directory: str, damage: Callable[[Path], None], reason: str
-) -> None:
+#: (folder, damage, the reason shown): one job holds all three, and each is named on its own
+DAMAGES = [
+    ("results", _zero_bytes, "empty file (0 bytes)"),
+    ("events", _garbage, "unreadable Parquet"),
+    ("results", _wrong_schema, "wrong schema: missing column(s)"),
+]
+
+
+def test_damaged_parts_are_named_skipped_and_left_alone(finished_job: Path, tmp_path: Path) -> None:
     job = tmp_path / "job"
     shutil.copytree(finished_job, job)
-    damaged = job / directory / DAMAGED_NAME
-    damage(damaged)
+    shown_for = {}
+    for i, (directory, damage, reason) in enumerate(DAMAGES, 1):
+        damaged = job / directory / f"part-{i:020d}-00000000-1-badbad.parquet"
+        damage(damaged)
+        shown_for[damaged] = reason
     before = _fingerprints(job)
 
     status = kvbatch("status", str(job), check=0)
@@ -77,9 +78,11 @@ def test_a_damaged_part_is_named_skipped_and_left_alone(
     for proc in (status, resume):
         _no_traceback(proc)
         shown = " ".join((proc.stdout + proc.stderr).split())
-        assert f"{damaged}: {reason}" in shown and CORRUPT_PART_ADVICE in shown
+        assert CORRUPT_PART_ADVICE in shown
+        for damaged, reason in shown_for.items():
+            assert f"{damaged}: {reason}" in shown
     assert "0 to run" in resume.stdout
-    assert _fingerprints(job) == before  # good parts and the damaged one: byte for byte
+    assert _fingerprints(job) == before  # good parts and the damaged ones: byte for byte
     assert sorted(r["doc_id"] for r in export_rows(job)) == sorted(d.lower() for d in DOCS)
 
 
@@ -206,8 +209,8 @@ def test_a_second_submit_to_a_job_folder_being_created_refuses_and_changes_nothi
     try:
         assert _reaches(child, "pausing before job.json")  # the first submit is mid-creation
         before = _files(job)
-        second = kvbatch("submit", str(_rejected_only(tmp_path / "second.jsonl", ["b1"])), "-c", str(TINY_CONFIG),
-                         "-j", str(job), check=2)
+        second = refusal("submit", str(_rejected_only(tmp_path / "second.jsonl", ["b1"])), "-c", str(TINY_CONFIG),
+                         "-j", str(job))
         message = " ".join(second.stderr.split())
         assert f"job folder {job} is in use" in message and str(child.pid) in message, second.stderr
         assert "Traceback" not in second.stderr
@@ -224,8 +227,8 @@ def test_a_second_submit_after_a_crashed_creation_refuses_instead_of_mixing_jobs
         assert _reaches(child, "pausing before job.json")
     finally:
         child.kill()
-    second = kvbatch("submit", str(_rejected_only(tmp_path / "b.jsonl", ["b1"])), "-c", str(TINY_CONFIG),
-                     "-j", str(job), check=2)
+    second = refusal("submit", str(_rejected_only(tmp_path / "b.jsonl", ["b1"])), "-c", str(TINY_CONFIG),
+                     "-j", str(job))
     assert "never fully created" in " ".join(second.stderr.split()), second.stderr
     assert [r["doc_id"] for r in export_rows(job, "--errors")] == ["a1"]  # the first one's rows are intact
 
