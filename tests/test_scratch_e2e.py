@@ -2,7 +2,8 @@
 swept, and a full disk turned into a shorter context instead of a lost batch (issue 5, "Must show").
 
 A thread polls the offload root while a batch runs, so each test sees the task dirs (and their KV
-block files) that existed during the batch, not only the empty root left afterwards.
+block files) that existed during the batch, not only the empty root left afterwards. Results are read
+from the job folder in this process: the export command is tests/test_export.py's.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import psutil
 from runner.pool import PROBE_INTERVAL_S
 from storage.scratch import OWNER_FILE, ROOT_MARKER
 from tests.helpers.child_process import Child
-from tests.helpers.cli import TINY_CONFIG, export_rows, kvbatch, license_manifest, start_submit, wait_for
+from tests.helpers.cli import TINY_CONFIG, kvbatch, license_manifest, start_submit, wait_for
 from tests.helpers.system import mounted_tmpfs
 
 DISK = ["--set", "cache.strategy=tiered-disk"]
@@ -108,7 +109,10 @@ class RootWatcher:
 
 
 def rows_by_doc(job: Path) -> dict[str, dict]:
-    return {r["doc_id"]: r for r in export_rows(job)}
+    """The job's result rows, one a document, as `kvbatch results` exports them."""
+    from storage.export import results_table
+
+    return {r["doc_id"]: r for r in results_table(str(job), errors_only=False).to_pylist()}
 
 
 def wait_for_task_dir_with_blocks(root: Path, proc: subprocess.Popen) -> Path:
@@ -148,10 +152,12 @@ def fill(path: Path, nbytes: int, timeout_s: float = 30) -> None:
 
 
 def test_no_task_dir_survives_success_failure_timeout_or_oom(ray_address, tmp_path):
+    """One worker, one task at a time (longest first): the hang, on the shortest document, comes last, so
+    no task waits for its restarted worker, and it is never a batch-mate's loss (which is not an attempt)."""
     root = tmp_path / "kv"
     faults = [
-        {"doc": "bsd", "fault": "io"},  # fails every attempt
-        {"doc": "cc0-1.0", "fault": "hang"},  # times out every attempt; its worker is killed
+        {"doc": "cc0-1.0", "fault": "io"},  # fails every attempt
+        {"doc": "bsd", "fault": "hang"},  # times out every attempt; its worker is killed
         {"doc": "apache-2.0", "fault": "oom", "rungs": ["tiered-disk"]},  # moves to the next rung
     ]
     job = tmp_path / "job"
@@ -159,15 +165,16 @@ def test_no_task_dir_survives_success_failure_timeout_or_oom(ray_address, tmp_pa
         kvbatch("submit", str(license_manifest(tmp_path, ["GPL-3", "BSD", "CC0-1.0", "Apache-2.0"])),
                 "-c", str(TINY_CONFIG), "-j", str(job), "--address", ray_address, *with_root(root),
                 "--set", "cache.strategy=auto", "--set", "cache.ladder=[tiered-disk, dynamic]",
-                "--set", "retry.max_attempts=1", "--set", "summarize.min_context_tokens=1024",
+                "--set", "retry.max_attempts=1", "--set", "summarize.min_context_tokens=1024", *ONE_WORKER,
+                "--set", "batch.max_sequences=1",
                 # long enough that GPL-3 (nine chunks) never times out on a loaded machine (make test runs
                 # files in parallel): only the hang does, and the wait for it costs no CPU
                 "--set", "retry.task_timeout_s=30", env={"KVBATCH_FAULTS": json.dumps(faults)}, check=3)
     rows = rows_by_doc(job)
     assert rows["gpl-3"]["status"] == "done" and rows["gpl-3"]["cache_strategy"] == "tiered-disk"
     assert rows["gpl-3"]["offload_bytes_written"] > 0
-    assert rows["bsd"]["status"] == "failed" and rows["bsd"]["error_type"] == "OSError"
-    assert rows["cc0-1.0"]["status"] == "failed" and rows["cc0-1.0"]["error_type"] == "TimeoutError"
+    assert rows["cc0-1.0"]["status"] == "failed" and rows["cc0-1.0"]["error_type"] == "OSError"
+    assert rows["bsd"]["status"] == "failed" and rows["bsd"]["error_type"] == "TimeoutError"
     assert rows["apache-2.0"]["status"] == "done" and rows["apache-2.0"]["cache_strategy"] == "dynamic"
     assert rows["apache-2.0"]["fallbacks"] == ["cache:tiered-disk->dynamic (OutOfMemoryError)"]
     # every task wrote KV blocks into its own dir before it ended, however it ended ...
@@ -241,14 +248,16 @@ def task_owners(root: Path) -> dict[Path, int]:
     return owners
 
 
-def wait_for_long_owned_dir(root: Path, proc: subprocess.Popen, seconds: float) -> tuple[Path, int]:
-    """A task dir and its owner's pid, once one has been owned for `seconds`: its task has run that long."""
+def wait_for_long_owned_dir(root: Path, proc: subprocess.Popen, seconds: float, job_id: str) -> tuple[Path, int]:
+    """A task dir of `job_id` and its owner's pid, once one has been owned for `seconds`: its task has run that
+    long."""
     first_seen: dict[Path, float] = {}
     found: list[tuple[Path, int]] = []
 
     def long_owned() -> bool:
         now = time.monotonic()
-        found[:] = [(d, pid) for d, pid in task_owners(root).items() if now - first_seen.setdefault(d, now) >= seconds]
+        found[:] = [(d, pid) for d, pid in task_owners(root).items()
+                    if d.parent.name == job_id and now - first_seen.setdefault(d, now) >= seconds]
         return bool(found)
 
     assert wait_for(long_owned, proc, poll=0.01), f"the batch ended before a task dir was owned for {seconds:g}s"
@@ -268,14 +277,18 @@ def test_two_concurrent_jobs_on_one_root_never_see_each_others_files(ray_address
     with RootWatcher(root) as watcher:
         # the barrier: job a's worker is stopped inside a task until job b's worker holds a task dir too, so
         # the two jobs overlap however fast or slow the machine is. It is stopped once the coordinator has
-        # seen the task begin (it asks every PROBE_INTERVAL_S; a stopped worker would not answer and be hung)
+        # seen the task begin (it asks every PROBE_INTERVAL_S; a stopped worker would not answer and be hung).
+        # Job b starts once job a's first task has: its start overlaps that wait, and its tasks, as long as
+        # job a's, cannot end before job a's worker is stopped
         first = start_submit(license_manifest(tmp_path, names), jobs[0], ray_address, *DISK, *ONE_WORKER,
                              *with_root(root), *longer)
-        paused_dir, paused = wait_for_long_owned_dir(root, first, PROBE_INTERVAL_S + 3)
+        assert wait_for(lambda: task_owners(root), first, poll=0.01), "job a ended before it owned a task dir"
+        a_id = json.loads((jobs[0] / "job.json").read_text())["job_id"]
+        second = start_submit(license_manifest(tmp_path, names), jobs[1], ray_address, *DISK, *ONE_WORKER,
+                              *with_root(root), *longer)
+        paused_dir, paused = wait_for_long_owned_dir(root, first, PROBE_INTERVAL_S + 3, a_id)
         os.kill(paused, signal.SIGSTOP)
         try:
-            second = start_submit(license_manifest(tmp_path, names), jobs[1], ray_address, *DISK, *ONE_WORKER,
-                                  *with_root(root), *longer)
             b_owns_one = lambda: {d.parent for d in task_owners(root)} - {paused_dir.parent}  # noqa: E731
             assert wait_for(b_owns_one, second, poll=0.002), "job b ended before it owned a task dir"
             assert paused_dir.is_dir(), "job a's task dir went while its worker was stopped"
@@ -327,7 +340,7 @@ def test_a_disk_too_small_for_any_context_fails_those_tasks_clearly(ray_address,
         root = disk / "kvbatch"
         job = tmp_path / "job"
         proc = kvbatch("submit", str(license_manifest(tmp_path, ["BSD", "CC0-1.0"])), "-c", str(TINY_CONFIG),
-                       "-j", str(job), "--address", ray_address, *with_root(root),
+                       "-j", str(job), "--address", ray_address, *with_root(root), *ONE_WORKER,
                        "--set", "cache.strategy=auto", "--set", "cache.ladder=[dynamic, tiered-disk]",
                        "--set", "cache.device_kv_budget_bytes=600000", "--set", "summarize.min_context_tokens=1024",
                        check=3)
@@ -358,7 +371,7 @@ def test_a_disk_that_fills_up_mid_task_is_cleaned_and_the_task_retried_shorter(r
         finally:
             proc.kill()
         assert proc.returncode == 0, out + err
-        [row] = export_rows(job)
+        [row] = rows_by_doc(job).values()
         assert row["status"] == "done" and row["context_tokens"] == 512, row
         # ENOSPC is a memory-class failure: the ladder is exhausted at once, then the context shrinks
         assert row["fallbacks"] == ["cache:tiered-disk->exhausted (OSError)", "context:1024->512 (OSError)"], row
