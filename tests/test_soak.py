@@ -9,6 +9,7 @@ import threading
 from pathlib import Path
 
 import psutil
+import pytest
 
 from jobs.config import load_config
 from jobs.manifest import read_manifest
@@ -62,6 +63,8 @@ def soak(tmp_path: Path, order: str = "longest-first") -> dict:
         ladder = sorted(tasks, key=lambda t: t.n_chars)[::2]
         runs, faults = ladder + ladder, _alternate_faults(ladder)
     worker = SummaryWorker(config.model_dump(mode="json"), "soak", str(tmp_path / "offload"), faults=faults, threads=1)
+    gc.collect()
+    gc.freeze()  # what the imports and the load made stays: each snapshot's collection walks only what tasks made
     context = config.summarize.context_tokens
     snapshots, strategies, outcomes = [], set(), []
     for task in runs:
@@ -93,19 +96,33 @@ def _no_growth(snapshots: list, reference_rss: int) -> None:
     assert max(threads for _, _, threads in snapshots) <= first_threads, [t for _, _, t in snapshots]
 
 
-def test_hundred_tasks_in_one_worker_release_memory_files_and_threads(tmp_path: Path) -> None:
-    # a process of its own, as a worker has: the allocator state other tests left must not count
-    found = json.loads(Child(SOAK_PROCESS, str(tmp_path), "longest-first").read_line(timeout_s=900))
+@pytest.fixture(scope="module")
+def soaked(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    """Both soaks at once, each in a process of its own, as a worker has (the allocator state other tests
+    left must not count): they share the cores, never a heap, a file table or threads."""
+    children = {order: Child(SOAK_PROCESS, str(tmp_path_factory.mktemp(order)), order)
+                for order in ("longest-first", "shortest-first")}
+    try:
+        return {order: json.loads(child.read_line(timeout_s=900)) for order, child in children.items()}
+    finally:
+        for child in children.values():
+            child.kill()
+
+
+def test_hundred_tasks_in_one_worker_release_memory_files_and_threads(soaked: dict[str, dict]) -> None:
+    found = soaked["longest-first"]
     snapshots = found["snapshots"]
+    assert len(snapshots) == N_TASKS
     assert found["strategies"] == ["dynamic", "tiered-disk"]  # both the device and the offload path soaked
     assert {status for _, status, _ in found["outcomes"]} == {"done"}
     _no_growth(snapshots, reference_rss=snapshots[0][0])
     assert not found["leftovers"]  # every task's scratch dir was removed
 
 
-def test_shortest_first_with_failures_on_alternate_tasks_leaves_nothing_behind(tmp_path: Path) -> None:
-    found = json.loads(Child(SOAK_PROCESS, str(tmp_path), "shortest-first").read_line(timeout_s=900))
+def test_shortest_first_with_failures_on_alternate_tasks_leaves_nothing_behind(soaked: dict[str, dict]) -> None:
+    found = soaked["shortest-first"]
     snapshots, outcomes, faults = found["snapshots"], found["outcomes"], found["faults"]
+    assert len(snapshots) == N_TASKS
     assert found["strategies"] == ["dynamic", "tiered-disk"]
     expected = {None: ("done", None), "oom": ("failed", "OutOfMemoryError"), "io": ("failed", "OSError")}
     assert [tuple(o[1:]) for o in outcomes] == [expected[faults.get(doc)] for doc, _, _ in outcomes]
