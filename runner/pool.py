@@ -116,15 +116,48 @@ def describe_cluster(nodes: list[dict[str, float]]) -> str:
     return text
 
 
+@dataclass(eq=False)
+class _Call:
+    """One call in flight on a slot. `shared` once another call was in flight beside it, at any moment
+    (a batch-mate whose call has already ended when the loss reaches this one still shared the process)."""
+
+    losses_before: int
+    alone: bool
+    shared: bool = False
+
+
 @dataclass
 class _Slot:
+    """A worker's bookkeeping, changed under the pool's lock."""
+
     name: str
     process: str = ""  # the live incarnation's "host:pid"
     dead: set[str] = field(default_factory=set)  # incarnations known lost: their answers do not count
-    in_flight: int = 0
+    calls: list[_Call] = field(default_factory=list)  # in flight
     losses: int = 0
     down: bool = False  # lost and not yet seen back: its feeding threads wait instead of calling it
     exclusive: bool = False  # a task that must run alone holds the worker: no other call starts
+
+    def begin(self, alone: bool) -> _Call:
+        call = _Call(self.losses, alone, shared=bool(self.calls))
+        for other in self.calls:
+            other.shared = True
+        self.calls.append(call)
+        self.exclusive = alone
+        return call
+
+    def end(self, call: _Call) -> None:
+        self.calls.remove(call)
+        self.exclusive = self.exclusive and not call.alone
+
+    def lose(self, call: _Call, error_type: str, message: str) -> WorkerLost:
+        """The loss as `call` sees it: counted once, by the first call to see it."""
+        first_to_see = self.losses == call.losses_before
+        if first_to_see:
+            self.losses += 1
+            self.down = True
+            self.dead.add(self.process)
+        return WorkerLost(error_type, message, call.shared, first_to_see)
 
 
 class WorkerPool:
@@ -247,16 +280,13 @@ class WorkerPool:
                 raise WorkerLost("WorkerDied", f"{slot.name} did not come back within {WORKER_RESTART_TIMEOUT_S:.0f} s",
                                  shared=True, first_to_see=False)
             with self._lock:
-                while slot.exclusive or (alone and slot.in_flight > 0):
+                while slot.exclusive or (alone and slot.calls):
                     if self._killed:
                         raise PoolStopped()
                     self._lock.wait(0.2)
                 if slot.down:  # lost while this call waited for its turn: wait for the restart again
                     continue
-                slot.in_flight += 1
-                slot.exclusive = alone
-                shared = slot.in_flight > 1
-                losses_before = slot.losses
+                call = slot.begin(alone)
                 break
         call_id = uuid.uuid4().hex
         ref = send(call_id)
@@ -264,15 +294,14 @@ class WorkerPool:
             return self._result(worker, ref, call_id)
         except _Hung as e:
             ray.kill(worker, no_restart=False)  # a hung worker is restarted, with a fresh model
-            raise self._lost(slot, losses_before, shared, "TimeoutError", str(e)) from None
+            raise self._lost(slot, call, "TimeoutError", str(e)) from None
         except RayActorError as e:
             if self._killed:
                 raise PoolStopped() from None
-            raise self._lost(slot, losses_before, shared, "WorkerDied", f"worker process died: {e}") from None
+            raise self._lost(slot, call, "WorkerDied", f"worker process died: {e}") from None
         finally:
             with self._lock:
-                slot.in_flight -= 1
-                slot.exclusive = slot.exclusive and not alone
+                slot.end(call)
                 self._lock.notify_all()
 
     def _result(self, worker: Worker, ref: Any, call_id: str) -> TaskOutcome:
@@ -305,15 +334,9 @@ class WorkerPool:
         except GetTimeoutError:
             raise _Hung(f"no result within retry.task_timeout_s={limit:g}s of its first sequence starting") from None
 
-    def _lost(self, slot: _Slot, losses_before: int, shared: bool, error_type: str, message: str) -> WorkerLost:
+    def _lost(self, slot: _Slot, call: _Call, error_type: str, message: str) -> WorkerLost:
         with self._lock:
-            first_to_see = slot.losses == losses_before
-            if first_to_see:
-                slot.losses += 1
-                slot.down = True
-                slot.dead.add(slot.process)
-            shared = shared or slot.in_flight > 1
-        return WorkerLost(error_type, message, shared, first_to_see)
+            return slot.lose(call, error_type, message)
 
     def await_restart(self, worker: Worker, give_up: Any) -> bool:
         """Wait until Ray has restarted a killed or crashed worker (its start sweeps the scratch dir the

@@ -102,3 +102,25 @@ def test_a_call_waiting_to_run_alone_reaches_the_worker_that_replaces_the_one_lo
     assert sent < ended["hangs"], "the second call did not wait behind the first: nothing was tested"
     assert outcome["status"] == "done", outcome
     assert outcome["worker"] != info["worker"], "it ran on the process that hung"
+
+
+def test_a_batch_mate_whose_call_ended_first_still_shared_the_loss() -> None:
+    """The first call ran alone in flight until a batch-mate joined; the process dies, the batch-mate
+    sees the loss first and its call ends before the first call sees it. The first call's loss is
+    still shared: counting only the calls in flight at its start and at its loss charged it to the
+    first call, and a batch-mate of a crashing document ran out of attempts (test_batching_e2e)."""
+    from runner.pool import _Slot
+
+    slot = _Slot("worker slot 0", "host:1")
+    first = slot.begin(alone=False)
+    mate = slot.begin(alone=False)
+    mates_loss = slot.lose(mate, "WorkerDied", "worker process died")
+    slot.end(mate)
+    firsts_loss = slot.lose(first, "WorkerDied", "worker process died")
+    slot.end(first)
+    assert mates_loss.first_to_see and not firsts_loss.first_to_see and slot.losses == 1
+    assert mates_loss.shared and firsts_loss.shared
+    alone = slot.begin(alone=True)
+    assert slot.exclusive and not slot.lose(alone, "WorkerDied", "worker process died").shared
+    slot.end(alone)
+    assert not slot.exclusive and slot.calls == []
