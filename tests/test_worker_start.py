@@ -52,9 +52,9 @@ def _held(cpus: int) -> Iterator[Callable[[], None]]:
 
 
 @pytest.fixture
-def cpus_held(ray_address: str) -> Iterator[Callable[[], None]]:
-    with _held(2) as release:
-        yield release
+def cpus_held(ray_address: str) -> Iterator[None]:
+    with _held(2):
+        yield
 
 
 def _saved_tiny_model(folder: Path) -> Path:
@@ -71,7 +71,8 @@ def test_a_model_whose_weights_do_not_load_is_a_config_error_of_the_job(tmp_path
     job = tmp_path / "job"
     started = time.monotonic()
     proc = kvbatch("submit", str(_manifest(tmp_path)), "-c", str(TINY_CONFIG), "-j", str(job),
-                   "--address", ray_address, "--set", f"model.name={model}", timeout=120, check=2)
+                   "--address", ray_address, "--set", f"model.name={model}", "--set", "workers.count=1",
+                   timeout=120, check=2)
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: a worker could not start: "), proc.stderr
     assert str(model) in lines[0] and f"kvbatch resume {job}" in lines[0]
@@ -104,7 +105,7 @@ def test_a_restarted_worker_whose_start_raises_stops_the_batch_with_that_line(tm
 
 
 def test_a_worker_ray_cannot_place_within_the_start_timeout_is_a_clear_error(
-        tmp_path: Path, ray_address: str, cpus_held: Callable[[], None]) -> None:
+        tmp_path: Path, ray_address: str, cpus_held: None) -> None:
     job = tmp_path / "job"
     proc = kvbatch("submit", str(_manifest(tmp_path)), "-c", str(TINY_CONFIG), "-j", str(job),
                    "--address", ray_address, "--set", "workers.start_timeout_s=3", timeout=60, check=4)
@@ -114,35 +115,45 @@ def test_a_worker_ray_cannot_place_within_the_start_timeout_is_a_clear_error(
     assert "workers_not_started" in _events(job)
 
 
-def test_the_batch_runs_on_the_workers_that_started_within_the_timeout(tmp_path: Path, ray_address: str) -> None:
+@pytest.fixture(scope="module")
+def stopped_then_resumed(ray_address: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """One job for both ends of a start: a submit of two workers SIGTERMed while Ray can place none, then
+    resumed with room for one of them (one CPU released), which runs the batch after the start timeout."""
+    job = tmp_path_factory.mktemp("start") / "job"
+    with _held(1) as release_one, _held(1):
+        proc = start_submit(_manifest(job.parent), job, ray_address, "--set", "workers.count=2")
+        try:
+            assert wait_for(lambda: "batch_start" in _events(job), proc, timeout=120)
+            time.sleep(1.0)  # the pool waits for Ray to place its workers, which it cannot
+            ready_before_stop = "worker_ready" in _events(job)
+            proc.send_signal(signal.SIGTERM)
+            out, err = proc.communicate(timeout=20)
+        finally:
+            proc.kill()
+        stops = [e["during"] for e in read_log(job / "job.log") if e["event"] == "batch_interrupted"]
+        release_one()
+        resumed = kvbatch("resume", str(job), "--address", ray_address, "--set", "workers.start_timeout_s=40",
+                          timeout=300)
+    done = set(done_summaries(job)) if resumed.returncode == 0 else None
+    return {"job": job, "ready_before_stop": ready_before_stop, "returncode": proc.returncode, "out": out,
+            "err": err, "stops": stops, "resumed": resumed, "done": done}
+
+
+def test_sigterm_while_the_workers_start_ends_the_run_at_once_and_the_job_resumes(stopped_then_resumed: dict) -> None:
+    run, job = stopped_then_resumed, stopped_then_resumed["job"]
+    assert not run["ready_before_stop"]
+    assert run["returncode"] == 130, run["out"] + run["err"]
+    assert f"continue with: kvbatch resume {job}" in " ".join(run["out"].split())
+    assert "Traceback" not in run["err"]
+    assert run["stops"] == ["worker start"]
+    assert run["resumed"].returncode == 0, run["resumed"].stdout + run["resumed"].stderr
+    assert run["done"] == {"a", "b"}
+
+
+def test_the_batch_runs_on_the_workers_that_started_within_the_timeout(stopped_then_resumed: dict) -> None:
     """Two workers asked for, room for one: after workers.start_timeout_s the batch runs on that one."""
-    job = tmp_path / "job"
-    with _held(1):
-        kvbatch("submit", str(_manifest(tmp_path)), "-c", str(TINY_CONFIG), "-j", str(job), "--address",
-                ray_address, "--set", "workers.count=2", "--set", "workers.start_timeout_s=40", timeout=300, check=0)
-    assert set(done_summaries(job)) == {"a", "b"}
+    job = stopped_then_resumed["job"]
+    assert stopped_then_resumed["done"] == {"a", "b"}, stopped_then_resumed["resumed"].stderr
     late = [e for e in read_log(job / "job.log") if e["event"] == "workers_not_started"]
     assert [(e["started"], e["wanted"]) for e in late] == [(1, 2)]
     assert _events(job).count("worker_ready") == 1
-
-
-def test_sigterm_while_the_workers_start_ends_the_run_at_once_and_the_job_resumes(
-        tmp_path: Path, ray_address: str, cpus_held: Callable[[], None]) -> None:
-    job = tmp_path / "job"
-    proc = start_submit(_manifest(tmp_path), job, ray_address)
-    try:
-        assert wait_for(lambda: "batch_start" in _events(job), proc, timeout=120)
-        time.sleep(1.0)  # the pool waits for Ray to place its worker, which it cannot
-        assert "worker_ready" not in _events(job)
-        proc.send_signal(signal.SIGTERM)
-        out, err = proc.communicate(timeout=20)
-    finally:
-        proc.kill()
-    assert proc.returncode == 130, out + err
-    assert f"continue with: kvbatch resume {job}" in " ".join(out.split())
-    assert "Traceback" not in err
-    stops = [e for e in read_log(job / "job.log") if e["event"] == "batch_interrupted"]
-    assert [e["during"] for e in stops] == ["worker start"]
-    cpus_held()
-    kvbatch("resume", str(job), "--address", ray_address, timeout=300, check=0)
-    assert set(done_summaries(job)) == {"a", "b"}
