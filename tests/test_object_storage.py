@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 import pyarrow as pa
 import pyarrow.fs as pafs
@@ -37,6 +38,7 @@ from tests.helpers.cli import (
     kvbatch,
     license_manifest,
     refusal,
+    start_submit,
     wait_for,
     write_jsonl,
 )
@@ -48,6 +50,42 @@ DOCS = ["GPL-2", "LGPL-2.1", "Apache-2.0", "MPL-2.0", "Artistic", "BSD"]
 SHORT_DOCS = ["BSD", "CC0-1.0"]
 #: one worker: how many there are is not the point anywhere here (each costs a torch import)
 ONE_WORKER = ("--set", "workers.count=1")
+
+RAY_PROCESS = """
+import json, os, sys
+import ray
+from runner.cluster import init_local_ray
+init_local_ray(num_cpus=2, log_to_driver=False)
+print(json.dumps({"address": ray.get_runtime_context().gcs_address, "auth": os.environ.get("RAY_AUTH_MODE")}), flush=True)
+sys.stdin.read()  # until the test closes it
+ray.shutdown()
+"""
+
+
+@pytest.fixture(scope="module")
+def s3_ray(s3: str) -> Iterator[str]:
+    """A local Ray started in the `s3` fixture's environment, so its workers read documents from the
+    bucket, like a cluster whose nodes hold the credentials (the session's Ray may predate them): one
+    start for the module instead of a private Ray for each submit and resume. Every process here joins
+    it in the auth mode `ray.init` set for its own (token: the token is in ~/.ray)."""
+    ray = subprocess.Popen([sys.executable, "-c", RAY_PROCESS], cwd=REPO, stdin=subprocess.PIPE,
+                           stdout=subprocess.PIPE, text=True, env=dict(os.environ))
+    patch = pytest.MonkeyPatch()
+    try:
+        line = ray.stdout.readline()
+        assert line, f"the Ray process ended (exit {ray.wait()})"
+        started = json.loads(line)
+        if started["auth"] is not None:
+            patch.setenv("RAY_AUTH_MODE", started["auth"])
+        yield started["address"]
+    finally:
+        patch.undo()
+        ray.stdin.close()
+        try:
+            ray.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            ray.kill()
+            ray.wait()
 
 
 def test_checkpoint_parts_on_s3_publish_whole_and_unpublished_keys_are_ignored(s3: str) -> None:
@@ -99,10 +137,10 @@ def _keys(uri: str) -> dict[str, int]:
             if info.type == pafs.FileType.File}
 
 
-def test_two_coordinators_started_together_one_runs_and_the_other_exits_clearly(s3, ray_address, tmp_path) -> None:
+def test_two_coordinators_started_together_one_runs_and_the_other_exits_clearly(s3, s3_ray, tmp_path) -> None:
     job = f"{s3}/jobs/together"
     _create_job(job, tmp_path, SHORT_DOCS)
-    procs = {host: _coordinator_on(host, "resume", job, "--address", ray_address, ttl_s=TEST_TTL_S)
+    procs = {host: _coordinator_on(host, "resume", job, "--address", s3_ray, ttl_s=TEST_TTL_S)
              for host in ("node-a", "node-b")}
     outcomes = {host: (proc.wait(timeout=600), proc.stdout.read() + proc.stderr.read()) for host, proc in procs.items()}
     codes = sorted(code for code, _ in outcomes.values())
@@ -121,15 +159,15 @@ def _unpublished(key: str) -> bool:
     return name.startswith(TEMP_PREFIX) or name.endswith(".tmp")
 
 
-def test_a_paused_holder_whose_lease_is_taken_writes_nothing_after_it_resumes(s3, ray_address, tmp_path) -> None:
+def test_a_paused_holder_whose_lease_is_taken_writes_nothing_after_it_resumes(s3, s3_ray, tmp_path) -> None:
     job = f"{s3}/jobs/paused"
     _create_job(job, tmp_path, DOCS)
-    paused = _coordinator_on("node-a", "resume", job, "--address", ray_address, ttl_s=TEST_TTL_S)
+    paused = _coordinator_on("node-a", "resume", job, "--address", s3_ray, ttl_s=TEST_TTL_S)
     try:
         reached = wait_for(lambda: len(list_parts(f"{job}/results")) >= 1, paused, poll=0.05)
         assert reached, paused.communicate()
         paused.send_signal(signal.SIGSTOP)
-        taker = kvbatch("resume", job, "--address", ray_address, env={LEASE_TTL_ENV: str(TEST_TTL_S)}, check=0)
+        taker = kvbatch("resume", job, "--address", s3_ray, env={LEASE_TTL_ENV: str(TEST_TTL_S)}, check=0)
         said = taker.stdout + taker.stderr
         assert "took over stale lock" in said and f"not renewed for {TEST_TTL_S} s" in said
         written_by_taker = _keys(job)
@@ -149,10 +187,10 @@ def test_a_paused_holder_whose_lease_is_taken_writes_nothing_after_it_resumes(s3
     assert load_state(job).results.num_rows == len(DOCS)
 
 
-def test_a_batch_on_s3_killed_and_resumed_from_the_uri_gives_the_local_results(s3, ray_address, tmp_path) -> None:
+def test_a_batch_on_s3_killed_and_resumed_from_the_uri_gives_the_local_results(s3, s3_ray, tmp_path) -> None:
     local_job = tmp_path / "local-job"
     kvbatch("submit", str(license_manifest(tmp_path, DOCS)), "-c", str(TINY_CONFIG), "-j", str(local_job),
-            "--address", ray_address, *ONE_WORKER, check=0)
+            "--address", s3_ray, *ONE_WORKER, check=0)
     expected = done_summaries(str(local_job))
 
     documents, _ = filesystem_of(s3)
@@ -162,12 +200,7 @@ def test_a_batch_on_s3_killed_and_resumed_from_the_uri_gives_the_local_results(s
     manifest = write_jsonl(tmp_path / "s3-manifest.jsonl",
                            [{"id": n.lower(), "path": f"{s3}/docs/{n}"} for n in DOCS])
     job = f"{s3}/jobs/killed"
-    # its own local Ray: the workers read the documents from S3 with this environment's credentials
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "runner", "submit", str(manifest), "-c", str(TINY_CONFIG), "-j", job,
-         "--set", "checkpoint.flush_every=1", *ONE_WORKER],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ),
-    )
+    proc = start_submit(manifest, job, s3_ray, "--set", "checkpoint.flush_every=1", *ONE_WORKER)
     reached = wait_for(lambda: len(list_parts(f"{job}/results")) >= 2, proc, poll=0.2)
     proc.send_signal(signal.SIGKILL)
     out, err = proc.communicate()
@@ -176,14 +209,15 @@ def test_a_batch_on_s3_killed_and_resumed_from_the_uri_gives_the_local_results(s
 
     status = json.loads(kvbatch("status", job, "--json", check=0).stdout)
     assert status["job_dir"] == job and status["counts"]["done"] >= 2
-    resumed = kvbatch("resume", job, check=0)
+    resumed = kvbatch("resume", job, "--address", s3_ray, check=0)
     assert "took over stale lock" in resumed.stdout + resumed.stderr
     assert done_summaries(job) == expected
     assert not Location.of(f"{job}/.lock").exists()
     assert load_state(job).results.num_rows == len(DOCS)
 
 
-def test_a_folder_on_s3_is_submitted_with_glob_and_a_manifest_uri_reads_documents_beside_it(s3, tmp_path) -> None:
+def test_a_folder_on_s3_is_submitted_with_glob_and_a_manifest_uri_reads_documents_beside_it(s3, s3_ray, tmp_path
+                                                                                              ) -> None:
     from tests.helpers.collection import ACCEPTED, make_collection
 
     documents, _ = filesystem_of(s3)
@@ -192,8 +226,8 @@ def test_a_folder_on_s3_is_submitted_with_glob_and_a_manifest_uri_reads_document
         with documents.open_output_stream(f"{BUCKET}/collection/{name}") as out:
             out.write((local / name).read_bytes())
     job = tmp_path / "job"
-    # its own local Ray: the workers read the documents from S3 with this environment's credentials
-    proc = kvbatch("submit", f"{s3}/collection/", "--glob", "*.pdf", "-c", str(TINY_CONFIG), "-j", str(job), check=0)
+    proc = kvbatch("submit", f"{s3}/collection/", "--glob", "*.pdf", "-c", str(TINY_CONFIG), "-j", str(job),
+                   "--address", s3_ray, check=0)
     assert "2 document(s) in s3://" in proc.stdout
     rows = {r["doc_id"]: r for r in export_rows(job, "--with-text")}
     assert {d: r["status"] for d, r in rows.items()} == {"lease.pdf": "done", "scan.pdf": "rejected"}
