@@ -5,6 +5,7 @@ what is refused at submit."""
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -165,21 +166,33 @@ def test_a_quantized_checkpoint_loads_as_it_is_and_is_reported(tmp_path) -> None
     assert "quantized already (checkpoint:bitsandbytes)" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
 
+@pytest.fixture(scope="module")
+def real_document_jobs(ray_address: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    """Each method's submit of one real document, its export and status, the three jobs at once (one
+    worker each: Ray places two at a time, the third waits for a free CPU)."""
+    manifest = write_jsonl(tmp_path_factory.mktemp("bsd") / "m.jsonl", [{"id": "bsd", "path": str(LICENSES / "BSD")}])
+    jobs = {method: tmp_path_factory.mktemp(method) / "job" for method in CPU_METHODS}
+
+    def run(method: str) -> dict:
+        job = jobs[method]
+        kvbatch("submit", str(manifest), "-j", str(job), "--address", ray_address,
+                "--set", "model.name=builtin:smollm2-135m", "--set", f"model.quantization={method}",
+                "--set", "summarize.max_new_tokens=24", "--set", "workers.count=1", check=0)
+        return {"rows": export_rows(job), "status": json.loads(kvbatch("status", str(job), "--json", check=0).stdout)}
+
+    with ThreadPoolExecutor(len(CPU_METHODS)) as pool:
+        return dict(zip(CPU_METHODS, pool.map(run, CPU_METHODS)))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("method", CPU_METHODS)
-def test_the_builtin_model_summarises_a_real_document_quantized(method, ray_address, tmp_path) -> None:
-    manifest = write_jsonl(tmp_path / "m.jsonl", [{"id": "bsd", "path": str(LICENSES / "BSD")}])
-    job = tmp_path / "job"
-    kvbatch("submit", str(manifest), "-j", str(job), "--address", ray_address,
-            "--set", "model.name=builtin:smollm2-135m", "--set", f"model.quantization={method}",
-            "--set", "summarize.max_new_tokens=24", "--set", "workers.count=1", check=0)
-    (row,) = export_rows(job)
+def test_the_builtin_model_summarises_a_real_document_quantized(method, real_document_jobs) -> None:
+    (row,) = real_document_jobs[method]["rows"]
     assert row["status"] == "done" and row["quantization"] == method
     assert row["stop_reason"] in ("eos", "length", "repetition")
     words = row["summary"].lower()
     assert len(words.split()) >= 5 and any(w in words for w in ("license", "licence", "software", "copyright"))
-    status = json.loads(kvbatch("status", str(job), "--json", check=0).stdout)
-    assert status["quantization"] == {method: 1}
+    assert real_document_jobs[method]["status"]["quantization"] == {method: 1}
 
 
 def test_unquantized_rows_say_none(tmp_path: Path, ray_address) -> None:
