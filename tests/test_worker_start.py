@@ -69,10 +69,10 @@ def test_a_model_whose_weights_do_not_load_is_a_config_error_of_the_job(tmp_path
     model = _saved_tiny_model(tmp_path / "model")
     (model / "model.safetensors").write_bytes(b"these are not weights")
     job = tmp_path / "job"
-    started = time.monotonic()
+    # the error is not waited out: the submit ends well within workers.start_timeout_s (600 s here)
     proc = kvbatch("submit", str(_manifest(tmp_path)), "-c", str(TINY_CONFIG), "-j", str(job),
                    "--address", ray_address, "--set", f"model.name={model}", "--set", "workers.count=1",
-                   timeout=120, check=2)
+                   "--set", "workers.start_timeout_s=600", timeout=300, check=2)
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: a worker could not start: "), proc.stderr
     assert str(model) in lines[0] and f"kvbatch resume {job}" in lines[0]
@@ -80,7 +80,6 @@ def test_a_model_whose_weights_do_not_load_is_a_config_error_of_the_job(tmp_path
     assert "a worker could not start" in next(e for e in read_log(job / "job.log")
                                               if e["event"] == "workers_not_started")["error"]
     assert not (job / "results").exists() or not any((job / "results").iterdir())  # no task ran, none retried
-    assert time.monotonic() - started < 60
 
 
 def test_a_restarted_worker_whose_start_raises_stops_the_batch_with_that_line(tmp_path: Path, ray_address: str) -> None:
