@@ -33,9 +33,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 #: the files that take longest under `make test` (its --durations), longest first: they start first,
 #: so no long file is left to run alone at the end. Order only: a file missing here just starts later.
-_LONGEST_FILES = ["test_resume", "test_scratch_e2e", "test_quantization", "test_formats", "test_batching_e2e",
-                  "test_object_storage", "test_cluster", "test_jobdir", "test_soak", "test_load", "test_reliability_cli",
-                  "test_worker_start", "test_cli_e2e", "test_balance", "test_checkpoint"]
+_LONGEST_FILES = ["test_load", "test_scratch_e2e", "test_batching_e2e", "test_resume", "test_object_storage",
+                  "test_quantization", "test_cluster", "test_passes", "test_worker_start", "test_ladder_e2e",
+                  "test_kvcache_smollm2", "test_cli_e2e", "test_pool", "test_pass_spreading", "test_task_timeout",
+                  "test_formats", "test_soak", "test_decode_revisions", "test_report", "test_hostile_input",
+                  "test_checkpoint", "test_batch_end", "test_jobdir"]
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
