@@ -463,12 +463,21 @@ class Coordinator:
                     end = self._run_task(worker, run)
                 except Interrupted:
                     return
+                except WorkerStartError as e:  # the restart this task's call waited for raised (the pool's own wait)
+                    self._stop_on_restart_error(worker, e, errors)
+                    return
                 except BaseException as e:  # a bug must stop the batch loudly, not hang it
                     errors.append(e)
                     self.stop.set()
                     return
                 if end is TaskEnd.HANDED_BACK:
                     work.hand_back(worker, run)  # another worker takes it now; this one waits for its restart
+
+    def _stop_on_restart_error(self, worker: Worker, e: WorkerStartError, errors: list[BaseException]) -> None:
+        """A restarted worker's start raised: the batch stops with that error, whichever thread saw it."""
+        self.log.warning("worker_restart_failed", worker=self.pool.slot_name(worker), error=str(e))
+        errors.append(e)
+        self.stop.set()
 
     def _await_restart(self, worker: Worker, errors: list[BaseException],
                        until_drained: WorkQueue | None = None) -> bool:
@@ -479,9 +488,7 @@ class Coordinator:
         try:
             back = self.pool.await_restart(worker, give_up)
         except WorkerStartError as e:
-            self.log.warning("worker_restart_failed", worker=self.pool.slot_name(worker), error=str(e))
-            errors.append(e)
-            self.stop.set()
+            self._stop_on_restart_error(worker, e, errors)
             return False
         if not back and not give_up():
             self.log.warning("worker_restart_unfinished", worker=self.pool.slot_name(worker),
