@@ -136,19 +136,21 @@ class _Slot:
     calls: list[_Call] = field(default_factory=list)  # in flight
     losses: int = 0
     down: bool = False  # lost and not yet seen back: its feeding threads wait instead of calling it
-    exclusive: bool = False  # a task that must run alone holds the worker: no other call starts
+
+    @property
+    def exclusive(self) -> bool:
+        """A task that must run alone holds the worker: no other call starts."""
+        return any(call.alone for call in self.calls)
 
     def begin(self, alone: bool) -> _Call:
         call = _Call(self.losses, alone, shared=bool(self.calls))
         for other in self.calls:
             other.shared = True
         self.calls.append(call)
-        self.exclusive = alone
         return call
 
     def end(self, call: _Call) -> None:
         self.calls.remove(call)
-        self.exclusive = self.exclusive and not call.alone
 
     def lose(self, call: _Call, error_type: str, message: str) -> WorkerLost:
         """The loss as `call` sees it: counted once, by the first call to see it."""

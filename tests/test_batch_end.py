@@ -8,16 +8,12 @@ import shutil
 from pathlib import Path
 
 from runner.engine.model_registry import tiny_random_dir
+from runner.observe.joblog import read_log
 from tests.helpers.cli import export_rows, license_manifest, start_submit, wait_for
 
 
-def _log(job: Path) -> list[dict]:
-    path = job / "job.log"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
 def _assigned(job: Path, doc_id: str) -> bool:
-    return any(e["event"] == "task_assigned" and e["doc_id"] == doc_id for e in _log(job))
+    return any(e["event"] == "task_assigned" and e["doc_id"] == doc_id for e in read_log(job / "job.log"))
 
 
 def test_the_worker_the_last_task_took_down_is_not_waited_for(ray_address: str, tmp_path: Path) -> None:
@@ -40,5 +36,5 @@ def test_the_worker_the_last_task_took_down_is_not_waited_for(ray_address: str, 
     rows = {r["doc_id"]: r for r in export_rows(job)}
     assert rows["gpl-2"]["status"] == "done"
     assert rows["bsd"]["status"] == "failed" and rows["bsd"]["error_type"] == "WorkerDied", rows["bsd"]
-    log = _log(job)
+    log = read_log(job / "job.log")
     assert "worker_restart_failed" not in [e["event"] for e in log] and log[-1]["event"] == "batch_end", log
