@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -13,6 +14,8 @@ import ray
 from ray._private import ray_constants
 from ray._private import state as ray_state
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from jobs.config import ConfigError
 
 #: Off: Ray resolves "127.0.0.1" to the loopback address instead of the machine's reachable IP.
 _CLUSTER_MODE_ENV = ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR
@@ -41,6 +44,36 @@ def init_local_ray(**options: object) -> None:
     ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", **options)
 
 
+#: How long a connection to a given address may take before no cluster counts as being there.
+CONNECT_TIMEOUT_S = 5.0
+
+
+_ADDRESS_FIX = ("check --address or $RAY_ADDRESS, start one there with `ray start --head`, or leave --address out "
+                "to run on a private local Ray")
+#: Ray sends its token to an address given explicitly only when told to; a token cluster refuses it otherwise.
+_AUTH_FIX = ("a cluster with token authentication (`ray start`'s default) takes only drivers that send its token: "
+             "set RAY_AUTH_MODE=token (the token read from ~/.ray/auth_token or $RAY_AUTH_TOKEN) and run again; "
+             "else " + _ADDRESS_FIX)
+
+
+class ClusterUnreachableError(ConfigError):
+    """The address given names a place where no Ray cluster answers (nothing was started or written)."""
+
+    def __init__(self, address: str, why: str, fix: str = _ADDRESS_FIX) -> None:
+        super().__init__(f"no Ray cluster answers at {address} ({why}): {fix}")
+
+
+def _check_reachable(address: str) -> None:
+    """ray.init retries an address where nothing listens for good: one TCP connect says so in seconds."""
+    host, sep, port = address.split("://")[-1].rpartition(":")
+    if not sep or not port.isdigit():
+        return  # "auto" and the like: Ray looks for a cluster on this machine itself (ConnectionError if none)
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S).close()
+    except OSError as e:
+        raise ClusterUnreachableError(address, e.strerror or str(e) or type(e).__name__) from None
+
+
 @contextmanager
 def ray_session(address: str | None) -> Iterator[dict[str, float]]:
     """Connects to `address` (or $RAY_ADDRESS), else starts a private local instance; yields its resources.
@@ -53,18 +86,28 @@ def ray_session(address: str | None) -> Iterator[dict[str, float]]:
     # token authentication stays on (it is the safe default); only its notice is silenced
     logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
     options = {"logging_level": logging.WARNING, "log_to_driver": False}
-    if address and _is_loopback(address):
-        # a loopback-only cluster: this driver must see itself at 127.0.0.1 too, or it never finds a raylet
-        _keep_loopback()
-        ray.init(address=address, _node_ip_address="127.0.0.1", **options)
-    elif address:
-        ray.init(address=address, **options)
+    if address:
+        _join(address, options)
     else:
         init_local_ray(**options)
     try:
         yield ray.cluster_resources()
     finally:
         ray.shutdown()
+
+
+def _join(address: str, options: dict[str, Any]) -> None:
+    _check_reachable(address)
+    if _is_loopback(address):
+        # a loopback-only cluster: this driver must see itself at 127.0.0.1 too, or it never finds a raylet
+        _keep_loopback()
+        options = {**options, "_node_ip_address": "127.0.0.1"}
+    try:
+        ray.init(address=address, **options)
+    except ConnectionError as e:  # something listens there, but no Ray cluster this driver can join
+        explicit = address != "auto"  # Ray sends the token to a cluster it finds itself
+        fix = _AUTH_FIX if explicit and os.environ.get("RAY_AUTH_MODE") is None else _ADDRESS_FIX
+        raise ClusterUnreachableError(address, str(e).splitlines()[0], fix) from None
 
 
 #: How long a killed worker may take to exit (a CUDA context can take seconds to tear down).
