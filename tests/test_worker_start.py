@@ -131,7 +131,7 @@ def stopped_then_resumed(ray_address: str, tmp_path_factory: pytest.TempPathFact
             proc.kill()
         stops = [e["during"] for e in read_log(job / "job.log") if e["event"] == "batch_interrupted"]
         release_one()
-        resumed = kvbatch("resume", str(job), "--address", ray_address, "--set", "workers.start_timeout_s=40",
+        resumed = kvbatch("resume", str(job), "--address", ray_address, "--set", "workers.start_timeout_s=20",
                           timeout=300)
     done = set(done_summaries(job)) if resumed.returncode == 0 else None
     return {"job": job, "ready_before_stop": ready_before_stop, "returncode": proc.returncode, "out": out,
