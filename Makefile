@@ -26,7 +26,7 @@ demo: venv
 	@echo "results: runs/demo/results/ (export: $(VENV)/bin/kvbatch results runs/demo -o summaries.jsonl)"
 	$(PY) -c "import json,subprocess,sys; rows=[json.loads(l) for l in subprocess.run([sys.prefix+'/bin/kvbatch','results','runs/demo'],capture_output=True,text=True,check=True).stdout.splitlines()]; [print(f\"\n== {r['doc_id']} ({r['input_tokens']} tokens, {r['cache_strategy']}):\n{r['summary']}\") for r in rows]"
 
-# serial by default: 3 pytest-xdist processes took 29 min on 2 cores in one run, but in a fresh-clone CI run
+# serial by default (18 min in a fresh-clone CI run on 2 quiet cores): 3 pytest-xdist processes took 29 min in one run, but in a fresh-clone CI run
 # (36 min) tests bound by real time failed under their load (a 6 s task timeout, a restart's wait; tests/README.md).
 # PYTEST_JOBS=3 runs them in parallel: a file stays on one process, so its module fixtures run once (loadfile:
 # xdist 3.8's loadgroup marks are lost under pytest 9); files go out in collection order, which
