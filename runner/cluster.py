@@ -33,9 +33,14 @@ def _keep_loopback() -> None:
     ray_constants.ENABLE_RAY_CLUSTER = False
 
 
+def _host_port(address: str) -> tuple[str, str]:
+    """("host", "port") of "[scheme://]host:port"; port "" when the address has none ("auto")."""
+    host, _, port = address.split("://")[-1].rpartition(":")
+    return host.strip("[]"), port
+
+
 def _is_loopback(address: str) -> bool:
-    host = address.split("://")[-1].rsplit(":", 1)[0].strip("[]")
-    return host in ("127.0.0.1", "localhost", "::1")
+    return _host_port(address)[0] in ("127.0.0.1", "localhost", "::1")
 
 
 def init_local_ray(**options: object) -> None:
@@ -65,11 +70,11 @@ class ClusterUnreachableError(ConfigError):
 
 def _check_reachable(address: str) -> None:
     """ray.init retries an address where nothing listens for good: one TCP connect says so in seconds."""
-    host, sep, port = address.split("://")[-1].rpartition(":")
-    if not sep or not port.isdigit():
+    host, port = _host_port(address)
+    if not port.isdigit():
         return  # "auto" and the like: Ray looks for a cluster on this machine itself (ConnectionError if none)
     try:
-        socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT_S).close()
+        socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S).close()
     except OSError as e:
         raise ClusterUnreachableError(address, e.strerror or str(e) or type(e).__name__) from None
 

@@ -4,7 +4,6 @@ submit refuses and changes nothing, a crashed creation is refused, not mixed), a
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 from collections.abc import Callable
@@ -16,7 +15,15 @@ import pytest
 
 from storage.parts import CORRUPT_PART_ADVICE
 from tests.helpers.child_process import Child
-from tests.helpers.cli import TINY_CONFIG, export_rows, kvbatch, refusal, license_manifest, write_jsonl
+from tests.helpers.cli import (
+    TINY_CONFIG,
+    export_rows,
+    job_fingerprints,
+    kvbatch,
+    license_manifest,
+    refusal,
+    write_jsonl,
+)
 
 #: short texts: what is in them is not the point, only that there are several
 DOCS = ["BSD", "CC0-1.0", "LGPL-3"]
@@ -29,14 +36,6 @@ def finished_job(ray_address: str, tmp_path_factory: pytest.TempPathFactory) -> 
     kvbatch("submit", str(license_manifest(base, DOCS)), "-c", str(TINY_CONFIG), "-j", str(job),
             "--address", ray_address, "--set", "workers.count=1", check=0)
     return job
-
-
-def _fingerprints(job: Path) -> dict[str, str]:
-    """sha256 of every file a run must never rewrite (job.log and .lock are appended/held by design)."""
-    return {
-        str(p.relative_to(job)): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(job.rglob("*")) if p.is_file() and p.name not in ("job.log", ".lock")
-    }
 
 
 def _no_traceback(proc) -> None:  # noqa: ANN001
@@ -71,7 +70,7 @@ def test_damaged_parts_are_named_skipped_and_left_alone(finished_job: Path, tmp_
         damaged = job / directory / f"part-{i:020d}-00000000-1-badbad.parquet"
         damage(damaged)
         shown_for[damaged] = reason
-    before = _fingerprints(job)
+    before = job_fingerprints(job)
 
     status = kvbatch("status", str(job), check=0)
     resume = kvbatch("resume", str(job), check=0)  # every document is done: nothing runs, nothing is lost
@@ -82,7 +81,7 @@ def test_damaged_parts_are_named_skipped_and_left_alone(finished_job: Path, tmp_
         for damaged, reason in shown_for.items():
             assert f"{damaged}: {reason}" in shown
     assert "0 to run" in resume.stdout
-    assert _fingerprints(job) == before  # good parts and the damaged ones: byte for byte
+    assert job_fingerprints(job) == before  # good parts and the damaged ones: byte for byte
     assert sorted(r["doc_id"] for r in export_rows(job)) == sorted(d.lower() for d in DOCS)
 
 
@@ -122,14 +121,14 @@ def test_missing_or_damaged_job_files_stop_status_and_resume_with_a_way_out(
     job = tmp_path / "job"
     shutil.copytree(finished_job, job)
     damage(job)
-    before = _fingerprints(job)
+    before = job_fingerprints(job)
     for command in ("status", "resume"):
         proc = refusal(command, str(job))
         _no_traceback(proc)
         shown = " ".join(proc.stderr.split())
         assert message.format(job=job) in shown
         assert "as a new job" in shown  # how to recover
-    assert _fingerprints(job) == before
+    assert job_fingerprints(job) == before
     assert len(export_rows(job)) == len(DOCS)  # what is done can still be exported
 
 

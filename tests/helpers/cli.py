@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -18,12 +19,13 @@ LICENSE_DOCS = ["GPL-2", "LGPL-2.1", "Apache-2.0", "MPL-2.0", "Artistic", "BSD",
 
 
 def kvbatch(*args: str, env: dict[str, str] | None = None, timeout: float = 600,
-            check: int | None = None) -> subprocess.CompletedProcess[str]:
-    """Runs the real CLI in a subprocess; `check` asserts its exit code."""
+            check: int | None = None, unset: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
+    """Runs the real CLI in a subprocess (this environment with `env`, without `unset`); `check` asserts its
+    exit code."""
+    environment = {k: v for k, v in {**os.environ, **(env or {})}.items() if k not in unset}
     proc = subprocess.run(
         [sys.executable, "-m", "runner", *args],
-        capture_output=True, text=True, timeout=timeout, cwd=REPO,
-        env={**os.environ, **(env or {})},
+        capture_output=True, text=True, timeout=timeout, cwd=REPO, env=environment,
     )
     if check is not None:
         assert proc.returncode == check, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
@@ -40,6 +42,15 @@ def refusal(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
     result = CliRunner().invoke(app, list(args), env=env, catch_exceptions=False)
     assert result.exit_code == 2, f"exit {result.exit_code}\nstdout:\n{result.stdout}\nstderr:\n{result.stderr}"
     return subprocess.CompletedProcess(list(args), result.exit_code, result.stdout, result.stderr)
+
+
+def job_fingerprints(job: Path) -> dict[str, str]:
+    """sha256 of every file in a job folder that a run must never rewrite (job.log and .lock are
+    appended/held by design)."""
+    return {
+        str(p.relative_to(job)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(job.rglob("*")) if p.is_file() and p.name not in ("job.log", ".lock")
+    }
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> Path:
