@@ -1,4 +1,4 @@
-"""Which decode-step attention a worker runs (`batch.attention`), as a plain function.
+"""Which decode-step attention a worker runs (`batch.attention`, `batch.static_step`), as plain functions.
 
 `auto` follows the measured tables in docs/benchmarks.md ("Pooled or per-row attention on the CPU",
 "Step ops"): the pooled step on CUDA, whose kernel launches per step do not grow with the batch, and
@@ -30,3 +30,10 @@ def attention_path(setting: str, device_type: str, windowed_layers: bool) -> Att
     if setting == "auto":
         return AUTO.get(device_type, "per-row")
     return "pooled" if setting == "pooled" else "per-row"
+
+
+def static_step_on(setting: str, device_type: str, path: AttentionPath) -> bool:
+    """Whether a worker runs its pooled steps in static buffers (`batch.static_step` = `setting`):
+    `auto` on CUDA, where the host's ops per step, not the device, bound a step (issue 36); never
+    off the pooled path, whose KV pool the static step writes."""
+    return path == "pooled" and (setting == "on" or (setting == "auto" and device_type == "cuda"))

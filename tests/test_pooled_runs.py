@@ -21,7 +21,7 @@ from transformers import PreTrainedModel
 from jobs.config import LoopStopConfig
 from runner.engine import ragged
 from runner.engine.kvcache.pool import KVPool, PooledCache
-from runner.engine.pooled_attention import MOST_RUNS, RUN_TOKENS, attention_runs
+from runner.engine.pooled_attention import MOST_RUNS, RUN_TOKENS, aligned, attention_runs
 from tests.helpers.batching import cpu_kv_pool, tokens_alone
 from tests.helpers.models import random_prompt, tiny_model
 
@@ -80,8 +80,8 @@ def test_rows_far_apart_in_length_attend_in_runs_with_their_tokens_alone() -> No
     pool = cpu_kv_pool(model)
     got, steps = _decode(model, pool, prompts)
     assert got == [tokens_alone(model, p, STEPS + 1, NO_LOOP_STOP) for p in prompts]
-    for step, keys in enumerate(steps):  # the long row attends 201 tokens at its first step, the short ones 16
-        assert keys == [(1, kv_heads, 201 + step, head_dim), (11, kv_heads, 16 + step, head_dim)] * text.num_hidden_layers
+    for step, keys in enumerate(steps):  # the long row attends 201 tokens at its first step, the short ones 16 (each read up to the granule)
+        assert keys == [(1, kv_heads, aligned(201 + step), head_dim), (11, kv_heads, aligned(16 + step), head_dim)] * text.num_hidden_layers
     assert pool.most_runs == 2 and pool.most_rows == 12 and pool.meter.total == 0
 
 
@@ -96,13 +96,13 @@ def test_a_long_row_among_short_ones_and_a_slot_sitting_out_attend_in_three_runs
     got, steps = _decode(model, pool, prompts, sitting_out=random_prompt(30)[0].tolist())
     assert got == [tokens_alone(model, p, STEPS + 1, NO_LOOP_STOP) for p in prompts]
     for step, keys in enumerate(steps):  # the slot sitting out is read for one token, whatever it holds
-        assert keys == [(7, kv_heads, 12 + step, head_dim), (1, kv_heads, 201 + step, head_dim),
-                        (9, kv_heads, 20 + step, head_dim)] * text.num_hidden_layers
+        assert keys == [(7, kv_heads, aligned(12 + step), head_dim), (1, kv_heads, aligned(201 + step), head_dim),
+                        (9, kv_heads, aligned(20 + step), head_dim)] * text.num_hidden_layers
     assert pool.most_runs == 3 and pool.most_rows == 16 and pool.meter.total == 0
 
 
 def test_rows_of_like_lengths_attend_in_one_call_per_layer_up_to_the_longest() -> None:
-    """Not up to the pool's room (a 64-token granule), and with the KV heads as they are (no repeat_kv)."""
+    """Up to the longest row's length aligned to the span granule, with the KV heads as they are (no repeat_kv)."""
     model = tiny_model("llama-gqa")
     text = model.config
     prompts = [random_prompt(n)[0].tolist() for n in range(20, 28)]
@@ -111,7 +111,7 @@ def test_rows_of_like_lengths_attend_in_one_call_per_layer_up_to_the_longest() -
     assert got == [tokens_alone(model, p, STEPS + 1, NO_LOOP_STOP) for p in prompts]
     head_dim = text.hidden_size // text.num_attention_heads
     for step, keys in enumerate(steps):
-        assert keys == [(8, text.num_key_value_heads, 28 + step, head_dim)] * text.num_hidden_layers
+        assert keys == [(8, text.num_key_value_heads, aligned(28 + step), head_dim)] * text.num_hidden_layers
     assert pool.most_runs == 1 and pool.most_rows == 8
 
 

@@ -182,6 +182,12 @@ generate() places them: runner/engine/summary_ngrams.py), then greedy, or sampli
         self._host_criteria = all(type(c) in _PLAIN_CRITERIA for c in self.criteria)
         self._ids = ids if self.forms is None or not self._host_criteria else None
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy without processors: its token is the logits' argmax, which a static step chooses on the
+        device (runner/engine/static_step.py)."""
+        return not self.do_sample and self.forms == []
+
     def pick(self, logits: torch.Tensor) -> int:
         """The next token from this position's logits ([1, vocab] float32), chosen alone; sets `done`."""
         scores = _processed([self], logits)

@@ -29,6 +29,14 @@ import torch
 from runner.engine.kvcache.pool import KVPool, PooledCache
 from runner.engine.step_inputs import step_inputs
 
+SPAN_GRANULE = 64
+"""Every decode attention call reads keys in spans of a multiple of this many tokens, masked past each
+row's own length (`aligned`). Why: SDPA kernels round a row's sums by the span they are given (the
+CPU's vectorised sums split a span that is not a multiple of their width differently), so a row read
+up to its own length alone and up to a longer batch-mate's in a batch came out different in bf16;
+over aligned spans the masked tail adds exact zeros, and a row's output is the same whatever the span
+(tests/test_batch_invariance.py). Aligned spans also start every row's slice of a mask on a 128-byte
+boundary (cuDNN faulted on an odd span's) and give a kernel a few shapes per job, not one per step."""
 MOST_RUNS = 4
 """Attention calls per layer at most for the pooled rows."""
 RUN_TOKENS = 1024
@@ -36,12 +44,19 @@ RUN_TOKENS = 1024
 launch and a fixed setup, which a handful of padded tokens does not repay."""
 
 
-def length_mask(attended: Sequence[int], span: int, dtype: torch.dtype, device: torch.device, kind: str
-                ) -> torch.Tensor:
+def aligned(tokens: int) -> int:
+    """`tokens` rounded up to the span granule: what an attention call over them reads."""
+    return -(-tokens // SPAN_GRANULE) * SPAN_GRANULE
+
+
+def length_mask(attended: Sequence[int] | torch.Tensor, span: int, dtype: torch.dtype, device: torch.device,
+                kind: str) -> torch.Tensor:
     """The additive mask [rows, 1, 1, span] that lets row i attend to its first `attended[i]` tokens
-    (`kind`: the step input the lengths go to the device as, runner/engine/step_inputs.py)."""
-    valid = torch.arange(span, device=device) < step_inputs(device).put(kind, attended)[:, None]
-    return torch.zeros((len(attended), 1, 1, span), dtype=dtype, device=device).masked_fill_(
+    (`kind`: the step input host lengths go to the device as, runner/engine/step_inputs.py; lengths
+    already on the device, as a static step keeps them, are used as they are)."""
+    lengths = attended if isinstance(attended, torch.Tensor) else step_inputs(device).put(kind, attended)
+    valid = torch.arange(span, device=device) < lengths[:, None]
+    return torch.zeros((len(lengths), 1, 1, span), dtype=dtype, device=device).masked_fill_(
         ~valid[:, None, None, :], torch.finfo(dtype).min)
 
 
@@ -83,7 +98,7 @@ class PooledStep:
         self.caches = list(caches)
         self.count = len(caches)
         lengths = [cache.length for cache in caches]
-        self.span = max(lengths) + 1  # tokens the longest row attends to, its new one included
+        self.span = aligned(max(lengths) + 1)  # the longest row's tokens, its new one included, aligned
         pool.ensure(len(pool.owners), self.span)
         live = len(pool.owners)
         slots = [cache.slot for cache in caches]
@@ -97,7 +112,7 @@ class PooledStep:
         for slot, length in zip(slots, lengths):
             attended[slot] = length + 1
         self.mask = length_mask(attended, self.span, pool.dtype, device, "pooled lengths")
-        self.runs = attention_runs(attended)
+        self.runs = [(start, end, aligned(span)) for start, end, span in attention_runs(attended)]
         pool.steps += 1
         pool.most_rows = max(pool.most_rows, self.count)
         pool.most_runs = max(pool.most_runs, len(self.runs))

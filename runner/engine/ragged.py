@@ -33,13 +33,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from transformers import AttentionInterface, PreTrainedModel
 from transformers.cache_utils import Cache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from runner.engine.kvcache.pool import PooledCache
 from runner.engine.kvcache.tiered import TieredCache
-from runner.engine.pooled_attention import PooledStep
+from runner.engine.pooled_attention import PooledStep, aligned, length_mask
 from runner.engine.step_inputs import step_inputs
 from runner.engine.tiered_attention import TieredRowFailed, TieredStep
 
@@ -154,6 +155,16 @@ def _rows(states: torch.Tensor, start: int, end: int) -> torch.Tensor:
     return states[0, :, start:end].transpose(0, 1).unsqueeze(2)
 
 
+def _aligned_row(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A decode row's own K/V ([1, kv_heads, length, head_dim]) padded to an aligned span, with the mask
+    of its length: what the pooled rows attend, so a row's tokens do not depend on the path it takes."""
+    length = keys.shape[-2]
+    span = aligned(length)
+    if span > length:
+        keys, values = (F.pad(states, (0, 0, 0, span - length)) for states in (keys, values))
+    return keys, values, length_mask([length], span, keys.dtype, keys.device, "row length")
+
+
 def _inner_function(module: torch.nn.Module, implementation: str) -> Any:
     if implementation == "eager":  # a model's own eager attention (Gemma2's has its logit softcap)
         return importlib.import_module(type(module).__module__).eager_attention_forward
@@ -189,7 +200,11 @@ def ragged_attention(
             q = query[:, :, start:]
             outputs.append(inner(module, q, k, v, key.chunk.causal_mask(q, implementation), **kwargs)[0])
         else:
-            outputs.append(inner(module, query[:, :, start : start + 1], k, v, None, **kwargs)[0])
+            if implementation in MASKED_ATTENTION:  # masks it takes: the pooled rows' computation (batch-invariant)
+                k, v, mask = _aligned_row(k, v)
+            else:
+                mask = None
+            outputs.append(inner(module, query[:, :, start : start + 1], k, v, mask, **kwargs)[0])
             start += 1
     return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)), None
 
@@ -210,8 +225,9 @@ def ragged_step(model: PreTrainedModel) -> Iterator[None]:
         config._attn_implementation = own
 
 
-CHUNK_ATTENTION = ("sdpa", "eager")
-"""Attention implementations a chunk row is masked for (`PrefillChunk.causal_mask`)."""
+MASKED_ATTENTION = ("sdpa", "eager")
+"""Attention implementations that take kvbatch's masks: a chunk row's causal one (`PrefillChunk.causal_mask`),
+a decode row's length one (`_aligned_row`)."""
 
 
 def decode_step(model: PreTrainedModel, last_tokens: Sequence[int], positions: Sequence[int],

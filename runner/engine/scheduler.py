@@ -9,7 +9,8 @@ forward pass (runner/engine/ragged.py: shared weight matmuls, attention per sequ
 the sequences whose caches are slots of the worker's KV pool attend as one group), and a finished
 sequence leaves at once, freeing its slot for the next. A sequence that joins while others decode
 rides their steps instead of stalling them (`batch.prefill_chunk_tokens`): each forward pass carries
-its next prompt chunk beside the decode rows, and it decodes from the step after its last chunk;
+its next prompt chunk beside the decode rows, and it decodes from the step after its last chunk (a
+sequence alone goes in the same chunks, so its tokens are the same alone and in any batch);
 caches that cannot take a chunk as a row (tiered rungs, transformers' own cache_implementation,
 layer-major prefill, sliding-window models) are prefilled whole, alone, as before.
 
@@ -49,7 +50,8 @@ from runner.engine.kvcache import CacheHandle
 from runner.engine.kvcache.pool import PooledCache
 from runner.engine.model_loader import LoadedModel
 from runner.engine.probes import StageMemory, memory_snapshot
-from runner.engine.ragged import CHUNK_ATTENTION, PrefillChunk, RowFailed, mixed_step
+from runner.engine.ragged import MASKED_ATTENTION, PrefillChunk, RowFailed, mixed_step
+from runner.engine.static_step import StaticStep
 
 CacheFactory = Callable[[], CacheHandle]
 MemoryErrorTest = Callable[[BaseException], bool]
@@ -114,16 +116,18 @@ class BatchScheduler:
     def __init__(self, loaded: LoadedModel, settings: SummarizeConfig, prefill_mode: PrefillMode,
                  max_sequences: int, device_budget: int, is_memory_error: MemoryErrorTest,
                  host_budget: int | None = None, grow_back_steps: int = GROW_BACK_STEPS,
-                 prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS) -> None:
+                 prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS, static: StaticStep | None = None) -> None:
         """`host_budget`: the worker's host RAM for KV (None: not limited here); `grow_back_steps`:
         calm decode steps before a limit a memory error lowered doubles back (jobs.batch_limit);
-        `prefill_chunk_tokens`: a joining prompt's tokens a step beside the decode rows (0: whole)."""
+        `prefill_chunk_tokens`: a joining prompt's tokens a step beside the decode rows (0: whole);
+        `static`: runs the steps whose rows are all its KV pool's (`batch.static_step`)."""
         self.loaded = loaded
         self.settings = settings
         self.prefill_mode = prefill_mode
         self.prefill_chunk_tokens = prefill_chunk_tokens if _chunks_fit(loaded) else 0
         self.plan: BatchPlan[PassRequest] = BatchPlan(max_sequences, device_budget, host_budget, grow_back_steps)
         self.is_memory_error = is_memory_error
+        self.static = static
         self._changed = threading.Condition()  # guards the plan: `submit` adds to it from other threads
         self._closed = False
         self._process = psutil.Process()
@@ -261,11 +265,12 @@ class BatchScheduler:
         return True
 
     def _rides(self, cache: Cache) -> bool:
-        """Whether a prompt goes in chunks beside the decode rows: there are some, and its cache takes
+        """Whether a prompt goes in chunks beside the decode rows (with none when it is alone: the same
+        chunks, so a sequence's prefill, and its tokens, do not depend on its batch-mates): its cache takes
         a chunk as one more row (transformers' dynamic layers, a KV pool slot; a tiered cache's
         prefill is layer-major or streams its layers, so it stays whole, as `cache.prefill:
         layer-major` asks)."""
-        return (self.prefill_chunk_tokens > 0 and bool(self.plan.decoding) and self.prefill_mode != "layer-major"
+        return (self.prefill_chunk_tokens > 0 and self.prefill_mode != "layer-major"
                 and isinstance(cache, (DynamicCache, PooledCache)))
 
     def _first_token(self, seq: Sequence, logits: torch.Tensor) -> None:
@@ -317,10 +322,15 @@ class BatchScheduler:
             chunk = PrefillChunk(riding.handle.cache, prompt[start:end], start,
                                  wants_logits=end == len(prompt))
         everyone = rows + ([riding] if riding is not None else [])  # RowFailed numbers the chunk's row last
+        caches = [s.handle.cache for s in rows]
+        greedy = None  # [rows] each row's argmax, when the static step chose it on the device
         try:
-            logits, first_logits = mixed_step(
-                self.loaded.model, [s.tokens[-1] for s in rows], [s.position for s in rows],
-                [s.handle.cache for s in rows], chunk)  # [rows, vocab], [1, vocab]
+            if chunk is None and self.static is not None and self.static.takes(caches):
+                (logits, greedy), first_logits = self.static.run([s.tokens[-1] for s in rows], caches), None
+            else:
+                logits, first_logits = mixed_step(
+                    self.loaded.model, [s.tokens[-1] for s in rows], [s.position for s in rows],
+                    caches, chunk)  # [rows, vocab], [1, vocab]
         except RowFailed as e:
             error = e.__cause__ or e
             if self.is_memory_error(error) and len(everyone) > 1:
@@ -343,14 +353,19 @@ class BatchScheduler:
             riding.prefilled += len(chunk.tokens)
             if first_logits is not None:
                 self._first_token(riding, first_logits)
-        self._choose(rows, logits)
+        self._choose(rows, logits, greedy)
 
-    def _choose(self, rows: list[Sequence], logits: torch.Tensor) -> None:
-        """Each row's next token from the step's logits ([rows, vocab]); a row that ends leaves."""
+    def _choose(self, rows: list[Sequence], logits: torch.Tensor, argmax: torch.Tensor | None = None) -> None:
+        """Each row's next token from the step's logits ([rows, vocab]), or from `argmax` (the static
+        step's, [rows]) when every row is plain greedy; a row that ends leaves."""
         device = self.loaded.device
         rss = self._process.memory_info().rss
         device_bytes = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
-        greedy = choose_tokens([s.picker for s in rows], logits)
+        pickers = [s.picker for s in rows]
+        if argmax is not None and all(picker.plain_greedy for picker in pickers):
+            greedy = dict(enumerate(argmax.tolist()))  # the step's one read of the device
+        else:
+            greedy = choose_tokens(pickers, logits)
         for row, seq in enumerate(rows):
             try:
                 seq.take(seq.picker.take(greedy[row]) if row in greedy else seq.picker.pick(logits[row : row + 1]))
@@ -414,7 +429,7 @@ def _chunks_fit(loaded: LoadedModel) -> bool:
     (a sliding window would need its own chunk mask) with an attention the chunk is masked for."""
     config = loaded.model.config
     layer_types, _ = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
-    return config._attn_implementation in CHUNK_ATTENTION and all(kind == "full_attention" for kind in layer_types)
+    return config._attn_implementation in MASKED_ATTENTION and all(kind == "full_attention" for kind in layer_types)
 
 
 def _close_quietly(handle: CacheHandle) -> None:

@@ -39,7 +39,7 @@ import torch
 
 from runner.engine.kvcache.layer_store import Read, Slot, StagingBuffers, copy_all, read_all
 from runner.engine.kvcache.tiered import TieredCache
-from runner.engine.pooled_attention import length_mask
+from runner.engine.pooled_attention import aligned, length_mask
 from runner.engine.step_inputs import step_inputs
 
 T = TypeVar("T")
@@ -103,7 +103,7 @@ class TieredStep:
     def _shape(self, lengths: list[int], like: torch.Tensor) -> None:
         if lengths == self.lengths:
             return
-        self.lengths, self.span = lengths, max(lengths) + 1
+        self.lengths, self.span = lengths, aligned(max(lengths) + 1)
         self.staged = staging_for(self.caches, like).views(self.count, self.span)
         self.slots = [[Slot.over(staged[:, row : row + 1]) for row in range(self.count)] for staged in self.staged]
         self.mask = length_mask([n + 1 for n in lengths], self.span, like.dtype, like.device, "tiered lengths")

@@ -26,7 +26,7 @@ from typing import Any
 import psutil
 import torch
 
-from jobs.attention import attention_path
+from jobs.attention import attention_path, static_step_on
 from jobs.chunking import ContextTooSmallError
 from jobs.config import ConfigError, JobConfig
 from jobs.documents import DocumentError, load_task_text
@@ -45,6 +45,7 @@ from runner.engine.pass_book import PassBook, job_folder_seen, settings_fingerpr
 from runner.engine.probes import StageMemory, memory_snapshot
 from runner.engine.rung_attempt import CacheTotals, RungAttempt
 from runner.engine.scheduler import BatchScheduler, PassAbandoned, TaskClock
+from runner.engine.static_step import StaticStep, bucket
 from runner.engine.summarize import Summarizer, Summary
 from storage.scratch import (
     ScratchSpaceError,
@@ -173,18 +174,29 @@ class SummaryWorker:
         self.scheduler = BatchScheduler(self.loaded, self.cfg.summarize, self.cfg.cache.prefill,
                                         self.cfg.batch.sequences, self.device_budget, _is_memory_error,
                                         host_budget=self.host_budget,
-                                        prefill_chunk_tokens=self.cfg.batch.prefill_chunk_tokens)
+                                        prefill_chunk_tokens=self.cfg.batch.prefill_chunk_tokens,
+                                        static=self._static_step())
         self._clocks: dict[str, TaskClock] = {}  # call id -> clock of the task in flight
         self._help_ends: dict[str, threading.Event] = {}  # help id -> set when that help is no longer needed
         self._help_lock = threading.Lock()
 
     def _pool_plan(self) -> tuple[int, int] | None:
-        """On CUDA the KV pool is sized once, for the batch's most sequences at the longest pass (the
-        context), so a decode never stops to grow and copy it; on the CPU the device budget is RAM,
-        and a pool that grows with the batch leaves it to the rest."""
+        """On CUDA the KV pool is sized once, for the batch's most sequences (and a static step's padding
+        rows) at the longest pass (the context), so a decode never stops to grow and copy it; on the CPU
+        the device budget is RAM, and a pool that grows with the batch leaves it to the rest."""
         if self.loaded.device.type != "cuda":
             return None
-        return self.cfg.batch.sequences, self.cfg.summarize.context_tokens
+        sequences = self.cfg.batch.sequences
+        return (bucket(sequences) if self._static_on() else sequences), self.cfg.summarize.context_tokens
+
+    def _static_on(self) -> bool:
+        return static_step_on(self.cfg.batch.static_step, self.loaded.device.type, self.attention)
+
+    def _static_step(self) -> StaticStep | None:
+        """The pooled steps in static buffers, captured as CUDA graphs on CUDA (`batch.static_step`)."""
+        if self.kv_pool is None or not self._static_on():
+            return None
+        return StaticStep(self.loaded.model, self.kv_pool, graphs=True)
 
     def info(self) -> dict[str, Any]:
         return {
