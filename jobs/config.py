@@ -136,8 +136,9 @@ class SummarizeConfig(_Section):
         "tokens below which a failing document's context is not shrunk further (it fails instead)"))
     chunk_overlap_tokens: int = Field(64, ge=0, description="tokens each chunk of a long document shares with the one before")
     prefill_chunk_size: int = Field(512, ge=0, description=(
-        "prompt tokens prefilled per forward pass when a prompt is prefilled whole (with no decode rows beside "
-        "it, or where it cannot ride them: `batch.prefill_chunk_tokens`); `0`: the whole prompt in one pass"))
+        "prompt tokens prefilled per forward pass when prompts do not ride the decode steps "
+        "(`batch.prefill_chunk_tokens: 0`, or a model whose prompts cannot ride) and for transformers' own cache "
+        "implementations; `0`: the whole prompt in one pass"))
     do_sample: bool = Field(False, description="sample instead of greedy decoding")
     seed: int = Field(0, ge=MIN_SEED, le=MAX_SEED, description=(
         "the sampling seed (each sequence gets its own generator), a 64-bit integer as torch takes it"))
@@ -303,7 +304,8 @@ class BatchConfig(_Section):
         "tokens of a joining sequence's prompt that ride each decode step (its chunk beside the decode rows "
         "in one forward pass), so a long prompt does not stall the batch; 0: each prompt is prefilled whole "
         "(in `summarize.prefill_chunk_size` chunks) before it joins. Tiered rungs, transformers' own cache implementations, `cache.prefill: layer-major` "
-        "and sliding-window models always prefill whole"))
+        "and sliding-window models always prefill whole; a prompt prefilled whole (alone, or on those) goes in "
+        "chunks of this many tokens too, so its tokens are the same whether it rode or not"))
     spread_passes: bool = Field(True, description=(
         "once no document is left to start, a worker with a free slot helps a long document another worker "
         "runs: it takes that document's passes (chunks, then merges) from the far end while the owner goes "

@@ -2,9 +2,9 @@
 
 Ten real documents through the worker's `BatchScheduler` on the builtin tiny random model: one at a
 time and eight at a time, pooled (the KV pool's one call per layer) and per row (each row's own
-cache), in bf16 and fp32. Before the spans were aligned, bf16 tokens differed (6 of 10 documents
+cache), and tiered-host beside them, in bf16 and fp32. Before, bf16 tokens differed (6 of 10 documents
 pooled alone vs pooled in a batch): SDPA rounds a row's sums by the span it is handed, and a joining
-prompt's chunks rode the batch while a prompt alone was prefilled whole.
+prompt rode the batch in 256-token chunks while a prompt alone was prefilled whole in 512-token ones.
 """
 
 from __future__ import annotations
@@ -52,9 +52,10 @@ def _tokens(loaded: LoadedModel, prompts: list[list[int]], strategy: str, max_se
                                            [NEW_TOKENS] * len(prompts), kv_pool=pool)]
     finally:
         scheduler.close()
-    assert scheduler.most_rows == max_sequences, "the batch never held that many rows"
+    # prompts ride the steps in chunks, so the longest join as the first leave: several rows, not all eight
+    assert (scheduler.most_rows >= 4) if max_sequences > 1 else scheduler.most_rows == 1, "no batch ran"
     if pool is not None and strategy == "dynamic":
-        assert pool.most_rows == max_sequences, "the pooled step never attended that many rows in one call"
+        assert pool.most_rows == scheduler.most_rows, "the pooled step never attended the batch in one call"
     return got
 
 

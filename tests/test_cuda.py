@@ -27,12 +27,13 @@ from runner.engine.model_loader import LoadedModel
 from runner.engine.model_registry import word_tokenizer
 from runner.engine.ragged import decode_step
 from runner.engine.scheduler import BatchScheduler, PassRequest
+from runner.engine.static_step import StaticStep
 from runner.engine.step_inputs import StepInputs
 from runner.engine.worker import SummaryWorker, _is_memory_error
 from tests.helpers.batching import PLAIN
 from tests.helpers.cli import TINY_CONFIG
 
-DEVICE = torch.device(os.environ.get("KVBATCH_TEST_DEVICE", "cuda"))
+DEVICE = torch.device(os.environ.get("KVBATCH_TEST_DEVICE", "cuda:0"))  # indexed: memory-fraction calls need it
 ON_CUDA = DEVICE.type == "cuda"
 pytestmark = pytest.mark.skipif(ON_CUDA and not torch.cuda.is_available(), reason="needs a CUDA device")
 cuda_only = pytest.mark.skipif(not ON_CUDA, reason="measures CUDA itself")
@@ -64,9 +65,9 @@ def synthetic_model(dtype: torch.dtype) -> LoadedModel:
     return LoadedModel(model, word_tokenizer(VOCAB), "synthetic-llama", DEVICE, dtype, 0.0)
 
 
-def prompts() -> list[list[int]]:
+def prompts(lengths: tuple[int, ...] = PROMPT_LENGTHS) -> list[list[int]]:
     generator = torch.Generator().manual_seed(1)
-    return [torch.randint(3, VOCAB, (n,), generator=generator).tolist() for n in PROMPT_LENGTHS]
+    return [torch.randint(3, VOCAB, (n,), generator=generator).tolist() for n in lengths]
 
 
 @pytest.fixture(scope="module")
@@ -80,20 +81,23 @@ def fp32() -> Iterator[LoadedModel]:
 
 
 def run_scheduled(loaded: LoadedModel, strategy: str, max_sequences: int, tmp_path: Path,
-                  pooled: bool = False) -> tuple[list[list[int]], int]:
+                  pooled: bool = False, static: str | None = None, lengths: tuple[int, ...] = PROMPT_LENGTHS
+                  ) -> tuple[list[list[int]], int]:
     """Every prompt through one BatchScheduler at `max_sequences` at a time: the tokens, and the
     largest batch a decode step ran. `pooled`: `dynamic` rows are slots of one KV pool and tiered
-    rows attend as one group (`batch.attention: pooled`, one attention call per layer for them all)."""
+    rows attend as one group (`batch.attention: pooled`, one attention call per layer for them all);
+    `static`: "graphed" or "eager", the pooled steps through runner/engine/static_step.py."""
     # the random model loops: the loop stop off, so every sequence runs its full length
     settings = SummarizeConfig(**PLAIN, max_new_tokens=NEW_TOKENS, prefill_chunk_size=256, loop_stop={"enabled": False})
     cache_cfg = CacheConfig(block_tokens=BLOCK)
     kv_pool = (KVPool.for_model(loaded.model.config, loaded.dtype, loaded.device,
                                 ResidentMeter(None, "the test's device", "cache.device_kv_budget_bytes"))
-               if pooled else None)
-    scheduler = BatchScheduler(loaded, settings, "auto", max_sequences, 1 << 40, _is_memory_error)
+               if pooled or static else None)
+    step = StaticStep(loaded.model, kv_pool, graphs=static == "graphed") if static else None
+    scheduler = BatchScheduler(loaded, settings, "auto", max_sequences, 1 << 40, _is_memory_error, static=step)
     try:
         futures = []
-        for i, ids in enumerate(prompts()):
+        for i, ids in enumerate(prompts(lengths)):
             tokens = len(ids) + NEW_TOKENS
 
             def make_cache(i: int = i, tokens: int = tokens):
@@ -101,9 +105,13 @@ def run_scheduled(loaded: LoadedModel, strategy: str, max_sequences: int, tmp_pa
                                    None, None, expected_tokens=tokens, kv_pool=kv_pool)
 
             futures.append(scheduler.submit(PassRequest(ids, NEW_TOKENS, make_cache, tokens * TOKEN_KV_BYTES_FP32)))
-        return [f.result(timeout=300).generation.tokens for f in futures], scheduler.most_rows
+        got = [f.result(timeout=300).generation.tokens for f in futures]
     finally:
         scheduler.close()
+    if step is not None:
+        assert step.steps > 0 and step.captures == (len(step._captured) if step.graphs else 0) and \
+            (step.captures > 0) == (static == "graphed" and ON_CUDA), "the static step did not run as asked"
+    return got, scheduler.most_rows
 
 
 def test_fp32_tokens_identical_across_strategies_and_batched_vs_alone(fp32: LoadedModel, tmp_path: Path) -> None:
@@ -130,6 +138,30 @@ def test_bf16_agreement_with_fp32_is_printed(fp32: LoadedModel, tmp_path: Path) 
               f"{same / (NEW_TOKENS * len(PROMPT_LENGTHS)):.1%}")
     # bf16 rounds differently from fp32, but a tiered cache only moves the bytes: alone it is dynamic's
     assert runs["tiered-host", 1] == runs["dynamic", 1], "bf16: tiered-host and dynamic disagree one sequence at a time"
+
+
+ODD_LENGTHS = (2047, 9, 2049, 515, 1999, 64, 1023)
+"""Odd spans far apart (issue 36: cuDNN faulted on a one-row slice of an odd span's mask)."""
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mixed_lengths_one_row_and_many_at_a_time_give_the_same_tokens_without_a_fault(dtype: torch.dtype,
+                                                                                       tmp_path: Path) -> None:
+    """Pooled rows one at a time and all together, eager and graphed: no CUDA error, and a row's tokens
+    do not depend on its batch-mates or on the step's form (the contract, in bf16 too)."""
+    loaded = synthetic_model(dtype)
+    alone, _ = run_scheduled(loaded, "dynamic", 1, tmp_path, pooled=True, lengths=ODD_LENGTHS)
+    for max_sequences, static in [(len(ODD_LENGTHS), None), (1, "graphed"), (len(ODD_LENGTHS), "graphed"),
+                                  (len(ODD_LENGTHS), "eager")]:
+        got, most_rows = run_scheduled(loaded, "dynamic", max_sequences, tmp_path, pooled=True, static=static,
+                                       lengths=ODD_LENGTHS)
+        what = f"{dtype} pooled at max_sequences={max_sequences}, static step {static}"
+        same = sum(a == b for a, b in zip(got, alone))
+        print(f"{what}: {same}/{len(ODD_LENGTHS)} sequences as pooled alone")
+        assert (most_rows > 1) == (max_sequences > 1), what  # prompts ride in chunks: not all 7 decode at once
+        assert got == alone, what
+    per_row, _ = run_scheduled(loaded, "dynamic", len(ODD_LENGTHS), tmp_path, lengths=ODD_LENGTHS)
+    assert per_row == alone, f"{dtype}: the per-row path's tokens differ from the pooled path's"
 
 
 def _prefilled_caches(loaded: LoadedModel, strategy: str, rows: int, tmp_path: Path,
@@ -243,24 +275,36 @@ def test_a_pooled_decode_step_copies_no_pageable_memory_to_the_device(strategy: 
     assert names.count("Memcpy HtoD (Pageable -> Device)") == 0, names
 
 
-@cuda_only
-def test_a_real_oom_moves_the_task_down_the_ladder_and_its_pinned_memory_is_released(tmp_path: Path) -> None:
-    model_dir = tmp_path / "model"
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The synthetic model saved as a folder with its word tokenizer: what a worker loads by name (the
+    builtin models need a package the GPU machine lacks)."""
+    folder = tmp_path_factory.mktemp("synthetic-llama")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        AutoModelForCausalLM.from_config(synthetic_config(), dtype=torch.float32).save_pretrained(model_dir)
-    word_tokenizer(VOCAB).save_pretrained(model_dir)
+        AutoModelForCausalLM.from_config(synthetic_config(), dtype=torch.float32).save_pretrained(folder)
+    word_tokenizer(VOCAB).save_pretrained(folder)
+    return folder
+
+
+def _words_task(words: int, seed: int) -> Task:
+    text = " ".join(f"t{i}" for i in torch.randint(3, VOCAB, (words,), generator=torch.Generator().manual_seed(seed)).tolist())
+    return Task(task_id="t000001", doc_id="doc-1", source_type="text", source=text, n_chars=len(text),
+                n_bytes=len(text.encode()), sha256=hashlib.sha256(text.encode()).hexdigest(), overrides={}, meta={})
+
+
+@cuda_only
+def test_a_real_oom_moves_the_task_down_the_ladder_and_its_pinned_memory_is_released(model_dir: Path,
+                                                                                     tmp_path: Path) -> None:
     config = load_config(TINY_CONFIG, [
-        f"model.name={model_dir}", "model.device=cuda", "model.dtype=float32", "cache.strategy=auto",
+        f"model.name={model_dir}", f"model.device={DEVICE}", "model.dtype=float32", "cache.strategy=auto",
         "cache.ladder=[dynamic, tiered-host]", f"cache.block_tokens={BLOCK}", "cache.device_kv_budget_bytes=10000000000",
         "summarize.context_tokens=8192", "summarize.min_context_tokens=256", "summarize.max_new_tokens=8",
         "summarize.prefill_chunk_size=128",  # a chunk's attention stays small beside the KV, whatever SDPA kernel runs
         "batch.max_sequences=1",
     ])
     worker = SummaryWorker(config.model_dump(mode="json"), "job", str(tmp_path / "kv"))
-    text = " ".join(f"t{i}" for i in torch.randint(3, VOCAB, (4000,), generator=torch.Generator().manual_seed(2)).tolist())
-    task = Task(task_id="t000001", doc_id="doc-1", source_type="text", source=text, n_chars=len(text),
-                n_bytes=len(text.encode()), sha256=hashlib.sha256(text.encode()).hexdigest(), overrides={}, meta={})
+    task = _words_task(4000, 2)
     dynamic_kv = 4100 * TOKEN_KV_BYTES_FP32  # the whole document's KV, which `dynamic` allocates at once
     gc.collect()
     torch.cuda.empty_cache()
@@ -271,11 +315,17 @@ def test_a_real_oom_moves_the_task_down_the_ladder_and_its_pinned_memory_is_rele
     ooms_before = torch.cuda.memory_stats(DEVICE).get("num_ooms", 0)
     pinned_before = _pinned_in_use()
     torch.cuda.reset_peak_host_memory_stats()
+    torch.cuda.reset_peak_memory_stats(DEVICE)
     try:
         outcome = worker.run(dataclasses.asdict(task), 1, config.summarize.context_tokens)
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, DEVICE)
         worker.scheduler.close()
+    # what the next device run needs to see if tiered-host runs out too (issue 36): the peak against the room left
+    print(f"OOM ladder: room {dynamic_kv * 3 // 4} bytes beside {torch.cuda.memory_reserved(DEVICE)} reserved; peak "
+          f"allocated {torch.cuda.max_memory_allocated(DEVICE)}; fallbacks {outcome['fallbacks']}")
+    if outcome["status"] != "done":
+        print(torch.cuda.memory_summary(DEVICE, abbreviated=True))
     assert outcome["status"] == "done", outcome
     assert outcome["cache_strategy"] == "tiered-host" and outcome["fallbacks"] == [
         "cache:dynamic->tiered-host (OutOfMemoryError)"], outcome
@@ -298,18 +348,18 @@ def _pinned_in_use() -> int:
 
 
 @cuda_only
-def test_a_cuda_workers_kv_pool_is_planned_for_its_batch_and_allocated_once(tmp_path: Path) -> None:
-    config = load_config(TINY_CONFIG, ["model.device=cuda", "batch.attention=pooled", "batch.max_sequences=4",
-                                       "summarize.context_tokens=1024", "summarize.max_new_tokens=8"])
+def test_a_cuda_workers_kv_pool_is_planned_for_its_batch_and_allocated_once(model_dir: Path, tmp_path: Path) -> None:
+    config = load_config(TINY_CONFIG, [f"model.name={model_dir}", f"model.device={DEVICE}", "batch.attention=pooled",
+                                       "batch.max_sequences=4", "summarize.context_tokens=1024",
+                                       "summarize.max_new_tokens=8"])
     worker = SummaryWorker(config.model_dump(mode="json"), "job", str(tmp_path / "kv"))
     try:
         assert worker.kv_pool is not None and worker.kv_pool.planned == (4, 1024)
-        text = "The council met about the budget and agreed to publish the minutes. " * 20
-        task = Task(task_id="t000001", doc_id="doc-1", source_type="text", source=text, n_chars=len(text),
-                    n_bytes=len(text.encode()), sha256=hashlib.sha256(text.encode()).hexdigest(), overrides={}, meta={})
-        outcome = worker.run(dataclasses.asdict(task), 1, 1024)
+        assert worker.scheduler.static is not None and worker.scheduler.static.graphs  # batch.static_step: auto
+        outcome = worker.run(dataclasses.asdict(_words_task(300, 3)), 1, 1024)
         assert outcome["status"] == "done", outcome
         # sized at its first claim for four sequences of the whole context: no growth was needed
         assert worker.kv_pool.slots >= 1 and worker.kv_pool.tokens >= 1024
+        assert worker.scheduler.static.captures > 0, "no decode step was captured as a CUDA graph"
     finally:
         worker.scheduler.close()

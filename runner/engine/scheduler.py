@@ -10,7 +10,7 @@ the sequences whose caches are slots of the worker's KV pool attend as one group
 sequence leaves at once, freeing its slot for the next. A sequence that joins while others decode
 rides their steps instead of stalling them (`batch.prefill_chunk_tokens`): each forward pass carries
 its next prompt chunk beside the decode rows, and it decodes from the step after its last chunk (a
-sequence alone goes in the same chunks, so its tokens are the same alone and in any batch);
+prompt prefilled whole goes in chunks of the same size, so its tokens are the same either way);
 caches that cannot take a chunk as a row (tiered rungs, transformers' own cache_implementation,
 layer-major prefill, sliding-window models) are prefilled whole, alone, as before.
 
@@ -125,6 +125,10 @@ class BatchScheduler:
         self.settings = settings
         self.prefill_mode = prefill_mode
         self.prefill_chunk_tokens = prefill_chunk_tokens if _chunks_fit(loaded) else 0
+        # a prompt prefilled whole goes in the chunks a riding one would (generate()'s chunked prefill is
+        # then the riding chunks' computation): its tokens do not depend on whether others were decoding
+        self.prefill_settings = (settings.model_copy(update={"prefill_chunk_size": self.prefill_chunk_tokens})
+                                 if self.prefill_chunk_tokens else settings)
         self.plan: BatchPlan[PassRequest] = BatchPlan(max_sequences, device_budget, host_budget, grow_back_steps)
         self.is_memory_error = is_memory_error
         self.static = static
@@ -242,7 +246,7 @@ class BatchScheduler:
             if self._rides(cache):
                 seq.chunk_tokens = self.prefill_chunk_tokens
                 return
-            logits = prefill(self.loaded, request.prompt_ids, self.settings, cache, self.prefill_mode)
+            logits = prefill(self.loaded, request.prompt_ids, self.prefill_settings, cache, self.prefill_mode)
         except Exception as e:  # noqa: BLE001 - sorted out just below
             seq.handle.close()
             self._wait_or_fail(seq, e)
@@ -265,12 +269,11 @@ class BatchScheduler:
         return True
 
     def _rides(self, cache: Cache) -> bool:
-        """Whether a prompt goes in chunks beside the decode rows (with none when it is alone: the same
-        chunks, so a sequence's prefill, and its tokens, do not depend on its batch-mates): its cache takes
+        """Whether a prompt goes in chunks beside the decode rows: there are some, and its cache takes
         a chunk as one more row (transformers' dynamic layers, a KV pool slot; a tiered cache's
         prefill is layer-major or streams its layers, so it stays whole, as `cache.prefill:
         layer-major` asks)."""
-        return (self.prefill_chunk_tokens > 0 and self.prefill_mode != "layer-major"
+        return (self.prefill_chunk_tokens > 0 and bool(self.plan.decoding) and self.prefill_mode != "layer-major"
                 and isinstance(cache, (DynamicCache, PooledCache)))
 
     def _first_token(self, seq: Sequence, logits: torch.Tensor) -> None:
