@@ -43,10 +43,28 @@ def _is_loopback(address: str) -> bool:
     return _host_port(address)[0] in ("127.0.0.1", "localhost", "::1")
 
 
+class RayStartError(ConfigError):
+    """A private local Ray could not start here (nothing was created)."""
+
+
 def init_local_ray(**options: object) -> None:
-    """Start a private local Ray that listens on loopback only, without the dashboard."""
+    """Start a private local Ray that listens on loopback only, without the dashboard.
+
+    `address="local"`: never the cluster a `ray_current_cluster` file names (under /tmp/ray or
+    $RAY_TMPDIR/ray), which ray.init joins otherwise: a `ray start` cluster of someone else, or a
+    stale file of one that ended uncleanly, where ray.init retries "Failed to connect to GCS" for good.
+    """
     _keep_loopback()
-    ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", **options)
+    try:
+        ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1", **options)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except Exception as e:  # noqa: BLE001 - whatever Ray raised, the user gets one line
+        ray.shutdown()  # what started of it goes with it
+        raise RayStartError(
+            f"a private local Ray could not start here ({type(e).__name__}: {_first_line(e)}): check that "
+            "$RAY_TMPDIR (else /tmp) is a writable folder with free space, or join a running cluster with --address"
+        ) from None
 
 
 #: How long a connection to a given address may take before no cluster counts as being there.
@@ -112,7 +130,16 @@ def _join(address: str, options: dict[str, Any]) -> None:
     except ConnectionError as e:  # something listens there, but no Ray cluster this driver can join
         explicit = address != "auto"  # Ray sends the token to a cluster it finds itself
         fix = _AUTH_FIX if explicit and os.environ.get("RAY_AUTH_MODE") is None else _ADDRESS_FIX
-        raise ClusterUnreachableError(address, str(e).splitlines()[0], fix) from None
+        raise ClusterUnreachableError(address, _first_line(e), fix) from None
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except Exception as e:  # noqa: BLE001 - a version mismatch, a timeout: one line, whatever Ray raised
+        ray.shutdown()
+        raise ClusterUnreachableError(address, f"{type(e).__name__}: {_first_line(e)}") from None
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 #: How long a killed worker may take to exit (a CUDA context can take seconds to tear down).
