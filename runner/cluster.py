@@ -65,6 +65,57 @@ def init_local_ray(**options: object) -> None:
             f"a private local Ray could not start here ({type(e).__name__}: {_first_line(e)}): check that "
             "$RAY_TMPDIR (else /tmp) is a writable folder with free space, or join a running cluster with --address"
         ) from None
+    _start_reaper()
+
+
+#: Kills the listed processes ("pid:start time") once its stdin reaches EOF: when the driver exits or is killed.
+_REAPER = """
+import signal, sys
+import psutil
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+family = [arg.split(":") for arg in sys.argv[1:]]
+sys.stdin.buffer.read()
+for pid, started in family:
+    try:
+        process = psutil.Process(int(pid))
+        if abs(process.create_time() - float(started)) < 0.01:
+            process.kill()
+    except psutil.Error:
+        pass
+"""
+
+
+def _start_reaper() -> None:
+    """The private Ray's processes die with this driver, whatever ends it.
+
+    Ray ties the processes a driver starts (GCS, raylet, ...) to it with PR_SET_PDEATHSIG, but the
+    dashboard and runtime-env agents are the raylet's children: after a `kill -9` of the driver they see
+    the raylet die within seconds, then report that death through the GCS, which died with it, and wait
+    out that call's 60 s timeout (and more), orphaned. A small process of its own, which outlives the
+    driver, kills every process the driver started once the pipe from the driver closes. Process start
+    times guard against pids reused meanwhile.
+    """
+    import subprocess
+    import sys
+
+    import psutil
+
+    family = [f"{p.pid}:{p.create_time()}" for p in psutil.Process().children(recursive=True)]
+    reaper = subprocess.Popen([sys.executable, "-c", _REAPER, *family], stdin=subprocess.PIPE,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    _reapers.append(reaper)
+
+
+#: The reapers of this process's private Rays: each one's stdin closes with the process, or after ray.shutdown().
+_reapers: list[Any] = []
+
+
+def _reap() -> None:
+    """After ray.shutdown(): whatever of the private Ray is still there goes now, not when this process exits."""
+    while _reapers:
+        reaper = _reapers.pop()
+        reaper.stdin.close()
+        reaper.wait()
 
 
 #: How long a connection to a given address may take before no cluster counts as being there.
@@ -117,6 +168,7 @@ def ray_session(address: str | None) -> Iterator[dict[str, float]]:
         yield ray.cluster_resources()
     finally:
         ray.shutdown()
+        _reap()
 
 
 def _join(address: str, options: dict[str, Any]) -> None:

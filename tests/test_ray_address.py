@@ -20,7 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.helpers.cli import TINY_CONFIG, export_rows, job_fingerprints, kvbatch, write_jsonl
+from tests.helpers.cli import REPO, TINY_CONFIG, export_rows, job_fingerprints, kvbatch, license_manifest, wait_for, write_jsonl
 from tests.helpers.system import free_port
 
 #: TEST-NET-1 (RFC 5737): never a Ray cluster; a connection to it times out or, where the network answers
@@ -154,3 +154,30 @@ def test_a_local_ray_that_cannot_start_is_one_line_and_exit_2(tmp_path: Path) ->
     assert "a private local Ray could not start here" in " ".join(proc.stderr.split()), proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr
     assert not job.exists()
+
+
+def test_a_submit_killed_with_sigkill_takes_its_ray_processes_with_it(tmp_path: Path) -> None:
+    """The dashboard and runtime-env agents (the raylet's children) outlived a `kill -9` of the submit for a
+    minute and more: they waited out a 60 s call to the GCS that had died with it."""
+    manifest = license_manifest(tmp_path, ["GPL-2", "LGPL-2.1"])
+    job = tmp_path / "job"
+    with _private_ray_tmpdir() as ray_tmpdir:
+        env = {**os.environ, "RAY_TMPDIR": str(ray_tmpdir)}
+        env.pop("RAY_ADDRESS", None)
+        proc = subprocess.Popen([sys.executable, "-m", "runner", "submit", str(manifest), "-c", str(TINY_CONFIG),
+                                 "-j", str(job), "--set", "workers.count=1"], cwd=REPO, env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        family: list[psutil.Process] = []
+        try:  # the moment: a task has run, so every Ray process (agents, worker) is up
+            assert wait_for(lambda: any((job / "events").glob("*.parquet")), proc, timeout=240), "the submit ended"
+            family = psutil.Process(proc.pid).children(recursive=True)
+            assert {"ray::DashboardAgent", "ray::RuntimeEnvAgent", "raylet"} <= {p.name() for p in family}
+            proc.kill()
+            proc.wait()
+            _, alive = psutil.wait_procs(family, timeout=20)
+            assert not alive, f"left behind after kill -9: {[(p.pid, p.name()) for p in alive]}"
+        finally:
+            proc.kill()
+            for process in family:
+                with suppress(psutil.Error):
+                    process.kill()
