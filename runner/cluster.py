@@ -6,6 +6,8 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import subprocess
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -41,6 +43,10 @@ def _host_port(address: str) -> tuple[str, str]:
 
 def _is_loopback(address: str) -> bool:
     return _host_port(address)[0] in ("127.0.0.1", "localhost", "::1")
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 class RayStartError(ConfigError):
@@ -95,9 +101,6 @@ def _start_reaper() -> None:
     driver, kills every process the driver started once the pipe from the driver closes. Process start
     times guard against pids reused meanwhile.
     """
-    import subprocess
-    import sys
-
     import psutil
 
     family = [f"{p.pid}:{p.create_time()}" for p in psutil.Process().children(recursive=True)]
@@ -107,7 +110,7 @@ def _start_reaper() -> None:
 
 
 #: The reapers of this process's private Rays: each one's stdin closes with the process, or after ray.shutdown().
-_reapers: list[Any] = []
+_reapers: list[subprocess.Popen[bytes]] = []
 
 
 def _reap() -> None:
@@ -189,9 +192,6 @@ def _join(address: str, options: dict[str, Any]) -> None:
         ray.shutdown()
         raise ClusterUnreachableError(address, f"{type(e).__name__}: {_first_line(e)}") from None
 
-
-def _first_line(error: BaseException) -> str:
-    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 #: How long a killed worker may take to exit (a CUDA context can take seconds to tear down).
