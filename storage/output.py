@@ -8,6 +8,7 @@ over it, so a write that fails (a full disk) leaves the old file, or none, never
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from collections.abc import Callable
@@ -35,7 +36,7 @@ def write_output(path: Path, write: Callable[[BinaryIO], object]) -> None:
         raise output_error(path, e) from None
     try:
         if kind is not None and stat.S_ISDIR(kind):
-            raise IsADirectoryError(21, "it is a folder")
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR))
         if kind is not None and not stat.S_ISREG(kind):
             with open(target, "wb") as handle:  # a pipe or a device: streamed into, never replaced
                 write(handle)
