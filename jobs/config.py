@@ -423,11 +423,13 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     key, sep, raw = item.partition("=")
     if not sep or not key.strip():
         raise ConfigError(f"--set '{item}': expected key=value, e.g. --set cache.strategy=tiered-disk")
+    path = key.strip().split(".")
     try:
+        _check_unique_keys(yaml.compose(raw, Loader=yaml.SafeLoader), f"--set '{item}'", ".".join(path))
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError:
         value = raw
-    return key.strip().split("."), value
+    return path, value
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -452,7 +454,7 @@ def config_from_dict(data: dict[str, Any], source: str = "config") -> JobConfig:
         raise ConfigError(_describe(err, source)) from None
 
 
-def _check_unique_keys(node: yaml.Node | None, path: str | Path, key: str = "",
+def _check_unique_keys(node: yaml.Node | None, source: str, key: str = "",
                        seen_nodes: set[int] | None = None) -> None:
     """YAML lets a later key replace an earlier one silently (a second `summarize:` section dropped the
     first one's settings): a key twice in one mapping is an error naming it and both lines. A node an
@@ -463,7 +465,7 @@ def _check_unique_keys(node: yaml.Node | None, path: str | Path, key: str = "",
     seen_nodes.add(id(node))
     if isinstance(node, yaml.SequenceNode):
         for i, item in enumerate(node.value):
-            _check_unique_keys(item, path, f"{key}.{i}" if key else str(i), seen_nodes)
+            _check_unique_keys(item, source, f"{key}.{i}" if key else str(i), seen_nodes)
     if not isinstance(node, yaml.MappingNode):
         return
     seen: dict[Any, int] = {}
@@ -473,10 +475,10 @@ def _check_unique_keys(node: yaml.Node | None, path: str | Path, key: str = "",
         if name is not None and name != "<<":  # "<<" merges an anchored mapping in: no key of its own
             line = key_node.start_mark.line + 1
             if name in seen:
-                raise ConfigError(f"config file {path}: key '{dotted}' appears twice (lines {seen[name]} and {line}), "
+                raise ConfigError(f"{source}: key '{dotted}' appears twice (lines {seen[name]} and {line}), "
                                   "and YAML would keep only the last: merge them into one")
             seen[name] = line
-        _check_unique_keys(value_node, path, dotted, seen_nodes)
+        _check_unique_keys(value_node, source, dotted, seen_nodes)
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> JobConfig:
@@ -494,7 +496,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
                 f"config file {path} is not valid UTF-8 (byte offset {e.start}): save it as UTF-8"
             ) from None
         try:
-            _check_unique_keys(yaml.compose(text, Loader=yaml.SafeLoader), path)
+            _check_unique_keys(yaml.compose(text, Loader=yaml.SafeLoader), f"config file {path}")
             loaded = yaml.safe_load(text)
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {path} is not valid YAML: {e}") from None

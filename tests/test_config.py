@@ -75,6 +75,11 @@ def test_a_key_given_twice_in_a_config_file_is_an_error_naming_it(tmp_path: Path
     assert str(config) in str(raised.value) and "\n" not in str(raised.value)
 
 
+def test_a_key_given_twice_in_a_set_value_is_an_error_naming_it() -> None:
+    with pytest.raises(ConfigError, match=re.escape("key 'summarize.generation.top_k' appears twice")):
+        load_config(None, ["summarize.generation={top_k: 5, top_k: 7}"])
+
+
 def test_an_anchored_mapping_merged_in_is_no_duplicate(tmp_path: Path) -> None:
     config = tmp_path / "merged.yaml"
     config.write_text("summarize:\n  loop_stop: &stop {ngram: 4, repeats: 3}\n  max_new_tokens: 64\n"
