@@ -50,6 +50,13 @@ def summary_budget(context_tokens: int, prompt_tokens: int, max_new_tokens: int)
     return budget
 
 
+def merge_room(context_tokens: int, prompt_tokens: int, max_new_tokens: int, separator_tokens: int) -> int:
+    """Tokens a merge pass of `context_tokens` has to spare once it holds the prompt, its answer and two
+    partial summaries of `max_new_tokens` each; negative: no two summaries ever merge at that context, so
+    a document longer than one pass could never end (ContextTooSmallError after all its chunk passes)."""
+    return context_tokens - prompt_tokens - max_new_tokens - (2 * max_new_tokens + separator_tokens)
+
+
 def _check_spans(text: str, token_spans: Sequence[tuple[int, int]]) -> None:
     previous_start = 0
     for i, (start, end) in enumerate(token_spans):

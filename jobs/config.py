@@ -9,10 +9,11 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Any, Literal
+from types import UnionType
+from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from jobs.rungs import STRATEGIES
 
@@ -52,8 +53,22 @@ _DEVICE = re.compile(rf"({'|'.join(TORCH_DEVICE_TYPES)})(?::(0|[1-9][0-9]*))?")
 _MAX_DEVICE_INDEX = 127  # torch keeps a device index in an int8
 
 
+def _numeric(annotation: Any) -> bool:
+    """A key that takes a number and not a yes/no (`int`, `float`, `int | Literal["auto"]`...)."""
+    kinds = get_args(annotation) if get_origin(annotation) in (Union, UnionType) else (annotation,)
+    return bool({int, float} & set(kinds)) and bool not in kinds
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_a_number(cls, value: Any, info: ValidationInfo) -> Any:
+        """pydantic reads true as 1 (and YAML reads yes/on as true): a number key refuses it, as a manifest row does."""
+        if isinstance(value, bool) and _numeric(cls.model_fields[info.field_name].annotation):
+            raise ValueError("must be a number, not true/false (YAML also reads yes, no, on, off as those)")
+        return value
 
 
 Dtype = Literal["auto", "float32", "float16", "bfloat16"]
@@ -416,11 +431,13 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     key, sep, raw = item.partition("=")
     if not sep or not key.strip():
         raise ConfigError(f"--set '{item}': expected key=value, e.g. --set cache.strategy=tiered-disk")
+    path = key.strip().split(".")
     try:
+        _check_unique_keys(yaml.compose(raw, Loader=yaml.SafeLoader), f"--set '{item}'", ".".join(path))
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError:
         value = raw
-    return key.strip().split("."), value
+    return path, value
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -445,6 +462,33 @@ def config_from_dict(data: dict[str, Any], source: str = "config") -> JobConfig:
         raise ConfigError(_describe(err, source)) from None
 
 
+def _check_unique_keys(node: yaml.Node | None, source: str, key: str = "",
+                       seen_nodes: set[int] | None = None) -> None:
+    """YAML lets a later key replace an earlier one silently (a second `summarize:` section dropped the
+    first one's settings): a key twice in one mapping is an error naming it and both lines. A node an
+    alias reaches again is checked once (an alias bomb or a circular alias stays cheap)."""
+    seen_nodes = set() if seen_nodes is None else seen_nodes
+    if id(node) in seen_nodes:
+        return
+    seen_nodes.add(id(node))
+    if isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _check_unique_keys(item, source, f"{key}.{i}" if key else str(i), seen_nodes)
+    if not isinstance(node, yaml.MappingNode):
+        return
+    seen: dict[Any, int] = {}
+    for key_node, value_node in node.value:
+        name = key_node.value if isinstance(key_node, yaml.ScalarNode) else None
+        dotted = _key_name((key, name) if key else (name,))
+        if name is not None and name != "<<":  # "<<" merges an anchored mapping in: no key of its own
+            line = key_node.start_mark.line + 1
+            if name in seen:
+                raise ConfigError(f"{source}: key '{dotted}' appears twice (lines {seen[name]} and {line}), "
+                                  "and YAML would keep only the last: merge them into one")
+            seen[name] = line
+        _check_unique_keys(value_node, source, dotted, seen_nodes)
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> JobConfig:
     """Read a YAML config (defaults when `path` is None) and apply `--set` overrides."""
     data: dict[str, Any] = {}
@@ -460,6 +504,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
                 f"config file {path} is not valid UTF-8 (byte offset {e.start}): save it as UTF-8"
             ) from None
         try:
+            _check_unique_keys(yaml.compose(text, Loader=yaml.SafeLoader), f"config file {path}")
             loaded = yaml.safe_load(text)
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {path} is not valid YAML: {e}") from None

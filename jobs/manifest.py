@@ -43,6 +43,9 @@ from jobs.uris import is_uri
 OVERRIDE_FIELDS = ("max_new_tokens", "prompt")
 RESERVED_FIELDS = ("id", "text", "path", *OVERRIDE_FIELDS)
 MAX_ID_CHARS = 1024
+#: Unicode's explicit bidirectional formatting characters (UAX #9): an id holding one (U+202E, right-to-left
+#: override) is shown reversed by `status` and in a terminal, so ids are refused with them as with C0 controls.
+BIDI_CONTROLS = frozenset("\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
 _JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
 _SUFFIXES_HELP = ".jsonl, .ndjson, .json, .csv or .parquet (.gz allowed except for Parquet)"
 
@@ -110,6 +113,11 @@ def _doc_id(value: Any) -> str:
     if any(unicodedata.category(c) == "Cc" for c in doc_id):
         raise _RowRejected(
             f"'id' {_shown(doc_id)} contains control characters (newline, tab, NUL...): use printable ids"
+        )
+    if bidi := sorted({f"U+{ord(c):04X}" for c in doc_id if c in BIDI_CONTROLS}):
+        raise _RowRejected(
+            f"'id' {_shown(doc_id)} contains bidirectional text controls ({', '.join(bidi)}), which make a terminal "
+            "show it reordered: use ids without them"
         )
     return doc_id
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import subprocess
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -43,10 +45,80 @@ def _is_loopback(address: str) -> bool:
     return _host_port(address)[0] in ("127.0.0.1", "localhost", "::1")
 
 
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
+
+
+class RayStartError(ConfigError):
+    """A private local Ray could not start here (nothing was created)."""
+
+
 def init_local_ray(**options: object) -> None:
-    """Start a private local Ray that listens on loopback only, without the dashboard."""
+    """Start a private local Ray that listens on loopback only, without the dashboard.
+
+    `address="local"`: never the cluster a `ray_current_cluster` file names (under /tmp/ray or
+    $RAY_TMPDIR/ray), which ray.init joins otherwise: a `ray start` cluster of someone else, or a
+    stale file of one that ended uncleanly, where ray.init retries "Failed to connect to GCS" for good.
+    """
     _keep_loopback()
-    ray.init(include_dashboard=False, _node_ip_address="127.0.0.1", **options)
+    try:
+        ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1", **options)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except Exception as e:  # noqa: BLE001 - whatever Ray raised, the user gets one line
+        ray.shutdown()  # what started of it goes with it
+        raise RayStartError(
+            f"a private local Ray could not start here ({type(e).__name__}: {_first_line(e)}): check that "
+            "$RAY_TMPDIR (else /tmp) is a writable folder with free space, or join a running cluster with --address"
+        ) from None
+    _start_reaper()
+
+
+#: Kills the listed processes ("pid:start time") once its stdin reaches EOF: when the driver exits or is killed.
+_REAPER = """
+import signal, sys
+import psutil
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+family = [arg.split(":") for arg in sys.argv[1:]]
+sys.stdin.buffer.read()
+for pid, started in family:
+    try:
+        process = psutil.Process(int(pid))
+        if abs(process.create_time() - float(started)) < 0.01:
+            process.kill()
+    except psutil.Error:
+        pass
+"""
+
+
+def _start_reaper() -> None:
+    """The private Ray's processes die with this driver, whatever ends it.
+
+    Ray ties the processes a driver starts (GCS, raylet, ...) to it with PR_SET_PDEATHSIG, but the
+    dashboard and runtime-env agents are the raylet's children: after a `kill -9` of the driver they see
+    the raylet die within seconds, then report that death through the GCS, which died with it, and wait
+    out that call's 60 s timeout (and more), orphaned. A small process of its own, which outlives the
+    driver, kills every process the driver started once the pipe from the driver closes. Process start
+    times guard against pids reused meanwhile.
+    """
+    import psutil
+
+    family = [f"{p.pid}:{p.create_time()}" for p in psutil.Process().children(recursive=True)]
+    reaper = subprocess.Popen([sys.executable, "-c", _REAPER, *family], stdin=subprocess.PIPE,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    _reapers.append(reaper)
+
+
+#: The reapers of this process's private Rays: each one's stdin closes with the process, or after ray.shutdown().
+_reapers: list[subprocess.Popen[bytes]] = []
+
+
+def _reap() -> None:
+    """After ray.shutdown(): whatever of the private Ray is still there goes now, not when this process exits."""
+    while _reapers:
+        reaper = _reapers.pop()
+        reaper.stdin.close()
+        reaper.wait()
 
 
 #: How long a connection to a given address may take before no cluster counts as being there.
@@ -99,6 +171,7 @@ def ray_session(address: str | None) -> Iterator[dict[str, float]]:
         yield ray.cluster_resources()
     finally:
         ray.shutdown()
+        _reap()
 
 
 def _join(address: str, options: dict[str, Any]) -> None:
@@ -112,7 +185,13 @@ def _join(address: str, options: dict[str, Any]) -> None:
     except ConnectionError as e:  # something listens there, but no Ray cluster this driver can join
         explicit = address != "auto"  # Ray sends the token to a cluster it finds itself
         fix = _AUTH_FIX if explicit and os.environ.get("RAY_AUTH_MODE") is None else _ADDRESS_FIX
-        raise ClusterUnreachableError(address, str(e).splitlines()[0], fix) from None
+        raise ClusterUnreachableError(address, _first_line(e), fix) from None
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except Exception as e:  # noqa: BLE001 - a version mismatch, a timeout: one line, whatever Ray raised
+        ray.shutdown()
+        raise ClusterUnreachableError(address, f"{type(e).__name__}: {_first_line(e)}") from None
+
 
 
 #: How long a killed worker may take to exit (a CUDA context can take seconds to tear down).

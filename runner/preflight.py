@@ -10,9 +10,11 @@ starts. Only the model's config is read, never its weights, and no worker is sta
 from __future__ import annotations
 
 import math
-from typing import Any
+from pathlib import Path
+from typing import Any, NamedTuple
 
-from jobs.config import ConfigError, JobConfig, SummarizeConfig, max_answer_tokens
+from jobs.chunking import SUMMARY_SEPARATOR, merge_room
+from jobs.config import ConfigError, JobConfig, SummarizeConfig, looks_like_path, max_answer_tokens
 from jobs.node_share import workers_that_fit
 from jobs.rungs import RUNGS
 from runner.engine.model_errors import ModelLoadError
@@ -55,6 +57,7 @@ def check_settings(config: JobConfig) -> None:
     check_token_ids(config)
     check_context(config)
     check_answer_room(config.summarize)
+    check_merge_room(config)
     check_quantization(config)
 
 
@@ -154,6 +157,51 @@ def check_answer_room(settings: SummarizeConfig) -> None:
             f"({settings.context_tokens}) for the prompt and the document (the answer may take at most half): "
             f"set summarize.max_new_tokens to {most} or less, or summarize.context_tokens "
             f"to {2 * settings.max_new_tokens} or more"
+        )
+
+
+class _TokenizerOnly(NamedTuple):
+    """What a Summarizer reads of a loaded model: its tokenizer (the weights are not loaded at submit)."""
+
+    tokenizer: Any
+
+
+def _tokenizer(config: JobConfig) -> Any | None:
+    """The model's tokenizer (both builtins use SmolLM2's); None when it cannot be read here (a worker says why)."""
+    from transformers import AutoTokenizer
+
+    from runner.engine.model_registry import BUILTIN_PREFIX, smollm2_tokenizer
+
+    name = config.model.name
+    try:
+        if name.startswith(BUILTIN_PREFIX):
+            return smollm2_tokenizer(name)
+        return AutoTokenizer.from_pretrained(str(Path(name).expanduser()) if looks_like_path(name) else name)
+    except (OSError, ValueError, ModelLoadError):
+        return None
+
+
+def check_merge_room(config: JobConfig) -> None:
+    """Two partial summaries merge in one pass of the smallest context a document may run at
+    (`summarize.min_context_tokens`): else every document longer than one pass runs all its chunk
+    passes and then fails (ContextTooSmallError)."""
+    from runner.engine.summarize import _EDGE_MARGIN_TOKENS, Summarizer
+
+    tokenizer = _tokenizer(config)
+    if tokenizer is None:
+        return
+    s = config.summarize
+    prompt = len(Summarizer(_TokenizerOnly(tokenizer), 0).prompt_ids(s.prompt, "")) + _EDGE_MARGIN_TOKENS
+    separator = len(tokenizer(SUMMARY_SEPARATOR, add_special_tokens=False)["input_ids"])
+    room = merge_room(s.min_context_tokens, prompt, s.max_new_tokens, separator)
+    if room < 0:
+        most = (s.min_context_tokens - prompt - separator) // 3
+        raise ConfigError(
+            f"summarize.min_context_tokens ({s.min_context_tokens}) cannot hold a merge pass: the prompt "
+            f"({prompt} tokens with the chat template) and two partial summaries and an answer of up to "
+            f"summarize.max_new_tokens ({s.max_new_tokens}) tokens each need {s.min_context_tokens - room}; raise "
+            f"summarize.min_context_tokens (and summarize.context_tokens) to {s.min_context_tokens - room} or more, "
+            + (f"or lower summarize.max_new_tokens to {most} or less" if most > 0 else "or shorten summarize.prompt")
         )
 
 

@@ -185,7 +185,10 @@ class CheckpointLog:
                 try:
                     self._flush_locked()
                 except Exception as exc:  # unpublished rows stay buffered for the next flush
-                    logger.exception("periodic checkpoint flush of %s failed", self._results.directory.parent)
+                    # the next caller raises it and says what to do (a full disk: submit's exit 6); a
+                    # traceback on the console here came before that line
+                    logger.debug("periodic checkpoint flush of %s failed", self._results.directory.parent,
+                                 exc_info=True)
                     self._background_error = exc
 
     def close(self) -> None:

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, BinaryIO, Literal
+from typing import Any, Literal
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -19,7 +18,8 @@ from jobs.manifest import tasks_from_table
 from jobs.schema import TaskState
 from storage.checkpoint import load_state
 from storage.jobdir import JobDir, check_job_folder, read_manifest_table
-from storage.location import Location, StorageError, Where
+from storage.location import Where
+from storage.output import write_output
 
 ExportFormat = Literal["jsonl", "csv", "parquet"]
 
@@ -125,21 +125,6 @@ def _jsonl(job_dir: Where, errors_only: bool, with_text: bool) -> tuple[str, int
     return "".join(lines), table.num_rows
 
 
-def output_error(path: Path | Location, error: OSError) -> StorageError:
-    """An output file named by -o that cannot be written: one line naming it and what to do."""
-    return StorageError(
-        f"cannot write {path} ({error.strerror or error}): give -o a file in a folder that exists and that you can write to"
-    )
-
-
-def _write_file(out: Path, write: Callable[[BinaryIO], object]) -> None:
-    try:
-        with open(out, "wb") as handle:
-            write(handle)
-    except OSError as e:
-        raise output_error(out, e) from None
-
-
 def export_results(job_dir: Where, out: Path | None, fmt: ExportFormat, errors_only: bool,
                    with_text: bool = False) -> int:
     """Writes the rows to `out` (stdout when None; not for parquet); returns the row count."""
@@ -148,13 +133,13 @@ def export_results(job_dir: Where, out: Path | None, fmt: ExportFormat, errors_o
         if out is None:
             sys.stdout.write(lines)
         else:
-            _write_file(out, lambda handle: handle.write(lines.encode("utf-8")))
+            write_output(out, lambda handle: handle.write(lines.encode("utf-8")))
         return n
     table = results_table(job_dir, errors_only, with_text)
     if fmt == "parquet":
         if out is None:
             raise ConfigError("parquet output needs a file: add -o results.parquet")
-        _write_file(out, lambda handle: pq.write_table(table, handle))
+        write_output(out, lambda handle: pq.write_table(table, handle))
     else:
         flat = table.set_column(
             table.schema.get_field_index("fallbacks"), "fallbacks",
@@ -165,5 +150,5 @@ def export_results(job_dir: Where, out: Path | None, fmt: ExportFormat, errors_o
             pacsv.write_csv(flat, sink)
             sys.stdout.write(sink.getvalue().to_pybytes().decode())
         else:
-            _write_file(out, lambda handle: pacsv.write_csv(flat, handle))
+            write_output(out, lambda handle: pacsv.write_csv(flat, handle))
     return table.num_rows

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import shutil
 import tempfile
 import time
@@ -380,3 +381,37 @@ def test_a_part_written_before_a_column_was_added_reads_with_nulls(tmp_path: Pat
     state = load_state(tmp_path)
     assert state.corrupt == [] and state.done_task_ids == {"t-a"}
     assert state.results.column("prefill_s").to_pylist() == [None]
+
+
+def test_a_full_disk_in_the_interval_flush_goes_to_the_next_caller_without_a_traceback(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The interval flusher printed "periodic checkpoint flush ... failed" with an OSError traceback on the
+    console before submit's exit-6 line: the error is the next caller's to report (submit: exit 6), not its."""
+    import errno
+
+    from tests.helpers.system import mounted_tmpfs
+
+    with mounted_tmpfs(tmp_path / "small", "size=1m") as disk:
+        log = CheckpointLog(disk, flush_every=1000, flush_interval_s=0.1)
+        (disk / RESULTS_DIR).mkdir(exist_ok=True)
+        filler = disk / "filler"
+        with open(filler, "wb", buffering=0) as f:
+            for size in (65536, 4096, 1):
+                try:
+                    while True:
+                        f.write(b"\0" * size)
+                except OSError:
+                    pass
+        log.add_result(result("d1"))
+        deadline = time.monotonic() + 30
+        while log._background_error is None:  # the moment: the interval flush has failed
+            assert time.monotonic() < deadline, "the interval flush never ran"
+            time.sleep(0.01)
+        with pytest.raises(OSError) as raised:
+            log.add_event(event("t-d1", "done"))
+        assert raised.value.errno == errno.ENOSPC
+        filler.unlink()
+        log.close()  # once there is space again, nothing buffered was lost
+        assert load_state(disk).done_task_ids == {"t-d1"}
+    loud = [r for r in caplog.records if r.name == "storage.checkpoint" and r.levelno >= logging.WARNING]
+    assert not loud, [r.getMessage() for r in loud]

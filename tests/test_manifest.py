@@ -193,6 +193,19 @@ def test_bad_jsonl_lines_are_rejected_and_the_rest_go_on(tmp_path: Path) -> None
     assert all(r.doc_id is None for r in rejections)
 
 
+@pytest.mark.parametrize("control", ["\u202e", "\u202a", "\u2066", "\u2069", "\u200f", "\u061c"])
+def test_an_id_with_a_bidi_control_is_rejected_like_a_c0_control(tmp_path: Path, control: str) -> None:
+    """U+202E (right-to-left override) in an id made `status` show it reversed; ids are refused with it."""
+    manifest = write_jsonl(tmp_path / "m.jsonl", [{"id": f"invoice-{control}fdp.exe", "text": "A memo."},
+                                                  {"id": "ok", "text": "Another memo."},
+                                                  {"id": "family-\U0001f468\u200d\U0001f469", "text": "A joiner is fine."}])
+    tasks, rejections = read_manifest(manifest, CFG)
+    assert [t.doc_id for t in tasks] == ["ok", "family-\U0001f468\u200d\U0001f469"]
+    [rejection] = rejections
+    assert f"bidirectional text controls (U+{ord(control):04X})" in rejection.reason, rejection.reason
+    assert rejection.doc_id is None  # nor is the row named by it
+
+
 def test_duplicate_ids_keep_the_first_including_unicode_normalised_forms(tmp_path: Path) -> None:
     composed, decomposed = "caf\u00e9", unicodedata.normalize("NFD", "caf\u00e9")
     assert composed != decomposed

@@ -268,7 +268,8 @@ def test_two_concurrent_jobs_on_one_root_never_see_each_others_files(ray_address
     names = ["GPL-3", "GPL-2", "LGPL-2.1"]
     # tasks long enough to outlast the wait below; the reference on one worker too: a worker's torch thread
     # count can flip a near-tie over many tokens
-    longer = ["--set", "summarize.max_new_tokens=64"]
+    # (a merge of two 64-token summaries needs more than tiny.yaml's 256-token smallest context)
+    longer = ["--set", "summarize.max_new_tokens=64", "--set", "summarize.min_context_tokens=512"]
     reference = tmp_path / "reference"
     kvbatch("submit", str(license_manifest(tmp_path, names)), "-c", str(TINY_CONFIG), "-j", str(reference),
             "--address", ray_address, "--set", "cache.strategy=dynamic", *ONE_WORKER, *longer, check=0)

@@ -38,6 +38,11 @@ BAD_SETTINGS = [
     (["--set", "summarize.generation.forced_eos_token_id=1000000"], "forced_eos_token_id: 1000000 is not a token id"),
     (["--set", "summarize.generation.bad_words_ids=[[5],[49152]]"], "bad_words_ids: 49152 is not a token id"),
     (["--set", "summarize.generation.suppress_tokens=[-1]"], "suppress_tokens: -1 is not a token id"),
+    # no two partial summaries merge at the smallest context: every long document ran all its chunk passes,
+    # then failed with ContextTooSmallError (exit 3)
+    (["--set", "summarize.context_tokens=256", "--set", "summarize.min_context_tokens=256", "--set",
+      "summarize.max_new_tokens=64", "--set", "summarize.chunk_overlap_tokens=16"],
+     "summarize.min_context_tokens (256) cannot hold a merge pass"),
 ]
 
 
@@ -98,3 +103,15 @@ def test_a_gpu_node_is_asked_for_gpus_a_worker_can_have() -> None:
     with pytest.raises(ConfigError, match="workers.gpus_per_worker=2: no node of the Ray cluster has 2 GPUs"):
         check_resources(load_config(TINY_CONFIG, ["workers.gpus_per_worker=2"]), node)
     check_device(load_config(TINY_CONFIG, ["model.device=cuda", "cache.strategy=offloaded"]), node)
+
+
+def test_the_merge_room_check_refuses_exactly_the_settings_where_no_merge_fits() -> None:
+    """The prompt (65 tokens with SmolLM2's chat template and the margin), a separator token and three
+    answers of 64 tokens need 258 of a 256-token context: 63 tokens fit, as the refusal says."""
+    from runner.preflight import check_merge_room
+
+    at_256 = ["summarize.context_tokens=256", "summarize.min_context_tokens=256"]
+    with pytest.raises(ConfigError, match=r"to 258 or more, or lower summarize.max_new_tokens to 63 or less"):
+        check_merge_room(load_config(TINY_CONFIG, [*at_256, "summarize.max_new_tokens=64"]))
+    check_merge_room(load_config(TINY_CONFIG, [*at_256, "summarize.max_new_tokens=63"]))
+    check_merge_room(load_config(TINY_CONFIG, ["summarize.min_context_tokens=258", "summarize.max_new_tokens=64"]))

@@ -22,9 +22,10 @@ from runner.observe.joblog import read_log
 from runner.observe.progress import format_duration
 from runner.observe.report_plots import PLOTS, fallback_path
 from runner.observe.status import JobStatus, job_status
-from storage.export import output_error, results_table
+from storage.export import results_table
 from storage.jobdir import JobDir, JobInfo, read_job
 from storage.location import Location, StorageError, Where
+from storage.output import output_error, write_output
 
 _CSS = """
 body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1100px; color: #222; }
@@ -153,13 +154,17 @@ def render_report(job_dir: Where) -> str:
 
 def write_report(job_dir: Where, output: Path | None, console: Console) -> int:
     """Writes the page (default JOB_DIR/report.html) and says where it is; exit code 0."""
-    out = Location.of(output) if output is not None else JobDir(job_dir).path / "report.html"
-    page = render_report(job_dir)
-    try:
-        out.write_bytes_atomic(page.encode("utf-8"), f".{out.name}.tmp")
-    except StorageError:
-        raise
-    except OSError as e:
-        raise output_error(out, e) from None
+    page = render_report(job_dir).encode("utf-8")
+    if output is not None:
+        out: Path | Location = output
+        write_output(output, lambda handle: handle.write(page))
+    else:
+        out = JobDir(job_dir).path / "report.html"
+        try:
+            out.write_bytes_atomic(page, f".{out.name}.tmp")
+        except StorageError:
+            raise
+        except OSError as e:
+            raise output_error(out, e) from None
     console.print(f"report -> {escape(str(out))}  (open it in a browser; it is one self-contained file)", highlight=False, soft_wrap=True)
     return 0
