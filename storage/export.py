@@ -129,15 +129,20 @@ def results_table(job_dir: Where, errors_only: bool, with_text: bool = False) ->
     return table
 
 
-def _jsonl(job_dir: Where, errors_only: bool, with_text: bool) -> tuple[str, int]:
-    """JSON lines keep every metadata value as the manifest gave it (mixed types, big integers)."""
+def result_rows(job_dir: Where, errors_only: bool, with_text: bool = False) -> list[dict[str, Any]]:
+    """The rows of the JSON lines export, as dicts: every metadata value as the manifest gave it (mixed
+    types, big integers), timestamps as ISO 8601 text."""
     table, metas, names = _results_and_metadata(job_dir, errors_only, with_text)
-    lines = []
-    for row, meta in zip(table.to_pylist(), metas):
+    rows = table.to_pylist()
+    for row, meta in zip(rows, metas):
         row.update((column, iso_time(row[column])) for column in TIMESTAMP_COLUMNS)
         row.update((name, meta.get(key)) for key, name in names.items())
-        lines.append(json.dumps(row, ensure_ascii=False) + "\n")
-    return "".join(lines), table.num_rows
+    return rows
+
+
+def _jsonl(job_dir: Where, errors_only: bool, with_text: bool) -> tuple[str, int]:
+    rows = result_rows(job_dir, errors_only, with_text)
+    return "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), len(rows)
 
 
 def output_error(path: Path | Location, error: OSError) -> StorageError:
