@@ -23,6 +23,7 @@ from jobs.schema import RESULT_SCHEMA, TaskState, empty_row
 from jobs.task import Task
 from runner import __version__
 from runner.cluster import ray_session
+from runner.engine.model_registry import conversion_ahead
 from runner.coordinator import (
     EXIT_FAILED_TASKS,
     EXIT_INTERRUPTED,
@@ -257,6 +258,8 @@ def _execute(job: JobDir, info: JobInfo, config: JobConfig, address: str | None,
         f"{len(tasks)} task(s): {len(tasks) - len(open_tasks)} already finished, {len(open_tasks)} to run"
     )
     code = EXIT_OK
+    if open_tasks and (conversion := conversion_ahead(config.model.name)) is not None:
+        console.print(conversion, style="yellow", markup=False, highlight=False)
     if open_tasks:
         with _checked_cluster(config, address, needed=True):  # submit's session, or resume's own
             coordinator = Coordinator(job, info.job_id, config, offload_root, faults, console, lock)
