@@ -23,7 +23,6 @@ from jobs.schema import RESULT_SCHEMA, TaskState, empty_row
 from jobs.task import Task
 from runner import __version__
 from runner.cluster import ray_session
-from runner.engine.model_registry import conversion_ahead
 from runner.coordinator import (
     EXIT_FAILED_TASKS,
     EXIT_INTERRUPTED,
@@ -32,6 +31,7 @@ from runner.coordinator import (
     EXIT_OK,
     Coordinator,
 )
+from runner.engine.model_registry import conversion_ahead
 from runner.pool import WorkerStartError
 from runner.preflight import check_cluster, check_settings
 from storage.checkpoint import JobState, compact, load_state
