@@ -28,7 +28,7 @@ from rich.console import Console
 
 from jobs.uris import is_uri
 from runner import __version__
-from runner import submit as _run
+from runner import submit as runner_submit
 from storage.export import result_rows
 
 __all__ = ["Job", "__version__", "results", "resume", "submit"]
@@ -73,7 +73,7 @@ def submit(documents: str | os.PathLike[str] | Iterable[Mapping[str, Any]], *, j
 def resume(job_dir: str | os.PathLike[str], *, retry_failed: bool = False, settings: Mapping[str, Any] | None = None,
            address: str | None = None, quiet: bool = False) -> Job:
     """Runs what a job has not finished (after Ctrl-C, a crash, a full disk); `retry_failed`: its failures too."""
-    code = _run.resume(str(job_dir), retry_failed, _overrides(settings), address, _console(quiet))
+    code = runner_submit.resume(str(job_dir), retry_failed, _overrides(settings), address, _console(quiet))
     return Job(str(job_dir), code)
 
 
@@ -86,8 +86,9 @@ def results(job_dir: str | os.PathLike[str], *, errors_only: bool = False,
 def _submit(source: str, job_dir: str | os.PathLike[str], config: str | os.PathLike[str] | None,
             settings: Mapping[str, Any] | None, address: str | None, glob: str | None, strict: bool,
             quiet: bool) -> Job:
-    code = _run.submit(source, glob, Path(config) if config is not None else None, str(job_dir), _overrides(settings),
-                       address, strict, _console(quiet))
+    config_path = Path(config) if config is not None else None
+    code = runner_submit.submit(source, glob, config_path, str(job_dir), _overrides(settings), address, strict,
+                                _console(quiet))
     return Job(str(job_dir), code)
 
 

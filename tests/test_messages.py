@@ -11,7 +11,7 @@ from pathlib import Path
 
 from storage.checkpoint import load_state
 from tests.helpers.child_process import Child
-from tests.helpers.cli import REPO, TINY_CONFIG, kvbatch, refusal, start_submit, wait_for, write_jsonl
+from tests.helpers.cli import REPO, TINY_CONFIG, refusal, start_submit, wait_for, write_jsonl
 
 HOLD_DIR = """
 import sys, time

@@ -144,9 +144,10 @@ def throughput_over_time(rows: list[Row], samples: list[Sample]) -> Figure | Non
     ended = sorted(r["finished_at"] for r in rows if r["status"] in ("done", "failed") and r.get("finished_at"))
     if not rates and not ended:
         return None
-    starts = [s["ts"] - s["elapsed_s"] for s in samples] + [r["finished_at"] - (r.get("wall_s") or 0)
-                                                             for r in rows if r.get("finished_at") and r["status"] != "rejected"]
-    start = min(starts)
+    run_starts = [s["ts"] - s["elapsed_s"] for s in samples]
+    task_starts = [r["finished_at"] - (r.get("wall_s") or 0) for r in rows
+                   if r["status"] in ("done", "failed") and r.get("finished_at")]
+    start = min(run_starts + task_starts)
     fig, ax = plt.subplots(figsize=(8, 4.5))
     if rates:
         ax.bar([a - start for a, _, _ in rates], [rate for _, _, rate in rates], width=[b - a for a, b, _ in rates],
@@ -194,7 +195,8 @@ def latency_split(rows: list[Row], samples: list[Sample], limit: int = 15) -> Fi
 
 def memory_by_stage(rows: list[Row], samples: list[Sample]) -> Figure | None:
     stages = [("after model load", "load"), ("after prefill", "prefill"), ("decode peak", "decode_peak")]
-    places = [("host_rss", "worker host RSS (MiB)")] + ([("device", "device memory (MiB)")] if on_a_device(rows) else [])
+    device = [("device", "device memory (MiB)")] if on_a_device(rows) else []
+    places = [("host_rss", "worker host RSS (MiB)"), *device]
     panels = [(place, label) for place, label in places if _by_strategy(rows, f"{stages[0][1]}_{place}_bytes")]
     if not panels:
         return None
