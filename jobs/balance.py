@@ -61,6 +61,12 @@ def expected_passes(task: Task, config: JobConfig, context_tokens: int | None = 
                        _max_new_tokens(task, config), summarize.chunk_overlap_tokens)
 
 
+def expected_decode_tokens(task: Task, config: JobConfig) -> int:
+    """The most tokens a task's passes decode at the configured context: what the progress line's ETA
+    counts down with the tokens decoded so far (a summary that stops early frees the rest)."""
+    return len(expected_passes(task, config)) * _max_new_tokens(task, config)
+
+
 def expected_work(task: Task, config: JobConfig, context_tokens: int | None = None) -> float:
     """A task's expected work in prefilled-token units: every pass's prompt plus its weighted decode."""
     passes = expected_passes(task, config, context_tokens)

@@ -77,6 +77,11 @@ def task_id_for_row(row: int) -> str:
     return f"t{row:06d}"
 
 
+def row_of_task_id(task_id: str) -> int:
+    """The manifest row a task id was made from: how exports list documents in the manifest's order."""
+    return int(task_id[1:])
+
+
 class _RowRejected(Exception):
     def __init__(self, problem: str, doc_id: str | None = None) -> None:
         super().__init__(problem)

@@ -42,7 +42,7 @@ from tenacity import (
 )
 from tenacity.stop import stop_base
 
-from jobs.balance import expected_passes, expected_work, may_take
+from jobs.balance import expected_decode_tokens, expected_passes, expected_work, may_take
 from jobs.config import JobConfig, RetryConfig
 from jobs.faults import FaultRule
 from jobs.outcome import TaskOutcome
@@ -534,8 +534,10 @@ class Coordinator:
         workers = self.pool.workers
         work = self.work = WorkQueue(runs, self._work_of, workers, self.cfg.batch.sequences, self.pool.is_down,
                                      self._shares if self.cfg.batch.spread_passes and len(workers) > 1 else None)
+        budgets = {run.task.task_id: expected_decode_tokens(run.task, self.cfg) for run in runs}
         with self.alerts.watching(), NodeSweeper(self.offload_root, self.log), \
-                BatchProgress(self.console, total, already_done, len(workers), self.alerts.active) as progress:
+                BatchProgress(self.console, total, already_done, len(workers), budgets, self.alerts.busy_workers,
+                              self.pool.tokens_decoded, self.log) as progress:
             self.recorder.progress = progress
             # as many tasks in flight per worker as it batches sequences, so its batch stays full; the
             # queue deals each task to the least loaded worker, so a short queue is shared out evenly

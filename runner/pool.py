@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import ray
-from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError
+from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError, RayError
 
 from jobs.config import ConfigError, JobConfig
 from jobs.faults import FaultRule
@@ -175,6 +175,7 @@ class WorkerPool:
         self.faults = faults
         self.workers: list[Worker] = []
         self._slots: dict[Worker, _Slot] = {}
+        self._decoded: dict[str, int] = {}  # a worker process ("host:pid") -> tokens it decoded, last asked
         self._lock = threading.Condition()
         self._killed = False
 
@@ -268,6 +269,19 @@ class WorkerPool:
         (or nothing is left to share); how many passes it ran. Raises like `run`."""
         return self._call(worker, False, lambda call_id: worker.help.remote(
             dataclasses.asdict(task), context_tokens, help_id, call_id))
+
+    def tokens_decoded(self) -> int:
+        """Tokens the workers' decode steps have made while this pool ran them, every incarnation of a
+        restarted worker counted: asked beside the tasks, a worker that does not answer within a second
+        is left at its last answer."""
+        refs = {self._slots[w].process: w.tokens_decoded.options(concurrency_group=PROBE_GROUP).remote()
+                for w in self.workers if not self.is_down(w)}
+        for process, ref in refs.items():
+            try:
+                self._decoded[process] = max(self._decoded.get(process, 0), ray.get(ref, timeout=1.0))
+            except RayError:  # a timeout, a worker lost meanwhile
+                continue
+        return sum(self._decoded.values())
 
     def end_help(self, worker: Worker, help_id: str) -> None:
         """Tell `worker` its help `help_id` is no longer needed; not waited for (a lost worker's help is over)."""

@@ -96,7 +96,7 @@ class TaskRecorder:
         self.alerts.task_finished(task.task_id, task.doc_id, task.n_chars, outcome, row["fallbacks"], slow_alerted)
         self.metrics.task_finished(row)
         if self.progress is not None:
-            self.progress.record(row["status"], row.get("output_tokens") or 0, len(row["fallbacks"]))
+            self.progress.record(task.task_id, row["status"], row.get("output_tokens") or 0, len(row["fallbacks"]))
 
     def close(self) -> None:
         with self._lock:

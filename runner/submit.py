@@ -31,11 +31,13 @@ from runner.coordinator import (
     EXIT_OK,
     Coordinator,
 )
+from runner.engine.model_registry import conversion_ahead
 from runner.pool import WorkerStartError
 from runner.preflight import check_cluster, check_settings
 from storage.checkpoint import JobState, compact, load_state
 from storage.inputs import FOLDER_MANIFEST_NAME, StagedManifest, stage_input
 from storage.jobdir import (
+    DEFAULT_JOBS_DIR,
     JobDir,
     JobInfo,
     check_job_folder,
@@ -56,6 +58,7 @@ from storage.scratch import check_offload_root, default_offload_root
 EXIT_USAGE = 2
 #: the job folder's disk filled up: what was published stays, `resume` continues once there is space
 EXIT_NO_SPACE = 6
+STOPPED_AFTER_THE_END = "[yellow]stopped after every document had ended: nothing was interrupted"
 
 
 def _sha256_of(path: Path) -> str:
@@ -102,13 +105,17 @@ def _disk_full(error: OSError) -> bool:
     return error.errno in (errno.ENOSPC, errno.EDQUOT) or "No space left on device" in str(error)
 
 
-def _interruptible(run: Callable[[], int], job: JobDir, console: Console) -> int:
-    """Ctrl-C or SIGTERM outside the coordinator's run (while Ray starts, say): exit 130 with what to do;
-    a full disk: exit 6, the same (published parts stay, a resume reruns only what has no result)."""
+def _interruptible(run: Callable[[], int], job: JobDir, console: Console, retry_since: float | None = None) -> int:
+    """Ctrl-C or SIGTERM outside the coordinator's run (while Ray starts, say): exit 130 with what to do,
+    unless every document had ended (`_all_finished`); a full disk: exit 6, the same (published parts
+    stay, a resume reruns only what has no result)."""
     previous = signal.signal(signal.SIGTERM, _stop_on_sigterm)
     try:
         return run()
     except KeyboardInterrupt:
+        if job.job_json.exists() and (finished := _all_finished(job, retry_since)) is not None:
+            console.print(STOPPED_AFTER_THE_END)
+            return _final_report(job, finished, console)
         if job.job_json.exists():
             console.print(f"[yellow]interrupted; continue with: kvbatch resume {escape(str(job.path))}")
         else:
@@ -124,12 +131,25 @@ def _interruptible(run: Callable[[], int], job: JobDir, console: Console) -> int
         signal.signal(signal.SIGTERM, previous)
 
 
+def _all_finished(job: JobDir, retry_since: float | None = None) -> JobState | None:
+    """The job's state when no document is left to run, else None: a stop asked for after the last one
+    ended is no interruption. With `retry_since` (resume --retry-failed) a failure recorded before
+    then is still to run."""
+    state = load_state(job.path)
+    ended = set(state.done_task_ids | state.rejected_task_ids)
+    results = state.results.to_pydict()
+    ended |= {t for t, status, at in zip(results["task_id"], results["status"], results["finished_at"])
+              if status == TaskState.FAILED.value and (retry_since is None or (at or 0) >= retry_since)}
+    if any(t.task_id not in ended for t in tasks_from_table(read_manifest_table(job))):
+        return None
+    return state
+
+
 def submit(source: str, pattern: str | None, config_path: Path | None, job_dir: Where | None,
            overrides: list[str], address: str | None, strict: bool, console: Console) -> int:
     """`source`: a manifest or a folder of documents, local or on shared storage; `pattern`: --glob."""
     job_id = new_job_id()
-    job = JobDir(job_dir or Path("runs") / job_id)
-    console.print(f"job {job_id} -> {escape(str(job.path))}", highlight=False)
+    job = JobDir(job_dir or DEFAULT_JOBS_DIR / job_id)
     return _interruptible(lambda: _submit(job, job_id, source, pattern, config_path, overrides, address, strict,
                                           console), job, console)
 
@@ -142,17 +162,13 @@ def _submit(job: JobDir, job_id: str, source: str, pattern: str | None, config_p
     check_offload_root(offload_root_for(config, job.path))
     with tempfile.TemporaryDirectory(prefix="kvbatch-manifest-") as workdir:
         staged = stage_input(source, pattern, Path(workdir), job.path.local_path if job.path.is_local else None)
-        for note in staged.notes:
-            console.print(note, style="yellow", markup=False, highlight=False)
         tasks, rejections = _read_staged(staged, config)
-        report_rejections(console, rejections)
         if strict and rejections:
+            report_rejections(console, rejections)
             console.print("[red]--strict: nothing was started; fix the rows above and submit again")
             return EXIT_USAGE
         if staged.from_folder:
             manifest_path = str(job.path / FOLDER_MANIFEST_NAME)
-            console.print(f"{len(tasks) + len(rejections)} document(s) in {escape(source)} -> {escape(manifest_path)}",
-                          highlight=False)
         else:
             manifest_path = staged.shown if staged.uri_base is not None else str(staged.path.resolve())
         info = JobInfo(
@@ -162,20 +178,30 @@ def _submit(job: JobDir, job_id: str, source: str, pattern: str | None, config_p
         rejected = pa.Table.from_pylist([_rejection_row(r) for r in rejections], schema=RESULT_SCHEMA)
         with _checked_cluster(config, address, needed=bool(tasks)):
             make_job_folder(job)
+            # the first line once there is a job: a refusal before it creates nothing and names no job
+            console.print(f"job {job_id} -> {escape(str(job.path))}", highlight=False)
+            for note in staged.notes:
+                console.print(note, style="yellow", markup=False, highlight=False)
+            if staged.from_folder:
+                console.print(f"{len(tasks) + len(rejections)} document(s) in {escape(source)} -> "
+                              f"{escape(manifest_path)}", highlight=False)
+            report_rejections(console, rejections)
             # the lock first: a second submit to the same folder refuses instead of writing over this one
             with job_lock(job.lock) as lock:
                 copies = {FOLDER_MANIFEST_NAME: staged.path.read_bytes()} if staged.from_folder else None
                 create_job(job, info, tasks_to_table(tasks), rejected, copies)
-                return _execute(job, info, config, address, retry_failed=False, console=console, lock=lock)
+                return _execute(job, info, config, address, retry_since=None, console=console, lock=lock)
 
 
 def resume(job_dir: Where, retry_failed: bool, overrides: list[str], address: str | None,
            console: Console) -> int:
     job = JobDir(job_dir)
-    return _interruptible(lambda: _resume(job, retry_failed, overrides, address, console), job, console)
+    retry_since = time.time() if retry_failed else None
+    return _interruptible(lambda: _resume(job, retry_since, overrides, address, console), job, console, retry_since)
 
 
-def _resume(job: JobDir, retry_failed: bool, overrides: list[str], address: str | None, console: Console) -> int:
+def _resume(job: JobDir, retry_since: float | None, overrides: list[str], address: str | None,
+            console: Console) -> int:
     check_job_folder(job)
     with job_lock(job.lock) as lock:  # job.json is the running coordinator's until this is held
         info = read_job(job)
@@ -185,7 +211,7 @@ def _resume(job: JobDir, retry_failed: bool, overrides: list[str], address: str 
         if overrides:
             update_job_config(job, config.model_dump(mode="json"))
         console.print(f"job {info.job_id} <- {escape(str(job.path))}", highlight=False)
-        return _execute(job, info, config, address, retry_failed, console, lock)
+        return _execute(job, info, config, address, retry_since, console, lock)
 
 
 @contextmanager
@@ -211,9 +237,10 @@ def offload_root_for(config: JobConfig, job_dir: Where) -> Path:
     return Path(config.cache.offload_root) if config.cache.offload_root else default_offload_root(job_dir)
 
 
-def _execute(job: JobDir, info: JobInfo, config: JobConfig, address: str | None, retry_failed: bool,
+def _execute(job: JobDir, info: JobInfo, config: JobConfig, address: str | None, retry_since: float | None,
              console: Console, lock: HeldLock) -> int:
-    """Run the job's open tasks under the job lock the caller holds (every write is fenced with it)."""
+    """Run the job's open tasks under the job lock the caller holds (every write is fenced with it);
+    `retry_since`: failed documents run again too (resume --retry-failed, asked at that time)."""
     faults = parse_faults(os.environ.get(FAULTS_ENV))
     offload_root = offload_root_for(config, job.path)
     tasks = tasks_from_table(read_manifest_table(job))
@@ -223,7 +250,7 @@ def _execute(job: JobDir, info: JobInfo, config: JobConfig, address: str | None,
     if state.corrupt:
         console.print(f"  {CORRUPT_PART_ADVICE}", highlight=False)
     finished = state.done_task_ids | state.rejected_task_ids
-    if not retry_failed:
+    if retry_since is None:
         finished |= state.failed_task_ids
     open_tasks = [t for t in tasks if t.task_id not in finished]
     total = len(tasks) + len(state.rejected_task_ids)
@@ -231,6 +258,8 @@ def _execute(job: JobDir, info: JobInfo, config: JobConfig, address: str | None,
         f"{len(tasks)} task(s): {len(tasks) - len(open_tasks)} already finished, {len(open_tasks)} to run"
     )
     code = EXIT_OK
+    if open_tasks and (conversion := conversion_ahead(config.model.name)) is not None:
+        console.print(conversion, style="yellow", markup=False, highlight=False)
     if open_tasks:
         with _checked_cluster(config, address, needed=True):  # submit's session, or resume's own
             coordinator = Coordinator(job, info.job_id, config, offload_root, faults, console, lock)
@@ -239,6 +268,9 @@ def _execute(job: JobDir, info: JobInfo, config: JobConfig, address: str | None,
             except WorkerStartError as e:
                 raise WorkerStartError(f"{e}; fix that setting and continue with: kvbatch resume {job.path} "
                                        "--set key=value") from None
+    if code == EXIT_INTERRUPTED and _all_finished(job, retry_since) is not None:
+        console.print(STOPPED_AFTER_THE_END)
+        code = EXIT_OK
     if code in (EXIT_INTERRUPTED, EXIT_NO_WORKERS):
         what = "interrupted" if code == EXIT_INTERRUPTED else "stopped without workers"
         console.print(f"[yellow]{what}; continue with: kvbatch resume {escape(str(job.path))}")

@@ -26,6 +26,9 @@ class WorkerActor:
     def running_s(self, call_id: str) -> float | None:
         return self._worker.running_s(call_id)
 
+    def tokens_decoded(self) -> int:
+        return self._worker.tokens_decoded()
+
     def help(self, task_data: dict[str, Any], context_tokens: int, help_id: str, call_id: str = "") -> dict[str, Any]:
         return self._worker.help(task_data, context_tokens, help_id, call_id)
 

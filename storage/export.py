@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Literal
 
@@ -14,7 +15,7 @@ import pyarrow.parquet as pq
 
 from jobs.config import ConfigError
 from jobs.documents import DocumentError, load_task_text
-from jobs.manifest import tasks_from_table
+from jobs.manifest import row_of_task_id, tasks_from_table
 from jobs.schema import TaskState
 from storage.checkpoint import load_state
 from storage.jobdir import JobDir, check_job_folder, read_manifest_table
@@ -22,6 +23,8 @@ from storage.location import Where
 from storage.output import write_output
 
 ExportFormat = Literal["jsonl", "csv", "parquet"]
+#: Columns of seconds since the epoch: text a person reads (ISO 8601, UTC) in JSON lines and CSV.
+TIMESTAMP_COLUMNS = ("finished_at",)
 
 
 def format_for(path: Path | None, requested: str | None) -> ExportFormat:
@@ -97,7 +100,7 @@ def _results_and_metadata(job_dir: Where, errors_only: bool, with_text: bool
     """Deduplicated result rows without their metadata (`with_text`: plus the text each model was given);
     each row's metadata; its column names."""
     check_job_folder(JobDir(job_dir))
-    table = load_state(job_dir).results
+    table = in_manifest_order(load_state(job_dir).results)
     if errors_only:
         table = table.filter(pc.not_equal(table["status"], TaskState.DONE.value))
     if with_text:
@@ -105,6 +108,17 @@ def _results_and_metadata(job_dir: Where, errors_only: bool, with_text: bool
     metas = [json.loads(m) if m else {} for m in table["meta"].to_pylist()]
     table = table.drop_columns(["meta"])
     return table, metas, metadata_names(sorted({k for m in metas for k in m}), table.column_names)
+
+
+def in_manifest_order(table: pa.Table) -> pa.Table:
+    """Rows in the order the manifest listed their documents (results/ holds them as they finished)."""
+    rows = pa.array([row_of_task_id(t) for t in table["task_id"].to_pylist()], pa.int64())
+    return table.take(pc.sort_indices(rows))
+
+
+def iso_time(seconds: float | None) -> str | None:
+    """`finished_at` as a person reads it: 2026-12-04T16:31:16.123+00:00."""
+    return None if seconds is None else datetime.fromtimestamp(seconds, timezone.utc).isoformat(timespec="milliseconds")
 
 
 def results_table(job_dir: Where, errors_only: bool, with_text: bool = False) -> pa.Table:
@@ -115,14 +129,20 @@ def results_table(job_dir: Where, errors_only: bool, with_text: bool = False) ->
     return table
 
 
-def _jsonl(job_dir: Where, errors_only: bool, with_text: bool) -> tuple[str, int]:
-    """JSON lines keep every metadata value as the manifest gave it (mixed types, big integers)."""
+def result_rows(job_dir: Where, errors_only: bool, with_text: bool = False) -> list[dict[str, Any]]:
+    """The rows of the JSON lines export, as dicts: every metadata value as the manifest gave it (mixed
+    types, big integers), timestamps as ISO 8601 text."""
     table, metas, names = _results_and_metadata(job_dir, errors_only, with_text)
-    lines = []
-    for row, meta in zip(table.to_pylist(), metas):
+    rows = table.to_pylist()
+    for row, meta in zip(rows, metas):
+        row.update((column, iso_time(row[column])) for column in TIMESTAMP_COLUMNS)
         row.update((name, meta.get(key)) for key, name in names.items())
-        lines.append(json.dumps(row, ensure_ascii=False) + "\n")
-    return "".join(lines), table.num_rows
+    return rows
+
+
+def _jsonl(job_dir: Where, errors_only: bool, with_text: bool) -> tuple[str, int]:
+    rows = result_rows(job_dir, errors_only, with_text)
+    return "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), len(rows)
 
 
 def export_results(job_dir: Where, out: Path | None, fmt: ExportFormat, errors_only: bool,
@@ -145,6 +165,9 @@ def export_results(job_dir: Where, out: Path | None, fmt: ExportFormat, errors_o
             table.schema.get_field_index("fallbacks"), "fallbacks",
             pa.array([";".join(v or []) for v in table["fallbacks"].to_pylist()]),
         )
+        for column in TIMESTAMP_COLUMNS:
+            flat = flat.set_column(flat.schema.get_field_index(column), column,
+                                   pa.array([iso_time(v) for v in flat[column].to_pylist()], pa.string()))
         if out is None:
             sink = pa.BufferOutputStream()
             pacsv.write_csv(flat, sink)

@@ -82,6 +82,10 @@ def holds_job(names: set[str]) -> bool:
     return any(mark <= names for mark in _JOB_MARKS)
 
 
+#: Where a job folder goes when submit is given no -j: runs/<job-id>, under the working directory.
+DEFAULT_JOBS_DIR = Path("runs")
+
+
 def new_job_id() -> str:
     """Sortable by creation time, unique across machines."""
     return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
@@ -174,8 +178,7 @@ def read_job(job: JobDir) -> JobInfo:
             manifest_sha256=data["manifest"]["sha256"],
         )
     except (FileNotFoundError, NotADirectoryError):
-        if not job.path.is_dir():
-            raise _not_a_job_folder(job) from None
+        check_job_folder(job)  # neither job.json nor results/: not a job folder at all
         raise JobDirError(
             f"{job.job_json} is missing, so {job.path} cannot be resumed; its results/ are intact: "
             f"export them with `kvbatch results {job.path}` and submit the remaining documents as a new job"

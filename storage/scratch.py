@@ -83,6 +83,11 @@ def default_offload_root(job_dir: Where) -> Path:
     job = Location.of(job_dir)
     if job.is_local:
         return job.local_path / "scratch" / "kvbatch"
+    return shared_storage_offload_root()
+
+
+def shared_storage_offload_root() -> Path:
+    """The default offload root of every job folder on shared storage: $XDG_CACHE_HOME/kvbatch/offload."""
     cache_home = os.environ.get("XDG_CACHE_HOME", "").strip()
     return (Path(cache_home) if os.path.isabs(cache_home) else Path.home() / ".cache") / "kvbatch" / "offload"
 

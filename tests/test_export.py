@@ -1,9 +1,12 @@
 """`kvbatch results` of ragged metadata (mixed types, integers past 2^63) in JSONL, CSV and Parquet:
 every value kept as given or as text, metadata never overwrites a result column, a missing job folder
-is an error."""
+is an error; rows come in the manifest's order, with readable timestamps."""
 
 from __future__ import annotations
 
+import csv
+import time
+from datetime import datetime
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -39,8 +42,6 @@ def test_jsonl_export_keeps_every_metadata_value_as_given(ragged_job: Path) -> N
 
 
 def test_csv_and_parquet_exports_hold_ragged_metadata_as_text(ragged_job: Path, tmp_path: Path) -> None:
-    import csv
-
     kvbatch("results", str(ragged_job), "-o", str(tmp_path / "r.csv"), check=0)
     with (tmp_path / "r.csv").open(newline="", encoding="utf-8") as f:
         by_id = {r["doc_id"]: r for r in csv.DictReader(f)}
@@ -64,3 +65,27 @@ def test_results_of_a_missing_job_folder_is_an_error(tmp_path: Path) -> None:
     empty = tmp_path / "empty"
     empty.mkdir()
     assert "is not a job folder" in refusal("results", str(empty)).stderr
+
+
+def test_results_come_in_manifest_order_with_readable_timestamps(ray_address, tmp_path: Path) -> None:
+    """results/ holds rows as they were written: the rejected middle row first (at submit), then the
+    summaries as they finished. The export lists them as the manifest did."""
+    rows = [{"id": "first", "text": "The board met on Monday and approved the budget for next year."},
+            {"id": "second"},  # neither text nor path: rejected
+            {"id": "third", "text": "Two engineers join the team in March to work on the parser."}]
+    job = tmp_path / "job"
+    before = time.time()
+    kvbatch("submit", str(write_jsonl(tmp_path / "m.jsonl", rows)), "-c", str(TINY_CONFIG), "-j", str(job),
+            "--address", ray_address, check=0)
+    written = pq.read_table(job / "results").column("doc_id").to_pylist()
+    assert written[0] == "second", written  # the order the export must not keep
+    exported = export_rows(job)
+    assert [r["doc_id"] for r in exported] == ["first", "second", "third"]
+    for row in exported:
+        finished = datetime.fromisoformat(row["finished_at"])
+        assert finished.tzinfo is not None and before - 1 <= finished.timestamp() <= time.time() + 1, row["finished_at"]
+    kvbatch("results", str(job), "-o", str(tmp_path / "r.csv"), check=0)
+    with (tmp_path / "r.csv").open(newline="", encoding="utf-8") as f:
+        table = list(csv.DictReader(f))
+    assert [r["doc_id"] for r in table] == ["first", "second", "third"]
+    assert [r["finished_at"] for r in table] == [r["finished_at"] for r in exported]

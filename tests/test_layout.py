@@ -12,12 +12,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("jobs", "storage", "runner")
+PACKAGES = ("kvbatch", "jobs", "storage", "runner")
 
 # importer prefix -> prefixes it must never import
 FORBIDDEN: dict[str, tuple[str, ...]] = {
-    "jobs": ("storage", "runner"),
-    "storage": ("runner",),
+    "jobs": ("storage", "runner", "kvbatch"),
+    "storage": ("runner", "kvbatch"),
+    "runner": ("kvbatch",),  # kvbatch is the Python API: the top layer, over submit and export
+    "kvbatch": ("runner.engine", "runner.observe", "runner.coordinator", "runner.pool", "runner.cli"),
     "runner.engine": ("runner.observe", "runner.coordinator", "runner.submit", "runner.cli", "runner.pool",
                       "runner.recorder", "runner.cluster", "runner.node_sweeper", "runner.scratch_cleanup"),
     "runner.observe": ("runner.engine", "runner.coordinator", "runner.submit", "runner.cli", "runner.pool"),
@@ -110,11 +112,12 @@ GRAPH = _graph(ROOT, PACKAGES)
 
 def test_the_walk_sees_the_layout() -> None:
     """The checks below are only as good as the graph: it must hold every part and real edges."""
-    for module in ("jobs.config", "storage.checkpoint", "runner.coordinator", "runner.engine.worker",
+    for module in ("kvbatch", "jobs.config", "storage.checkpoint", "runner.coordinator", "runner.engine.worker",
                    "runner.observe.status", "runner.engine.kvcache.tiered"):
         assert module in GRAPH
     assert "runner.engine.kvcache.tiered" in GRAPH["runner.engine.kvcache"]
     assert "jobs.config" in GRAPH["runner.engine.worker"]
+    assert "runner.submit" in GRAPH["kvbatch"]
 
 
 @pytest.mark.parametrize("importer", sorted(FORBIDDEN))

@@ -15,7 +15,7 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from runner.cli import app
-from runner.observe.report_plots import fallback_ladder, latency_split
+from runner.observe.report_plots import fallback_ladder, figure_png, latency_split
 from storage.inputs import stage_input
 from runner.submit import EXIT_NO_SPACE
 from tests.helpers.cli import (
@@ -53,8 +53,8 @@ def test_plots_draw_a_doc_id_with_dollars_as_text() -> None:
     rows = [{**done_row(doc), "wall_s": 1.5, "input_tokens": 40, "cache_strategy": "dynamic"}
             for doc in ("$\\frac{$", "plain")]
     for plot in (latency_split, fallback_ladder):
-        png = plot(rows)
-        assert png is not None and png.startswith(b"\x89PNG")
+        png = figure_png(plot(rows, []))
+        assert png.startswith(b"\x89PNG")
 
 
 def test_a_file_uri_folder_leaves_symlinked_subfolders_out_as_a_path_does(tmp_path: Path) -> None:

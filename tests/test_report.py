@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 
 from runner.observe.joblog import read_log
-from runner.observe.report_plots import PLOTS, fallback_path
+from runner.observe.report_plots import PLOTS, fallback_path, throughput_over_time
+from storage.export import results_table
 from tests.helpers.cli import LICENSES, TINY_CONFIG, export_rows, kvbatch, refusal, write_jsonl
 
 FAULTS = [
@@ -88,6 +89,7 @@ def job(ray_address, tmp_path_factory) -> dict:
     page = _Page()
     page.feed((job_dir / "report.html").read_text(encoding="utf-8"))
     return {"dir": job_dir, "submit": submit, "report": report, "page": page,
+            "html": (job_dir / "report.html").read_text(encoding="utf-8"),
             "rows": {r["doc_id"]: r for r in export_rows(job_dir)}}
 
 
@@ -111,6 +113,45 @@ def test_the_report_tables_name_failures_fallbacks_and_alerts(job):
     assert "dynamic → tiered-disk → ctx 512 → dynamic" in cells  # apache's
     assert "worker_restarts" in cells and "repeated_fallbacks" in cells
     assert any(c.startswith("6: done 4, failed 1, rejected 1") for c in cells), cells
+
+
+def test_the_report_lists_every_document_with_its_summary(job):
+    cells = job["page"].cells
+    start = cells.index("summary (or error)") + 1  # the Documents table, after its header row
+    listed = [cells[i:i + 5] for i in range(start, start + 5 * len(job["rows"]), 5)]
+    assert [row[0] for row in listed] == ["bsd", "cc0", "apache", "artistic", "memo", "ghost"]  # manifest order
+    for doc, status, _, _, text in listed:
+        row = job["rows"][doc]
+        assert status == row["status"] and text == (row["summary"] if status == "done" else row["error"]), doc
+        assert text
+
+
+def test_a_cpu_job_has_no_device_columns_and_no_empty_header_row(job):
+    assert "median peak device MiB" not in job["page"].cells and "median peak host RSS MiB" in job["page"].cells
+    assert "<th></th>" not in job["html"]
+
+
+def test_throughput_comes_from_tokens_as_they_were_decoded(job):
+    samples = [e for e in read_log(job["dir"] / "job.log") if e["event"] == "progress"]
+    assert samples and samples[-1]["decode_tokens"] > 0
+    assert throughput_over_time([], samples) is not None  # a plot before any document has ended
+
+
+#: Which axes of each plot hold a quantity (the others name categories): those start at zero.
+QUANTITY_AXES = {"Time against document length": "xy", "Peak memory against document length": "xy",
+                 "Memory by stage": "y", "Fallback ladder": "x", "Throughput over time": "xy", "Latency split": "x"}
+
+
+def test_every_plot_starts_its_quantities_at_zero(job):
+    rows = results_table(job["dir"], errors_only=False).to_pylist()  # what the report draws from
+    samples = [e for e in read_log(job["dir"] / "job.log") if e["event"] == "progress"]
+    assert set(QUANTITY_AXES) == {title for title, _, _ in PLOTS}
+    for title, _, plot in PLOTS:
+        fig = plot(rows, samples)
+        assert fig is not None, title
+        for ax in fig.axes:
+            lows = {"x": ax.get_xlim()[0], "y": ax.get_ylim()[0]}
+            assert all(lows[axis] == 0 for axis in QUANTITY_AXES[title]), (title, lows)
 
 
 def test_rows_carry_memory_per_stage_and_the_latency_split(job):
@@ -219,6 +260,8 @@ def test_the_report_renders_in_headless_chromium(job, tmp_path):
     for visible in (f"kvbatch job {job_id}", "6: done 4, failed 1, rejected 1", "artistic", "OSError", "ghost",
                     "dynamic → tiered-disk → ctx 512 → dynamic", "worker_restarts"):
         assert visible in text, visible
+    for row in job["rows"].values():  # every summary is on the page, whole
+        assert row["status"] != "done" or " ".join(row["summary"].split()) in " ".join(text.split()), row["doc_id"]
     assert shown["width"] <= shown["viewport"], "the page scrolls sideways"
 
 

@@ -145,6 +145,8 @@ class BatchPlan(Generic[R]):
         """The most rows one decode step has run: what a test asks to know batching happened."""
         self.decode_steps = 0
         """Decode steps run."""
+        self.tokens_decoded = 0
+        """Tokens its decode steps have made (one a row a step): the progress line's live tok/s."""
         self.steps_with_prefill = 0
         """Decode steps whose forward pass carried a prefill chunk beside the decode rows."""
 
@@ -197,6 +199,7 @@ class BatchPlan(Generic[R]):
         when `beside_prefill`): each took one step; the limit may grow."""
         self.limit.step()
         self.decode_steps += 1
+        self.tokens_decoded += len(rows)
         self.steps_with_prefill += beside_prefill
         self.most_rows = max(self.most_rows, len(rows))
         for seq in rows:

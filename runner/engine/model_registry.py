@@ -71,6 +71,18 @@ def unknown_builtin(name: str) -> ModelLoadError:
     return ModelLoadError(f"unknown builtin model '{name}': use one of {known}")
 
 
+def conversion_ahead(name: str) -> str | None:
+    """What the workers convert once before builtin `name` loads, the first time on this machine: a line
+    for submit to say before the wait (a worker's own stderr does not reach it), or None."""
+    if name == BUILTIN_PREFIX + SMOLLM2:
+        folder, what = _smollm2_cache_name("safetensors"), "converting SmolLM2's GGUF to safetensors (~20 s)"
+    elif name == BUILTIN_PREFIX + TINY_RANDOM:
+        folder, what = _smollm2_cache_name("tokenizer"), "extracting the SmolLM2 tokenizer from its GGUF (~5 s)"
+    else:
+        return None
+    return None if folder.is_dir() else f"first run on this machine: {what} once, into {folder}; later runs load it"
+
+
 def check_builtin(name: str) -> None:
     """Raises `ModelLoadError` when builtin `name` is unknown or its package is missing."""
     if name[len(BUILTIN_PREFIX):] not in BUILTINS:

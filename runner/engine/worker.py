@@ -223,6 +223,10 @@ class SummaryWorker:
         clock = self._clocks.get(call_id)
         return None if clock is None else clock.running_s()
 
+    def tokens_decoded(self) -> int:
+        """Tokens this worker's decode steps have made since it started, asked while tasks run (live tok/s)."""
+        return self.scheduler.plan.tokens_decoded
+
     def help(self, task_data: dict[str, Any], context_tokens: int, help_id: str, call_id: str = "") -> dict[str, Any]:
         """Run passes of a long task another worker owns (batch.spread_passes), from its far end, each
         kept in the job folder where the owner finds it before it would start it; ends when the owner

@@ -180,9 +180,14 @@ class AlertMonitor:
                                soft_wrap=True)
 
     def active(self) -> int:
-        """Tasks on a worker right now (the progress line's "active workers")."""
+        """Tasks on a worker right now (the tasks-running gauge)."""
         with self._lock:
             return len(self.rules.running)
+
+    def busy_workers(self) -> int:
+        """Workers running a task right now (the progress line's "active workers"; one runs several)."""
+        with self._lock:
+            return len({run.worker for run in self.rules.running.values()})
 
     def task_started(self, task_id: str, doc_id: str, n_chars: int, worker: str) -> None:
         with self._lock:

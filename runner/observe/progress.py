@@ -1,8 +1,12 @@
 """Live progress: a rich bar on a terminal, plain periodic lines otherwise (CI logs stay readable).
 
-Both show documents done/failed/total, output tokens/s, ETA, active workers and fallbacks so far.
-A background ticker refreshes them while nothing finishes (a batch of long documents can go
-minutes between results); `$KVBATCH_PROGRESS_INTERVAL_S` sets how often a plain line is printed.
+Both show documents done/total, time elapsed, decode tokens/s, ETA, failed, busy workers and fallbacks.
+Tokens are counted as the workers decode them (asked every second), not when a document ends, so a
+batch of long documents shows its pace long before its first result; the ETA counts down the tokens
+its open documents may still decode. A background ticker refreshes both while nothing finishes, and
+writes a `progress` line to job.log every few seconds (the report's throughput plot);
+`$KVBATCH_PROGRESS_INTERVAL_S` sets how often a plain line is printed. The bar keeps done/total and the
+elapsed time first, so they stay on a narrow (80-column) terminal: the details are cut, not them.
 """
 
 from __future__ import annotations
@@ -13,17 +17,16 @@ import time
 from collections.abc import Callable
 
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-)
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Column
+
+from runner.observe.joblog import JobLog
 
 INTERVAL_ENV = "KVBATCH_PROGRESS_INTERVAL_S"
 DEFAULT_PLAIN_INTERVAL_S = 10.0
-BAR_REFRESH_S = 1.0
+TICK_S = 1.0
+#: how often job.log gets a `progress` line while the batch runs
+LOG_INTERVAL_S = 5.0
 
 
 def plain_interval() -> float:
@@ -46,19 +49,28 @@ def format_duration(seconds: float | None) -> str:
 
 
 class BatchProgress:
-    """Counts of this run; thread-safe since worker threads report into it."""
+    """Counts of this run; thread-safe since worker threads report into it.
 
-    def __init__(self, console: Console, total: int, already_done: int, workers: int,
-                 active: Callable[[], int] | None = None, plain_interval_s: float | None = None) -> None:
+    `budgets`: each open task's most decode tokens (jobs.balance.expected_decode_tokens); `busy`: how many
+    workers run a task now; `decoded`: tokens the workers have decoded this run, asked once a tick."""
+
+    def __init__(self, console: Console, total: int, already_done: int, workers: int, budgets: dict[str, int],
+                 busy: Callable[[], int] | None = None, decoded: Callable[[], int] | None = None,
+                 log: JobLog | None = None, plain_interval_s: float | None = None) -> None:
         self.console = console
         self.total = total
         self.done = already_done
         self.done_this_run = 0
         self.failed = 0
         self.fallbacks = 0
-        self.tokens = 0
+        self.finished_tokens = 0  # output tokens of the documents this run finished
+        self.decoded_tokens = 0  # decode tokens the workers made this run, as last asked
         self.workers = workers
-        self._active = active or (lambda: workers)
+        self._budgets = budgets
+        self._budget_done = 0
+        self._busy = busy or (lambda: workers)
+        self._decoded = decoded
+        self._log = log
         self._started = time.monotonic()
         self._lock = threading.RLock()
         self._interval_s = plain_interval_s or plain_interval()
@@ -67,11 +79,12 @@ class BatchProgress:
         self._bar: Progress | None = None
         if console.is_terminal:
             self._bar = Progress(
-                TextColumn("[bold]documents"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TextColumn("{task.fields[detail]}"),
-                TimeElapsedColumn(),
+                # done/total and the elapsed time keep their width; the details give way on a narrow terminal
+                TextColumn("{task.completed}/{task.total} documents",
+                           table_column=Column(no_wrap=True, min_width=len(f"{total}/{total} documents"))),
+                TimeElapsedColumn(table_column=Column(no_wrap=True, min_width=len("0:00:00"))),
+                BarColumn(bar_width=12),
+                TextColumn("{task.fields[detail]}", table_column=Column(no_wrap=True, overflow="ellipsis")),
                 console=console,
                 transient=False,
             )
@@ -87,54 +100,92 @@ class BatchProgress:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._ticker.join()
+        self._ask_workers()
+        self._log_sample()
         if self._bar:
             self._refresh()
             self._bar.stop()
         else:
             self._plain_line()
 
+    def elapsed_s(self) -> float:
+        return time.monotonic() - self._started
+
+    def tokens(self) -> int:
+        """Tokens made this run: decoded so far, or at least those of the finished summaries."""
+        return max(self.decoded_tokens, self.finished_tokens)
+
     def tokens_per_s(self) -> float:
-        elapsed = time.monotonic() - self._started
-        return self.tokens / elapsed if elapsed > 0 else 0.0
+        elapsed = self.elapsed_s()
+        return self.tokens() / elapsed if elapsed > 0 else 0.0
 
     def eta_s(self) -> float | None:
-        """From this run's rate (documents finished before a resume do not count as speed)."""
-        remaining = self.total - self.done
-        if remaining <= 0:
-            return 0.0
-        if not self.done_this_run:
-            return None
-        return remaining * (time.monotonic() - self._started) / self.done_this_run
+        """From this run's token rate: the tokens the open documents may still decode (their budgets, less
+        what was decoded or freed by a document that ended early); unknown before the first token."""
+        with self._lock:
+            remaining = self.total - self.done
+            if remaining <= 0:
+                return 0.0
+            made = self.tokens()
+            if made <= 0:
+                return None
+            left = sum(self._budgets.values()) - max(made, self._budget_done)
+            if left <= 0:  # the documents outran their budgets (more passes than expected): count documents
+                return remaining * self.elapsed_s() / self.done_this_run if self.done_this_run else None
+            return left * self.elapsed_s() / made
 
     def _detail(self) -> str:
         return (
-            f"failed {self.failed}  fallbacks {self.fallbacks}  active {self._active()}/{self.workers} workers  "
-            f"{self.tokens_per_s():.1f} tok/s  ETA {format_duration(self.eta_s())}"
+            f"{self.tokens_per_s():.1f} tok/s  ETA {format_duration(self.eta_s())}  failed {self.failed}  "
+            f"active {self._busy()}/{self.workers} workers  fallbacks {self.fallbacks}"
         )
 
-    def record(self, status: str, output_tokens: int, fallbacks: int) -> None:
+    def record(self, task_id: str, status: str, output_tokens: int, fallbacks: int) -> None:
         with self._lock:
             self.done += 1
             self.done_this_run += 1
             self.failed += status == "failed"
-            self.tokens += output_tokens
+            self.finished_tokens += output_tokens
             self.fallbacks += fallbacks
+            self._budget_done += self._budgets.get(task_id, 0)
             if self._bar:
                 self._refresh()
+
+    def _ask_workers(self) -> None:
+        if self._decoded is not None:
+            decoded = self._decoded()  # outside the lock: it waits on the workers
+            with self._lock:
+                self.decoded_tokens = max(self.decoded_tokens, decoded)
 
     def _refresh(self) -> None:
         with self._lock:
             self._bar.update(self._task, completed=self.done, detail=self._detail())
 
     def _tick(self) -> None:
-        interval = BAR_REFRESH_S if self._bar else self._interval_s
-        while not self._stop.wait(interval):
+        last_line = last_log = time.monotonic()
+        tick = TICK_S if self._bar else min(TICK_S, self._interval_s)
+        while not self._stop.wait(tick):
+            self._ask_workers()
+            now = time.monotonic()
+            if now - last_log >= LOG_INTERVAL_S:
+                self._log_sample()
+                last_log = now
             if self._bar:
                 self._refresh()
-            else:
+            elif now - last_line >= self._interval_s:
                 self._plain_line()
+                last_line = now
+
+    def _log_sample(self) -> None:
+        """One point of the report's throughput over time: this run's decode tokens so far."""
+        if self._log is not None:
+            with self._lock:
+                figures = {"done": self.done, "total": self.total, "decode_tokens": self.tokens(),
+                           "elapsed_s": round(self.elapsed_s(), 3)}
+            self._log.info("progress", **figures)
 
     def _plain_line(self) -> None:
         with self._lock:
-            line = f"progress: {self.done}/{self.total} documents  {self._detail()}"
+            line = (f"progress: {self.done}/{self.total} documents  elapsed {format_duration(self.elapsed_s())}  "
+                    f"{self._detail()}")
         self.console.print(line, highlight=False, soft_wrap=True)

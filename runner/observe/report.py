@@ -15,12 +15,13 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
+from matplotlib.figure import Figure
 from rich.console import Console
 from rich.markup import escape
 
 from runner.observe.joblog import read_log
 from runner.observe.progress import format_duration
-from runner.observe.report_plots import PLOTS, fallback_path
+from runner.observe.report_plots import PLOTS, fallback_path, figure_png, on_a_device
 from runner.observe.status import JobStatus, job_status
 from storage.export import results_table
 from storage.jobdir import JobDir, JobInfo, read_job
@@ -39,6 +40,18 @@ img { max-width: 100%; border: 1px solid #eee; }
 """
 
 
+#: The Documents table's search box: shows the rows holding every word typed (no page outside this file).
+_FIND = """<script>
+document.getElementById("find").addEventListener("input", event => {
+  const words = event.target.value.toLowerCase().split(/\\s+/).filter(Boolean);
+  for (const row of document.querySelectorAll("#documents tr:not(:first-child)")) {
+    const text = row.textContent.toLowerCase();
+    row.hidden = !words.every(word => text.includes(word));
+  }
+});
+</script>"""
+
+
 def _cell(value: Any) -> str:
     if value is None:
         return "<td></td>"
@@ -49,12 +62,14 @@ def _cell(value: Any) -> str:
     return f"<td>{html.escape(str(value))}</td>"
 
 
-def _table(headers: list[str], rows: Iterable[list[Any]], empty: str) -> str:
+def _table(headers: list[str] | None, rows: Iterable[list[Any]], empty: str, table_id: str = "") -> str:
+    """A table of `rows` under `headers` (None: no header row, e.g. for name/value pairs)."""
     body = "".join("<tr>" + "".join(_cell(v) for v in row) + "</tr>" for row in rows)
     if not body:
         return f'<p class="none">{html.escape(empty)}</p>'
-    head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
-    return f"<table><tr>{head}</tr>{body}</table>"
+    head = "<tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in headers) + "</tr>" if headers else ""
+    id_attribute = f' id="{table_id}"' if table_id else ""
+    return f"<table{id_attribute}>{head}{body}</table>"
 
 
 def _median(values: list[float | None]) -> float | None:
@@ -62,7 +77,7 @@ def _median(values: list[float | None]) -> float | None:
     return statistics.median(present) if present else None
 
 
-def _strategy_rows(rows: list[dict[str, Any]]) -> list[list[Any]]:
+def _strategy_rows(rows: list[dict[str, Any]], device: bool) -> list[list[Any]]:
     by: dict[str, list[dict[str, Any]]] = {}
     for r in rows:
         if r["status"] == "done":
@@ -74,17 +89,17 @@ def _strategy_rows(rows: list[dict[str, Any]]) -> list[list[Any]]:
         dev = _median([r["peak_device_bytes"] for r in rs])
         out.append([
             strategy, len(rs), _median([r["wall_s"] for r in rs]), _median([r["ttft_s"] for r in rs]),
-            _median([r["decode_tokens_per_s"] for r in rs]),
-            rss / mib if rss is not None else None, dev / mib if dev is not None else None,
+            _median([r["decode_tokens_per_s"] for r in rs]), rss / mib if rss is not None else None,
+            *([dev / mib if dev is not None else None] if device else []),
             sum(r["offload_bytes_written"] or 0 for r in rs) / mib,
         ])
     return out
 
 
-def _figure(title: str, question: str, png: bytes | None) -> str:
-    if png is None:
+def _figure(title: str, question: str, fig: Figure | None) -> str:
+    if fig is None:
         return f'<h3>{html.escape(title)}</h3><p class="none">nothing to plot yet for this job</p>'
-    data = base64.b64encode(png).decode("ascii")
+    data = base64.b64encode(figure_png(fig)).decode("ascii")
     return (f'<figure><img alt="{html.escape(title)}" src="data:image/png;base64,{data}">'
             f"<figcaption>{html.escape(title)}: {html.escape(question)}</figcaption></figure>")
 
@@ -117,7 +132,10 @@ def render_report(job_dir: Where) -> str:
     info = read_job(job)
     status = job_status(job_dir, slowest=10)
     rows = results_table(job_dir, errors_only=False).to_pylist()
-    alerts = [e for e in read_log(job.log) if e.get("event") == "alert"]
+    events = read_log(job.log)
+    alerts = [e for e in events if e.get("event") == "alert"]
+    samples = [e for e in events if e.get("event") == "progress"]
+    device = on_a_device(rows)
     cfg = info.config
     summary = _summary_rows(info, status, len(alerts))
     failures = [[r["doc_id"], r["status"], r["error_type"], r["error"], r["attempts"],
@@ -127,14 +145,20 @@ def render_report(job_dir: Where) -> str:
     slowest = [[r["doc_id"], r["wall_s"], r["input_tokens"], r["cache_strategy"]] for r in status["slowest"]]
     alert_rows = [[time.strftime("%H:%M:%S", time.localtime(a["ts"])), a.get("kind"), a.get("message")]
                   for a in alerts]
+    documents = [[r["doc_id"], r["status"], r["input_tokens"], r["output_tokens"],
+                  r["summary"] if r["status"] == "done" else r["error"]] for r in rows]
     sections = [
         f"<h1>kvbatch job {html.escape(info.job_id)}</h1>",
-        "<h2>Summary</h2>", _table(["", ""], summary, ""),
-        "<h2>Plots</h2>", *(_figure(title, question, plot(rows)) for title, question, plot in PLOTS),
+        "<h2>Summary</h2>", _table(None, summary, ""),
+        "<h2>Documents</h2>",
+        '<p><input id="find" type="search" placeholder="find in documents and summaries" size="40"></p>',
+        _table(["document", "status", "input tokens", "output tokens", "summary (or error)"], documents,
+               "no document has ended yet", "documents"),
+        "<h2>Plots</h2>", *(_figure(title, question, plot(rows, samples)) for title, question, plot in PLOTS),
         "<h2>Per cache strategy</h2>",
         _table(["strategy", "documents", "median wall s", "median TTFT s", "median decode tok/s",
-                "median peak host RSS MiB", "median peak device MiB", "offload written MiB"],
-               _strategy_rows(rows), "no finished documents yet"),
+                "median peak host RSS MiB", *(["median peak device MiB"] if device else []), "offload written MiB"],
+               _strategy_rows(rows, device), "no finished documents yet"),
         "<h2>Failures</h2>",
         _table(["document", "status", "error type", "error", "attempts", "fallbacks"], failures,
                "no failed or rejected documents"),
@@ -148,7 +172,7 @@ def render_report(job_dir: Where) -> str:
     return (
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
         f"<title>kvbatch report {html.escape(info.job_id)}</title><style>{_CSS}</style></head>"
-        f"<body>{''.join(sections)}<p class=\"none\">generated {time.ctime()}</p></body></html>\n"
+        f"<body>{''.join(sections)}<p class=\"none\">generated {time.ctime()}</p>{_FIND}</body></html>\n"
     )
 
 

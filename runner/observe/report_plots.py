@@ -1,7 +1,9 @@
-"""The report's plots, each a PNG (bytes) drawn from result rows with matplotlib's Agg backend.
+"""The report's plots, each a matplotlib Figure drawn from a job's result rows and its progress samples.
 
-Every function takes the rows of `kvbatch results` (dicts) and returns a finished PNG, or None
-when the job has nothing to draw for it, so the report can say so instead of showing an empty axis.
+Every function takes the rows of `kvbatch results` (dicts) and the `progress` lines of job.log (the
+tokens decoded so far, every few seconds of each run) and returns a Figure, or None when the job has
+nothing to draw for it, so the report can say so instead of showing an empty axis. Quantities start
+their axes at zero, so a bar or a point reads against nothing, not against the smallest value.
 """
 
 from __future__ import annotations
@@ -22,16 +24,23 @@ from matplotlib.figure import Figure  # noqa: E402
 from jobs.fallback import Fallback, FallbackKind
 
 Row = dict[str, Any]
+Sample = dict[str, Any]  # a job.log `progress` line: ts, done, total, decode_tokens, elapsed_s
 MIB = 2**20
 _MARKERS = "osD^vP*X"
 
 
-def _png(fig: Figure) -> bytes:
+def figure_png(fig: Figure) -> bytes:
+    """The figure as a PNG, and closed."""
     buf = io.BytesIO()
     fig.tight_layout()
     fig.savefig(buf, format="png", dpi=100)
     plt.close(fig)
     return buf.getvalue()
+
+
+def on_a_device(rows: list[Row]) -> bool:
+    """Whether the job ran on an accelerator (a CPU job's "device" memory is its host RAM: no columns of it)."""
+    return any(r.get("peak_device_bytes") is not None for r in rows)
 
 
 def _by_strategy(rows: list[Row], *keys: str) -> dict[str, list[Row]]:
@@ -48,35 +57,36 @@ def _scatter(ax: Any, groups: dict[str, list[Row]], y_key: str, scale: float, yl
                    marker=_MARKERS[i % len(_MARKERS)], s=36, alpha=0.8)
     ax.set_xlabel("document length (input tokens)")
     ax.set_ylabel(ylabel)
+    ax.set_xlim(left=0)
+    ax.set_ylim(bottom=0)
     ax.ticklabel_format(axis="y", useOffset=False, style="plain")
     ax.grid(alpha=0.3)
     ax.legend(title="cache strategy", fontsize=8)
 
 
-def time_vs_length(rows: list[Row]) -> bytes | None:
+def time_vs_length(rows: list[Row], samples: list[Sample]) -> Figure | None:
     groups = _by_strategy(rows, "input_tokens", "wall_s")
     if not groups:
         return None
     fig, ax = plt.subplots(figsize=(8, 4.5))
     _scatter(ax, groups, "wall_s", 1.0, "task wall time (s)")
     ax.set_title("Time per document against its length, per cache strategy")
-    return _png(fig)
+    return fig
 
 
-def memory_vs_length(rows: list[Row]) -> bytes | None:
-    panels = [(key, label) for key, label in (
-        ("peak_host_rss_bytes", "peak host RSS of the worker (MiB)"),
-        ("peak_device_bytes", "peak device memory (MiB)"),
-        ("kv_resident_peak_bytes", "KV cache resident on the device, peak (MiB)"),
-    ) if _by_strategy(rows, "input_tokens", key)]
+def memory_vs_length(rows: list[Row], samples: list[Sample]) -> Figure | None:
+    device = [("peak_device_bytes", "peak device memory (MiB)"),
+              ("kv_resident_peak_bytes", "KV cache resident on the device, peak (MiB)")] if on_a_device(rows) else []
+    panels = [(key, label) for key, label in [("peak_host_rss_bytes", "peak host RSS of the worker (MiB)"), *device]
+              if _by_strategy(rows, "input_tokens", key)]
     if not panels:
         return None
-    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.5), squeeze=False)
+    fig, axes = plt.subplots(1, len(panels), figsize=(max(8, 5 * len(panels)), 4.5), squeeze=False)
     for ax, (key, label) in zip(axes[0], panels):
         _scatter(ax, _by_strategy(rows, "input_tokens", key), key, MIB, label)
         ax.set_title(label.split(" (")[0], fontsize=10)
     fig.suptitle("Peak memory against document length, per cache strategy")
-    return _png(fig)
+    return fig
 
 
 def fallback_path(row: Row) -> str:
@@ -96,7 +106,7 @@ def fallback_path(row: Row) -> str:
     return " → ".join(steps) if steps else "(no strategy recorded)"
 
 
-def fallback_ladder(rows: list[Row]) -> bytes | None:
+def fallback_ladder(rows: list[Row], samples: list[Sample]) -> Figure | None:
     tasks = [r for r in rows if r["status"] in ("done", "failed")]
     if not tasks:
         return None
@@ -112,39 +122,51 @@ def fallback_ladder(rows: list[Row]) -> bytes | None:
     ax.set_xlabel("tasks")
     ax.set_title("Fallback ladder: first rung → ... → where each task ended")
     ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.set_xlim(left=0)
     ax.legend(fontsize=8)
     ax.grid(axis="x", alpha=0.3)
-    return _png(fig)
+    return fig
 
 
-def throughput_over_time(rows: list[Row]) -> bytes | None:
-    tasks = sorted((r for r in rows if r["status"] in ("done", "failed") and r.get("finished_at")),
-                   key=lambda r: r["finished_at"])
-    if not tasks:
+def _rates(samples: list[Sample]) -> list[tuple[float, float, float]]:
+    """(start ts, end ts, decode tokens/s) between consecutive samples of one run (a run counts from zero)."""
+    rates = []
+    for before, after in zip(samples, samples[1:]):
+        seconds = after["elapsed_s"] - before["elapsed_s"]
+        if seconds > 0 and after["decode_tokens"] >= before["decode_tokens"]:  # else: a new run began
+            rates.append((before["ts"], after["ts"], (after["decode_tokens"] - before["decode_tokens"]) / seconds))
+    return rates
+
+
+def throughput_over_time(rows: list[Row], samples: list[Sample]) -> Figure | None:
+    """Decode tokens/s as the workers made them (job.log's progress lines), and documents as they ended."""
+    rates = _rates(samples)
+    ended = sorted(r["finished_at"] for r in rows if r["status"] in ("done", "failed") and r.get("finished_at"))
+    if not rates and not ended:
         return None
-    start = min(r["finished_at"] - (r.get("wall_s") or 0) for r in tasks)
-    times = [r["finished_at"] - start for r in tasks]
-    span = max(times[-1], 1e-3)
-    width = max(span / 20, 1.0)
-    bins = int(span // width) + 1
-    tokens = [0.0] * bins
-    for t, r in zip(times, tasks):
-        tokens[min(int(t // width), bins - 1)] += r.get("output_tokens") or 0
+    run_starts = [s["ts"] - s["elapsed_s"] for s in samples]
+    task_starts = [r["finished_at"] - (r.get("wall_s") or 0) for r in rows
+                   if r["status"] in ("done", "failed") and r.get("finished_at")]
+    start = min(run_starts + task_starts)
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    ax.bar([(i + 0.5) * width for i in range(bins)], [n / width for n in tokens], width=width * 0.9,
-           color="tab:blue", alpha=0.35, label="output tokens/s")
+    if rates:
+        ax.bar([a - start for a, _, _ in rates], [rate for _, _, rate in rates], width=[b - a for a, b, _ in rates],
+               align="edge", color="tab:blue", alpha=0.35, label="decode tokens/s")
     ax.set_xlabel("time since the first task started (s)")
-    ax.set_ylabel("output tokens/s", color="tab:blue")
-    docs = ax.twinx()
-    docs.step(times, range(1, len(times) + 1), where="post", color="tab:orange", label="documents finished")
-    docs.set_ylabel("documents finished (cumulative)", color="tab:orange")
-    docs.set_ylim(0, len(times) * 1.05)
+    ax.set_ylabel("decode tokens/s", color="tab:blue")
+    ax.set_xlim(left=0)
+    ax.set_ylim(bottom=0)
+    if ended:
+        docs = ax.twinx()
+        docs.step([t - start for t in ended], range(1, len(ended) + 1), where="post", color="tab:orange")
+        docs.set_ylabel("documents finished (cumulative)", color="tab:orange")
+        docs.set_ylim(0, len(ended) * 1.05)
     ax.set_title("Throughput over time")
     ax.grid(alpha=0.3)
-    return _png(fig)
+    return fig
 
 
-def latency_split(rows: list[Row], limit: int = 15) -> bytes | None:
+def latency_split(rows: list[Row], samples: list[Sample], limit: int = 15) -> Figure | None:
     done = [r for r in rows if r["status"] == "done" and r.get("wall_s") is not None]
     if not done:
         return None
@@ -164,20 +186,21 @@ def latency_split(rows: list[Row], limit: int = 15) -> bytes | None:
         ax.barh(labels, values, left=left, label=name, color=color)
         left = [a + b for a, b in zip(left, values)]
     ax.set_xlabel("seconds")
+    ax.set_xlim(left=0)
     ax.set_title(f"Where the time went: the {len(slowest)} slowest documents")
     ax.legend(fontsize=8, loc="lower right")
     ax.grid(axis="x", alpha=0.3)
-    return _png(fig)
+    return fig
 
 
-def memory_by_stage(rows: list[Row]) -> bytes | None:
+def memory_by_stage(rows: list[Row], samples: list[Sample]) -> Figure | None:
     stages = [("after model load", "load"), ("after prefill", "prefill"), ("decode peak", "decode_peak")]
-    panels = [(place, label) for place, label in (("host_rss", "worker host RSS (MiB)"),
-                                                   ("device", "device memory (MiB)"))
-              if _by_strategy(rows, f"{stages[0][1]}_{place}_bytes")]
+    device = [("device", "device memory (MiB)")] if on_a_device(rows) else []
+    places = [("host_rss", "worker host RSS (MiB)"), *device]
+    panels = [(place, label) for place, label in places if _by_strategy(rows, f"{stages[0][1]}_{place}_bytes")]
     if not panels:
         return None
-    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
+    fig, axes = plt.subplots(1, len(panels), figsize=(max(8, 6 * len(panels)), 4.5), squeeze=False)
     for ax, (place, label) in zip(axes[0], panels):
         groups = _by_strategy(rows, f"load_{place}_bytes")
         width = 0.8 / len(stages)
@@ -193,7 +216,7 @@ def memory_by_stage(rows: list[Row]) -> bytes | None:
         ax.set_ylim(0, ax.get_ylim()[1] * 1.25)  # room for the legend above the bars
         ax.legend(fontsize=8, ncol=3, loc="upper center")
     fig.suptitle("Memory at each stage of a task (median per cache strategy)")
-    return _png(fig)
+    return fig
 
 
 #: (title, what it answers, function), in the order the report shows them.
@@ -202,6 +225,6 @@ PLOTS = [
     ("Peak memory against document length", "What does a longer document cost in memory?", memory_vs_length),
     ("Memory by stage", "Is memory going to the model, the prompt, or decoding?", memory_by_stage),
     ("Fallback ladder", "How often did tasks fall back, and how far?", fallback_ladder),
-    ("Throughput over time", "Did the batch keep its pace?", throughput_over_time),
+    ("Throughput over time", "Did the batch keep its pace? (tokens as they were decoded)", throughput_over_time),
     ("Latency split", "Queue, prefill or decode: where did the slowest documents spend their time?", latency_split),
 ]
