@@ -18,6 +18,7 @@ from jobs.schema import EVENT_SCHEMA, RESULT_SCHEMA, empty_row
 from storage.checkpoint import EVENTS_DIR, RESULTS_DIR, CheckpointLog, CheckpointRowError, compact, load_state
 from storage.parts import TEMP_PREFIX, list_parts, list_temp_files, merge_parts, read_parts, write_part
 from tests.helpers.child_process import Child
+from tests.helpers.system import fill_disk, mounted_tmpfs
 
 
 def result(doc_id: str, status: str = "done", **fields) -> dict:
@@ -389,19 +390,10 @@ def test_a_full_disk_in_the_interval_flush_goes_to_the_next_caller_without_a_tra
     console before submit's exit-6 line: the error is the next caller's to report (submit: exit 6), not its."""
     import errno
 
-    from tests.helpers.system import mounted_tmpfs
-
     with mounted_tmpfs(tmp_path / "small", "size=1m") as disk:
         log = CheckpointLog(disk, flush_every=1000, flush_interval_s=0.1)
         (disk / RESULTS_DIR).mkdir(exist_ok=True)
-        filler = disk / "filler"
-        with open(filler, "wb", buffering=0) as f:
-            for size in (65536, 4096, 1):
-                try:
-                    while True:
-                        f.write(b"\0" * size)
-                except OSError:
-                    pass
+        fill_disk(disk)
         log.add_result(result("d1"))
         deadline = time.monotonic() + 30
         while log._background_error is None:  # the moment: the interval flush has failed
@@ -410,7 +402,7 @@ def test_a_full_disk_in_the_interval_flush_goes_to_the_next_caller_without_a_tra
         with pytest.raises(OSError) as raised:
             log.add_event(event("t-d1", "done"))
         assert raised.value.errno == errno.ENOSPC
-        filler.unlink()
+        (disk / "filler").unlink()
         log.close()  # once there is space again, nothing buffered was lost
         assert load_state(disk).done_task_ids == {"t-d1"}
     loud = [r for r in caplog.records if r.name == "storage.checkpoint" and r.levelno >= logging.WARNING]

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.cli import TINY_CONFIG, kvbatch, write_jsonl
-from tests.helpers.system import mounted_tmpfs
+from tests.helpers.system import fill_disk, mounted_tmpfs
 
 #: (command, output name): each -o the CLI has
 OUTPUTS = [("report", "out.html"), ("results", "out.jsonl"), ("results", "out.csv"), ("results", "out.parquet")]
@@ -91,15 +91,6 @@ def test_an_output_into_a_full_device_is_one_line_and_keeps_the_device(
     assert stat.S_ISCHR(full.stat().st_mode)
 
 
-def _fill(disk: Path) -> None:
-    """Writes a file until not one more byte fits on the filesystem."""
-    with open(disk / "filler", "wb", buffering=0) as f:
-        for size in (65536, 4096, 1):
-            try:
-                while True:
-                    f.write(b"\0" * size)
-            except OSError:
-                pass
 
 
 @pytest.mark.parametrize(("command", "name"), OUTPUTS, ids=IDS)
@@ -107,7 +98,7 @@ def test_an_output_on_a_full_disk_leaves_no_truncated_file(job: Path, tmp_path: 
     with mounted_tmpfs(tmp_path / "small", "size=1m") as disk:
         kept = disk / f"kept-{name}"
         kept.write_text("the previous export")
-        _fill(disk)
+        fill_disk(disk)
         for out in (disk / name, kept):
             proc = _write(job, command, out, check=2)
             assert f"cannot write {out} (No space left on device)" in " ".join(proc.stderr.split()), proc.stderr

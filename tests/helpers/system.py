@@ -56,3 +56,14 @@ def mounted_tmpfs(mount_point: Path, options: str) -> Iterator[Path]:
         yield mount_point
     finally:
         subprocess.run(["umount", "-l", str(mount_point)], check=True)
+
+
+def fill_disk(folder: Path) -> None:
+    """Writes `folder/filler` until not one more byte fits on its filesystem."""
+    with open(folder / "filler", "wb", buffering=0) as f:
+        for size in (65536, 4096, 1):
+            try:
+                while True:
+                    f.write(b"\0" * size)
+            except OSError:
+                pass
