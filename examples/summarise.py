@@ -32,7 +32,7 @@ def main() -> None:
     args = parser.parse_args()
 
     job = kvbatch.submit(DOCUMENTS, job_dir=args.job_dir, config=args.config, address=args.address,
-                         settings={"summarize.max_new_tokens": 64})
+                         settings={"summarize.max_new_tokens": 48})
     if not job.finished:  # interrupted, or no worker left: the job folder keeps what was done
         raise SystemExit(f"stopped early (exit {job.exit_code}): kvbatch.resume({job.job_dir!r}) continues it")
     for row in kvbatch.results(job.job_dir):  # in DOCUMENTS' order, whatever order they finished in

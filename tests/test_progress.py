@@ -30,7 +30,8 @@ def test_a_batch_shows_its_pace_before_any_document_ends(tmp_path: Path) -> None
     job = tmp_path / "job"
     proc = kvbatch("submit", str(manifest), "-c", str(TINY_CONFIG), "-j", str(job),
                    "--set", "workers.count=1", "--set", "batch.max_sequences=4",
-                   "--set", f"summarize.max_new_tokens={NEW_TOKENS}", "--set", "summarize.no_repeat_summary_ngram=0",
+                   "--set", f"summarize.max_new_tokens={NEW_TOKENS}", "--set", "summarize.min_context_tokens=1024",
+                   "--set", "summarize.no_repeat_summary_ngram=0",
                    "--set", "summarize.loop_stop.enabled=false",
                    "--set", f'summarize.generation={{"min_new_tokens": {NEW_TOKENS}}}',
                    env={"KVBATCH_PROGRESS_INTERVAL_S": "0.5", "KVBATCH_CACHE_DIR": str(cache), "COLUMNS": "1000"},
