@@ -8,7 +8,6 @@ about CUDA itself on the CPU.
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import hashlib
 import os
@@ -257,7 +256,7 @@ def test_a_real_oom_moves_the_task_down_the_ladder_and_its_pinned_memory_is_rele
         "summarize.prefill_chunk_size=128",  # a chunk's attention stays small beside the KV, whatever SDPA kernel runs
         "batch.max_sequences=1",
     ])
-    worker = SummaryWorker(config.model_dump(mode="json"), "job", str(tmp_path / "kv"))
+    worker = SummaryWorker(config, "job", str(tmp_path / "kv"))
     text = " ".join(f"t{i}" for i in torch.randint(3, VOCAB, (4000,), generator=torch.Generator().manual_seed(2)).tolist())
     task = Task(task_id="t000001", doc_id="doc-1", source_type="text", source=text, n_chars=len(text),
                 n_bytes=len(text.encode()), sha256=hashlib.sha256(text.encode()).hexdigest(), overrides={}, meta={})
@@ -272,7 +271,7 @@ def test_a_real_oom_moves_the_task_down_the_ladder_and_its_pinned_memory_is_rele
     pinned_before = _pinned_in_use()
     torch.cuda.reset_peak_host_memory_stats()
     try:
-        outcome = worker.run(dataclasses.asdict(task), 1, config.summarize.context_tokens)
+        outcome = worker.run(task, 1, config.summarize.context_tokens, kept=[])[0]
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, DEVICE)
         worker.scheduler.close()
@@ -301,13 +300,13 @@ def _pinned_in_use() -> int:
 def test_a_cuda_workers_kv_pool_is_planned_for_its_batch_and_allocated_once(tmp_path: Path) -> None:
     config = load_config(TINY_CONFIG, ["model.device=cuda", "batch.attention=pooled", "batch.max_sequences=4",
                                        "summarize.context_tokens=1024", "summarize.max_new_tokens=8"])
-    worker = SummaryWorker(config.model_dump(mode="json"), "job", str(tmp_path / "kv"))
+    worker = SummaryWorker(config, "job", str(tmp_path / "kv"))
     try:
         assert worker.kv_pool is not None and worker.kv_pool.planned == (4, 1024)
         text = "The council met about the budget and agreed to publish the minutes. " * 20
         task = Task(task_id="t000001", doc_id="doc-1", source_type="text", source=text, n_chars=len(text),
                     n_bytes=len(text.encode()), sha256=hashlib.sha256(text.encode()).hexdigest(), overrides={}, meta={})
-        outcome = worker.run(dataclasses.asdict(task), 1, 1024)
+        outcome = worker.run(task, 1, 1024, kept=[])[0]
         assert outcome["status"] == "done", outcome
         # sized at its first claim for four sequences of the whole context: no growth was needed
         assert worker.kv_pool.slots >= 1 and worker.kv_pool.tokens >= 1024
