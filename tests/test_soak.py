@@ -74,7 +74,7 @@ def soak(tmp_path: Path, order: str = "longest-first") -> dict:
         snapshots.append(_host_snapshot())
     leftovers = [str(p) for p in (tmp_path / "offload").rglob("*") if p.name != ROOT_MARKER]
     return {"snapshots": snapshots, "strategies": sorted(s for s in strategies if s), "leftovers": leftovers,
-            "outcomes": outcomes, "faults": {f["doc"]: f["fault"] for f in faults}}
+            "outcomes": outcomes, "faults": {f.doc: f.fault for f in faults}}
 
 
 SOAK_PROCESS = """
