@@ -52,7 +52,7 @@ class _StaticRows(PooledStep):
     """The pooled rows of one static step (`SequenceBatch`'s `pooled`): a bucket's buffers, every row
     read up to `span` in one call, the mask made on the device from the buffers' lengths."""
 
-    def __init__(self, pool: KVPool, buffers: _Buffers, span: int) -> None:  # noqa: super: its inputs come from the host
+    def __init__(self, pool: KVPool, buffers: _Buffers, span: int) -> None:  # not super().__init__: that one reads host lists
         self.pool, self.caches, self.count, self.live, self.span = pool, [], buffers.rows, buffers.rows, span
         self.packed = True
         self.slots, self.positions = buffers.slots, buffers.positions
