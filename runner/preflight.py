@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 from jobs.chunking import SUMMARY_SEPARATOR, merge_room
 from jobs.config import ConfigError, JobConfig, SummarizeConfig, looks_like_path, max_answer_tokens
@@ -160,23 +160,24 @@ def check_answer_room(settings: SummarizeConfig) -> None:
         )
 
 
-class _TokenizerOnly(NamedTuple):
-    """What a Summarizer reads of a loaded model: its tokenizer (the weights are not loaded at submit)."""
-
-    tokenizer: Any
-
-
 def _tokenizer(config: JobConfig) -> Any | None:
-    """The model's tokenizer (both builtins use SmolLM2's); None when it cannot be read here (a worker says why)."""
-    from transformers import AutoTokenizer
+    """The model's tokenizer (both builtins use SmolLM2's); None when it cannot be read here (a worker says why).
+    A fast tokenizer's own file when there is one: `AutoTokenizer` imports torch (through transformers'
+    configuration code), which submit's process leaves to the workers (tests/test_submit_startup.py)."""
+    from transformers import PreTrainedTokenizerFast
 
-    from runner.engine.model_registry import BUILTIN_PREFIX, smollm2_tokenizer
+    from runner.engine.model_registry import BUILTIN_PREFIX, smollm2_tokenizer_dir
 
     name = config.model.name
     try:
-        if name.startswith(BUILTIN_PREFIX):
-            return smollm2_tokenizer(name)
-        return AutoTokenizer.from_pretrained(str(Path(name).expanduser()) if looks_like_path(name) else name)
+        source = (str(smollm2_tokenizer_dir()) if name.startswith(BUILTIN_PREFIX)
+                  else str(Path(name).expanduser()) if looks_like_path(name) else name)
+        try:
+            return PreTrainedTokenizerFast.from_pretrained(source)
+        except (OSError, ValueError):  # no tokenizer.json: the model's own tokenizer class
+            from transformers import AutoTokenizer
+
+            return AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError, ModelLoadError):
         return None
 
@@ -185,13 +186,13 @@ def check_merge_room(config: JobConfig) -> None:
     """Two partial summaries merge in one pass of the smallest context a document may run at
     (`summarize.min_context_tokens`): else every document longer than one pass runs all its chunk
     passes and then fails (ContextTooSmallError)."""
-    from runner.engine.summarize import _EDGE_MARGIN_TOKENS, Summarizer
+    from runner.engine.prompts import EDGE_MARGIN_TOKENS, prompt_ids
 
     tokenizer = _tokenizer(config)
     if tokenizer is None:
         return
     s = config.summarize
-    prompt = len(Summarizer(_TokenizerOnly(tokenizer), 0).prompt_ids(s.prompt, "")) + _EDGE_MARGIN_TOKENS
+    prompt = len(prompt_ids(tokenizer, s.prompt, "")) + EDGE_MARGIN_TOKENS
     separator = len(tokenizer(SUMMARY_SEPARATOR, add_special_tokens=False)["input_ids"])
     room = merge_room(s.min_context_tokens, prompt, s.max_new_tokens, separator)
     if room < 0:

@@ -20,6 +20,7 @@ TOPICS = [f"topic-{i:02d}" for i in range(48)]
 ONE_AT_A_TIME = ["--set", "workers.count=1", "--set", f"batch.max_sequences={len(TOPICS)}",
                  "--set", "cache.strategy=dynamic",
                  "--set", "cache.device_kv_budget_bytes=420000", "--set", f"summarize.max_new_tokens={NEW_TOKENS}",
+                 "--set", "summarize.min_context_tokens=1024",  # a merge pass fits (runner/preflight.py)
                  "--set", f"summarize.generation.min_new_tokens={NEW_TOKENS}",
                  "--set", f"retry.task_timeout_s={TIMEOUT_S}"]
 

@@ -49,6 +49,7 @@ class PassBook:
         self._decode = decode
         self._worker = worker
         self._lock = threading.Lock()  # the task's thread keeps; the probe thread collects
+        self._collected = threading.Condition(self._lock)
         self._known = {row["key"]: row for row in kept if row["fingerprint"] == fingerprint}
         self._finished: list[PassRow] = []  # kept here, not yet collected
 
@@ -86,4 +87,12 @@ class PassBook:
         """The passes finished since the last call: each is handed back once."""
         with self._lock:
             finished, self._finished = self._finished, []
+            self._collected.notify_all()
         return finished
+
+    def wait_collected(self, timeout_s: float) -> bool:
+        """Wait until the coordinator has collected every finished pass (at most `timeout_s`): what an
+        injected crash waits for, so that it strikes after the passes were kept, as the crash it
+        rehearses would (jobs/faults.py); whether they were."""
+        with self._collected:
+            return self._collected.wait_for(lambda: not self._finished, timeout_s)

@@ -33,6 +33,11 @@ from runner.engine.probes import StageMemory
 from runner.engine.scheduler import BatchScheduler, PassRequest, PassResult, TaskClock
 
 
+PASSES_COLLECTED_WAIT_S = 10.0
+"""How long an injected crash or hang waits for the coordinator to collect the passes it follows (it
+asks every second; a collection never comes for a run outside a job)."""
+
+
 @dataclass
 class CacheTotals:
     """Cache figures over all generate passes of one task."""
@@ -144,6 +149,8 @@ class RungAttempt:
         where = f"injected for {self._doc_id} on {self.rung}"
         if self._fault == "oom":
             raise torch.OutOfMemoryError(f"CUDA out of memory ({where})")
+        if self._fault in ("crash", "hang"):  # after the passes were kept, as a real one would find them
+            self._passes.wait_collected(PASSES_COLLECTED_WAIT_S)
         if self._fault == "crash":
             os._exit(17)
         if self._fault == "io":

@@ -21,10 +21,9 @@ from jobs.chunking import (
 )
 from runner.engine.generation import Generation
 from runner.engine.model_loader import LoadedModel
+from runner.engine.prompts import EDGE_MARGIN_TOKENS, prompt_ids
 
 #: Re-tokenising a chunk inside the chat template can merge tokens differently at its edges.
-_EDGE_MARGIN_TOKENS = 8
-
 GenerateFn = Callable[[list[list[int]], int], list[Generation]]
 """Generate for several prompts at once (each with the same number of new tokens), in their order."""
 
@@ -85,21 +84,8 @@ class Summarizer:
             return self.tokenizer.decode(tokens, skip_special_tokens=True).strip()
 
     def prompt_ids(self, instruction: str, document: str) -> list[int]:
-        """The model's chat template when it has one, else instruction and document as plain text."""
         with self._tokenizing:
-            return self._prompt_ids(f"{instruction}\n\n{document}")
-
-    def _prompt_ids(self, content: str) -> list[int]:
-        if self.tokenizer.chat_template:
-            return list(
-                self.tokenizer.apply_chat_template(
-                    [{"role": "user", "content": content}],
-                    add_generation_prompt=True,
-                    tokenize=True,
-                    return_dict=False,
-                )
-            )
-        return self.tokenizer(content, add_special_tokens=True)["input_ids"]
+            return prompt_ids(self.tokenizer, instruction, document)
 
     def summarize(
         self,
@@ -109,7 +95,7 @@ class Summarizer:
         context_tokens: int,
         generate: GenerateFn,
     ) -> Summary:
-        overhead = len(self.prompt_ids(instruction, "")) + _EDGE_MARGIN_TOKENS
+        overhead = len(self.prompt_ids(instruction, "")) + EDGE_MARGIN_TOKENS
         budget = summary_budget(context_tokens, overhead, max_new_tokens)
         encoded = self._encode(text, return_offsets_mapping=True)
         chunks = plan_chunks(text, encoded["offset_mapping"], budget, self.overlap_tokens)

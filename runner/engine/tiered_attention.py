@@ -105,7 +105,9 @@ class TieredStep:
             return
         self.lengths, self.span = lengths, aligned(max(lengths) + 1)
         self.staged = staging_for(self.caches, like).views(self.count, self.span)
-        self.slots = [[Slot.over(staged[:, row : row + 1]) for row in range(self.count)] for staged in self.staged]
+        held = max(lengths) + 1  # a row's slot (what its reads fill and its meter holds): the rest is masked padding
+        self.slots = [[Slot.over(staged[:, row : row + 1, :, :held]) for row in range(self.count)]
+                      for staged in self.staged]
         self.mask = length_mask([n + 1 for n in lengths], self.span, like.dtype, like.device, "tiered lengths")
         self._rows = torch.arange(self.count, device=like.device)
         self._positions = step_inputs(like.device).put("tiered positions", lengths)
