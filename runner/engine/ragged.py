@@ -26,6 +26,7 @@ matmuls instead of stalling them. The step's tokens are packed into one row of t
 
 from __future__ import annotations
 
+import functools
 import importlib
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -162,7 +163,13 @@ def _aligned_row(keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor
     span = aligned(length)
     if span > length:
         keys, values = (F.pad(states, (0, 0, 0, span - length)) for states in (keys, values))
-    return keys, values, length_mask([length], span, keys.dtype, keys.device, "row length")
+    return keys, values, _row_mask(length, span, keys.dtype, keys.device)
+
+
+@functools.lru_cache(maxsize=256)
+def _row_mask(length: int, span: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A decode row's length mask, made once for all the layers of its step (attention only reads it)."""
+    return length_mask([length], span, dtype, device, "row length")
 
 
 def _inner_function(module: torch.nn.Module, implementation: str) -> Any:
