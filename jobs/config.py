@@ -454,6 +454,20 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
+RETIRED_KEYS = (("batch", "spread_passes"),)
+"""Keys an earlier kvbatch wrote into a job's saved config that no longer exist: a resume drops them
+(the job folder is the user's work); a config file or --set naming one is refused like any unknown key."""
+
+
+def without_retired_keys(data: dict[str, Any]) -> dict[str, Any]:
+    """A job's saved config (job.json) without `RETIRED_KEYS`, so an older job folder still resumes."""
+    data = {section: dict(values) if isinstance(values, dict) else values for section, values in data.items()}
+    for section, key in RETIRED_KEYS:
+        if isinstance(data.get(section), dict):
+            data[section].pop(key, None)
+    return data
+
+
 def config_from_dict(data: dict[str, Any], source: str = "config") -> JobConfig:
     _check_expansion(data, source)
     try:

@@ -16,7 +16,7 @@ import pyarrow as pa
 from rich.console import Console
 from rich.markup import escape
 
-from jobs.config import JobConfig, apply_overrides, config_from_dict, load_config
+from jobs.config import JobConfig, apply_overrides, config_from_dict, load_config, without_retired_keys
 from jobs.faults import FAULTS_ENV, parse_faults
 from jobs.manifest import ManifestError, Rejection, read_manifest, table_json, tasks_from_table, tasks_to_table
 from jobs.schema import RESULT_SCHEMA, TaskState, empty_row
@@ -205,7 +205,8 @@ def _resume(job: JobDir, retry_since: float | None, overrides: list[str], addres
     check_job_folder(job)
     with job_lock(job.lock) as lock:  # job.json is the running coordinator's until this is held
         info = read_job(job)
-        config = config_from_dict(apply_overrides(info.config, overrides), f"{job.job_json} with --set")
+        config = config_from_dict(apply_overrides(without_retired_keys(info.config), overrides),
+                                  f"{job.job_json} with --set")
         check_settings(config)
         check_offload_root(offload_root_for(config, job.path))
         if overrides:

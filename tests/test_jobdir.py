@@ -254,3 +254,17 @@ def test_resume_with_set_leaves_job_json_alone_while_another_coordinator_holds_t
         assert (job / "job.json").read_bytes() == before
     finally:
         holder.kill()
+
+
+def test_a_job_folder_of_an_earlier_kvbatch_resumes_without_its_retired_keys(finished_job: Path, tmp_path: Path) -> None:
+    """A job made while `batch.spread_passes` existed (issue 37 removed it) holds it in job.json: a
+    resume drops it instead of refusing the user's job as an unknown key; a config naming it is refused."""
+    job = tmp_path / "job"
+    shutil.copytree(finished_job, job)
+    info = json.loads((job / "job.json").read_text(encoding="utf-8"))
+    info["config"]["batch"]["spread_passes"] = True
+    (job / "job.json").write_text(json.dumps(info), encoding="utf-8")
+    proc = kvbatch("resume", str(job), check=0)
+    assert "0 to run" in proc.stdout and "spread_passes" not in proc.stdout + proc.stderr
+    refused = refusal("config", "--set", "batch.spread_passes=true")
+    assert "unknown key" in refused.stdout + refused.stderr and "spread_passes" in refused.stdout + refused.stderr
