@@ -4,7 +4,9 @@ Two sections of bench/throughput.py, each one `kvbatch submit` per setting on on
 
 - mix: real documents of 400-4,000 tokens (licence texts, whole or cut at a paragraph end; those
   over one pass at context 2048 are map-reduced), SmolLM2-135M fp32, 2 workers x 1 thread, with
-  `batch.max_sequences=1` and batched. Docs/hour over the batch phase, and where the workers' time
+  `batch.max_sequences=1` and batched; `--mix-long TOKENS` adds one long document (licence texts
+  one after another, cut there) of many passes beside them, and says on which workers its passes
+  ran. Docs/hour over the batch phase, and where the workers' time
   went: prefill (one sequence at a time), decode steps, the rows' decode time and how much of it they
   spent waiting on another row's prefill (a stall: the worker's one model thread was prefilling).
 - cli-step: ~28 short sequences of bench/step_ops.py's model (Llama-3-8B's attention shape, random
@@ -43,6 +45,8 @@ MIX_NEW_TOKENS = 120
 MIX = [("Artistic", None), ("CC0-1.0", None), ("LGPL-3", None), ("Apache-2.0", None), ("GPL-1", 1200),
        ("MPL-2.0", None), ("GPL-2", 4000), ("GFDL-1.3", 1800), ("MPL-1.1", 1700), ("LGPL-2.1", 1100),
        ("GFDL-1.2", 700), ("GPL-3", 1500), ("LGPL-2", 3000)]
+#: the long document of `--mix-long`: these licence texts one after another, cut at its token count
+LONG_PARTS = ["GPL-3", "GFDL-1.3", "Apache-2.0", "LGPL-2.1", "MPL-2.0", "GPL-2", "Artistic", "GFDL-1.2", "MPL-1.1"]
 STEP_VOCAB = 1024
 
 
@@ -110,21 +114,35 @@ def step_rates(run: JobRun) -> list[float]:
 
 
 # -- mix: real documents, max_sequences=1 against batched -----------------------------------------
-def mix_documents(loaded: LoadedModel, count: int) -> list[dict[str, str]]:
-    """The first `count` licence texts of MIX, each whole or cut at the last paragraph end within its tokens."""
+def _cut(loaded: LoadedModel, text: str, most: int) -> str:
+    """`text` up to its last paragraph end within `most` tokens."""
+    kept = ""
+    for paragraph in text.split("\n\n"):
+        longer = f"{kept}\n\n{paragraph}" if kept else paragraph
+        if len(loaded.tokenizer(longer, add_special_tokens=False).input_ids) > most:
+            break
+        kept = longer
+    return kept
+
+
+def mix_documents(loaded: LoadedModel, count: int, long_tokens: int = 0) -> list[dict[str, str]]:
+    """The first `count` licence texts of MIX, each whole or cut at the last paragraph end within its
+    tokens; and with `long_tokens`, the long document first."""
     rows = []
+    if long_tokens:
+        whole = "\n\n".join((LICENSES / name).read_text(encoding="utf-8") for name in LONG_PARTS)
+        rows.append({"id": "long", "text": _cut(loaded, whole, long_tokens)})
     for name, most in MIX[:count]:
         text = (LICENSES / name).read_text(encoding="utf-8")
-        if most is not None:
-            kept, paragraphs = "", text.split("\n\n")
-            for paragraph in paragraphs:
-                longer = f"{kept}\n\n{paragraph}" if kept else paragraph
-                if len(loaded.tokenizer(longer, add_special_tokens=False).input_ids) > most:
-                    break
-                kept = longer
-            text = kept
-        rows.append({"id": name.lower(), "text": text})
+        rows.append({"id": name.lower(), "text": text if most is None else _cut(loaded, text, most)})
     return rows
+
+
+def long_passes(run: JobRun) -> str:
+    """How many passes the long document took, and the workers they ran on (from job.log)."""
+    [row] = [r for r in run.rows if r["doc_id"] == "long"]
+    workers = sorted({e["worker"] for e in run.log if e.get("event") == "task_assigned" and e.get("doc_id") == "long"})
+    return f"{row['passes']} passes on {', '.join(workers)}"
 
 
 def _settings(base: list[str], sequences: str, extra: list[str]) -> list[str]:
@@ -132,7 +150,7 @@ def _settings(base: list[str], sequences: str, extra: list[str]) -> list[str]:
 
 
 def mix_section(loaded: LoadedModel, args: argparse.Namespace) -> dict:
-    documents = mix_documents(loaded, args.mix_docs)
+    documents = mix_documents(loaded, args.mix_docs, args.mix_long)
     tokens = [len(loaded.tokenizer(d["text"], add_special_tokens=False).input_ids) for d in documents]
     workers, threads = (int(x) for x in args.mix_layout.split("x"))
     base = [f"summarize.max_new_tokens={MIX_NEW_TOKENS}", f"summarize.context_tokens={MIX_CONTEXT}",
@@ -147,7 +165,8 @@ def mix_section(loaded: LoadedModel, args: argparse.Namespace) -> dict:
             run = submit(manifest, CONFIG, Path(tmp) / f"job-{sequences}", _settings(base, sequences, args.set),
                          address)
             runs.append((sequences, run))
-            print(f"  max_sequences {sequences}: {run.docs_per_hour:.0f} docs/h", flush=True)
+            print(f"  max_sequences {sequences}: {run.docs_per_hour:.0f} docs/h"
+                  + (f"; the long document: {long_passes(run)}" if args.mix_long else ""), flush=True)
     alone = runs[0][1]
     map_reduced = sorted(r["doc_id"] for r in alone.rows if (r["chunks"] or 0) > 1)
     print(f"map-reduced at context {MIX_CONTEXT}: {', '.join(map_reduced) or 'none'}")

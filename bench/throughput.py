@@ -528,6 +528,8 @@ def main() -> None:
     parser.add_argument("--mix-sequences", default="1,auto", help="mix: batch.max_sequences of each run, the first the base")
     parser.add_argument("--mix-layout", default="2x1", help="mix: workers x torch threads per worker")
     parser.add_argument("--mix-docs", type=int, default=len(MIX), help="mix: the first this many documents (a quick check)")
+    parser.add_argument("--mix-long", type=int, default=0, metavar="TOKENS",
+                        help="mix: also one long document of this many tokens (licence texts one after another)")
     parser.add_argument("--step-rows", type=int, default=28, help="cli-step: sequences decoding together")
     parser.add_argument("--step-words", type=int, default=48, help="cli-step: words (tokens) per document")
     parser.add_argument("--step-tokens", type=int, default=96, help="cli-step: new tokens per sequence")

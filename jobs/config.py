@@ -321,13 +321,6 @@ class BatchConfig(_Section):
         "(in `summarize.prefill_chunk_size` chunks) before it joins. Tiered rungs, transformers' own cache implementations, `cache.prefill: layer-major` "
         "and sliding-window models always prefill whole; a prompt prefilled whole (alone, or on those) goes in "
         "chunks of this many tokens too, so its tokens are the same whether it rode or not"))
-    spread_passes: bool = Field(True, description=(
-        "once no document is left to start, a worker with a free slot helps a long document another worker "
-        "runs: it takes that document's passes (chunks, then merges) from the far end while the owner goes "
-        "from the front, each finished pass kept in the job folder (`passes/`) where the other finds it and "
-        "skips it, so the batch's last long documents do not run on one worker while the rest sit idle. "
-        "Needs the job folder seen by both workers (the same host, or `s3://`); the tokens are the same "
-        "either way"))
 
     @field_validator("max_sequences")
     @classmethod

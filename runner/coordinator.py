@@ -9,6 +9,9 @@ node) takes it while the lost one restarts. A loss while batch-mates shared the 
 against a task until it has run alone. When a context size keeps failing, or the worker's cache
 ladder is exhausted, the task is tried again with a shorter context. A result row in results/ is
 the only "done" record, so a coordinator killed at any instant loses at most the tasks in flight.
+The coordinator, holding the job's lock, is the only writer of the job folder: the passes a worker
+finishes come back to it and go into the checkpoint log (storage/passes.py), and every attempt at a
+task is handed the passes kept so far, read back from the job folder on a resume.
 
 Ray lives in the pool (runner/pool.py), the recording of events and results in the recorder
 (runner/recorder.py); this module keeps the work queue and the retry loop.
@@ -20,10 +23,8 @@ import heapq
 import itertools
 import os
 import signal
-import socket
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -42,7 +43,7 @@ from tenacity import (
 )
 from tenacity.stop import stop_base
 
-from jobs.balance import expected_decode_tokens, expected_passes, expected_work, may_take
+from jobs.balance import expected_decode_tokens, expected_work, may_take
 from jobs.config import JobConfig, RetryConfig
 from jobs.faults import FaultRule
 from jobs.outcome import TaskOutcome
@@ -69,7 +70,7 @@ from storage.jobdir import JobDir
 from storage.lease import LeaseLostError
 from storage.location import no_fence
 from storage.lock import HeldLock
-from storage.passes import remove_passes, tasks_with_passes
+from storage.passes import PassRow, read_passes, remove_passes, tasks_with_passes
 
 EXIT_OK = 0
 EXIT_FAILED_TASKS = 3
@@ -99,6 +100,7 @@ class TaskRun:
     slow_alerted: bool = False
     batch_losses: int = 0  # worker losses while batch-mates were in flight: not counted as its attempts
     alone: bool = False  # after BATCH_LOSSES_BEFORE_ALONE of those, it runs with no batch-mates
+    passes: dict[str, PassRow] = field(default_factory=dict)  # by key: finished passes, handed to each attempt
 
 
 class TaskEnd(Enum):
@@ -108,14 +110,6 @@ class TaskEnd(Enum):
     WORKER_LOST = "worker lost"  # its result row is written, but its worker was lost on the way: the task
     # holds the batch open until the worker is back (the restart sweeps the dead process's scratch dir)
     HANDED_BACK = "handed back"  # its worker was lost and the task goes on: back to the queue, for any worker
-
-
-@dataclass(eq=False)
-class Helping:
-    """A feeding thread's turn at helping with a long task another worker runs (batch.spread_passes)."""
-
-    run: TaskRun
-    help_id: str = field(default_factory=lambda: uuid.uuid4().hex)
 
 
 class attempts_at_context_reach(stop_base):  # noqa: N801 - named like tenacity's own stops
@@ -149,13 +143,10 @@ class WorkQueue:
     lost worker goes in front, with its work at its (maybe shorter) context. A worker takes the next
     task only while no other worker with a free slot has less expected work in flight, so the long
     documents spread over the workers instead of one worker's queue setting the batch's end. `take`
-    waits while other threads still hold tasks they may hand back. Once none is left to start, a
-    thread whose worker could help with a long task another worker is running (`shares` says which
-    may be shared) gets a `Helping` with it instead: one helper per task at a time."""
+    waits while other threads still hold tasks they may hand back."""
 
     def __init__(self, runs: list[TaskRun], work_of: Callable[[TaskRun], float], workers: list[Worker],
-                 slots: int, is_down: Callable[[Worker], bool],
-                 shares: Callable[[TaskRun], bool] | None = None) -> None:
+                 slots: int, is_down: Callable[[Worker], bool]) -> None:
         self._order = itertools.count()
         self._work_of = work_of
         self._heap = [self._entry(1, run) for run in runs]
@@ -163,10 +154,6 @@ class WorkQueue:
         self._held: dict[Worker, list[TaskRun]] = {w: [] for w in workers}
         self._slots = slots
         self._is_down = is_down
-        self._shares = shares
-        self._running: set[TaskRun] = set()  # tasks with an attempt in flight: the ones a helper may join
-        self._helpers: dict[TaskRun, tuple[Worker, Helping]] = {}
-        self._cannot_help: set[Worker] = set()
         self._changed = threading.Condition()
 
     def _entry(self, priority: int, run: TaskRun) -> tuple[int, float, int, TaskRun]:
@@ -176,10 +163,9 @@ class WorkQueue:
         return sum(self._work_of(run) for run in self._held[worker])
 
     @contextmanager
-    def taking(self, worker: Worker, stop: threading.Event) -> Iterator[TaskRun | Helping | None]:
-        """The next task for `worker`, held by it until the block ends or it is handed back, or a task
-        to help with until the block ends; None once none is left and none can come back (or the
-        batch stops)."""
+    def taking(self, worker: Worker, stop: threading.Event) -> Iterator[TaskRun | None]:
+        """The next task for `worker`, held by it until the block ends or it is handed back; None once
+        none is left and none can come back (or the batch stops)."""
         run = self._take(worker, stop)
         try:
             yield run
@@ -199,51 +185,17 @@ class WorkQueue:
                         return run
                 elif not any(self._held.values()):
                     return None
-                elif (helping := self._help_for(worker)) is not None:
-                    return helping
                 self._changed.wait(0.2)
             return None
-
-    def _help_for(self, worker: Worker) -> Helping | None:
-        """The longest task running on another worker that may be shared and has no helper yet."""
-        if self._shares is None or worker in self._cannot_help:
-            return None
-        others = [run for w, held in self._held.items() if w is not worker for run in held
-                  if run in self._running and run not in self._helpers and not run.alone and self._shares(run)]
-        if not others:
-            return None
-        helping = Helping(max(others, key=self._work_of))
-        self._helpers[helping.run] = (worker, helping)
-        return helping
-
-    def attempt_started(self, run: TaskRun) -> None:
-        with self._changed:
-            self._running.add(run)
-            self._changed.notify_all()
-
-    def attempt_ended(self, run: TaskRun) -> tuple[Worker, str] | None:
-        """No helper may join `run` until its next attempt; the helper it has now, and its help id."""
-        with self._changed:
-            self._running.discard(run)
-            worker, helping = self._helpers.get(run, (None, None))
-            return None if helping is None else (worker, helping.help_id)
-
-    def cannot_help(self, worker: Worker) -> None:
-        """`worker` does not see the job folder where passes are kept: it helps nobody."""
-        with self._changed:
-            self._cannot_help.add(worker)
 
     def load(self, worker: Worker) -> float:
         """The expected work of the tasks `worker` holds now."""
         with self._changed:
             return self._load(worker)
 
-    def _release(self, worker: Worker, run: TaskRun | Helping) -> None:
+    def _release(self, worker: Worker, run: TaskRun) -> None:
         with self._changed:
-            if isinstance(run, Helping):
-                if self._helpers.get(run.run, (None, None))[1] is run:
-                    del self._helpers[run.run]
-            elif run in self._held[worker]:  # not handed back
+            if run in self._held[worker]:  # not handed back
                 self._held[worker].remove(run)
             self._changed.notify_all()
 
@@ -264,14 +216,6 @@ class WorkQueue:
             return len(self._heap)
 
 
-def passes_home(job: JobDir) -> tuple[str, str | None]:
-    """Where workers keep finished passes: the job folder (absolute), and the host that must see it
-    there (None for shared storage; a worker on another host keeps nothing rather than a stray copy)."""
-    if job.path.is_local:
-        return job.path.path, socket.gethostname()
-    return job.path.uri, None
-
-
 def _transient_failure(e: TransientFailure) -> TaskOutcome:
     """The outcome of a task whose transient failures used up its attempts at a context size."""
     return TaskOutcome(status="failed", failure_class=FailureClass.TRANSIENT.value, error_type=e.error_type,
@@ -287,35 +231,49 @@ class Coordinator:
         self.offload_root = offload_root
         self.console = console
         self.lock = lock
-        fence = lock.check if lock is not None else no_fence
+        fence = self._fence = lock.check if lock is not None else no_fence
         self.stop = threading.Event()
         self.log = JobLog(job.log, fence)
         self.alerts = AlertMonitor(self.log, console)
         self.job = job
-        checkpoint = CheckpointLog(job.path, flush_every=config.checkpoint.flush_every,
+        checkpoint = self.checkpoint = CheckpointLog(job.path, flush_every=config.checkpoint.flush_every,
                                    flush_interval_s=config.checkpoint.flush_interval_s, fence=fence,
                                    after_results=self._drop_passes)
         self.recorder = TaskRecorder(checkpoint, self.log, self.alerts, BatchMetrics(job_id), self.stop)
-        self.pool = WorkerPool(config, job_id, offload_root, faults, *passes_home(job))
+        self.pool = WorkerPool(config, job_id, offload_root, faults)
         self.retrying = task_retrying(config.retry, self._before_retry, self._sleep)
         self._queued_at = time.time()
 
     def _drop_passes(self, task_ids: list[str]) -> None:
         """A document's passes go once its result is published; if this fails the next run's sweep takes them."""
         try:
-            remove_passes(self.job.path, task_ids)
+            remove_passes(self.job.path, task_ids, self._fence)
         except OSError as e:
             self.log.warning("passes_not_removed", tasks=len(task_ids), error=str(e))
 
-    def _sweep_passes(self, open_tasks: list[Task]) -> None:
-        """Passes of tasks that have ended (a crash came between their result and the passes' removal)."""
-        open_ids = {task.task_id for task in open_tasks}
+    def _read_passes(self, runs: list[TaskRun]) -> None:
+        """The passes kept by an earlier run, for the open tasks' attempts; those of tasks that have
+        ended (a crash came between their result and the passes' removal) go. A folder that cannot
+        be read only costs its passes, which run again."""
+        by_id = {run.task.task_id: run for run in runs}
         try:
-            ended = [task_id for task_id in tasks_with_passes(self.job.path) if task_id not in open_ids]
+            with_passes = tasks_with_passes(self.job.path)
         except OSError as e:
             self.log.warning("passes_not_listed", error=str(e))
             return
-        self._drop_passes(ended)
+        self._drop_passes([task_id for task_id in with_passes if task_id not in by_id])
+        for task_id in with_passes:
+            if (run := by_id.get(task_id)) is not None:
+                try:
+                    run.passes = {row["key"]: row for row in read_passes(self.job.path, task_id)}
+                except OSError as e:
+                    self.log.warning("passes_not_read", task_id=task_id, error=str(e))
+
+    def _passes_back(self, run: TaskRun, rows: list[PassRow]) -> None:
+        """Passes a worker finished for `run`: kept for its next attempt and in the job folder."""
+        if rows:
+            run.passes.update((row["key"], row) for row in rows)
+            self.checkpoint.add_passes(rows)
 
     # -- one attempt ----------------------------------------------------------------------------
     def _attempt(self, worker: Worker, run: TaskRun) -> TaskOutcome:
@@ -327,9 +285,9 @@ class Coordinator:
         slot = self.pool.slot_name(worker)
         self.recorder.started(run.task, run.attempt, run.context_tokens, slot)
         own = True  # whether the attempt counts against the task
-        self.work.attempt_started(run)
         try:
-            outcome = self.pool.run(worker, run.task, run.attempt, run.context_tokens, run.alone)
+            outcome = self.pool.run(worker, run.task, run.attempt, run.context_tokens, run.alone,
+                                    list(run.passes.values()), lambda rows: self._passes_back(run, rows))
         except PoolStopped:
             raise Interrupted() from None
         except WorkerLost as lost:
@@ -338,8 +296,6 @@ class Coordinator:
             own = self._lost(slot, run, lost)
             raise
         finally:
-            if (helper := self.work.attempt_ended(run)) is not None:
-                self.pool.end_help(*helper)
             run.slow_alerted = self.recorder.stopped(run.task)
             if own:
                 run.tries_at_context += 1
@@ -376,31 +332,9 @@ class Coordinator:
     def _work_of(self, run: TaskRun) -> float:
         return expected_work(run.task, self.cfg, run.context_tokens)
 
-    def _shares(self, run: TaskRun) -> bool:
-        """Whether another worker could help with `run`: it is expected to take several passes."""
-        return len(expected_passes(run.task, self.cfg, run.context_tokens)) > 1
-
-    def _help(self, worker: Worker, helping: Helping) -> None:
-        """`worker` helps with another worker's long task until that attempt ends; a lost worker only
-        ends the help (the feeding thread then waits for its restart)."""
-        run, slot = helping.run, self.pool.slot_name(worker)
-        try:
-            shared = self.pool.help(worker, run.task, run.context_tokens, helping.help_id)
-        except PoolStopped:
-            raise Interrupted() from None
-        except WorkerLost as lost:
-            if self.stop.is_set():
-                raise Interrupted() from None
-            if lost.first_to_see:
-                self.recorder.worker_lost(slot, lost.error_type, None)
-            return
-        if not shared["sees_job"]:
-            self.work.cannot_help(worker)
-        self.log.info("passes_shared", task_id=run.task.task_id, doc_id=run.task.doc_id, worker=slot,
-                      context_tokens=run.context_tokens, passes_run=shared["passes_run"], ended=shared["ended"])
-
     # -- one task -------------------------------------------------------------------------------
     def _finish(self, run: TaskRun, outcome: TaskOutcome) -> None:
+        run.passes = {}  # its result is the record now
         self.recorder.finish(run.task, run.attempt, run.context_tokens, run.fallbacks, run.queue_wait_s,
                              run.slow_alerted, outcome)
 
@@ -454,9 +388,6 @@ class Coordinator:
                 if run is None:
                     return
                 try:
-                    if isinstance(run, Helping):
-                        self._help(worker, run)
-                        continue
                     self.log.info("task_assigned", task_id=run.task.task_id, doc_id=run.task.doc_id,
                                   worker=self.pool.slot_name(worker), context_tokens=run.context_tokens,
                                   expected_work=round(self._work_of(run)), worker_work=round(work.load(worker)))
@@ -510,7 +441,7 @@ class Coordinator:
     def _run(self, open_tasks: list[Task], already_done: int, total: int) -> int:
         context = self.cfg.summarize.context_tokens
         runs = [TaskRun(task=task, context_tokens=context) for task in open_tasks]
-        self._sweep_passes(open_tasks)
+        self._read_passes(runs)
         count = self.pool.worker_count(len(open_tasks))
         self.log.info("batch_start", open_tasks=len(open_tasks), workers=count,
                       sequences_per_worker=self.cfg.batch.sequences)
@@ -521,10 +452,6 @@ class Coordinator:
             return self._not_started(e)
         for info in infos:
             self.log.info("worker_ready", **info)
-            if info["passes_not_kept"] and self.pool.job_host is None:  # a local folder is unseen elsewhere by design
-                self.log.warning("passes_not_kept", worker=info["worker"], reason=info["passes_not_kept"],
-                                 hint="a kill or retry redoes this worker's finished passes of long documents: "
-                                      "give the workers the job folder's storage settings")
         if 0 < len(infos) < count:
             self.log.warning("workers_not_started", started=len(infos), wanted=count,
                              hint=f"the rest did not start within workers.start_timeout_s="
@@ -532,8 +459,7 @@ class Coordinator:
         self._queued_at = time.time()  # queue wait counts from here: waiting for a free worker
         errors: list[BaseException] = []
         workers = self.pool.workers
-        work = self.work = WorkQueue(runs, self._work_of, workers, self.cfg.batch.sequences, self.pool.is_down,
-                                     self._shares if self.cfg.batch.spread_passes and len(workers) > 1 else None)
+        work = WorkQueue(runs, self._work_of, workers, self.cfg.batch.sequences, self.pool.is_down)
         budgets = {run.task.task_id: expected_decode_tokens(run.task, self.cfg) for run in runs}
         with self.alerts.watching(), NodeSweeper(self.offload_root, self.log), \
                 BatchProgress(self.console, total, already_done, len(workers), budgets, self.alerts.busy_workers,

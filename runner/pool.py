@@ -1,18 +1,20 @@
 """The Ray worker pool: starts the worker actors, calls them, waits for a lost one to come back, kills them.
 
 Everything the batch knows of Ray is here; the coordinator sees workers as opaque handles, outcomes
-as dicts and losses as `WorkerLost`. Each actor takes `batch.max_sequences` calls at once (one
+as dicts, finished passes as rows handed to a callback, and losses as `WorkerLost`. Ray pickles the
+typed objects (the config, the tasks, the fault rules) across to the workers. Each actor takes `batch.max_sequences` calls at once (one
 thread a task, its sequences batched by the worker's scheduler), so one lost process ends several
 tasks: the pool counts that loss once, and says for each of its tasks whether batch-mates shared
 the process (then the loss is not the task's own fault, yet). A task suspected of crashing its
 batches runs `alone`: it waits for its worker to be idle and keeps it to itself. A call's
 `retry.task_timeout_s` runs from when its task began to run in the worker, not while it waits
-there behind its batch-mates (`_result`).
+there behind its batch-mates (`_result`). While a call runs, the pool asks its worker every
+`PROBE_INTERVAL_S` whether the task has begun and for the passes it finished since: the coordinator
+records them, so a kill loses at most the passes of the last interval.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import re
 import threading
 import time
@@ -32,13 +34,15 @@ from jobs.outcome import TaskOutcome
 from jobs.task import Task
 from runner.cluster import kill_and_wait
 from runner.worker_actor import WorkerActor
+from storage.passes import PassRow
 
 #: How long a restarted worker may take to come back (process start + model load), not task time.
 WORKER_RESTART_TIMEOUT_S = 300.0
 PROBE_GROUP = "probe"
-"""The actor's concurrency group for `running_s`: its own thread, so a worker busy with its batch answers."""
-PROBE_INTERVAL_S = 5.0
-"""How often a call whose task has not begun to run asks whether it has (at most a quarter of the timeout)."""
+"""The actor's concurrency group for `progress`: its own thread, so a worker busy with its batch answers."""
+PROBE_INTERVAL_S = 1.0
+"""How often a call asks whether its task has begun to run and for the passes it finished since (at
+most a quarter of the timeout)."""
 PROBE_TIMEOUT_S = 60.0
 """A worker that does not answer that question within this is hung (a short task timeout does not
 shorten it: a loaded node may answer slowly)."""
@@ -163,13 +167,8 @@ class _Slot:
 
 
 class WorkerPool:
-    def __init__(self, config: JobConfig, job_id: str, offload_root: Path, faults: list[FaultRule],
-                 job_dir: str | None = None, job_host: str | None = None) -> None:
-        """`job_dir`: the job folder where workers keep finished passes, seen there by workers on
-        `job_host` (any host: None)."""
+    def __init__(self, config: JobConfig, job_id: str, offload_root: Path, faults: list[FaultRule]) -> None:
         self.cfg = config
-        self.job_dir = job_dir
-        self.job_host = job_host
         self.job_id = job_id
         self.offload_root = offload_root
         self.faults = faults
@@ -205,11 +204,8 @@ class WorkerPool:
             max_concurrency=self.cfg.batch.sequences,
         )
         threads = max(1, int(self.cfg.workers.cpus_per_worker))
-        config = self.cfg.model_dump(mode="json")
-        faults = [f.model_dump() for f in self.faults]
         node_workers = workers_per_node(count, cluster_nodes(), self.cfg.workers.cpus_per_worker, gpus)
-        self.workers = [remote_cls.remote(config, self.job_id, str(self.offload_root), faults, threads, node_workers,
-                                          self.job_dir, self.job_host)
+        self.workers = [remote_cls.remote(self.cfg, self.job_id, self.offload_root, self.faults, threads, node_workers)
                         for _ in range(count)]
         try:
             infos = self._await_start(give_up, gpus)
@@ -257,19 +253,6 @@ class WorkerPool:
         """Lost and not yet back: a call now would reach the dying process, or wait for the new one."""
         return self._slots[worker].down
 
-    def run(self, worker: Worker, task: Task, attempt: int, context_tokens: int, alone: bool) -> TaskOutcome:
-        """The worker's outcome for one attempt; raises `WorkerLost` when its process died or hung.
-        `alone`: wait until nothing else runs on the worker and keep it so, so that a loss now is
-        this task's own."""
-        return self._call(worker, alone, lambda call_id: worker.run.remote(
-            dataclasses.asdict(task), attempt, context_tokens, call_id))
-
-    def help(self, worker: Worker, task: Task, context_tokens: int, help_id: str) -> dict[str, Any]:
-        """`worker` helps with `task`, which another worker owns (batch.spread_passes), until `end_help`
-        (or nothing is left to share); how many passes it ran. Raises like `run`."""
-        return self._call(worker, False, lambda call_id: worker.help.remote(
-            dataclasses.asdict(task), context_tokens, help_id, call_id))
-
     def tokens_decoded(self) -> int:
         """Tokens the workers' decode steps have made while this pool ran them, every incarnation of a
         restarted worker counted: asked beside the tasks, a worker that does not answer within a second
@@ -283,12 +266,12 @@ class WorkerPool:
                 continue
         return sum(self._decoded.values())
 
-    def end_help(self, worker: Worker, help_id: str) -> None:
-        """Tell `worker` its help `help_id` is no longer needed; not waited for (a lost worker's help is over)."""
-        worker.end_help.options(concurrency_group=PROBE_GROUP).remote(help_id)
-
-    def _call(self, worker: Worker, alone: bool, send: Callable[[str], Any]) -> Any:
-        """What `send(call_id)`'s call returns, once the worker can take it (see `run`)."""
+    def run(self, worker: Worker, task: Task, attempt: int, context_tokens: int, alone: bool, kept: list[PassRow],
+            on_passes: Callable[[list[PassRow]], None]) -> TaskOutcome:
+        """The worker's outcome for one attempt, handed the passes of the task `kept` before; each pass
+        it finishes goes to `on_passes` while the call runs. Raises `WorkerLost` when its process died
+        or hung. `alone`: wait until nothing else runs on the worker and keep it so, so that a loss
+        now is this task's own."""
         slot = self._slots[worker]
         while True:
             # a call must reach a live incarnation: one sent while Ray restarts the worker fails at once
@@ -305,9 +288,9 @@ class WorkerPool:
                 call = slot.begin(alone)
                 break
         call_id = uuid.uuid4().hex
-        ref = send(call_id)
+        ref = worker.run.remote(task, attempt, context_tokens, kept, call_id)
         try:
-            return self._result(worker, ref, call_id)
+            return self._result(worker, ref, call_id, on_passes)
         except _Hung as e:
             ray.kill(worker, no_restart=False)  # a hung worker is restarted, with a fresh model
             raise self._lost(slot, call, "TimeoutError", str(e)) from None
@@ -320,35 +303,39 @@ class WorkerPool:
                 slot.end(call)
                 self._lock.notify_all()
 
-    def _result(self, worker: Worker, ref: Any, call_id: str) -> TaskOutcome:
+    def _result(self, worker: Worker, ref: Any, call_id: str, on_passes: Callable[[list[PassRow]], None]) -> TaskOutcome:
         """The call's outcome. Its retry.task_timeout_s runs from when the task's first sequence began
         to run in the worker (the worker says when), not from when the call was sent. Waiting before
         that has a limit of its own: behind at most batch.max_sequences - 1 batch-mates, each within
         its timeout, it begins within task_timeout_s × batch.max_sequences, or the worker is stuck.
-        Raises `_Hung` past either, or when the worker does not answer whether the task has begun."""
+        Raises `_Hung` past either, or when the worker does not answer how the task is doing."""
         limit = self.cfg.retry.task_timeout_s
         wait_limit = limit * self.cfg.batch.sequences
         sent = time.monotonic()
+        running_s: float | None = None
         while True:
+            wait_s = min(PROBE_INTERVAL_S, limit / 4)
+            if running_s is not None:
+                if running_s >= limit:
+                    raise _Hung(f"no result within retry.task_timeout_s={limit:g}s of its first sequence starting")
+                wait_s = min(wait_s, limit - running_s)
             try:
-                return ray.get(ref, timeout=min(PROBE_INTERVAL_S, limit / 4))
+                outcome, passes = ray.get(ref, timeout=wait_s)
             except GetTimeoutError:
                 pass
-            probe = worker.running_s.options(concurrency_group=PROBE_GROUP).remote(call_id)
+            else:
+                on_passes(passes)
+                return outcome
+            probe = worker.progress.options(concurrency_group=PROBE_GROUP).remote(call_id)
             try:
-                running_s = ray.get(probe, timeout=PROBE_TIMEOUT_S)
+                running_s, passes = ray.get(probe, timeout=PROBE_TIMEOUT_S)
             except GetTimeoutError:
-                raise _Hung(f"the worker did not answer within {PROBE_TIMEOUT_S:g}s whether the task had begun: "
+                raise _Hung(f"the worker did not answer within {PROBE_TIMEOUT_S:g}s how the task was doing: "
                             "it is hung") from None
-            if running_s is not None:
-                break
-            if time.monotonic() - sent > wait_limit:
+            on_passes(passes)
+            if running_s is None and time.monotonic() - sent > wait_limit:
                 raise _Hung(f"not begun within {wait_limit:g}s of being sent (retry.task_timeout_s × "
                             "batch.max_sequences): the worker is stuck")
-        try:
-            return ray.get(ref, timeout=max(0.0, limit - running_s))
-        except GetTimeoutError:
-            raise _Hung(f"no result within retry.task_timeout_s={limit:g}s of its first sequence starting") from None
 
     def _lost(self, slot: _Slot, call: _Call, error_type: str, message: str) -> WorkerLost:
         with self._lock:

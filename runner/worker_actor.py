@@ -10,6 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 from jobs.outcome import TaskOutcome
+from jobs.task import Task
+from storage.passes import PassRow
 
 
 class WorkerActor:
@@ -23,17 +25,12 @@ class WorkerActor:
     def info(self) -> dict[str, Any]:
         return self._worker.info()
 
-    def running_s(self, call_id: str) -> float | None:
-        return self._worker.running_s(call_id)
+    def progress(self, call_id: str) -> tuple[float | None, list[PassRow]]:
+        return self._worker.progress(call_id)
 
     def tokens_decoded(self) -> int:
         return self._worker.tokens_decoded()
 
-    def help(self, task_data: dict[str, Any], context_tokens: int, help_id: str, call_id: str = "") -> dict[str, Any]:
-        return self._worker.help(task_data, context_tokens, help_id, call_id)
-
-    def end_help(self, help_id: str) -> None:
-        self._worker.end_help(help_id)
-
-    def run(self, task_data: dict[str, Any], attempt: int, context_tokens: int, call_id: str = "") -> TaskOutcome:
-        return self._worker.run(task_data, attempt, context_tokens, call_id)
+    def run(self, task: Task, attempt: int, context_tokens: int, kept: list[PassRow],
+            call_id: str = "") -> tuple[TaskOutcome, list[PassRow]]:
+        return self._worker.run(task, attempt, context_tokens, kept, call_id)

@@ -1,9 +1,10 @@
-"""The job's checkpoint log: task events and results as append-only Parquet parts.
+"""The job's checkpoint log: task events, results and finished passes as append-only Parquet parts.
 
 Rows are buffered and published in batches (every `flush_every` rows or `flush_interval_s`
 seconds, whichever comes first, and on close), because one fsynced part per row would cost
 milliseconds per task. A result row is the "done" record, so results are published before the
-events of the same batch. While a run goes on, every `merge_every` parts the log wrote are merged
+events of the same batch, and a document's passes (storage/passes.py) only while it has no result:
+those of a document whose result goes out in the same batch are dropped. While a run goes on, every `merge_every` parts the log wrote are merged
 into one, which keeps the number of files a resume has to read small even after a crash;
 `compact` merges everything once the job ends.
 """
@@ -25,6 +26,7 @@ import pyarrow.compute as pc
 from jobs.schema import EVENT_SCHEMA, RESULT_SCHEMA, TaskState
 from storage.location import Fence, Location, Where, no_fence
 from storage.parts import CorruptPart, list_temp_files, merge_parts, read_parts, replace_parts, write_part
+from storage.passes import PassRow, write_passes
 
 logger = logging.getLogger(__name__)
 
@@ -99,7 +101,8 @@ class _Stream:
 
 
 class CheckpointLog:
-    """Buffered, thread-safe writer of a job's events/ and results/ parts."""
+    """Buffered, thread-safe writer of a job's events/, results/ and passes/ parts: the only writer of
+    a job folder while its coordinator runs."""
 
     def __init__(
         self,
@@ -121,8 +124,12 @@ class CheckpointLog:
         self.flush_interval_s = flush_interval_s
         self.merge_every = merge_every
         job_dir = Location.of(job_dir)
-        self._results = _Stream(job_dir / RESULTS_DIR, RESULT_SCHEMA, fence, after_results)
+        self._job_dir = job_dir
+        self._fence = fence
+        self._after_results = after_results
+        self._results = _Stream(job_dir / RESULTS_DIR, RESULT_SCHEMA, fence, self._published)
         self._events = _Stream(job_dir / EVENTS_DIR, EVENT_SCHEMA, fence)
+        self._passes: dict[str, list[PassRow]] = {}  # task id -> its finished passes not yet published
         self._lock = threading.Condition()
         self._oldest_pending: float | None = None
         self._closed = False
@@ -136,18 +143,44 @@ class CheckpointLog:
     def add_result(self, row: dict[str, Any]) -> None:
         self._add(self._results, row)
 
+    def add_passes(self, rows: list[PassRow]) -> None:
+        """Finished passes of documents still running, published with the next batch."""
+        with self._lock:
+            for row in rows:
+                self._passes.setdefault(row["task_id"], []).append(row)
+            self._added()
+
     def _add(self, stream: _Stream, row: dict[str, Any]) -> None:
         stream.check_keys(row)
         with self._lock:
-            if self._closed:
-                raise RuntimeError(f"checkpoint log of {stream.directory.parent} is closed")
             stream.pending.append(dict(row))
-            if self._oldest_pending is None:
-                self._oldest_pending = time.monotonic()
-                self._lock.notify()
-            if len(self._results.pending) + len(self._events.pending) >= self.flush_every:
-                self._flush_locked()
-            self._raise_background_error()
+            self._added()
+
+    def _added(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"checkpoint log of {self._job_dir} is closed")
+        if self._oldest_pending is None:
+            self._oldest_pending = time.monotonic()
+            self._lock.notify()
+        if self._pending() >= self.flush_every:
+            self._flush_locked()
+        self._raise_background_error()
+
+    def _pending(self) -> int:
+        return len(self._results.pending) + len(self._events.pending) + sum(map(len, self._passes.values()))
+
+    def _published(self, task_ids: list[str]) -> None:
+        """Results of `task_ids` are out: their passes are not needed any more."""
+        for task_id in task_ids:
+            self._passes.pop(task_id, None)
+        if self._after_results is not None:
+            self._after_results(task_ids)
+
+    def _publish_passes(self) -> None:
+        while self._passes:
+            task_id, rows = next(iter(self._passes.items()))
+            write_passes(self._job_dir, task_id, rows, self._fence)
+            del self._passes[task_id]
 
     def flush(self) -> None:
         """Publish every buffered row now."""
@@ -164,12 +197,13 @@ class CheckpointLog:
     def _flush_locked(self) -> None:
         self._oldest_pending = None
         try:
-            for stream in (self._results, self._events):  # a result is the done record: it goes first
-                stream.publish()
+            self._results.publish()  # a result is the done record: it goes first
+            self._publish_passes()
+            self._events.publish()
             for stream in (self._results, self._events):
                 stream.merge_if_due(self.merge_every)
         finally:
-            if self._results.pending or self._events.pending:
+            if self._pending():
                 self._oldest_pending = time.monotonic()  # retry after another interval
 
     def _flush_when_interval_passes(self) -> None:

@@ -35,7 +35,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 #: so no long file is left to run alone at the end. Order only: a file missing here just starts later.
 _LONGEST_FILES = ["test_load", "test_scratch_e2e", "test_batching_e2e", "test_resume", "test_object_storage",
                   "test_quantization", "test_cluster", "test_passes", "test_worker_start", "test_ladder_e2e",
-                  "test_kvcache_smollm2", "test_cli_e2e", "test_pool", "test_pass_spreading", "test_task_timeout",
+                  "test_kvcache_smollm2", "test_cli_e2e", "test_pool", "test_task_timeout",
                   "test_formats", "test_soak", "test_decode_revisions", "test_report", "test_hostile_input",
                   "test_checkpoint", "test_batch_end", "test_jobdir"]
 

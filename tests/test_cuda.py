@@ -8,7 +8,6 @@ about CUDA itself on the CPU.
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import hashlib
 import os
@@ -303,7 +302,7 @@ def test_a_real_oom_moves_the_task_down_the_ladder_and_its_pinned_memory_is_rele
         "summarize.prefill_chunk_size=128",  # a chunk's attention stays small beside the KV, whatever SDPA kernel runs
         "batch.max_sequences=1",
     ])
-    worker = SummaryWorker(config.model_dump(mode="json"), "job", str(tmp_path / "kv"))
+    worker = SummaryWorker(config, "job", str(tmp_path / "kv"))
     task = _words_task(4000, 2)
     dynamic_kv = 4100 * TOKEN_KV_BYTES_FP32  # the whole document's KV, which `dynamic` allocates at once
     gc.collect()
@@ -317,7 +316,7 @@ def test_a_real_oom_moves_the_task_down_the_ladder_and_its_pinned_memory_is_rele
     torch.cuda.reset_peak_host_memory_stats()
     torch.cuda.reset_peak_memory_stats(DEVICE)
     try:
-        outcome = worker.run(dataclasses.asdict(task), 1, config.summarize.context_tokens)
+        outcome = worker.run(task, 1, config.summarize.context_tokens, kept=[])[0]
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, DEVICE)
         worker.scheduler.close()
@@ -352,11 +351,11 @@ def test_a_cuda_workers_kv_pool_is_planned_for_its_batch_and_allocated_once(mode
     config = load_config(TINY_CONFIG, [f"model.name={model_dir}", f"model.device={DEVICE}", "batch.attention=pooled",
                                        "batch.max_sequences=4", "summarize.context_tokens=1024",
                                        "summarize.max_new_tokens=8"])
-    worker = SummaryWorker(config.model_dump(mode="json"), "job", str(tmp_path / "kv"))
+    worker = SummaryWorker(config, "job", str(tmp_path / "kv"))
     try:
         assert worker.kv_pool is not None and worker.kv_pool.planned == (4, 1024)
         assert worker.scheduler.static is not None and worker.scheduler.static.graphs  # batch.static_step: auto
-        outcome = worker.run(dataclasses.asdict(_words_task(300, 3)), 1, 1024)
+        outcome = worker.run(_words_task(300, 3), 1, 1024, kept=[])[0]
         assert outcome["status"] == "done", outcome
         # sized at its first claim for four sequences of the whole context: no growth was needed
         assert worker.kv_pool.slots >= 1 and worker.kv_pool.tokens >= 1024

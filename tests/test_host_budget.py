@@ -9,7 +9,6 @@ the tiny model (the pool's side, on a real local Ray: tests/test_pool.py).
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import threading
 from pathlib import Path
@@ -35,11 +34,11 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 BLOCK = 8
 
 
-def _task(doc_id: str, text: str, **overrides: object) -> dict:
-    return dataclasses.asdict(Task(
+def _task(doc_id: str, text: str, **overrides: object) -> Task:
+    return Task(
         task_id=f"t-{doc_id}", doc_id=doc_id, source_type="text", source=text, n_chars=len(text),
         n_bytes=len(text.encode()), sha256=hashlib.sha256(text.encode()).hexdigest(), overrides=overrides, meta={},
-    ))
+    )
 
 
 # -- the pooled host meter ----------------------------------------------------------------------
@@ -94,12 +93,13 @@ def test_a_workers_tasks_share_its_host_budget(tmp_path: Path) -> None:
     """Three tasks in flight on one worker (as its actor threads run them) whose host KV fits one at a
     time: they decode one after another instead of together past the budget, and all are done."""
     config = load_config(TINY_CONFIG, ["cache.strategy=tiered-host", "cache.host_kv_budget_bytes=200000"])
-    worker = SummaryWorker(config.model_dump(mode="json"), "job", str(tmp_path / "kv"), threads=1)
+    worker = SummaryWorker(config, "job", str(tmp_path / "kv"), threads=1)
     text = "a short document. " * 20
     outcomes: dict[str, dict] = {}
 
     def run(doc_id: str) -> None:
-        outcomes[doc_id] = worker.run(_task(doc_id, text, max_new_tokens=24), 1, config.summarize.context_tokens)
+        task = _task(doc_id, text, max_new_tokens=24)
+        outcomes[doc_id] = worker.run(task, 1, config.summarize.context_tokens, kept=[])[0]
 
     threads = [threading.Thread(target=run, args=(f"doc-{i}",)) for i in range(3)]
     try:

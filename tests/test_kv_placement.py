@@ -333,8 +333,8 @@ def test_the_worker_plans_each_pass_and_records_the_placement(tmp_path: Path) ->
         config = load_config(TINY_CONFIG, [f"cache.strategy={strategy}", f"cache.device_kv_budget_bytes={budget}"])
         [task], _ = read_manifest(write_jsonl(tmp_path / "m.jsonl", [{"id": "bsd", "path": str(LICENSES / "BSD")}]),
                                   config.input)
-        worker = SummaryWorker(config.model_dump(mode="json"), "placement", str(tmp_path / "offload"), threads=1)
-        rows[strategy] = worker.run(dataclasses.asdict(task), attempt=1, context_tokens=config.summarize.context_tokens)
+        worker = SummaryWorker(config, "placement", str(tmp_path / "offload"), threads=1)
+        rows[strategy] = worker.run(task, attempt=1, context_tokens=config.summarize.context_tokens, kept=[])[0]
     assert rows["dynamic"]["kv_placement"] is None
     tiered = rows["tiered-disk"]
     assert tiered["status"] == "done" and tiered["kv_placement"] == "resident 1/4 layers, disk 3"

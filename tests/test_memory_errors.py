@@ -10,7 +10,6 @@ also provoked for real, through the worker, where it must move the task down the
 
 from __future__ import annotations
 
-import dataclasses
 import errno
 import hashlib
 from pathlib import Path
@@ -81,13 +80,13 @@ def test_a_task_whose_allocation_really_fails_moves_down_the_ladder(tmp_path: Pa
         "cache.strategy=auto", "cache.ladder=[dynamic, tiered-disk]",
         f"cache.device_kv_budget_bytes={1 << 62}", "summarize.context_tokens=2000000000000000",
     ])
-    worker = SummaryWorker(config.model_dump(mode="json"), "job", str(tmp_path / "kv"), threads=1)
+    worker = SummaryWorker(config, "job", str(tmp_path / "kv"), threads=1)
     text = "a short document. " * 20
     task = Task(task_id="t000001", doc_id="doc-1", source_type="text", source=text, n_chars=len(text),
                 n_bytes=len(text.encode()), sha256=hashlib.sha256(text.encode()).hexdigest(),
                 overrides={"max_new_tokens": 10**15}, meta={})
     try:
-        outcome = worker.run(dataclasses.asdict(task), 1, config.summarize.context_tokens)
+        outcome = worker.run(task, 1, config.summarize.context_tokens, kept=[])[0]
     finally:
         worker.scheduler.close()
     # the dynamic rung failed in the CPU allocator (a RuntimeError), and that moved the task on, to

@@ -1,13 +1,19 @@
-"""A long document's finished passes are checkpointed (storage/passes.py) and reused by every later
-attempt at it: a resume after kill -9, a transient retry, a move down the cache ladder; the summaries
-stay token for token those of an uninterrupted run."""
+"""A long document's finished passes go back from the workers to the coordinator, which alone
+checkpoints them (storage/passes.py) and hands them to every later attempt at it: a resume after
+kill -9, a transient retry, a move down the cache ladder; the summaries stay token for token those of
+an uninterrupted run, and no pass is kept twice."""
 
 from __future__ import annotations
 
 import json
 import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import psutil
+import pyarrow.parquet as pq
 import pytest
 
 from jobs.config import JobConfig
@@ -15,16 +21,26 @@ from jobs.schema import PASS_SCHEMA
 from jobs.stopping import StopReason
 from runner.engine.generation import Generation
 from runner.engine.pass_book import PassBook, settings_fingerprint
-from storage.checkpoint import load_state
-from storage.parts import read_parts
-from tests.helpers.cli import TINY_CONFIG, export_rows, kvbatch, license_manifest, start_submit, wait_for
+from storage.checkpoint import CheckpointLog, load_state
+from storage.lease import LeaseLostError
+from storage.parts import list_parts, read_parts
+from storage.passes import PassRow, read_passes, tasks_with_passes
+from tests.helpers.cli import (
+    LICENSES,
+    REPO,
+    TINY_CONFIG,
+    export_rows,
+    kvbatch,
+    license_manifest,
+    start_submit,
+    wait_for,
+)
+from tests.helpers.results import done_row
 
 #: five long licence texts: 4 to 17 chunks each at a 512-token context, a merge round or two above them
 LONG_DOCS = ["LGPL-2.1", "GPL-2", "MPL-2.0", "Apache-2.0", "Artistic"]
-#: spreading off: each count below is of one worker's own reuse, which the passes a helping worker
-#: ran would add to (tests/test_pass_spreading.py)
 SHORT_CONTEXT = ["--set", "summarize.context_tokens=512", "--set", "summarize.min_context_tokens=256",
-                 "--set", "checkpoint.flush_every=1", "--set", "batch.spread_passes=false"]
+                 "--set", "checkpoint.flush_every=1"]
 
 
 #: what reading a pass folder says when its document's result landed and the folder was cleaned meanwhile
@@ -43,6 +59,34 @@ def saved_passes(job: Path, *, running: bool = False) -> dict[str, int]:
         if table.num_rows:
             found[folder.name] = len(set(table["key"].to_pylist()))
     return found
+
+
+class PartWatch:
+    """Every pass part that ever appears in a job folder while a batch runs, read as it appears (a
+    document's parts go once its result is published): which key each part kept."""
+
+    def __init__(self, job: Path) -> None:
+        self.job = job
+        self.keys: dict[str, list[str]] = {}  # part path -> the keys of the passes it kept
+
+    def look(self) -> int:
+        for part in (self.job / "passes").glob("*/part-*.parquet"):
+            if str(part) not in self.keys:
+                try:
+                    self.keys[str(part)] = pq.read_table(part, columns=["key"])["key"].to_pylist()
+                except (FileNotFoundError, OSError):  # its document was done and its folder cleaned meanwhile
+                    continue
+        return len(self.keys)
+
+    def kept(self) -> set[str]:
+        return {key for keys in self.keys.values() for key in keys}
+
+    def twice(self) -> dict[str, int]:
+        """Keys kept more than once."""
+        counts: dict[str, int] = {}
+        for key in (key for keys in self.keys.values() for key in keys):
+            counts[key] = counts.get(key, 0) + 1
+        return {key: n for key, n in counts.items() if n > 1}
 
 
 def rows_by_doc(job: Path) -> dict[str, dict]:
@@ -74,10 +118,13 @@ def test_a_kill_at_seventy_percent_then_resume_redoes_no_finished_pass(uninterru
         in_progress = {t: n for t, n in saved.items() if t not in state.done_task_ids}
         return finished + sum(in_progress.values()) >= 0.7 * total and bool(in_progress)
 
-    reached = wait_for(seventy_percent_with_a_document_half_done, proc, poll=0.1)
+    watch = PartWatch(job)
+    reached = wait_for(lambda: watch.look() >= 0 and seventy_percent_with_a_document_half_done(), proc, poll=0.1)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert reached, "the batch finished before the kill"
+    watch.look()
+    assert not watch.twice(), f"passes kept twice before the kill: {watch.twice()}"
     done_at_kill = load_state(job).done_task_ids
     kept = {t: n for t, n in saved_passes(job).items() if t not in done_at_kill}
     assert kept and len(done_at_kill) < len(LONG_DOCS)
@@ -95,6 +142,68 @@ def test_a_kill_at_seventy_percent_then_resume_redoes_no_finished_pass(uninterru
     assert redone == total - sum(uninterrupted[r["doc_id"]]["passes"] for r in rows.values()
                                  if r["task_id"] in done_at_kill) - sum(kept.values())
     assert not any((job / "passes").iterdir())  # each document's passes went with its result
+
+
+LONG = LICENSES / "GPL-2"  # 17 chunks at a 512-token context, then merges
+#: two workers; passes long enough (48 tokens each) that one document's passes are in flight for seconds
+TWO_WORKERS = ["--set", "workers.count=2", "--set", "summarize.context_tokens=512",
+               "--set", "summarize.min_context_tokens=256", "--set", "batch.max_sequences=2",
+               "--set", "summarize.max_new_tokens=48", "--set", "summarize.generation.min_new_tokens=48",
+               "--set", "checkpoint.flush_every=1"]
+
+
+def test_two_workers_killed_and_resumed_keep_every_pass_once(ray_address, tmp_path):
+    """Two workers at long documents (the default settings), killed mid-way and resumed: each pass is
+    run and kept once, before the kill or after it."""
+    job = tmp_path / "job"
+    proc = start_submit(license_manifest(tmp_path, LONG_DOCS), job, ray_address, *TWO_WORKERS)
+    watch = PartWatch(job)
+    reached = wait_for(lambda: watch.look() >= 0 and len(watch.kept()) >= 40, proc, poll=0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert reached, "the batch finished before the kill"
+    resume = subprocess.Popen([sys.executable, "-m", "runner", "resume", str(job), "--address", ray_address],
+                              cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: watch.look() < 0, resume, poll=0.05)  # until the resume ends
+    assert resume.wait() == 0, resume.stderr.read()
+    rows = rows_by_doc(job)
+    assert all(row["status"] == "done" for row in rows.values()) and len(rows) == len(LONG_DOCS)
+    assert len(watch.kept()) <= sum(row["passes"] for row in rows.values())
+    assert not watch.twice(), f"{len(watch.keys)} parts for {len(watch.kept())} passes: {watch.twice()}"
+
+
+def _worker_cpu_s(job: Path) -> dict[int, float]:
+    """CPU seconds used so far by each worker process of the batch (from its `worker_ready` line)."""
+    log = [json.loads(line) for line in (job / "job.log").read_text().splitlines()]
+    pids = {int(e["worker"].rsplit(":", 1)[1]) for e in log if e["event"] == "worker_ready"}
+    return {pid: sum(psutil.Process(pid).cpu_times()[:2]) for pid in pids}
+
+
+def test_while_the_coordinator_is_stopped_nothing_writes_the_job_folder(ray_address, tmp_path):
+    """The coordinator, holding the job's lock, is the only writer of the job folder: its workers hand
+    finished passes back to it, and go on computing while it is stopped without writing a byte there."""
+    job = tmp_path / "job"
+    proc = start_submit(license_manifest(tmp_path, LONG_DOCS), job, ray_address, *TWO_WORKERS)
+    try:
+        reached = wait_for(lambda: bool(list((job / "passes").glob("*/part-*.parquet"))), proc, poll=0.05)
+        assert reached, proc.communicate()
+        assert wait_for(lambda: "worker_ready" in (job / "job.log").read_text(), proc)
+        proc.send_signal(signal.SIGSTOP)
+        before = {p: p.stat().st_mtime_ns for p in job.rglob("*") if p.is_file()}
+        cpu = _worker_cpu_s(job)
+        deadline = time.monotonic() + 120
+        # the moment under test: the workers compute for a while (two CPU seconds between them)
+        while sum(_worker_cpu_s(job).values()) - sum(cpu.values()) < 2.0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        grew = sum(_worker_cpu_s(job).values()) - sum(cpu.values())
+        after = {p: p.stat().st_mtime_ns for p in job.rglob("*") if p.is_file()}
+    finally:
+        proc.send_signal(signal.SIGCONT)
+        proc.kill()
+        proc.wait()
+    assert grew >= 2.0, f"the workers computed {grew:.1f} CPU seconds while the coordinator was stopped"
+    written = sorted(str(p.relative_to(job)) for p in after.keys() - before.keys())
+    assert not written, f"written while the coordinator was stopped: {written}"
 
 
 def test_a_retry_and_a_move_down_the_ladder_reuse_the_passes_already_done(uninterrupted, ray_address, tmp_path):
@@ -118,72 +227,54 @@ def generation(tokens: list[int]) -> Generation:
     return Generation(tokens=tokens, input_tokens=3, ttft_s=0.5, decode_s=1.0, stop_reason=StopReason.EOS)
 
 
-def book(job: Path, fingerprint: str, context_tokens: int = 512) -> PassBook:
-    return PassBook(str(job), "t00000001", "doc", context_tokens, fingerprint, lambda t: " ".join(map(str, t)), "w")
+def book(kept: list[PassRow], fingerprint: str, context_tokens: int = 512) -> PassBook:
+    return PassBook(kept, "t00000001", "doc", context_tokens, fingerprint, lambda t: " ".join(map(str, t)), "w")
 
 
-def test_a_pass_is_found_by_what_it_was_given_whatever_the_context_and_lost_with_the_settings(tmp_path):
+def test_a_pass_is_found_by_what_it_was_given_whatever_the_context_and_lost_with_the_settings():
     fingerprint = settings_fingerprint(JobConfig(), "cpu", "torch.float32")
-    first = book(tmp_path, fingerprint)
+    first = book([], fingerprint)
     assert first.find([1, 2, 3], 16) is None
     first.keep(0, 0, [1, 2, 3], 16, generation([7, 8]))
+    assert first.find([1, 2, 3], 16).tokens == [7, 8]  # another rung of the same attempt finds it
+    kept = first.handed_back()
+    assert [row["tokens"] for row in kept] == [[7, 8]] and first.handed_back() == []  # handed back once
     # a shorter context's plan that gives this pass the same prompt reuses it; another prompt or limit does not
-    again = book(tmp_path, fingerprint, context_tokens=256)
+    again = book(kept, fingerprint, context_tokens=256)
     found = again.find([1, 2, 3], 16)
     assert found is not None and found.tokens == [7, 8] and found.reused and found.stop_reason == StopReason.EOS
     assert again.find([1, 2, 4], 16) is None and again.find([1, 2, 3], 17) is None
-    # a book open while another worker keeps a pass sees it when it looks again, not before
-    again_kept = book(tmp_path, fingerprint)
-    again_kept.keep(0, 1, [4, 5], 16, generation([9]))
-    assert again.find([4, 5], 16) is None
-    assert again.find([4, 5], 16, fresh=True).tokens == [9]
-    assert first.kept == 1 and again.kept == 0
+    assert again.handed_back() == []  # what it was handed is not handed back again
     other = settings_fingerprint(JobConfig(summarize={"seed": 1}), "cpu", "torch.float32")
     assert other != fingerprint
-    assert book(tmp_path, other).find([1, 2, 3], 16) is None
+    assert book(kept, other).find([1, 2, 3], 16) is None
     # where the KV lives, the context and the prefill chunking do not decide tokens: same fingerprint
     assert settings_fingerprint(JobConfig(cache={"strategy": "tiered-disk"}, summarize={"context_tokens": 2048}),
                                 "cpu", "torch.float32") == fingerprint
 
 
-@pytest.fixture
-def unreachable_bucket(monkeypatch) -> str:
-    """An s3:// job folder whose endpoint nobody listens on: each call to it fails after the SDK's retries."""
-    from tests.helpers.system import BUCKET, free_port
-
-    for key, value in {"AWS_ENDPOINT_URL": f"http://127.0.0.1:{free_port()}", "AWS_ACCESS_KEY_ID": "testing",
-                       "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
-                       "AWS_EC2_METADATA_DISABLED": "true"}.items():
-        monkeypatch.setenv(key, value)
-    return f"s3://{BUCKET}/jobs/unseen"
+def _pass(task_id: str, key: str) -> PassRow:
+    return PassRow(task_id=task_id, doc_id=task_id, key=key, fingerprint="f", level=0, index=0, context_tokens=512,
+                   prompt_tokens=3, tokens=[7], text="7", stop_reason="eos", worker="w", finished_at=0.0)
 
 
-def test_a_book_whose_job_folder_fails_stops_trying_it_for_the_rest_of_the_attempt(unreachable_bucket, caplog):
-    """Each call to an unreachable store costs seconds on the scheduler's thread; a book that tried once
-    runs its passes unkept (they only save time) instead of paying that at every pass."""
-    fingerprint = settings_fingerprint(JobConfig(), "cpu", "torch.float32")
-    with caplog.at_level("WARNING", logger="runner.engine.pass_book"):
-        unseen = book(unreachable_bucket, fingerprint)
-        for index in range(3):
-            assert unseen.find([1, 2, index], 16, fresh=True) is None
-            unseen.mark_started([1, 2, index], 16)
-            unseen.keep(0, index, [1, 2, index], 16, generation([7]))
-    [warning] = [r.getMessage() for r in caplog.records]
-    assert "cannot reach the storage endpoint" in warning and "not kept" in warning, warning
-    assert unseen.kept == 0
+def test_the_checkpoint_log_publishes_passes_fenced_and_drops_those_of_a_document_it_publishes_done(tmp_path):
+    lease = {"held": True}
 
+    def fence() -> None:
+        if not lease["held"]:
+            raise LeaseLostError("the lease was taken")
 
-def test_a_worker_that_cannot_reach_the_job_folder_says_so_and_keeps_no_passes(unreachable_bucket, tmp_path):
-    from jobs.config import load_config
-    from runner.engine.worker import SummaryWorker
-
-    config = load_config(TINY_CONFIG).model_dump(mode="json")
-    worker = SummaryWorker(config, "job", str(tmp_path / "kv"), threads=1, job_dir=unreachable_bucket)
-    try:
-        info = worker.info()
-    finally:
-        worker.scheduler.close()
-    assert "cannot reach the storage endpoint" in info["passes_not_kept"], info
-    seen = SummaryWorker(config, "job", str(tmp_path / "kv"), threads=1, job_dir=str(tmp_path / "job"))
-    seen.scheduler.close()
-    assert seen.info()["passes_not_kept"] is None
+    log = CheckpointLog(tmp_path, flush_every=100, fence=fence)
+    log.add_passes([_pass("t-a", "k1"), _pass("t-b", "k2")])
+    log.add_passes([_pass("t-a", "k3")])
+    log.add_result(done_row("b"))  # t-b's result goes out in the same batch: its passes are not needed
+    log.flush()
+    assert sorted(tasks_with_passes(tmp_path)) == ["t-a"]
+    assert sorted(row["key"] for row in read_passes(tmp_path, "t-a")) == ["k1", "k3"]
+    assert len(list_parts(tmp_path / "passes" / "t-a")) == 1  # one part per document a batch
+    lease["held"] = False
+    log.add_passes([_pass("t-a", "k4")])
+    with pytest.raises(LeaseLostError):
+        log.flush()
+    assert sorted(row["key"] for row in read_passes(tmp_path, "t-a")) == ["k1", "k3"]  # nothing written unfenced

@@ -86,7 +86,7 @@ def test_a_call_waiting_to_run_alone_reaches_the_worker_that_replaces_the_one_lo
 
         def hanging() -> None:
             try:
-                pool.run(worker, task("hangs"), 1, 1024, alone=True)
+                pool.run(worker, task("hangs"), 1, 1024, alone=True, kept=[], on_passes=print)
             except WorkerLost:
                 ended["hangs"] = time.monotonic()
 
@@ -95,7 +95,7 @@ def test_a_call_waiting_to_run_alone_reaches_the_worker_that_replaces_the_one_lo
         time.sleep(2.0)  # the first call is in the worker, hanging: the second must wait for it
         assert first.is_alive()
         sent = time.monotonic()
-        outcome = pool.run(worker, task("waits"), 1, 1024, alone=True)
+        outcome = pool.run(worker, task("waits"), 1, 1024, alone=True, kept=[], on_passes=print)
         first.join()
     finally:
         pool.kill_all()

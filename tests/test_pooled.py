@@ -7,7 +7,6 @@ attended in one call, the scheduler's largest batch), so none passes by running 
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import hashlib
 import weakref
@@ -202,7 +201,7 @@ def _task(i: int, name: str) -> Task:
 def _summaries(worker: SummaryWorker, tasks: list[Task]) -> list[dict]:
     """The tasks run at once (as the worker's Ray actor runs them, one thread each)."""
     with ThreadPoolExecutor(len(tasks)) as threads:
-        return list(threads.map(lambda task: worker.run(dataclasses.asdict(task), 1, 1024), tasks))
+        return list(threads.map(lambda task: worker.run(task, 1, 1024, kept=[])[0], tasks))
 
 
 def test_a_worker_on_the_pooled_path_summarises_as_the_per_row_path_does(tmp_path: Path) -> None:
@@ -210,7 +209,7 @@ def test_a_worker_on_the_pooled_path_summarises_as_the_per_row_path_does(tmp_pat
     outcomes = {}
     for path in ("pooled", "per-row"):
         config = load_config(TINY_CONFIG, [f"batch.attention={path}", "cache.strategy=dynamic"])
-        worker = SummaryWorker(config.model_dump(mode="json"), "job", str(tmp_path / path), threads=1)
+        worker = SummaryWorker(config, "job", str(tmp_path / path), threads=1)
         try:
             outcomes[path] = _summaries(worker, tasks)
         finally:

@@ -115,6 +115,6 @@ def test_batch_prefill_chunk_tokens_is_validated_and_reaches_the_workers_schedul
     with pytest.raises(ConfigError, match=r"batch\.prefill_chunk_tokens"):
         load_config(None, ["batch.prefill_chunk_tokens=-1"])
     config = load_config(TINY_CONFIG, ["batch.prefill_chunk_tokens=32"])
-    worker = SummaryWorker(config.model_dump(mode="json"), "job", str(tmp_path), threads=1)
+    worker = SummaryWorker(config, "job", str(tmp_path), threads=1)
     worker.scheduler.close()
     assert worker.scheduler.prefill_chunk_tokens == 32

@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from jobs.config import CacheConfig, ModelConfig, SummarizeConfig
+from jobs.config import CacheConfig, JobConfig, ModelConfig, SummarizeConfig
 from jobs.kvplan import kv_bytes
 from runner.engine.kvcache import build_cache, kv_shape, ram_left_by_weights
 from runner.engine.kvcache.strategies import RAM_SHARE
@@ -107,7 +107,7 @@ def test_the_worker_plans_with_the_quantized_weights(tmp_path) -> None:
     """The worker reports the quantized weights' real bytes and the method, and derives its `auto`
     budgets from them: the RAM available before the load less those bytes (never more than is available
     after it), this worker's RAM_SHARE of that."""
-    config = {"model": {"name": "builtin:tiny-random", "quantization": "bnb-4bit"}}
+    config = JobConfig.model_validate({"model": {"name": "builtin:tiny-random", "quantization": "bnb-4bit"}})
     worker = SummaryWorker(config, "job", str(tmp_path / "offload"))
     try:
         info = worker.info()

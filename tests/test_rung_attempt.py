@@ -27,7 +27,7 @@ NEW_TOKENS = 4
 
 def _worker(tmp_path: Path, *overrides: str) -> SummaryWorker:
     config = load_config(TINY_CONFIG, ["batch.attention=per-row", *overrides])
-    return SummaryWorker(config.model_dump(mode="json"), "job", str(tmp_path / "kv"), threads=1)
+    return SummaryWorker(config, "job", str(tmp_path / "kv"), threads=1)
 
 
 def _prompts(worker: SummaryWorker, lengths: list[int]) -> list[list[int]]:

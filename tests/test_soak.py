@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import json
 import threading
@@ -12,6 +11,7 @@ import psutil
 import pytest
 
 from jobs.config import load_config
+from jobs.faults import FaultRule
 from jobs.manifest import read_manifest
 from runner.engine.worker import SummaryWorker
 from storage.scratch import ROOT_MARKER
@@ -41,9 +41,9 @@ def _host_snapshot() -> tuple[int, int, int]:
     return process.memory_info().rss, process.num_fds(), threading.active_count()
 
 
-def _alternate_faults(tasks: list) -> list[dict]:
+def _alternate_faults(tasks: list) -> list[FaultRule]:
     """Every other task fails on purpose, alternately out of memory on every rung and with an I/O error."""
-    return [{"doc": t.doc_id, "fault": "oom" if i % 4 == 1 else "io"} for i, t in enumerate(tasks) if i % 2]
+    return [FaultRule(doc=t.doc_id, fault="oom" if i % 4 == 1 else "io") for i, t in enumerate(tasks) if i % 2]
 
 
 def soak(tmp_path: Path, order: str = "longest-first") -> dict:
@@ -62,19 +62,19 @@ def soak(tmp_path: Path, order: str = "longest-first") -> dict:
     else:
         ladder = sorted(tasks, key=lambda t: t.n_chars)[::2]
         runs, faults = ladder + ladder, _alternate_faults(ladder)
-    worker = SummaryWorker(config.model_dump(mode="json"), "soak", str(tmp_path / "offload"), faults=faults, threads=1)
+    worker = SummaryWorker(config, "soak", str(tmp_path / "offload"), faults=faults, threads=1)
     gc.collect()
     gc.freeze()  # what the imports and the load made stays: each snapshot's collection walks only what tasks made
     context = config.summarize.context_tokens
     snapshots, strategies, outcomes = [], set(), []
     for task in runs:
-        outcome = worker.run(dataclasses.asdict(task), attempt=1, context_tokens=context)
+        outcome = worker.run(task, attempt=1, context_tokens=context, kept=[])[0]
         outcomes.append([task.doc_id, outcome["status"], outcome.get("error_type")])
         strategies.add(outcome.get("cache_strategy"))
         snapshots.append(_host_snapshot())
     leftovers = [str(p) for p in (tmp_path / "offload").rglob("*") if p.name != ROOT_MARKER]
     return {"snapshots": snapshots, "strategies": sorted(s for s in strategies if s), "leftovers": leftovers,
-            "outcomes": outcomes, "faults": {f["doc"]: f["fault"] for f in faults}}
+            "outcomes": outcomes, "faults": {f.doc: f.fault for f in faults}}
 
 
 SOAK_PROCESS = """

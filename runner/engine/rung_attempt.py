@@ -6,22 +6,15 @@ folders in the task's scratch dir on a disk rung), waits for every pass it hande
 their cache figures, and raises the first pass's error only once all have ended (so no pass still
 writes into a scratch dir that is going away). A pass that an earlier attempt finished is taken from
 the task's `PassBook` instead of being run; every pass that ends is kept there the moment it ends.
-When two workers share a long document (batch.spread_passes) each pass of a level with several
-looks at the book again just before it starts, and ends with the other worker's generation if that
-one kept it meanwhile; the owner marks each such pass started as it starts it, and the helping
-attempt, which hands its passes over from the last, leaves a started one to the owner (its tokens
-are the owner's once kept), and gives up once a level has a single pass or the task it helps has
-ended. A fault a test injected for this task and
-rung strikes after the passes, mid-task, with the scratch dir in place.
+A fault a test injected for this task and rung strikes after the passes, mid-task, with the scratch
+dir in place.
 """
 
 from __future__ import annotations
 
 import errno
-import functools
 import itertools
 import os
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, as_completed
@@ -37,7 +30,12 @@ from runner.engine.cache_recipe import CacheKit
 from runner.engine.generation import Generation
 from runner.engine.pass_book import PassBook
 from runner.engine.probes import StageMemory
-from runner.engine.scheduler import BatchScheduler, PassAbandoned, PassRequest, PassResult, TaskClock
+from runner.engine.scheduler import BatchScheduler, PassRequest, PassResult, TaskClock
+
+
+PASSES_COLLECTED_WAIT_S = 10.0
+"""How long an injected crash or hang waits for the coordinator to collect the passes it follows (it
+asks every second; a collection never comes for a run outside a job)."""
 
 
 @dataclass
@@ -76,25 +74,14 @@ class CacheTotals:
         return self._raw / self._stored if self._stored else None
 
 
-#: How often a helper looks for a pass the owner started and has not kept yet.
-OWNER_POLL_S = 0.2
-
-
-class StartedElsewhere(Exception):
-    """A helper's pass that the task's own worker has started: the helper takes the owner's tokens."""
-
-
 class RungAttempt:
     """One task's passes on one rung, and their cache totals."""
 
     def __init__(self, rung: str, kit: CacheKit, scheduler: BatchScheduler, memory: StageMemory, clock: TaskClock,
-                 offload_dir: Path | None, doc_id: str, fault: FaultKind | None, passes: PassBook | None = None,
-                 shared: bool = False, helping: threading.Event | None = None) -> None:
+                 offload_dir: Path | None, doc_id: str, fault: FaultKind | None, passes: PassBook | None = None) -> None:
         """`offload_dir`: the task's scratch dir on a rung that offloads to disk; `fault`: what a test
         injected for this task on this rung (jobs.faults), None for a real run; `passes`: the task's
-        finished passes, shared by every rung of the attempt (None: none are found or kept);
-        `shared`: another worker may help with the task (look again before each pass); `helping`:
-        this attempt helps another worker's task, until the event is set."""
+        finished passes, shared by every rung of the attempt (None: none kept before)."""
         self.rung = rung
         self.totals = CacheTotals()
         self._kit = kit
@@ -105,77 +92,40 @@ class RungAttempt:
         self._doc_id = doc_id
         self._fault = fault
         self._pass_numbers = itertools.count()
-        self._passes = passes if passes is not None else PassBook.kept_nowhere()
+        self._passes = passes if passes is not None else PassBook.empty()
         self._levels = itertools.count()  # each call is one level: the chunks, then each merge round
-        self._shared = shared or helping is not None
-        self._helping = helping
 
     def __call__(self, prompts: list[list[int]], max_new_tokens: int) -> list[Generation]:
         """Generate for every prompt, side by side in the worker's batch; their generations in order."""
         level = next(self._levels)
-        if self._helping is not None and len(prompts) == 1:
-            raise PassAbandoned("one pass left: the worker that owns the task runs it")
-        generations = [self._passes.find(ids, max_new_tokens, fresh=self._helping is not None) for ids in prompts]
+        generations = [self._passes.find(ids, max_new_tokens) for ids in prompts]
         to_run = [i for i, generation in enumerate(generations) if generation is None]
         if len(to_run) < len(prompts):  # a pass read back is work done: the task's timeout runs from here
             self._clock.start()
-        if self._helping is not None:
-            to_run.reverse()  # from the far end, while the owner goes from the front
-        look_again = self._shared and len(prompts) > 1
-        futures = self._scheduler.submit_all([self._pass(prompts[i], max_new_tokens, look_again) for i in to_run])
+        futures = self._scheduler.submit_all([self._pass(prompts[i], max_new_tokens) for i in to_run])
 
         def keep(k: int, generation: Generation) -> None:
-            if not generation.reused:  # not one the other worker kept
-                self._passes.keep(level, to_run[k], prompts[to_run[k]], max_new_tokens, generation)
+            self._passes.keep(level, to_run[k], prompts[to_run[k]], max_new_tokens, generation)
 
-        def owners(k: int) -> Generation:
-            return self._owners_pass(prompts[to_run[k]], max_new_tokens)
-
-        for i, generation in zip(to_run, self._results(futures, keep, owners)):
+        for i, generation in zip(to_run, self._results(futures, keep)):
             generations[i] = generation
         self._strike_injected_fault()
         return generations
 
-    def _pass(self, prompt_ids: list[int], max_new_tokens: int, look_again: bool) -> PassRequest:
+    def _pass(self, prompt_ids: list[int], max_new_tokens: int) -> PassRequest:
         recipe = self._kit.recipe(self.rung, len(prompt_ids) + max_new_tokens, self._pass_dir())
         self.totals.add_placement(recipe.placement)
         return PassRequest(prompt_ids, max_new_tokens, make_cache=recipe, device_bytes=recipe.device_bytes,
-                           host_bytes=recipe.host_bytes, memory=self._memory, clock=self._clock,
-                           look_again=functools.partial(self._look_again, prompt_ids, max_new_tokens)
-                           if look_again else None,
-                           abandoned=self._helping)
-
-    def _look_again(self, prompt_ids: list[int], max_new_tokens: int) -> Generation | None:
-        """Just before a shared pass starts: the other worker's generation of it, if it kept one. The
-        owner then marks the pass started; a helper leaves a pass the owner has started to it."""
-        if self._helping is not None and self._helping.is_set():
-            raise PassAbandoned("no longer needed: the task it helped has ended")
-        found = self._passes.find(prompt_ids, max_new_tokens, fresh=True)
-        if found is not None:
-            return found
-        if self._helping is None:
-            self._passes.mark_started(prompt_ids, max_new_tokens)
-        elif self._passes.started_elsewhere(prompt_ids, max_new_tokens):
-            raise StartedElsewhere()
-        return None
-
-    def _owners_pass(self, prompt_ids: list[int], max_new_tokens: int) -> Generation:
-        """A pass the owner started, once it keeps it; the help ends first if the owner's attempt does."""
-        while not self._helping.wait(OWNER_POLL_S):
-            found = self._passes.find(prompt_ids, max_new_tokens, fresh=True)
-            if found is not None:
-                return found
-        raise PassAbandoned("no longer needed: the task it helped has ended")
+                           host_bytes=recipe.host_bytes, memory=self._memory, clock=self._clock)
 
     def _pass_dir(self) -> Path | None:
         """Each pass's own folder in the scratch dir, numbered in the order the passes are handed over."""
         number = next(self._pass_numbers)
         return self._offload_dir / f"pass-{number}" if self._offload_dir else None
 
-    def _results(self, futures: list[Future[PassResult]], keep: Callable[[int, Generation], None],
-                 owners: Callable[[int], Generation]) -> list[Generation]:
-        """Every pass's generation once all have ended, each kept as it ends (a helper's pass that the
-        owner started: the owner's, from `owners`); the first pass's error, if any, is raised then."""
+    def _results(self, futures: list[Future[PassResult]], keep: Callable[[int, Generation], None]) -> list[Generation]:
+        """Every pass's generation once all have ended, each kept as it ends; the first pass's error,
+        if any, is raised then."""
         index = {future: k for k, future in enumerate(futures)}
         generations: dict[int, Generation] = {}
         errors: dict[int, Exception] = {}
@@ -188,9 +138,6 @@ class RungAttempt:
             self.totals.add(result.cache_stats)
             generations[index[future]] = result.generation
             keep(index[future], result.generation)
-        if errors and all(isinstance(e, StartedElsewhere) for e in errors.values()):  # the owner's complete the level
-            generations.update((k, owners(k)) for k in errors)
-            errors.clear()
         if errors:
             raise errors[min(errors)]
         return [generations[k] for k in range(len(futures))]
@@ -202,6 +149,8 @@ class RungAttempt:
         where = f"injected for {self._doc_id} on {self.rung}"
         if self._fault == "oom":
             raise torch.OutOfMemoryError(f"CUDA out of memory ({where})")
+        if self._fault in ("crash", "hang"):  # after the passes were kept, as a real one would find them
+            self._passes.wait_collected(PASSES_COLLECTED_WAIT_S)
         if self._fault == "crash":
             os._exit(17)
         if self._fault == "io":

@@ -88,17 +88,6 @@ class PassRequest:
     """The task's per-stage memory figures, updated as this sequence runs."""
     clock: TaskClock = field(default_factory=TaskClock)
     """The task's clock, started when its first sequence begins to run."""
-    look_again: Callable[[], Generation | None] | None = None
-    """Asked as the sequence is about to start: the pass's generation when another worker sharing
-    the document (batch.spread_passes) has finished it meanwhile, which it then ends with instead of
-    running. It may raise to end the sequence with that error (`PassAbandoned`)."""
-    abandoned: threading.Event | None = None
-    """Set when nobody needs the pass any more (a helper whose owner is done): it leaves the batch at
-    its next step with `PassAbandoned`."""
-
-
-class PassAbandoned(Exception):
-    """The pass was left unfinished: the worker it was helping no longer needs it."""
 
 
 @dataclass(frozen=True)
@@ -230,8 +219,6 @@ class BatchScheduler:
         prefilled alone now and the sequence joins the batch (or finishes at once)."""
         request = seq.request
         request.clock.start()
-        if request.look_again is not None and self._done_elsewhere(seq):
-            return
         try:
             seq.handle = request.make_cache()
         except Exception as e:  # noqa: BLE001 - the task's error (no room on the offload disk), or a full KV pool
@@ -253,20 +240,6 @@ class BatchScheduler:
             return
         seq.prefilled = len(request.prompt_ids)
         self._first_token(seq, logits)
-
-    def _done_elsewhere(self, seq: Sequence) -> bool:
-        """Whether another worker's finished pass (or the error that says to stop) ended `seq` unrun."""
-        try:
-            generation = seq.request.look_again()
-        except Exception as e:  # noqa: BLE001 - the task's, like any error starting it
-            self._leave(seq, Status.FAILED)
-            self._fail(seq, e)
-            return True
-        if generation is None:
-            return False
-        self._leave(seq, Status.FINISHED)
-        seq.future.set_result(PassResult(generation, CacheStats(**dict.fromkeys(CacheStats.__annotations__))))
-        return True
 
     def _rides(self, cache: Cache) -> bool:
         """Whether a prompt goes in chunks beside the decode rows: there are some, and its cache takes
@@ -375,8 +348,6 @@ class BatchScheduler:
                 seq.request.memory.decode_step(rss, device_bytes)
                 if seq.stop_reason() is not None:
                     self._finish(seq)
-                elif seq.request.abandoned is not None and seq.request.abandoned.is_set():
-                    self._fail_sequence(seq, PassAbandoned("no longer needed: the task it helped has ended"))
             except Exception as e:  # noqa: BLE001 - this sequence's own (e.g. a setting its token choice trips on)
                 self._fail_sequence(seq, e)
 

@@ -7,7 +7,9 @@ overrides), find the first cache rung that runs it, and produce its outcome. The
 cache ladder: a task starts on the first rung the planner says fits, and a device OOM (real, from
 the budget guard, or a full offload disk) moves it to the next rung at once. What is left
 (transient errors, shorter contexts) is the coordinator's business, so the worker reports a
-failure's class instead of retrying it.
+failure's class instead of retrying it. The worker never writes the job folder: the passes an
+earlier attempt finished come in with the call, and those it finishes go back to the coordinator
+(`progress` while the call runs, the rest with its outcome), which records them.
 """
 
 from __future__ import annotations
@@ -41,12 +43,13 @@ from runner.engine.cache_recipe import CacheKit
 from runner.engine.kvcache import ResidentMeter, kv_shape, ram_left_by_weights, resolve_budgets
 from runner.engine.kvcache.pool import KVPool
 from runner.engine.model_loader import load_model
-from runner.engine.pass_book import PassBook, job_folder_seen, settings_fingerprint
+from runner.engine.pass_book import PassBook, settings_fingerprint
 from runner.engine.probes import StageMemory, memory_snapshot
 from runner.engine.rung_attempt import CacheTotals, RungAttempt
-from runner.engine.scheduler import BatchScheduler, PassAbandoned, TaskClock
+from runner.engine.scheduler import BatchScheduler, TaskClock
 from runner.engine.static_step import StaticStep, bucket
 from runner.engine.summarize import Summarizer, Summary
+from storage.passes import PassRow
 from storage.scratch import (
     ScratchSpaceError,
     ensure_offload_root,
@@ -78,10 +81,6 @@ class _PeakRss:
         self._thread.join()
         self.peak = max(self.peak, self._proc.memory_info().rss)
 
-
-#: The attempt number a help with another worker's task runs under: its scratch dir is `<task>.0`,
-#: apart from every attempt of the task's owner (those count from 1).
-HELP_ATTEMPT = 0
 
 _ALLOCATION_FAILURES = (
     "CUDA error: out of memory",  # C10_CUDA_CHECK on cudaErrorMemoryAllocation: a pinned cudaHostAlloc
@@ -118,30 +117,28 @@ class TaskRequest:
     text: str
     max_new_tokens: int
     instruction: str
+    passes: PassBook
+    """Its passes finished before (handed in) and now (handed back)."""
     clock: TaskClock = field(default_factory=TaskClock)
-    """Started when the task's first sequence begins to run: what `running_s` reports."""
+    """Started when the task's first sequence begins to run: what `progress` reports."""
 
 
 class SummaryWorker:
     def __init__(
         self,
-        config: dict[str, Any],
+        config: JobConfig,
         job_id: str,
-        offload_root: str,
-        faults: list[dict[str, Any]] | None = None,
+        offload_root: Path,
+        faults: list[FaultRule] | None = None,
         threads: int | None = None,
         node_workers: int = 1,
-        job_dir: str | None = None,
-        job_host: str | None = None,
     ) -> None:
         """`node_workers`: how many workers of the batch share this node (the pool's count from the
-        cluster's resources, jobs.node_share), among whom `auto` budgets are split; `job_dir`: the job
-        folder whose `passes/` keeps each finished pass of a long document (None: nothing is kept), a
-        local one only seen by workers on `job_host`."""
-        self.cfg = JobConfig.model_validate(config)
+        cluster's resources, jobs.node_share), among whom `auto` budgets are split."""
+        self.cfg = config
         self.job_id = job_id
         self.offload_root = Path(offload_root)
-        self.faults = [FaultRule.model_validate(f) for f in faults or []]
+        self.faults = list(faults or [])
         if threads:
             torch.set_num_threads(max(1, int(threads)))
         self.name = f"{socket.gethostname()}:{os.getpid()}"
@@ -153,7 +150,6 @@ class SummaryWorker:
         self.ram_left = ram_left_by_weights(self.ram_before_load, self.loaded.weight_bytes,
                                             psutil.virtual_memory().available)
         self.summarizer = Summarizer(self.loaded, self.cfg.summarize.chunk_overlap_tokens)
-        self.job_dir, self.passes_not_kept = job_folder_seen(job_dir, job_host)
         self.fingerprint = settings_fingerprint(self.cfg, self.loaded.device.type, str(self.loaded.dtype))
         self.kv_shape = kv_shape(self.loaded.model.config, self.loaded.dtype)
         self.node_workers = max(1, node_workers)
@@ -176,9 +172,7 @@ class SummaryWorker:
                                         host_budget=self.host_budget,
                                         prefill_chunk_tokens=self.cfg.batch.prefill_chunk_tokens,
                                         static=self._static_step())
-        self._clocks: dict[str, TaskClock] = {}  # call id -> clock of the task in flight
-        self._help_ends: dict[str, threading.Event] = {}  # help id -> set when that help is no longer needed
-        self._help_lock = threading.Lock()
+        self._calls: dict[str, TaskRequest] = {}  # call id -> the task in flight under it
 
     def _pool_plan(self) -> tuple[int, int] | None:
         """On CUDA the KV pool is sized once, for the batch's most sequences (and a static step's padding
@@ -214,73 +208,40 @@ class SummaryWorker:
             "device_kv_budget_bytes": self.device_budget,
             "host_kv_budget_bytes": self.host_budget,
             "attention": self.attention,
-            "passes_not_kept": self.passes_not_kept,
         }
 
-    def running_s(self, call_id: str) -> float | None:
-        """Seconds since call `call_id`'s first sequence began to run; None while it waits (queued
-        behind batch-mates, or not yet started). Answered from its own thread, so a busy worker answers."""
-        clock = self._clocks.get(call_id)
-        return None if clock is None else clock.running_s()
+    def progress(self, call_id: str) -> tuple[float | None, list[PassRow]]:
+        """Seconds since call `call_id`'s first sequence began to run (None while it waits, queued
+        behind batch-mates or not yet started), and the passes it finished since the last answer.
+        Answered from its own thread, so a busy worker answers."""
+        request = self._calls.get(call_id)
+        if request is None:
+            return None, []
+        return request.clock.running_s(), request.passes.handed_back()
 
     def tokens_decoded(self) -> int:
         """Tokens this worker's decode steps have made since it started, asked while tasks run (live tok/s)."""
         return self.scheduler.plan.tokens_decoded
 
-    def help(self, task_data: dict[str, Any], context_tokens: int, help_id: str, call_id: str = "") -> dict[str, Any]:
-        """Run passes of a long task another worker owns (batch.spread_passes), from its far end, each
-        kept in the job folder where the owner finds it before it would start it; ends when the owner
-        no longer needs it (`end_help`) or a level is down to one pass. Its own errors only end the
-        help: the owner runs what it did not. Returns how many passes it ran, why it ended, and
-        whether this worker sees the job folder at all (if not, it can help nobody)."""
-        request = self._request(Task(**task_data), HELP_ATTEMPT, context_tokens)
-        if self.job_dir is None:
-            return {"passes_run": 0, "sees_job": False, "ended": self.passes_not_kept}
-        with self._help_lock:
-            ended = self._help_ends.setdefault(help_id, threading.Event())
-        passes = self._pass_book(request)
-        self._clocks[call_id] = request.clock
-        try:
-            rung = next(iter(self._rungs(request)), None)
-            if rung is None:
-                raise PassAbandoned("no cache rung fits the budgets here")
-            self._summarize_on(rung, request, StageMemory(), passes, helping=ended)
-            why = "every pass it could share is done"
-        except PassAbandoned as e:
-            why = str(e)
-        except Exception as e:  # noqa: BLE001 - see the docstring
-            why = f"{type(e).__name__}: {e}"
-        finally:
-            self._clocks.pop(call_id, None)
-            with self._help_lock:
-                self._help_ends.pop(help_id, None)
-        self._release_memory()
-        return {"passes_run": passes.kept, "sees_job": True, "ended": why}
-
-    def end_help(self, help_id: str) -> None:
-        """The task that help `help_id` is for has ended its attempt: the help stops (answered from
-        the probe thread; it may come before the help call itself)."""
-        with self._help_lock:
-            self._help_ends.setdefault(help_id, threading.Event()).set()
-
-    def run(self, task_data: dict[str, Any], attempt: int, context_tokens: int, call_id: str = "") -> TaskOutcome:
-        """Summarise one task; returns an outcome dict (never raises for an expected failure).
-        `call_id` names the call for `running_s`."""
+    def run(self, task: Task, attempt: int, context_tokens: int, kept: list[PassRow],
+            call_id: str = "") -> tuple[TaskOutcome, list[PassRow]]:
+        """Summarise one task, reusing the passes in `kept` that it would run again; returns an
+        outcome (never raises for an expected failure) and the passes finished that `progress` has
+        not handed back yet. `call_id` names the call for `progress`."""
         started = time.perf_counter()
         outcome = TaskOutcome(worker=self.name, model=self.loaded.name, quantization=self.loaded.quantization,
                               fallbacks=[])
         try:
-            request = self._request(Task(**task_data), attempt, context_tokens)
+            request = self._request(task, attempt, context_tokens, kept)
         except DocumentError as e:
-            return outcome | _failure(FailureClass.INPUT, type(e).__name__, str(e), started)
+            return outcome | _failure(FailureClass.INPUT, type(e).__name__, str(e), started), []
         memory = StageMemory()
-        self._clocks[call_id] = request.clock
+        self._calls[call_id] = request
         try:
             with _PeakRss() as rss:
-                outcome |= self._first_rung_that_runs(request, memory, self._pass_book(request),
-                                                      outcome["fallbacks"], started)
+                outcome |= self._first_rung_that_runs(request, memory, outcome["fallbacks"], started)
         finally:
-            self._clocks.pop(call_id, None)
+            self._calls.pop(call_id, None)
         outcome.update(
             memory.row_fields(),
             peak_host_rss_bytes=max(rss.peak, memory.decode_peak_host_rss_bytes or 0),
@@ -291,19 +252,17 @@ class SummaryWorker:
             device_used_fraction=memory.device_used_fraction,
             wall_s=time.perf_counter() - started,
         )
-        return outcome
+        return outcome, request.passes.handed_back()
 
     # -- stage 1: the request ------------------------------------------------------------------
-    def _request(self, task: Task, attempt: int, context_tokens: int) -> TaskRequest:
+    def _request(self, task: Task, attempt: int, context_tokens: int, kept: list[PassRow]) -> TaskRequest:
         return TaskRequest(
             task=task, attempt=attempt, context_tokens=context_tokens, text=load_task_text(task),
             max_new_tokens=int(task.overrides.get("max_new_tokens", self.cfg.summarize.max_new_tokens)),
             instruction=str(task.overrides.get("prompt", self.cfg.summarize.prompt)),
+            passes=PassBook(kept, task.task_id, task.doc_id, context_tokens, self.fingerprint,
+                            self.summarizer.decode, self.name),
         )
-
-    def _pass_book(self, request: TaskRequest) -> PassBook:
-        return PassBook(self.job_dir, request.task.task_id, request.task.doc_id, request.context_tokens,
-                        self.fingerprint, self.summarizer.decode, self.name)
 
     # -- stage 2: the first rung that runs it --------------------------------------------------
     def _rungs(self, request: TaskRequest) -> list[str]:
@@ -318,13 +277,13 @@ class SummaryWorker:
             self.loaded.device.type == "cpu",
         )
 
-    def _first_rung_that_runs(self, request: TaskRequest, memory: StageMemory, passes: PassBook,
-                              fallbacks: list[str], started: float) -> TaskOutcome:
+    def _first_rung_that_runs(self, request: TaskRequest, memory: StageMemory, fallbacks: list[str],
+                              started: float) -> TaskOutcome:
         rungs = self._rungs(request)
         last_error = ("OutOfMemoryError", "no cache rung fits the budgets")  # when the ladder is empty
         for i, rung in enumerate(rungs):
             try:
-                return self._summarize_on(rung, request, memory, passes)
+                return self._summarize_on(rung, request, memory)
             except ContextTooSmallError as e:
                 return _failure(FailureClass.INPUT, type(e).__name__, str(e), started)
             except Exception as e:  # noqa: BLE001 - classified below, reported to the coordinator
@@ -339,15 +298,13 @@ class SummaryWorker:
             fallbacks.append(cache_fallback_note(rung, rungs[i + 1] if i + 1 < len(rungs) else None, last_error[0]))
         return _failure(FailureClass.MEMORY, *last_error, started)
 
-    def _summarize_on(self, rung: str, request: TaskRequest, memory: StageMemory, passes: PassBook,
-                      helping: threading.Event | None = None) -> TaskOutcome:
-        """The task done on `rung` (its passes in the worker's batch); raises what stops it there.
-        `helping`: this is a help with another worker's task (no faults strike), until it is set."""
+    def _summarize_on(self, rung: str, request: TaskRequest, memory: StageMemory) -> TaskOutcome:
+        """The task done on `rung` (its passes in the worker's batch); raises what stops it there."""
         task = request.task
-        fault = None if helping else fault_for(self.faults, task.doc_id, request.attempt, rung, request.context_tokens)
+        fault = fault_for(self.faults, task.doc_id, request.attempt, rung, request.context_tokens)
         with self._scratch_dir(rung, request) as offload_dir:
             attempt = RungAttempt(rung, self.cache_kit, self.scheduler, memory, request.clock, offload_dir,
-                                  task.doc_id, fault, passes, shared=self.cfg.batch.spread_passes, helping=helping)
+                                  task.doc_id, fault, request.passes)
             summary = self.summarizer.summarize(
                 request.text, request.instruction, request.max_new_tokens, request.context_tokens, attempt
             )
