@@ -8,9 +8,9 @@ tasks: the pool counts that loss once, and says for each of its tasks whether ba
 the process (then the loss is not the task's own fault, yet). A task suspected of crashing its
 batches runs `alone`: it waits for its worker to be idle and keeps it to itself. A call's
 `retry.task_timeout_s` runs from when its task began to run in the worker, not while it waits
-there behind its batch-mates (`_result`). While a call runs, the pool asks its worker every
-`PROBE_INTERVAL_S` whether the task has begun and for the passes it finished since: the coordinator
-records them, so a kill loses at most the passes of the last interval.
+there behind its batch-mates (`_result`). While a call runs, the pool keeps a question open at its
+worker (`progress`), answered as soon as a pass finishes (or after `PROBE_INTERVAL_S`, with whether
+the task has begun): the coordinator records each pass as it ends, so a kill loses only passes in flight.
 """
 
 from __future__ import annotations
@@ -39,10 +39,11 @@ from storage.passes import PassRow
 #: How long a restarted worker may take to come back (process start + model load), not task time.
 WORKER_RESTART_TIMEOUT_S = 300.0
 PROBE_GROUP = "probe"
-"""The actor's concurrency group for `progress`: its own thread, so a worker busy with its batch answers."""
+"""The actor's concurrency group for `progress` and `tokens_decoded`: threads of their own (one for each
+call in flight, which waits there for its next pass, and one more), so a worker busy with its batch answers."""
 PROBE_INTERVAL_S = 1.0
-"""How often a call asks whether its task has begun to run and for the passes it finished since (at
-most a quarter of the timeout)."""
+"""How long one `progress` question waits for a pass to finish, so how often a call learns whether its
+task has begun to run (at most a quarter of the timeout)."""
 PROBE_TIMEOUT_S = 60.0
 """A worker that does not answer that question within this is hung (a short task timeout does not
 shorten it: a loaded node may answer slowly)."""
@@ -198,7 +199,7 @@ class WorkerPool:
         gpus = gpus_per_worker(self.cfg, cluster_nodes())
         # SPREAD: one worker per node before any node gets a second, so a lost node costs the fewest;
         # max_concurrency: each task in flight runs in an actor thread of its own
-        remote_cls = ray.remote(concurrency_groups={PROBE_GROUP: 1})(WorkerActor).options(
+        remote_cls = ray.remote(concurrency_groups={PROBE_GROUP: self.cfg.batch.sequences + 1})(WorkerActor).options(
             num_cpus=self.cfg.workers.cpus_per_worker, num_gpus=gpus,
             max_restarts=-1, max_task_retries=0, scheduling_strategy="SPREAD",
             max_concurrency=self.cfg.batch.sequences,
@@ -304,11 +305,12 @@ class WorkerPool:
                 self._lock.notify_all()
 
     def _result(self, worker: Worker, ref: Any, call_id: str, on_passes: Callable[[list[PassRow]], None]) -> TaskOutcome:
-        """The call's outcome. Its retry.task_timeout_s runs from when the task's first sequence began
-        to run in the worker (the worker says when), not from when the call was sent. Waiting before
-        that has a limit of its own: behind at most batch.max_sequences - 1 batch-mates, each within
-        its timeout, it begins within task_timeout_s × batch.max_sequences, or the worker is stuck.
-        Raises `_Hung` past either, or when the worker does not answer how the task is doing."""
+        """The call's outcome, its finished passes handed to `on_passes` as they end (the worker's
+        `progress` answers as soon as one has). Its retry.task_timeout_s runs from when the task's first
+        sequence began to run in the worker (the worker says when), not from when the call was sent.
+        Waiting before that has a limit of its own: behind at most batch.max_sequences - 1 batch-mates,
+        each within its timeout, it begins within task_timeout_s × batch.max_sequences, or the worker is
+        stuck. Raises `_Hung` past either, or when the worker does not answer how the task is doing."""
         limit = self.cfg.retry.task_timeout_s
         wait_limit = limit * self.cfg.batch.sequences
         sent = time.monotonic()
@@ -319,20 +321,20 @@ class WorkerPool:
                 if running_s >= limit:
                     raise _Hung(f"no result within retry.task_timeout_s={limit:g}s of its first sequence starting")
                 wait_s = min(wait_s, limit - running_s)
+            probe = worker.progress.options(concurrency_group=PROBE_GROUP).remote(call_id, wait_s)
             try:
-                outcome, passes = ray.get(ref, timeout=wait_s)
-            except GetTimeoutError:
-                pass
-            else:
-                on_passes(passes)
-                return outcome
-            probe = worker.progress.options(concurrency_group=PROBE_GROUP).remote(call_id)
-            try:
-                running_s, passes = ray.get(probe, timeout=PROBE_TIMEOUT_S)
+                now_running_s, passes = ray.get(probe, timeout=wait_s + PROBE_TIMEOUT_S)
             except GetTimeoutError:
                 raise _Hung(f"the worker did not answer within {PROBE_TIMEOUT_S:g}s how the task was doing: "
                             "it is hung") from None
             on_passes(passes)
+            # a call the worker does not know (yet, or any more: it ended) answers at once: wait for its result
+            ready, _ = ray.wait([ref], timeout=wait_s if now_running_s is None else 0)
+            if ready:
+                outcome, passes = ray.get(ref)
+                on_passes(passes)
+                return outcome
+            running_s = now_running_s if now_running_s is not None else running_s
             if running_s is None and time.monotonic() - sent > wait_limit:
                 raise _Hung(f"not begun within {wait_limit:g}s of being sent (retry.task_timeout_s × "
                             "batch.max_sequences): the worker is stuck")

@@ -25,8 +25,8 @@ class WorkerActor:
     def info(self) -> dict[str, Any]:
         return self._worker.info()
 
-    def progress(self, call_id: str) -> tuple[float | None, list[PassRow]]:
-        return self._worker.progress(call_id)
+    def progress(self, call_id: str, wait_s: float = 0.0) -> tuple[float | None, list[PassRow]]:
+        return self._worker.progress(call_id, wait_s)
 
     def tokens_decoded(self) -> int:
         return self._worker.tokens_decoded()

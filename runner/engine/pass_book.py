@@ -52,6 +52,7 @@ class PassBook:
         self._collected = threading.Condition(self._lock)
         self._known = {row["key"]: row for row in kept if row["fingerprint"] == fingerprint}
         self._finished: list[PassRow] = []  # kept here, not yet collected
+        self._closed = False  # the attempt has ended: a waiting `handed_back` answers at once
 
     @classmethod
     def empty(cls) -> PassBook:
@@ -79,16 +80,25 @@ class PassBook:
                       level=level, index=index, context_tokens=self._context_tokens, prompt_tokens=len(prompt_ids),
                       tokens=generation.tokens, text=self._decode(generation.tokens),
                       stop_reason=str(generation.stop_reason), worker=self._worker, finished_at=time.time())
-        with self._lock:
+        with self._collected:
             self._known[key] = row
             self._finished.append(row)
+            self._collected.notify_all()
 
-    def handed_back(self) -> list[PassRow]:
-        """The passes finished since the last call: each is handed back once."""
-        with self._lock:
+    def handed_back(self, wait_s: float = 0.0) -> list[PassRow]:
+        """The passes finished since the last call, each handed back once; waits up to `wait_s` for
+        one to finish (the coordinator's long poll: a pass reaches the job folder as it ends)."""
+        with self._collected:
+            self._collected.wait_for(lambda: self._finished or self._closed, wait_s)
             finished, self._finished = self._finished, []
             self._collected.notify_all()
         return finished
+
+    def close(self) -> list[PassRow]:
+        """The attempt has ended: the passes not handed back yet, and a waiting `handed_back` answers."""
+        with self._collected:
+            self._closed = True
+        return self.handed_back()
 
     def wait_collected(self, timeout_s: float) -> bool:
         """Wait until the coordinator has collected every finished pass (at most `timeout_s`): what an

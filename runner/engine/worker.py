@@ -210,14 +210,16 @@ class SummaryWorker:
             "attention": self.attention,
         }
 
-    def progress(self, call_id: str) -> tuple[float | None, list[PassRow]]:
+    def progress(self, call_id: str, wait_s: float = 0.0) -> tuple[float | None, list[PassRow]]:
         """Seconds since call `call_id`'s first sequence began to run (None while it waits, queued
-        behind batch-mates or not yet started), and the passes it finished since the last answer.
-        Answered from its own thread, so a busy worker answers."""
+        behind batch-mates, not yet started or ended), and the passes it finished since the last
+        answer, waiting up to `wait_s` for one (or the call's end). Answered from a thread of its
+        own, so a busy worker answers."""
         request = self._calls.get(call_id)
         if request is None:
             return None, []
-        return request.clock.running_s(), request.passes.handed_back()
+        passes = request.passes.handed_back(wait_s)
+        return request.clock.running_s(), passes
 
     def tokens_decoded(self) -> int:
         """Tokens this worker's decode steps have made since it started, asked while tasks run (live tok/s)."""
@@ -242,6 +244,7 @@ class SummaryWorker:
                 outcome |= self._first_rung_that_runs(request, memory, outcome["fallbacks"], started)
         finally:
             self._calls.pop(call_id, None)
+            rest = request.passes.close()
         outcome.update(
             memory.row_fields(),
             peak_host_rss_bytes=max(rss.peak, memory.decode_peak_host_rss_bytes or 0),
@@ -252,7 +255,7 @@ class SummaryWorker:
             device_used_fraction=memory.device_used_fraction,
             wall_s=time.perf_counter() - started,
         )
-        return outcome, request.passes.handed_back()
+        return outcome, rest
 
     # -- stage 1: the request ------------------------------------------------------------------
     def _request(self, task: Task, attempt: int, context_tokens: int, kept: list[PassRow]) -> TaskRequest:
