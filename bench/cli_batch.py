@@ -18,7 +18,7 @@ The timeline comes from the result rows: a document's prefill ran for `prefill_s
 `decode_s` up to `finished_at`, on `worker`. That is exact for a single-pass document; a map-reduced
 one's passes (chunks side by side, then merges) are placed as one prefill followed by one decode, as
 the rows do not say when each pass ran. Every setting can be changed with `--set KEY=VALUE`, given
-after the bench's own (e.g. a scheduler key), so the same figures can be taken either way.
+after the bench's own (e.g. a batch engine key), so the same figures can be taken either way.
 """
 
 from __future__ import annotations

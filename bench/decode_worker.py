@@ -3,7 +3,7 @@ source tree (this checkout, or an older revision checked out beside it), steps o
 
 It imports only what exists at both revisions the bench compares (the model loader, generate()'s
 prefill, `BudgetedDynamicCache`, `ragged.decode_step`, `TokenPicker`), with the tree given by `--tree`
-first on sys.path, and chooses each step's tokens as that tree's scheduler does: each row's own
+first on sys.path, and chooses each step's tokens as that tree's engine does: each row's own
 `TokenPicker.pick` where the tree has no `choose_tokens`, the batch's `choose_tokens` where it has.
 `--attention pooled` (the current tree only) makes every cache a slot of one `KVPool`.
 

@@ -2,7 +2,7 @@
 the decode steps chunk by chunk, side by side in one run on the builtin SmolLM2.
 
 `--rows` short prompts decode together; once they all do, a long prompt joins. Each row is the
-worker's own scheduler (`BatchScheduler`, `dynamic` caches, greedy fp32, loop stop off) with one
+worker's own engine (`BatchEngine`, `dynamic` caches, greedy fp32, loop stop off) with one
 setting of the chunk; the clock is read after every decode step's token choice, where the batch's
 rows get their tokens. The table gives the decoders' longest wait between two tokens (the stall a
 whole prefill is), the decode steps they made while the long prompt prefilled, the long prompt's time
@@ -39,13 +39,13 @@ def _texts() -> list[str]:
 def run(loaded, chunk: int, short: list[list[int]], long: list[int], new_tokens: int) -> dict:
     """One row: the short prompts decode, the long one joins; the figures of that batch."""
     from jobs.config import CacheConfig, SummarizeConfig
+    from runner.engine.batch_engine import BatchEngine, PassRequest
     from runner.engine.kvcache import build_cache
     from runner.engine.probes import StageMemory
-    from runner.engine.scheduler import BatchScheduler, PassRequest
     from runner.engine.worker import _is_memory_error
 
-    class StepClock(BatchScheduler):
-        """The scheduler, with the time of each decode step's token choice."""
+    class StepClock(BatchEngine):
+        """The engine, with the time of each decode step's token choice."""
 
         def __init__(self, *args, **kwargs) -> None:
             self.ticks: list[float] = []
@@ -58,7 +58,7 @@ def run(loaded, chunk: int, short: list[list[int]], long: list[int], new_tokens:
 
     # every row runs its full length: no loop stop, no early end-of-sequence
     settings = SummarizeConfig(loop_stop={"enabled": False}, generation={"min_new_tokens": new_tokens})
-    scheduler = StepClock(loaded, settings, "auto", len(short) + 1, 1 << 50, _is_memory_error,
+    engine = StepClock(loaded, settings, "auto", len(short) + 1, 1 << 50, _is_memory_error,
                           prefill_chunk_tokens=chunk)
 
     def request(prompt: list[int], new: int) -> PassRequest:
@@ -66,25 +66,25 @@ def run(loaded, chunk: int, short: list[list[int]], long: list[int], new_tokens:
                            device_bytes=0, memory=StageMemory())
 
     started = time.perf_counter()
-    futures = [scheduler.submit(request(p, new_tokens)) for p in short]
-    while scheduler.most_rows < len(short):  # every short prompt decodes: now the long one joins
+    futures = [engine.submit(request(p, new_tokens)) for p in short]
+    while engine.most_rows < len(short):  # every short prompt decodes: now the long one joins
         if any(f.done() for f in futures):
             raise SystemExit("a short prompt finished before all of them decoded: raise --new-tokens")
         time.sleep(0.001)
     joined_at = time.perf_counter()
-    first_step, rode_before = len(scheduler.ticks), scheduler.steps_with_prefill
-    long_future = scheduler.submit(request(long, 16))
+    first_step, rode_before = len(engine.ticks), engine.steps_with_prefill
+    long_future = engine.submit(request(long, 16))
     passes = [f.result().generation for f in futures]
     long_pass = long_future.result().generation
     wall = time.perf_counter() - started
-    scheduler.close()
+    engine.close()
     long_first = joined_at + long_pass.ttft_s
-    ticks = scheduler.ticks[max(first_step - 1, 0) :]
+    ticks = engine.ticks[max(first_step - 1, 0) :]
     gaps = [b - a for a, b in itertools.pairwise(ticks) if a <= long_first]  # until the long prompt decodes too
     return {
         "chunk": chunk,
         "longest_wait_s": max(gaps, default=0.0),
-        "decode_steps_while_prefilling": scheduler.steps_with_prefill - rode_before,  # nobody joins after it
+        "decode_steps_while_prefilling": engine.steps_with_prefill - rode_before,  # nobody joins after it
         "long_ttft_s": long_pass.ttft_s,
         "wall_s": wall,
         "tokens": [p.tokens for p in passes] + [long_pass.tokens],

@@ -2,7 +2,7 @@
 
 Each row loads the builtin SmolLM2 one way (full precision float32, `model.dtype: bfloat16`, and each
 `model.quantization` this machine runs) in a process of its own, so its peak memory is its own, and
-summarises the same documents through the worker's scheduler (one batch, `dynamic` cache, greedy).
+summarises the same documents through the worker's engine (one batch, `dynamic` cache, greedy).
 The table gives docs/hour, decode tok/s, the weights' bytes, the process's peak RSS, and how close
 each row's summaries are to float32's: the share of tokens agreeing up to the first difference and
 the ROUGE-L F1 of their words. The rows run with the loop stop off, so every row decodes the same
@@ -60,10 +60,10 @@ def child(label: str, args: argparse.Namespace) -> dict:
 
     from jobs.config import CacheConfig, LoopStopConfig, ModelConfig, SummarizeConfig
     from jobs.stopping import loop_stopped
+    from runner.engine.batch_engine import BatchEngine, PassRequest
     from runner.engine.kvcache import build_cache
     from runner.engine.model_loader import load_model
     from runner.engine.probes import StageMemory
-    from runner.engine.scheduler import BatchScheduler, PassRequest
     from runner.engine.summarize import Summarizer
     from runner.engine.worker import _is_memory_error
 
@@ -79,17 +79,17 @@ def child(label: str, args: argparse.Namespace) -> dict:
     for _, text in _documents(args.docs):
         ids = loaded.tokenizer(text, add_special_tokens=False)["input_ids"][: args.prompt_tokens]
         prompts.append(summarizer.prompt_ids(settings.prompt, loaded.tokenizer.decode(ids)))
-    scheduler = BatchScheduler(loaded, settings, "auto", len(prompts), 1 << 50, _is_memory_error,
+    engine = BatchEngine(loaded, settings, "auto", len(prompts), 1 << 50, _is_memory_error,
                                prefill_chunk_tokens=0)  # prompts prefilled whole, one at a time: prefill_s below
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as scratch:
-        futures = [scheduler.submit(PassRequest(
+        futures = [engine.submit(PassRequest(
             p, args.new_tokens,
             make_cache=lambda: build_cache("dynamic", loaded.model, CacheConfig(), Path(scratch), None),
             device_bytes=0, memory=StageMemory())) for p in prompts]
         passes = [f.result().generation for f in futures]
     wall = time.perf_counter() - started
-    scheduler.close()
+    engine.close()
     prefill_s = sum(p.ttft_s for p in passes)  # prompts are prefilled one at a time, decode steps are shared
     return {
         "label": label, "tokens": [p.tokens for p in passes],

@@ -1,6 +1,6 @@
 """How many sequences a worker lets decode together: lowered by a memory error, grown back when calm.
 
-A memory error in a batch halves the limit (the scheduler restarts the batch smaller). Memory is
+A memory error in a batch halves the limit (the batch engine restarts the batch smaller). Memory is
 often short only for a while (a long document's passes, another process on the GPU), so the limit
 does not stay low for the worker's life: after `GROW_BACK_STEPS` decode steps without a memory
 error it doubles, up to the configured `batch.max_sequences`. Each memory error doubles that wait

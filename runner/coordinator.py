@@ -138,7 +138,7 @@ def task_retrying(retry: RetryConfig, before_sleep: Any, sleep: Any) -> Retrying
     )
 
 
-class WorkQueue:
+class TaskQueue:
     """Open tasks, the longest expected first, shared by the feeding threads; a task handed back by a
     lost worker goes in front, with its work at its (maybe shorter) context. A worker takes the next
     task only while no other worker with a free slot has less expected work in flight, so the long
@@ -377,7 +377,7 @@ class Coordinator:
         run.context_tokens = smaller
         run.tries_at_context = 0
 
-    def _feed(self, worker: Worker, work: WorkQueue, errors: list[BaseException]) -> None:
+    def _feed(self, worker: Worker, work: TaskQueue, errors: list[BaseException]) -> None:
         """One of a worker's feeding threads: takes tasks until none is left (while its worker is down
         after a loss, it waits for the worker rather than take a task the worker cannot run, and stops
         waiting once nothing is left that it could run)."""
@@ -411,7 +411,7 @@ class Coordinator:
         self.stop.set()
 
     def _await_restart(self, worker: Worker, errors: list[BaseException],
-                       until_drained: WorkQueue | None = None) -> bool:
+                       until_drained: TaskQueue | None = None) -> bool:
         """Whether the worker is back; a restart whose start raised stops the batch with that error."""
         def give_up() -> bool:
             return self.stop.is_set() or (until_drained is not None and until_drained.drained())
@@ -459,7 +459,7 @@ class Coordinator:
         self._queued_at = time.time()  # queue wait counts from here: waiting for a free worker
         errors: list[BaseException] = []
         workers = self.pool.workers
-        work = WorkQueue(runs, self._work_of, workers, self.cfg.batch.sequences, self.pool.is_down)
+        work = TaskQueue(runs, self._work_of, workers, self.cfg.batch.sequences, self.pool.is_down)
         budgets = {run.task.task_id: expected_decode_tokens(run.task, self.cfg) for run in runs}
         with self.alerts.watching(), NodeSweeper(self.offload_root, self.log), \
                 BatchProgress(self.console, total, already_done, len(workers), budgets, self.alerts.busy_workers,

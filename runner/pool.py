@@ -3,7 +3,7 @@
 Everything the batch knows of Ray is here; the coordinator sees workers as opaque handles, outcomes
 as dicts, finished passes as rows handed to a callback, and losses as `WorkerLost`. Ray pickles the
 typed objects (the config, the tasks, the fault rules) across to the workers. Each actor takes `batch.max_sequences` calls at once (one
-thread a task, its sequences batched by the worker's scheduler), so one lost process ends several
+thread a task, its sequences batched by the worker's engine), so one lost process ends several
 tasks: the pool counts that loss once, and says for each of its tasks whether batch-mates shared
 the process (then the loss is not the task's own fault, yet). A task suspected of crashing its
 batches runs `alone`: it waits for its worker to be idle and keeps it to itself. A call's

@@ -17,7 +17,7 @@ from jobs.chunking import plan_chunks
 from jobs.config import load_config
 from jobs.kvplan import CHARS_PER_TOKEN
 from jobs.task import Task
-from runner.coordinator import TaskRun, WorkQueue
+from runner.coordinator import TaskQueue, TaskRun
 from tests.helpers.cli import LICENSES, TINY_CONFIG, done_summaries, export_rows, kvbatch, write_jsonl
 
 CONFIG = load_config(TINY_CONFIG)
@@ -105,13 +105,13 @@ def test_a_busy_or_down_worker_does_not_hold_the_task_back():
 
 
 # -- the coordinator's queue, real threads ----------------------------------------------------------
-def _queue(sizes: dict[str, int], down: set[str] = frozenset(), slots: int = 2) -> WorkQueue:
+def _queue(sizes: dict[str, int], down: set[str] = frozenset(), slots: int = 2) -> TaskQueue:
     runs = [TaskRun(task=_task(doc, n), context_tokens=1024) for doc, n in sizes.items()]
-    return WorkQueue(runs, lambda run: expected_work(run.task, CONFIG, run.context_tokens), ["w0", "w1"],
+    return TaskQueue(runs, lambda run: expected_work(run.task, CONFIG, run.context_tokens), ["w0", "w1"],
                      slots, lambda w: w in down)
 
 
-def _take_soon(queue: WorkQueue, worker: str, held: ExitStack, wait_s: float = 0.5) -> TaskRun | None:
+def _take_soon(queue: TaskQueue, worker: str, held: ExitStack, wait_s: float = 0.5) -> TaskRun | None:
     """What `taking` gives within `wait_s` (None when it is still waiting then), held until `held` closes."""
     stop = threading.Event()
     timer = threading.Timer(wait_s, stop.set)

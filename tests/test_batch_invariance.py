@@ -1,6 +1,6 @@
 """A summary never depends on its batch-mates or on the attention path its row takes (issue 36).
 
-Ten real documents through the worker's `BatchScheduler` on the builtin tiny random model: one at a
+Ten real documents through the worker's `BatchEngine` on the builtin tiny random model: one at a
 time and eight at a time, pooled (the KV pool's one call per layer) and per row (each row's own
 cache), and tiered-host beside them, in bf16 and fp32. Before, bf16 tokens differed (6 of 10 documents
 pooled alone vs pooled in a batch): SDPA rounds a row's sums by the span it is handed, and a joining
@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from jobs.config import ModelConfig, SummarizeConfig
+from runner.engine.batch_engine import BatchEngine
 from runner.engine.kvcache import ResidentMeter
 from runner.engine.kvcache.pool import KVPool, PooledCache
 from runner.engine.model_loader import LoadedModel, load_model
 from runner.engine.pooled_attention import SPAN_GRANULE, PooledStep
-from runner.engine.scheduler import BatchScheduler
 from runner.engine.worker import _is_memory_error
 from tests.helpers.batching import BIG, PLAIN, run_batch
 from tests.helpers.cli import LICENSES
@@ -46,16 +46,16 @@ def _tokens(loaded: LoadedModel, prompts: list[list[int]], strategy: str, max_se
     pool = (KVPool.for_model(loaded.model.config, loaded.dtype, loaded.device,
                              ResidentMeter(None, "the test's device", "cache.device_kv_budget_bytes")) if pooled else None)
     settings = SummarizeConfig(**PLAIN, loop_stop={"enabled": False})
-    scheduler = BatchScheduler(loaded, settings, "auto", max_sequences, BIG, _is_memory_error)
+    engine = BatchEngine(loaded, settings, "auto", max_sequences, BIG, _is_memory_error)
     try:
-        got = [g.tokens for g in run_batch(scheduler, loaded.model, strategy, tmp_path, prompts,
+        got = [g.tokens for g in run_batch(engine, loaded.model, strategy, tmp_path, prompts,
                                            [NEW_TOKENS] * len(prompts), kv_pool=pool)]
     finally:
-        scheduler.close()
+        engine.close()
     # prompts ride the steps in chunks, so the longest join as the first leave: several rows, not all eight
-    assert (scheduler.most_rows >= 4) if max_sequences > 1 else scheduler.most_rows == 1, "no batch ran"
+    assert (engine.most_rows >= 4) if max_sequences > 1 else engine.most_rows == 1, "no batch ran"
     if pool is not None and strategy == "dynamic":
-        assert pool.most_rows == scheduler.most_rows, "the pooled step never attended the batch in one call"
+        assert pool.most_rows == engine.most_rows, "the pooled step never attended the batch in one call"
     return got
 
 

@@ -2,7 +2,7 @@
 
 The rule (jobs.batch_limit): the limit halves on a memory error and doubles back after
 `GROW_BACK_STEPS` decode steps without one, up to `batch.max_sequences`; each further memory error
-doubles that wait. Shown on the policy alone and on the real scheduler, where the memory comes
+doubles that wait. Shown on the policy alone and on the real engine, where the memory comes
 back after a split (the worker's device pool grows, as when another process frees the GPU).
 """
 
@@ -17,8 +17,8 @@ import pytest
 from jobs.batch_limit import GROW_BACK_STEPS, MAX_GROW_BACK_STEPS, BatchLimit
 from jobs.config import LoopStopConfig, SummarizeConfig
 from jobs.kvplan import kv_bytes
+from runner.engine.batch_engine import BatchEngine
 from runner.engine.kvcache import ResidentMeter, kv_shape
-from runner.engine.scheduler import BatchScheduler
 from runner.engine.worker import _is_memory_error
 from tests.helpers.batching import BIG, LENGTHS, PLAIN, as_loaded_model, run_batch, tokens_alone
 from tests.helpers.models import random_prompt, tiny_model
@@ -72,27 +72,27 @@ def test_a_split_batch_grows_back_when_memory_is_there_again(tokenizer, tmp_path
     full = kv_bytes(kv_shape(model.config), max(LENGTHS[:4]) + new[0])
     pool = ResidentMeter(int(2.5 * full), "the batch's resident device", "cache.device_kv_budget_bytes")
     no_loop_stop = LoopStopConfig(enabled=False)  # the random model loops: every sequence runs its full length
-    scheduler = BatchScheduler(as_loaded_model(model, tokenizer), SummarizeConfig(**PLAIN, loop_stop=no_loop_stop), "auto", 4,
+    engine = BatchEngine(as_loaded_model(model, tokenizer), SummarizeConfig(**PLAIN, loop_stop=no_loop_stop), "auto", 4,
                                BIG, _is_memory_error)
 
     limit_after_split: list[int] = []
 
     def memory_comes_back() -> None:
         deadline = time.monotonic() + 60
-        while scheduler.splits == 0 and time.monotonic() < deadline:
+        while engine.splits == 0 and time.monotonic() < deadline:
             time.sleep(0.001)
-        limit_after_split.append(scheduler.max_sequences)
+        limit_after_split.append(engine.max_sequences)
         pool.budget_bytes = BIG
 
     watcher = threading.Thread(target=memory_comes_back, daemon=True)
     watcher.start()
     try:
-        got = run_batch(scheduler, model, "dynamic", tmp_path, prompts, new, pool=pool)
+        got = run_batch(engine, model, "dynamic", tmp_path, prompts, new, pool=pool)
     finally:
-        scheduler.close()
+        engine.close()
     watcher.join(timeout=10)
-    assert limit_after_split == [2] and scheduler.splits == 1
-    assert scheduler.max_sequences == 4
+    assert limit_after_split == [2] and engine.splits == 1
+    assert engine.max_sequences == 4
     # the two that waited for room joined the first two once the limit was back at 4
     assert min(g.batch_size for g in got[2:]) > 2, [g.batch_size for g in got]
     assert [g.tokens for g in got] == [tokens_alone(model, p, n, no_loop_stop) for p, n in zip(prompts, new)]

@@ -1,8 +1,8 @@
-"""The worker's scheduler on real (tiny random) models: batched sequences give their tokens alone.
+"""The worker's engine on real (tiny random) models: batched sequences give their tokens alone.
 
 The reference for "alone" is plain transformers: `model.generate` with its own DynamicCache, greedy,
 one prompt at a time. Every test also asserts that batching really happened (the largest decode
-batch the scheduler ran), so none of them passes by running one sequence at a time.
+batch the engine ran), so none of them passes by running one sequence at a time.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import torch
 
 from jobs.config import CacheConfig, SummarizeConfig
 from jobs.kvplan import kv_bytes
+from runner.engine.batch_engine import BatchEngine, PassRequest
 from runner.engine.kvcache import ResidentMeter, build_cache, kv_shape
 from runner.engine.probes import StageMemory
-from runner.engine.scheduler import BatchScheduler, PassRequest
 from runner.engine.worker import _is_memory_error
 from tests.helpers.batching import BIG, LENGTHS, NEW, PLAIN, as_loaded_model, run_batch, tokens_alone
 from tests.helpers.models import ARCHS, random_prompt, tiny_model
@@ -34,13 +34,13 @@ def test_batched_tokens_equal_tokens_alone(arch: str, strategy: str, tokenizer, 
     prompts = [random_prompt(n)[0].tolist() for n in LENGTHS]
     expected = [tokens_alone(model, p, n) for p, n in zip(prompts, NEW)]
     settings = SummarizeConfig(**PLAIN, prefill_chunk_size=16)  # chunked prefill (layer-major on tiered rungs)
-    scheduler = BatchScheduler(as_loaded_model(model, tokenizer), settings, "auto", 4, BIG, _is_memory_error)
+    engine = BatchEngine(as_loaded_model(model, tokenizer), settings, "auto", 4, BIG, _is_memory_error)
     try:
-        got = run_batch(scheduler, model, strategy, tmp_path, prompts, NEW)
+        got = run_batch(engine, model, strategy, tmp_path, prompts, NEW)
     finally:
-        scheduler.close()
+        engine.close()
     assert [g.tokens for g in got] == expected
-    assert scheduler.most_rows == 4  # at most 4 at once, and 4 did decode together
+    assert engine.most_rows == 4  # at most 4 at once, and 4 did decode together
     assert max(g.batch_size for g in got) > 2
 
 
@@ -50,12 +50,12 @@ def test_sampling_with_a_seed_does_not_depend_on_the_batch(tokenizer, tmp_path: 
     settings = SummarizeConfig(**PLAIN, do_sample=True, seed=7, prefill_chunk_size=0)
     runs = {}
     for width in (1, 4):
-        scheduler = BatchScheduler(as_loaded_model(model, tokenizer), settings, "auto", width, BIG, _is_memory_error)
+        engine = BatchEngine(as_loaded_model(model, tokenizer), settings, "auto", width, BIG, _is_memory_error)
         try:
-            runs[width] = [g.tokens for g in run_batch(scheduler, model, "dynamic", tmp_path, prompts, NEW)]
+            runs[width] = [g.tokens for g in run_batch(engine, model, "dynamic", tmp_path, prompts, NEW)]
         finally:
-            scheduler.close()
-        assert scheduler.most_rows == width
+            engine.close()
+        assert engine.most_rows == width
     assert runs[1] == runs[4]
     assert runs[1] != [tokens_alone(model, p, n) for p, n in zip(prompts, NEW)]  # it did sample
 
@@ -66,15 +66,15 @@ def test_generation_settings_choose_the_tokens_as_generate_does(tokenizer, tmp_p
     extra = {"repetition_penalty": 1.3, "no_repeat_ngram_size": 2}
     prompts = [random_prompt(n)[0].tolist() for n in LENGTHS]
     settings = SummarizeConfig(generation=extra)
-    scheduler = BatchScheduler(as_loaded_model(model, tokenizer), settings, "auto", 4, BIG, _is_memory_error)
+    engine = BatchEngine(as_loaded_model(model, tokenizer), settings, "auto", 4, BIG, _is_memory_error)
     try:
-        got = [g.tokens for g in run_batch(scheduler, model, "dynamic", tmp_path, prompts, NEW)]
+        got = [g.tokens for g in run_batch(engine, model, "dynamic", tmp_path, prompts, NEW)]
     finally:
-        scheduler.close()
+        engine.close()
     with torch.no_grad():
         expected = [model.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, **extra)[0, len(p):].tolist()
                     for p, n in zip(prompts, NEW)]
-    assert got == expected and scheduler.most_rows == 4
+    assert got == expected and engine.most_rows == 4
     assert expected != [tokens_alone(model, p, n) for p, n in zip(prompts, NEW)]  # the settings changed the tokens
 
 
@@ -86,12 +86,12 @@ def test_a_batch_that_runs_out_of_memory_splits_and_every_sequence_finishes(toke
     new = [24] * 4
     full = kv_bytes(kv_shape(model.config), max(LENGTHS[:4]) + 24)
     pool = ResidentMeter(int(2.5 * full), "the batch's resident device", "cache.device_kv_budget_bytes")
-    scheduler = BatchScheduler(as_loaded_model(model, tokenizer), SummarizeConfig(**PLAIN), "auto", 4, BIG, _is_memory_error)
+    engine = BatchEngine(as_loaded_model(model, tokenizer), SummarizeConfig(**PLAIN), "auto", 4, BIG, _is_memory_error)
     try:
-        got = run_batch(scheduler, model, "dynamic", tmp_path, prompts, new, pool=pool)
+        got = run_batch(engine, model, "dynamic", tmp_path, prompts, new, pool=pool)
     finally:
-        scheduler.close()
-    assert scheduler.splits >= 1 and scheduler.max_sequences <= 2
+        engine.close()
+    assert engine.splits >= 1 and engine.max_sequences <= 2
     assert [g.tokens for g in got] == [tokens_alone(model, p, n) for p, n in zip(prompts, new)]
     assert pool.total == 0  # every cache gave its room back
 
@@ -100,13 +100,13 @@ def test_admission_keeps_the_batch_within_the_device_budget(tokenizer, tmp_path:
     model = tiny_model("llama-gqa")
     prompts = [random_prompt(n)[0].tolist() for n in LENGTHS[:4]]
     one = max(kv_bytes(kv_shape(model.config), len(p) + n) for p, n in zip(prompts, NEW))
-    scheduler = BatchScheduler(as_loaded_model(model, tokenizer), SummarizeConfig(**PLAIN), "auto", 4, 2 * one,
+    engine = BatchEngine(as_loaded_model(model, tokenizer), SummarizeConfig(**PLAIN), "auto", 4, 2 * one,
                                _is_memory_error)
     try:
-        got = run_batch(scheduler, model, "dynamic", tmp_path, prompts, NEW[:4])
+        got = run_batch(engine, model, "dynamic", tmp_path, prompts, NEW[:4])
     finally:
-        scheduler.close()
-    assert scheduler.most_rows == 2 and scheduler.splits == 0
+        engine.close()
+    assert engine.most_rows == 2 and engine.splits == 0
     assert [g.tokens for g in got] == [tokens_alone(model, p, n) for p, n in zip(prompts, NEW[:4])]
 
 
@@ -126,12 +126,12 @@ def test_a_sequence_whose_cache_fails_fails_alone(tokenizer, tmp_path: Path) -> 
             broken["cache"] = handle.generate_kwargs["past_key_values"]
         return handle
 
-    scheduler = BatchScheduler(as_loaded_model(model, tokenizer), SummarizeConfig(**PLAIN), "auto", 3, BIG, _is_memory_error)
+    engine = BatchEngine(as_loaded_model(model, tokenizer), SummarizeConfig(**PLAIN), "auto", 3, BIG, _is_memory_error)
     try:
         requests = [PassRequest(p, n, make_cache=lambda i=i: make_cache(i), device_bytes=0)
                     for i, (p, n) in enumerate(zip(prompts, new))]
-        futures = [scheduler.submit(r) for r in requests]
-        while scheduler.most_rows < 3:  # all three decode together: now take the disk away
+        futures = [engine.submit(r) for r in requests]
+        while engine.most_rows < 3:  # all three decode together: now take the disk away
             time.sleep(0.001)
         for block in (tmp_path / "seq-1").rglob("*"):
             if block.is_file():
@@ -143,7 +143,7 @@ def test_a_sequence_whose_cache_fails_fails_alone(tokenizer, tmp_path: Path) -> 
             except Exception as e:  # noqa: BLE001 - the one expected failure
                 results.append(e)
     finally:
-        scheduler.close()
+        engine.close()
     assert isinstance(results[1], Exception) and not _is_memory_error(results[1]), results[1]
     # handed over without the failed step's frames (they would keep its cache alive): its traceback
     # starts where the task re-raised it
@@ -154,17 +154,17 @@ def test_a_sequence_whose_cache_fails_fails_alone(tokenizer, tmp_path: Path) -> 
 
 def test_stage_memory_is_recorded_per_sequence(tokenizer, tmp_path: Path) -> None:
     model = tiny_model("llama-gqa")
-    scheduler = BatchScheduler(as_loaded_model(model, tokenizer), SummarizeConfig(**PLAIN), "auto", 2, BIG, _is_memory_error)
+    engine = BatchEngine(as_loaded_model(model, tokenizer), SummarizeConfig(**PLAIN), "auto", 2, BIG, _is_memory_error)
     memory = StageMemory()
     try:
         request = PassRequest(random_prompt(30)[0].tolist(), 8,
                               make_cache=lambda: build_cache("dynamic", model, CacheConfig(), None, None),
                               device_bytes=0, memory=memory)
-        scheduler.submit(request).result(timeout=60)
+        engine.submit(request).result(timeout=60)
         one_token = dataclasses.replace(request, max_new_tokens=1, memory=StageMemory())
-        scheduler.submit(one_token).result(timeout=60)
+        engine.submit(one_token).result(timeout=60)
     finally:
-        scheduler.close()
+        engine.close()
     assert memory.prefill_host_rss_bytes > 0 and memory.decode_peak_host_rss_bytes > 0
     assert 0 < memory.host_used_fraction < 1 and memory.device_peak_bytes is None  # CPU: no device figures
     assert one_token.memory.prefill_host_rss_bytes > 0 and one_token.memory.decode_peak_host_rss_bytes is None

@@ -1,7 +1,7 @@
 """The engine on a CUDA device: what CI (no GPU) cannot check. Skipped without CUDA.
 
 A synthetic Llama (no download; token ids in, a tokenizer made in code) runs through the worker's
-own `BatchScheduler` and `SummaryWorker`, driven directly, without Ray. Run on a GPU machine with
+own `BatchEngine` and `SummaryWorker`, driven directly, without Ray. Run on a GPU machine with
 `bash bench/device.sh` (docs/device.md); `KVBATCH_TEST_DEVICE=cpu` dry-runs the parts that are not
 about CUDA itself on the CPU.
 """
@@ -20,12 +20,12 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from jobs.config import CacheConfig, SummarizeConfig, load_config
 from jobs.task import Task
+from runner.engine.batch_engine import BatchEngine, PassRequest
 from runner.engine.kvcache import ResidentMeter, TieredCache, build_cache
 from runner.engine.kvcache.pool import KVPool
 from runner.engine.model_loader import LoadedModel
 from runner.engine.model_registry import word_tokenizer
 from runner.engine.ragged import decode_step
-from runner.engine.scheduler import BatchScheduler, PassRequest
 from runner.engine.static_step import StaticStep
 from runner.engine.step_inputs import StepInputs
 from runner.engine.worker import SummaryWorker, _is_memory_error
@@ -82,7 +82,7 @@ def fp32() -> Iterator[LoadedModel]:
 def run_scheduled(loaded: LoadedModel, strategy: str, max_sequences: int, tmp_path: Path,
                   pooled: bool = False, static: str | None = None, lengths: tuple[int, ...] = PROMPT_LENGTHS
                   ) -> tuple[list[list[int]], int]:
-    """Every prompt through one BatchScheduler at `max_sequences` at a time: the tokens, and the
+    """Every prompt through one BatchEngine at `max_sequences` at a time: the tokens, and the
     largest batch a decode step ran. `pooled`: `dynamic` rows are slots of one KV pool and tiered
     rows attend as one group (`batch.attention: pooled`, one attention call per layer for them all);
     `static`: "graphed" or "eager", the pooled steps through runner/engine/static_step.py."""
@@ -93,7 +93,7 @@ def run_scheduled(loaded: LoadedModel, strategy: str, max_sequences: int, tmp_pa
                                 ResidentMeter(None, "the test's device", "cache.device_kv_budget_bytes"))
                if pooled or static else None)
     step = StaticStep(loaded.model, kv_pool, graphs=static == "graphed") if static else None
-    scheduler = BatchScheduler(loaded, settings, "auto", max_sequences, 1 << 40, _is_memory_error, static=step)
+    engine = BatchEngine(loaded, settings, "auto", max_sequences, 1 << 40, _is_memory_error, static=step)
     try:
         futures = []
         for i, ids in enumerate(prompts(lengths)):
@@ -103,14 +103,14 @@ def run_scheduled(loaded: LoadedModel, strategy: str, max_sequences: int, tmp_pa
                 return build_cache(strategy, loaded.model, cache_cfg, tmp_path / f"{strategy}-{max_sequences}-{i}",
                                    None, None, expected_tokens=tokens, kv_pool=kv_pool)
 
-            futures.append(scheduler.submit(PassRequest(ids, NEW_TOKENS, make_cache, tokens * TOKEN_KV_BYTES_FP32)))
+            futures.append(engine.submit(PassRequest(ids, NEW_TOKENS, make_cache, tokens * TOKEN_KV_BYTES_FP32)))
         got = [f.result(timeout=300).generation.tokens for f in futures]
     finally:
-        scheduler.close()
+        engine.close()
     if step is not None:
         assert step.steps > 0 and step.captures == (len(step._captured) if step.graphs else 0) and \
             (step.captures > 0) == (static == "graphed" and ON_CUDA), "the static step did not run as asked"
-    return got, scheduler.most_rows
+    return got, engine.most_rows
 
 
 def test_fp32_tokens_identical_across_strategies_and_batched_vs_alone(fp32: LoadedModel, tmp_path: Path) -> None:
@@ -319,7 +319,7 @@ def test_a_real_oom_moves_the_task_down_the_ladder_and_its_pinned_memory_is_rele
         outcome = worker.run(task, 1, config.summarize.context_tokens, kept=[])[0]
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, DEVICE)
-        worker.scheduler.close()
+        worker.engine.close()
     # what the next device run needs to see if tiered-host runs out too (issue 36): the peak against the room left
     print(f"OOM ladder: room {dynamic_kv * 3 // 4} bytes beside {torch.cuda.memory_reserved(DEVICE)} reserved; peak "
           f"allocated {torch.cuda.max_memory_allocated(DEVICE)}; fallbacks {outcome['fallbacks']}")
@@ -354,11 +354,11 @@ def test_a_cuda_workers_kv_pool_is_planned_for_its_batch_and_allocated_once(mode
     worker = SummaryWorker(config, "job", str(tmp_path / "kv"))
     try:
         assert worker.kv_pool is not None and worker.kv_pool.planned == (4, 1024)
-        assert worker.scheduler.static is not None and worker.scheduler.static.graphs  # batch.static_step: auto
+        assert worker.engine.static is not None and worker.engine.static.graphs  # batch.static_step: auto
         outcome = worker.run(_words_task(300, 3), 1, 1024, kept=[])[0]
         assert outcome["status"] == "done", outcome
         # sized at its first claim for four sequences of the whole context: no growth was needed
         assert worker.kv_pool.slots >= 1 and worker.kv_pool.tokens >= 1024
-        assert worker.scheduler.static.captures > 0, "no decode step was captured as a CUDA graph"
+        assert worker.engine.static.captures > 0, "no decode step was captured as a CUDA graph"
     finally:
-        worker.scheduler.close()
+        worker.engine.close()

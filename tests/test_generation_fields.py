@@ -2,7 +2,7 @@
 decode exactly as generate() honours it alone; every other field is refused at submit with a reason.
 
 For each accepted field: three prompts (one of a single token, one that already holds the tokens the model repeats) decode together through the real
-BatchScheduler, and each gets exactly the tokens `model.generate()` gives it alone with that field
+BatchEngine, and each gets exactly the tokens `model.generate()` gives it alone with that field
 (tiny random model; greedy, or seeded sampling for a sampling field). The test also shows the
 field changed the tokens, except for the few that cannot change a causal model's tokens (NO_EFFECT).
 A GenerationConfig field that transformers adds later fails here until it is given a case or refused.
@@ -19,7 +19,7 @@ import torch
 from transformers import GenerationConfig, PreTrainedModel
 
 from jobs.config import ConfigError, SummarizeConfig
-from runner.engine.scheduler import BatchScheduler
+from runner.engine.batch_engine import BatchEngine
 from runner.engine.worker import _is_memory_error
 from runner.preflight import OWNED_FIELDS, UNSUPPORTED_FIELDS, check_generation
 from tests.helpers.batching import BIG, as_loaded_model, run_batch
@@ -127,13 +127,13 @@ def test_an_accepted_field_gives_batched_the_tokens_generate_gives_alone(field: 
                                loop_stop={"enabled": False})
     check_generation(settings)  # accepted at submit
     expected = [_alone(model, tokenizer, p, sample, fields) for p in prompts]
-    scheduler = BatchScheduler(as_loaded_model(model, tokenizer), settings, "auto", len(prompts), BIG, _is_memory_error)
+    engine = BatchEngine(as_loaded_model(model, tokenizer), settings, "auto", len(prompts), BIG, _is_memory_error)
     try:
-        got = [g.tokens for g in run_batch(scheduler, model, "dynamic", tmp_path, prompts, [NEW] * len(prompts))]
+        got = [g.tokens for g in run_batch(engine, model, "dynamic", tmp_path, prompts, [NEW] * len(prompts))]
     finally:
-        scheduler.close()
+        engine.close()
     assert got == expected
-    assert field == "max_time" or scheduler.most_rows >= 2  # they decoded side by side
+    assert field == "max_time" or engine.most_rows >= 2  # they decoded side by side
     if field not in NO_EFFECT:
         assert expected != without_fields[sample], "the field changed nothing"
 

@@ -20,9 +20,9 @@ from jobs.config import CacheConfig, SummarizeConfig, load_config
 from jobs.kvplan import host_kv_bytes
 from jobs.node_share import workers_per_device, workers_per_node
 from jobs.task import Task
+from runner.engine.batch_engine import BatchEngine, PassRequest
 from runner.engine.kvcache import KVBudgetExceeded, ResidentMeter, build_cache, kv_shape, resolve_budgets
 from runner.engine.probes import StageMemory
-from runner.engine.scheduler import BatchScheduler, PassRequest
 from runner.engine.worker import SummaryWorker, _is_memory_error
 from tests.helpers.batching import BIG, PLAIN, as_loaded_model, tokens_alone
 from tests.helpers.cli import TINY_CONFIG
@@ -51,8 +51,8 @@ def test_tiered_caches_of_one_worker_share_its_host_budget_and_give_it_back(tmp_
     one = host_kv_bytes(kv_shape(model.config), "tiered-host", 3 * BLOCK, None, BLOCK)
     pool = ResidentMeter(int(1.5 * one), "the batch's host RAM", "cache.host_kv_budget_bytes")
     cfg = CacheConfig(block_tokens=BLOCK)
-    first = build_cache("tiered-host", model, cfg, None, None, host_budget_bytes=one, host_pool=pool)
-    second = build_cache("tiered-host", model, cfg, None, None, host_budget_bytes=one, host_pool=pool)
+    first = build_cache("tiered-host", model, cfg, None, None, host_budget_bytes=one, host_meter=pool)
+    second = build_cache("tiered-host", model, cfg, None, None, host_budget_bytes=one, host_meter=pool)
     with torch.no_grad():
         model(prompt, **first.generate_kwargs)
         assert pool.total == one  # the meter counts what host_kv_bytes (admission's figure) says
@@ -73,17 +73,17 @@ def test_admission_keeps_the_batchs_host_kv_within_the_host_budget(tokenizer, tm
     host = [host_kv_bytes(shape, "tiered-host", len(p) + new, None, BLOCK) for p in prompts]
     pool = ResidentMeter(BIG, "the batch's host RAM", "cache.host_kv_budget_bytes")
     cfg = CacheConfig(block_tokens=BLOCK)
-    scheduler = BatchScheduler(as_loaded_model(model, tokenizer), SummarizeConfig(**PLAIN),
+    engine = BatchEngine(as_loaded_model(model, tokenizer), SummarizeConfig(**PLAIN),
                                "auto", 4, BIG, _is_memory_error, host_budget=2 * max(host))
     try:
-        futures = [scheduler.submit(PassRequest(
+        futures = [engine.submit(PassRequest(
             p, new, device_bytes=0, host_bytes=h, memory=StageMemory(),
-            make_cache=lambda: build_cache("tiered-host", model, cfg, None, None, host_pool=pool),
+            make_cache=lambda: build_cache("tiered-host", model, cfg, None, None, host_meter=pool),
         )) for p, h in zip(prompts, host)]
         got = [f.result(timeout=120).generation.tokens for f in futures]
     finally:
-        scheduler.close()
-    assert scheduler.most_rows == 2 and scheduler.splits == 0
+        engine.close()
+    assert engine.most_rows == 2 and engine.splits == 0
     assert 2 * min(host) <= pool.peak <= 2 * max(host)  # two did hold host KV together, never three
     assert got == [tokens_alone(model, p, new) for p in prompts]
     assert pool.total == 0
@@ -108,14 +108,14 @@ def test_a_workers_tasks_share_its_host_budget(tmp_path: Path) -> None:
         for t in threads:
             t.join(timeout=120)
     finally:
-        worker.scheduler.close()
+        worker.engine.close()
     assert [o["status"] for o in outcomes.values()] == ["done"] * 3, outcomes
     for o in outcomes.values():  # each pass's host KV fits the budget alone, two of them do not
         one = host_kv_bytes(worker.kv_shape, "tiered-host", o["input_tokens"] + 24, None, 64)
         assert one <= 200_000 < 2 * one, (o["input_tokens"], one)
     assert [o["batch_size"] for o in outcomes.values()] == [1.0] * 3  # one at a time: admission held them
-    assert worker.scheduler.splits == 0  # ... before the pool's budget had to stop one
-    assert 0 < worker.host_pool.peak <= 200_000 and worker.host_pool.total == 0
+    assert worker.engine.splits == 0  # ... before the pool's budget had to stop one
+    assert 0 < worker.host_meter.peak <= 200_000 and worker.host_meter.total == 0
 
 
 # -- auto budgets: this worker's share of the node ----------------------------------------------

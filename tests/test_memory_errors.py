@@ -88,7 +88,7 @@ def test_a_task_whose_allocation_really_fails_moves_down_the_ladder(tmp_path: Pa
     try:
         outcome = worker.run(task, 1, config.summarize.context_tokens, kept=[])[0]
     finally:
-        worker.scheduler.close()
+        worker.engine.close()
     # the dynamic rung failed in the CPU allocator (a RuntimeError), and that moved the task on, to
     # tiered-disk, whose offload disk cannot hold such a pass either: the ladder ran out
     assert outcome["fallbacks"] == ["cache:dynamic->tiered-disk (RuntimeError)",

@@ -2,7 +2,7 @@
 
 Like tests/test_batching.py: the reference is plain `model.generate` one prompt at a time, and
 every test asserts that the path it targets really ran (the pool's own count of the rows it
-attended in one call, the scheduler's largest batch), so none passes by running rows one by one.
+attended in one call, the engine's largest batch), so none passes by running rows one by one.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import torch
 
 from jobs.config import ConfigError, SummarizeConfig, load_config
 from jobs.task import Task
+from runner.engine.batch_engine import BatchEngine
 from runner.engine.kvcache import KVBudgetExceeded, ResidentMeter
 from runner.engine.kvcache.pool import KVPool, PooledCache
-from runner.engine.scheduler import BatchScheduler
 from runner.engine.worker import SummaryWorker, _is_memory_error
 from tests.helpers.batching import BIG, LENGTHS, NEW, PLAIN, as_loaded_model, cpu_kv_pool, run_batch, tokens_alone
 from tests.helpers.cli import LICENSES, TINY_CONFIG
@@ -35,14 +35,14 @@ def test_batched_tokens_equal_tokens_alone_on_both_paths(path: str, tokenizer, t
     model = tiny_model("llama-gqa")
     prompts = [random_prompt(n)[0].tolist() for n in LENGTHS]
     pool = cpu_kv_pool(model) if path == "pooled" else None
-    scheduler = BatchScheduler(as_loaded_model(model, tokenizer), SummarizeConfig(**PLAIN, prefill_chunk_size=16), "auto", 4,
+    engine = BatchEngine(as_loaded_model(model, tokenizer), SummarizeConfig(**PLAIN, prefill_chunk_size=16), "auto", 4,
                                BIG, _is_memory_error)
     try:
-        got = [g.tokens for g in run_batch(scheduler, model, ["dynamic"] * 5, tmp_path, prompts, NEW, kv_pool=pool)]
+        got = [g.tokens for g in run_batch(engine, model, ["dynamic"] * 5, tmp_path, prompts, NEW, kv_pool=pool)]
     finally:
-        scheduler.close()
+        engine.close()
     assert got == [tokens_alone(model, p, n) for p, n in zip(prompts, NEW)]
-    assert scheduler.most_rows == 4
+    assert engine.most_rows == 4
     if pool is not None:
         assert pool.most_rows == 4 and pool.steps >= max(NEW) - 1  # every step attended the pool in one call
         assert pool.owners == [] and pool.keys is None and pool.meter.total == 0  # every slot given back
@@ -56,29 +56,29 @@ def test_a_step_with_pooled_and_tiered_rows_gives_each_its_tokens_alone(tokenize
     strategies = ["dynamic", "tiered-host", "dynamic", "tiered-disk", "dynamic"]
     pool = cpu_kv_pool(model)
     made: dict[int, object] = {}
-    scheduler = BatchScheduler(as_loaded_model(model, tokenizer), SummarizeConfig(**PLAIN), "auto", 5, BIG, _is_memory_error)
+    engine = BatchEngine(as_loaded_model(model, tokenizer), SummarizeConfig(**PLAIN), "auto", 5, BIG, _is_memory_error)
     try:
-        got = [g.tokens for g in run_batch(scheduler, model, strategies, tmp_path, prompts, NEW, kv_pool=pool, made=made)]
+        got = [g.tokens for g in run_batch(engine, model, strategies, tmp_path, prompts, NEW, kv_pool=pool, made=made)]
     finally:
-        scheduler.close()
+        engine.close()
     assert got == [tokens_alone(model, p, n) for p, n in zip(prompts, NEW)]
-    assert scheduler.most_rows == 5 and pool.most_rows == 3 and pool.meter.total == 0
+    assert engine.most_rows == 5 and pool.most_rows == 3 and pool.meter.total == 0
     tiered = [made[i] for i, strategy in enumerate(strategies) if strategy.startswith("tiered")]
     assert [(c.most_batched_rows, c.batched_layers > 0) for c in tiered] == [(2, True), (2, True)]
 
 
 
 def _four_dynamic_rows_match_generate(model, tokenizer, tmp_path: Path, prompts: list[list[int]], new: list[int],
-                                      pool: KVPool) -> BatchScheduler:
+                                      pool: KVPool) -> BatchEngine:
     """Run the four prompts as one batch of `dynamic` rows over `pool`; each must give generate()'s
-    tokens. The closed scheduler, for its figures."""
-    scheduler = BatchScheduler(as_loaded_model(model, tokenizer), SummarizeConfig(**PLAIN), "auto", 4, BIG, _is_memory_error)
+    tokens. The closed engine, for its figures."""
+    engine = BatchEngine(as_loaded_model(model, tokenizer), SummarizeConfig(**PLAIN), "auto", 4, BIG, _is_memory_error)
     try:
-        got = [g.tokens for g in run_batch(scheduler, model, ["dynamic"] * 4, tmp_path, prompts, new, kv_pool=pool)]
+        got = [g.tokens for g in run_batch(engine, model, ["dynamic"] * 4, tmp_path, prompts, new, kv_pool=pool)]
     finally:
-        scheduler.close()
+        engine.close()
     assert got == [tokens_alone(model, p, n) for p, n in zip(prompts, new)]
-    return scheduler
+    return engine
 
 def test_a_full_pool_makes_a_sequence_wait_for_room(tokenizer, tmp_path: Path) -> None:
     """The pool's budget holds two slots: a third sequence is not failed (as a cache it could not
@@ -89,8 +89,8 @@ def test_a_full_pool_makes_a_sequence_wait_for_room(tokenizer, tmp_path: Path) -
     pool = cpu_kv_pool(model)
     slot = pool.bytes_for(1, 64)  # every sequence here fits one 64-token granule
     pool.meter.budget_bytes = 2 * slot
-    scheduler = _four_dynamic_rows_match_generate(model, tokenizer, tmp_path, prompts, new, pool)
-    assert pool.most_rows == 2 and scheduler.max_sequences == 2 and scheduler.splits == 0
+    engine = _four_dynamic_rows_match_generate(model, tokenizer, tmp_path, prompts, new, pool)
+    assert pool.most_rows == 2 and engine.max_sequences == 2 and engine.splits == 0
     assert pool.meter.peak <= 2 * slot and pool.meter.total == 0
 
 
@@ -123,13 +123,13 @@ def test_a_pool_that_cannot_grow_mid_step_splits_the_batch(tokenizer, tmp_path: 
     new = [30, 30, 30, 30]  # the 51-token prompt passes 64 tokens mid-decode
     pool = cpu_kv_pool(model)
     pool.meter.budget_bytes = pool.bytes_for(4, 64) + pool.bytes_for(1, 64)
-    scheduler = BatchScheduler(as_loaded_model(model, tokenizer), SummarizeConfig(**PLAIN), "auto", 4, BIG, _is_memory_error)
+    engine = BatchEngine(as_loaded_model(model, tokenizer), SummarizeConfig(**PLAIN), "auto", 4, BIG, _is_memory_error)
     try:
-        got = [g.tokens for g in run_batch(scheduler, model, ["dynamic"] * 4, tmp_path, prompts, new, kv_pool=pool,
+        got = [g.tokens for g in run_batch(engine, model, ["dynamic"] * 4, tmp_path, prompts, new, kv_pool=pool,
                                            expected=False)]
     finally:
-        scheduler.close()
-    assert scheduler.splits >= 1 and scheduler.max_sequences <= 2 and pool.most_rows == 4
+        engine.close()
+    assert engine.splits >= 1 and engine.max_sequences <= 2 and pool.most_rows == 4
     assert got == [tokens_alone(model, p, n) for p, n in zip(prompts, new)]
     assert pool.meter.total == 0
 
@@ -173,12 +173,12 @@ def test_a_sequence_too_long_for_the_pool_alone_is_a_memory_error(planned: tuple
     pool = cpu_kv_pool(model)
     pool.planned = planned
     pool.meter.budget_bytes = pool.bytes_for(1, 64)
-    scheduler = BatchScheduler(as_loaded_model(model, tokenizer), SummarizeConfig(**PLAIN), "auto", 4, BIG, _is_memory_error)
+    engine = BatchEngine(as_loaded_model(model, tokenizer), SummarizeConfig(**PLAIN), "auto", 4, BIG, _is_memory_error)
     try:
         with pytest.raises(KVBudgetExceeded, match=r"cache\.device_kv_budget_bytes"):
-            run_batch(scheduler, model, ["dynamic"], tmp_path, [random_prompt(60)[0].tolist()], [20], kv_pool=pool)
+            run_batch(engine, model, ["dynamic"], tmp_path, [random_prompt(60)[0].tolist()], [20], kv_pool=pool)
     finally:
-        scheduler.close()
+        engine.close()
     assert pool.steps == 0 and pool.meter.total == 0
 
 
@@ -213,10 +213,10 @@ def test_a_worker_on_the_pooled_path_summarises_as_the_per_row_path_does(tmp_pat
         try:
             outcomes[path] = _summaries(worker, tasks)
         finally:
-            worker.scheduler.close()
+            worker.engine.close()
         assert worker.info()["attention"] == path
         if path == "pooled":
-            assert worker.kv_pool is not None and worker.kv_pool.most_rows >= 2 and worker.device_pool.total == 0
+            assert worker.kv_pool is not None and worker.kv_pool.most_rows >= 2 and worker.device_meter.total == 0
         else:
             assert worker.kv_pool is None
     assert all(o["status"] == "done" for o in outcomes["pooled"]), outcomes["pooled"]

@@ -3,7 +3,7 @@ chunk shares each forward pass with the decode rows, so they keep decoding while
 every sequence's greedy fp32 tokens stay those plain `model.generate` gives it alone.
 
 Real tiny random models and caches (tests/test_batching.py's, tests/test_pooled.py's), the real
-scheduler; each test asserts that the step it targets ran (the scheduler's count of decode steps
+engine; each test asserts that the step it targets ran (the engine's count of decode steps
 that carried a chunk, the pool's rows), so none passes by prefilling every prompt whole.
 """
 
@@ -16,7 +16,7 @@ import pytest
 from transformers import PreTrainedModel
 
 from jobs.config import ConfigError, LoopStopConfig, SummarizeConfig, load_config
-from runner.engine.scheduler import BatchScheduler
+from runner.engine.batch_engine import BatchEngine
 from runner.engine.worker import SummaryWorker, _is_memory_error
 from tests.helpers.batching import BIG, PLAIN, as_loaded_model, cpu_kv_pool, run_batch, tokens_alone
 from tests.helpers.cli import TINY_CONFIG
@@ -28,8 +28,8 @@ CHUNK = 16
 NO_LOOP_STOP = LoopStopConfig(enabled=False)  # random models loop: every sequence runs its full length
 
 
-def _scheduler(model: PreTrainedModel, tokenizer, width: int, chunk: int = CHUNK) -> BatchScheduler:
-    return BatchScheduler(as_loaded_model(model, tokenizer), SummarizeConfig(**PLAIN, loop_stop=NO_LOOP_STOP), "auto", width, BIG,
+def _engine(model: PreTrainedModel, tokenizer, width: int, chunk: int = CHUNK) -> BatchEngine:
+    return BatchEngine(as_loaded_model(model, tokenizer), SummarizeConfig(**PLAIN, loop_stop=NO_LOOP_STOP), "auto", width, BIG,
                           _is_memory_error, prefill_chunk_tokens=chunk)
 
 
@@ -49,14 +49,14 @@ def test_long_prompts_ride_the_decode_steps_and_every_sequence_keeps_its_tokens_
     prompts = [random_prompt(n)[0].tolist() for n in (9, 100, 75)]
     new = [60, 12, 20]
     pool = cpu_kv_pool(model) if path == "pooled" else None
-    scheduler = _scheduler(model, tokenizer, 3)
+    engine = _engine(model, tokenizer, 3)
     try:
-        got = [g.tokens for g in run_batch(scheduler, model, ["dynamic"] * 3, tmp_path, prompts, new, kv_pool=pool)]
+        got = [g.tokens for g in run_batch(engine, model, ["dynamic"] * 3, tmp_path, prompts, new, kv_pool=pool)]
     finally:
-        scheduler.close()
+        engine.close()
     assert got == [tokens_alone(model, p, n, NO_LOOP_STOP) for p, n in zip(prompts, new)]
-    assert scheduler.steps_with_prefill == _chunks(100, 75)  # the moment: a chunk and decode rows in one forward
-    assert scheduler.most_rows == 3
+    assert engine.steps_with_prefill == _chunks(100, 75)  # the moment: a chunk and decode rows in one forward
+    assert engine.most_rows == 3
     if pool is not None:
         assert pool.most_rows == 3 and pool.owners == [] and pool.meter.total == 0
 
@@ -67,13 +67,13 @@ def test_a_prompt_keeps_riding_when_its_batch_mates_finish_mid_prefill(tokenizer
     model = tiny_model("llama-gqa")
     prompts = [random_prompt(n)[0].tolist() for n in (9, 120)]
     new = [3, 10]
-    scheduler = _scheduler(model, tokenizer, 2)
+    engine = _engine(model, tokenizer, 2)
     try:
-        got = [g.tokens for g in run_batch(scheduler, model, ["dynamic"] * 2, tmp_path, prompts, new, kv_pool=None)]
+        got = [g.tokens for g in run_batch(engine, model, ["dynamic"] * 2, tmp_path, prompts, new, kv_pool=None)]
     finally:
-        scheduler.close()
+        engine.close()
     assert got == [tokens_alone(model, p, n, NO_LOOP_STOP) for p, n in zip(prompts, new)]
-    assert 0 < scheduler.steps_with_prefill < _chunks(120)
+    assert 0 < engine.steps_with_prefill < _chunks(120)
 
 
 def test_without_chunks_a_joining_prompt_stalls_the_batch(tokenizer, tmp_path: Path) -> None:
@@ -82,13 +82,13 @@ def test_without_chunks_a_joining_prompt_stalls_the_batch(tokenizer, tmp_path: P
     model = tiny_model("llama-gqa")
     prompts = [random_prompt(n)[0].tolist() for n in (9, 100)]
     new = [40, 12]
-    scheduler = _scheduler(model, tokenizer, 2, chunk=0)
+    engine = _engine(model, tokenizer, 2, chunk=0)
     try:
-        got = [g.tokens for g in run_batch(scheduler, model, ["dynamic"] * 2, tmp_path, prompts, new, kv_pool=None)]
+        got = [g.tokens for g in run_batch(engine, model, ["dynamic"] * 2, tmp_path, prompts, new, kv_pool=None)]
     finally:
-        scheduler.close()
+        engine.close()
     assert got == [tokens_alone(model, p, n, NO_LOOP_STOP) for p, n in zip(prompts, new)]
-    assert scheduler.steps_with_prefill == 0 and scheduler.most_rows == 2
+    assert engine.steps_with_prefill == 0 and engine.most_rows == 2
 
 
 def test_tiered_rows_and_sliding_windows_keep_the_whole_prefill(tokenizer, tmp_path: Path) -> None:
@@ -97,24 +97,24 @@ def test_tiered_rows_and_sliding_windows_keep_the_whole_prefill(tokenizer, tmp_p
     model = tiny_model("llama-gqa")
     prompts = [random_prompt(n)[0].tolist() for n in (9, 100, 70)]
     new = [50, 10, 10]
-    scheduler = _scheduler(model, tokenizer, 3)
+    engine = _engine(model, tokenizer, 3)
     try:
-        got = [g.tokens for g in run_batch(scheduler, model, ["dynamic", "tiered-host", "dynamic"], tmp_path, prompts, new, kv_pool=cpu_kv_pool(model))]
+        got = [g.tokens for g in run_batch(engine, model, ["dynamic", "tiered-host", "dynamic"], tmp_path, prompts, new, kv_pool=cpu_kv_pool(model))]
     finally:
-        scheduler.close()
+        engine.close()
     assert got == [tokens_alone(model, p, n, NO_LOOP_STOP) for p, n in zip(prompts, new)]
-    assert scheduler.steps_with_prefill == _chunks(70)  # the dynamic one's chunks only
-    sliding = _scheduler(tiny_model("mistral-sliding"), tokenizer, 2)
+    assert engine.steps_with_prefill == _chunks(70)  # the dynamic one's chunks only
+    sliding = _engine(tiny_model("mistral-sliding"), tokenizer, 2)
     sliding.close()
     assert sliding.prefill_chunk_tokens == 0
 
 
-def test_batch_prefill_chunk_tokens_is_validated_and_reaches_the_workers_scheduler(tmp_path: Path) -> None:
+def test_batch_prefill_chunk_tokens_is_validated_and_reaches_the_workers_engine(tmp_path: Path) -> None:
     assert load_config(None, []).batch.prefill_chunk_tokens == 256
     assert load_config(None, ["batch.prefill_chunk_tokens=0"]).batch.prefill_chunk_tokens == 0
     with pytest.raises(ConfigError, match=r"batch\.prefill_chunk_tokens"):
         load_config(None, ["batch.prefill_chunk_tokens=-1"])
     config = load_config(TINY_CONFIG, ["batch.prefill_chunk_tokens=32"])
     worker = SummaryWorker(config, "job", str(tmp_path), threads=1)
-    worker.scheduler.close()
-    assert worker.scheduler.prefill_chunk_tokens == 32
+    worker.engine.close()
+    assert worker.engine.prefill_chunk_tokens == 32

@@ -1,4 +1,4 @@
-"""Memory snapshots (per-stage figures are recorded by the scheduler: tests/test_batching.py)."""
+"""Memory snapshots (per-stage figures are recorded by the engine: tests/test_batching.py)."""
 
 from __future__ import annotations
 

@@ -14,12 +14,12 @@ from transformers import DynamicCache
 
 from jobs.config import CacheConfig, JobConfig, ModelConfig, SummarizeConfig
 from jobs.kvplan import kv_bytes
+from runner.engine.batch_engine import BatchEngine, PassRequest
 from runner.engine.kvcache import build_cache, kv_shape, ram_left_by_weights
 from runner.engine.kvcache.strategies import RAM_SHARE
 from runner.engine.model_loader import load_model
 from runner.engine.probes import StageMemory
 from runner.engine.quantization import weight_bytes
-from runner.engine.scheduler import BatchScheduler, PassRequest
 from runner.engine.worker import SummaryWorker, _is_memory_error
 from tests.helpers.batching import PLAIN
 from tests.helpers.cli import LICENSES, TINY_CONFIG, export_rows, kvbatch, refusal, write_jsonl
@@ -62,21 +62,21 @@ def _alone(model, prompt: list[int], new: int) -> list[int]:
 
 
 def _scheduled(loaded, strategy: str, width: int, prompts: list[list[int]], folder: Path) -> list[list[int]]:
-    """Each prompt's tokens through the worker's scheduler, `width` sequences decoding at once."""
+    """Each prompt's tokens through the worker's engine, `width` sequences decoding at once."""
     settings = SummarizeConfig(**PLAIN, prefill_chunk_size=16, loop_stop={"enabled": False})
     cfg = CacheConfig(block_tokens=8)
     model = loaded.model
-    scheduler = BatchScheduler(loaded, settings, "auto", width, 1 << 40, _is_memory_error)
+    engine = BatchEngine(loaded, settings, "auto", width, 1 << 40, _is_memory_error)
     try:
-        futures = [scheduler.submit(PassRequest(
+        futures = [engine.submit(PassRequest(
             p, n,
             make_cache=lambda i=i: build_cache(strategy, model, cfg, folder / f"{strategy}-{width}-{i}", None, None),
             device_bytes=kv_bytes(kv_shape(model.config), len(p) + n), memory=StageMemory(),
         )) for i, (p, n) in enumerate(zip(prompts, NEW))]
         got = [f.result(timeout=300).generation.tokens for f in futures]
     finally:
-        scheduler.close()
-    assert scheduler.most_rows == width
+        engine.close()
+    assert engine.most_rows == width
     return got
 
 
@@ -118,7 +118,7 @@ def test_the_worker_plans_with_the_quantized_weights(tmp_path) -> None:
         budget = int(info["ram_left"] * RAM_SHARE)
         assert info["device_kv_budget_bytes"] == info["host_kv_budget_bytes"] == budget
     finally:
-        worker.scheduler.close()
+        worker.engine.close()
 
 
 def test_the_auto_budget_counts_a_quantized_models_packed_bytes() -> None:

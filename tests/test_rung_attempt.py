@@ -1,5 +1,5 @@
 """One try of a task on one cache rung (runner/engine/rung_attempt.py), and the cache recipes it hands
-the scheduler (runner/engine/cache_recipe.py): a real worker on the tiny model, its real scheduler.
+the engine (runner/engine/cache_recipe.py): a real worker on the tiny model, its real engine.
 
 The ladder around the attempt (fallbacks, freed caches, failure classes) is tested through the
 worker in tests/test_worker_memory.py, tests/test_ladder_e2e.py and tests/test_setting_failures.py.
@@ -15,10 +15,10 @@ import pytest
 
 from jobs.config import load_config
 from jobs.kvplan import device_kv_bytes, host_kv_bytes
+from runner.engine.batch_engine import TaskClock
 from runner.engine.kvcache import BudgetedDynamicCache, TieredCache
 from runner.engine.probes import StageMemory
 from runner.engine.rung_attempt import RungAttempt
-from runner.engine.scheduler import TaskClock
 from runner.engine.worker import SummaryWorker
 from tests.helpers.cli import TINY_CONFIG
 
@@ -39,13 +39,13 @@ def test_an_attempt_runs_each_call_side_by_side_and_adds_up_every_passs_cache_fi
     worker = _worker(tmp_path)
     scratch = tmp_path / "scratch"
     scratch.mkdir()
-    attempt = RungAttempt("tiered-disk", worker.cache_kit, worker.scheduler, StageMemory(), TaskClock(), scratch,
+    attempt = RungAttempt("tiered-disk", worker.cache_kit, worker.engine, StageMemory(), TaskClock(), scratch,
                           "doc-1", fault=None)
     try:
         first = attempt(_prompts(worker, [150, 130]), NEW_TOKENS)  # a map level: two chunks side by side
         merged = attempt(_prompts(worker, [140]), NEW_TOKENS)  # the merge pass
     finally:
-        worker.scheduler.close()
+        worker.engine.close()
     assert [len(g.tokens) for g in first + merged] == [NEW_TOKENS] * 3
     assert attempt.totals.offload_bytes_written > 0  # every pass's figures, from its tiered-disk cache
     assert list(scratch.iterdir()) == []  # each pass's own folder went with its cache
@@ -56,13 +56,13 @@ def test_an_injected_fault_strikes_once_every_pass_has_ended(tmp_path: Path) -> 
     worker = _worker(tmp_path)
     scratch = tmp_path / "scratch"
     scratch.mkdir()
-    attempt = RungAttempt("tiered-disk", worker.cache_kit, worker.scheduler, StageMemory(), TaskClock(), scratch,
+    attempt = RungAttempt("tiered-disk", worker.cache_kit, worker.engine, StageMemory(), TaskClock(), scratch,
                           "doc-1", fault="io")
     try:
         with pytest.raises(OSError) as raised:
             attempt(_prompts(worker, [150, 130]), NEW_TOKENS)
     finally:
-        worker.scheduler.close()
+        worker.engine.close()
     assert raised.value.errno == errno.EIO
     assert str(raised.value).endswith("(injected for doc-1 on tiered-disk)")
     # the moment it struck: both passes had ended (their caches and folders gone) and been counted
@@ -72,7 +72,7 @@ def test_an_injected_fault_strikes_once_every_pass_has_ended(tmp_path: Path) -> 
 
 def test_each_rungs_recipe_builds_its_own_kind_of_cache_and_the_handle_says_which(tmp_path: Path) -> None:
     worker = _worker(tmp_path)
-    worker.scheduler.close()
+    worker.engine.close()
     kit = worker.cache_kit
 
     dynamic = kit.recipe("dynamic", 120, None)
@@ -98,10 +98,10 @@ def test_a_tiered_recipe_keeps_the_layers_its_plan_leaves_on_the_device(tmp_path
     """A device budget for three of the tiny model's four layers: besides the two a streamed pass
     computes in, one stays resident; the cache the recipe builds is made with that very placement."""
     probe = _worker(tmp_path / "probe")
-    probe.scheduler.close()
+    probe.engine.close()
     whole = device_kv_bytes(probe.cache_kit.shape, "dynamic", 400, None)
     worker = _worker(tmp_path, f"cache.device_kv_budget_bytes={whole * 3 // 4}")
-    worker.scheduler.close()
+    worker.engine.close()
     recipe = worker.cache_kit.recipe("tiered-host", 400, None)
     assert recipe.placement is not None and len(recipe.placement.resident_layers) == 1
     assert recipe.device_bytes == recipe.placement.device_bytes

@@ -20,7 +20,7 @@ def _manifest(tmp_path: Path) -> Path:
 def test_a_setting_that_fails_inside_every_task_fails_each_at_once(tmp_path: Path, ray_address: str) -> None:
     """suppress_tokens must be token ids; transformers takes "abc" at submit and raises ValueError
     when the batched decode builds its logits processor, inside each task. With the default hour-long
-    task timeout the batch still ends within seconds, with that error: the scheduler survives it."""
+    task timeout the batch still ends within seconds, with that error: the engine survives it."""
     job = tmp_path / "job"
     started = time.monotonic()
     kvbatch("submit", str(_manifest(tmp_path)), "-c", str(TINY_CONFIG), "-j", str(job), "--address", ray_address,

@@ -16,10 +16,10 @@ import torch
 
 from jobs.attention import static_step_on
 from jobs.config import SummarizeConfig, load_config
+from runner.engine.batch_engine import BatchEngine
 from runner.engine.kvcache import ResidentMeter
 from runner.engine.kvcache.pool import KVPool, PooledCache
 from runner.engine.model_loader import LoadedModel
-from runner.engine.scheduler import BatchScheduler
 from runner.engine.static_step import BUCKETS, StaticStep, bucket
 from runner.engine.worker import _is_memory_error
 from tests.helpers.batching import BIG, PLAIN, run_batch
@@ -40,15 +40,15 @@ def _run(model, tokenizer, dtype: torch.dtype, max_sequences: int, settings: dic
                          load_s=0.0)
     pool = KVPool.for_model(model.config, dtype, torch.device("cpu"), ResidentMeter(None, "the test's device", ""))
     step = StaticStep(model, pool, graphs=True) if static else None  # graphs: CUDA only, eager here
-    scheduler = BatchScheduler(loaded, SummarizeConfig(**settings, loop_stop={"enabled": False}), "auto",
+    engine = BatchEngine(loaded, SummarizeConfig(**settings, loop_stop={"enabled": False}), "auto",
                                max_sequences, BIG, _is_memory_error, static=step)
     count = max(4, max_sequences + max_sequences // 2)  # some join as others leave
     prompts = [random_prompt(n)[0].tolist() for n in LENGTHS[:count]]
     try:
-        got = [g.tokens for g in run_batch(scheduler, model, "dynamic", tmp_path, prompts, NEW[:count], kv_pool=pool)]
+        got = [g.tokens for g in run_batch(engine, model, "dynamic", tmp_path, prompts, NEW[:count], kv_pool=pool)]
     finally:
-        scheduler.close()
-    assert scheduler.most_rows == max_sequences
+        engine.close()
+    assert engine.most_rows == max_sequences
     return got, step
 
 

@@ -174,7 +174,7 @@ def test_bad_loop_stop_settings_name_the_key(loop_stop, key) -> None:
 
 
 def test_the_batched_decode_stops_a_looping_sequence_at_its_third_copy(tmp_path) -> None:
-    """A random model that loops (its 20-token prompt repeats one token): the worker's scheduler ends the
+    """A random model that loops (its 20-token prompt repeats one token): the worker's engine ends the
     sequence there with stop_reason repetition, before max_new_tokens, and keeps what generate() wrote up to
     the loop's first copy; with the loop stop off it runs to max_new_tokens with generate()'s tokens."""
     import torch
@@ -182,10 +182,10 @@ def test_the_batched_decode_stops_a_looping_sequence_at_its_third_copy(tmp_path)
 
     from jobs.config import CacheConfig, SummarizeConfig
     from jobs.stopping import StopReason, loop_stopped
+    from runner.engine.batch_engine import BatchEngine, PassRequest
     from runner.engine.kvcache import build_cache
     from runner.engine.model_loader import LoadedModel
     from runner.engine.model_registry import smollm2_tokenizer_dir
-    from runner.engine.scheduler import BatchScheduler, PassRequest
     from runner.engine.worker import _is_memory_error
     from tests.helpers.batching import PLAIN
     from tests.helpers.models import random_prompt, tiny_model
@@ -201,12 +201,12 @@ def test_the_batched_decode_stops_a_looping_sequence_at_its_third_copy(tmp_path)
     results = {}
     for enabled in (True, False):
         settings = SummarizeConfig(**PLAIN, loop_stop={"enabled": enabled})
-        scheduler = BatchScheduler(loaded, settings, "auto", 1, 1 << 40, _is_memory_error)
+        engine = BatchEngine(loaded, settings, "auto", 1, 1 << 40, _is_memory_error)
         try:
             request = PassRequest(prompt, new, device_bytes=0,
                                   make_cache=lambda: build_cache("dynamic", model, CacheConfig(), tmp_path, None))
-            results[enabled] = scheduler.submit(request).result(timeout=120).generation
+            results[enabled] = engine.submit(request).result(timeout=120).generation
         finally:
-            scheduler.close()
+            engine.close()
     assert results[True].tokens == kept and results[True].stop_reason == StopReason.REPETITION
     assert results[False].tokens == plain and results[False].stop_reason == StopReason.LENGTH

@@ -1,5 +1,5 @@
 """The demo's settings (configs/default.yaml, the builtin SmolLM2) give summaries that do not loop: a real
-document, summarised through the worker's scheduler as `make demo` summarises it, repeats at most 5 %
+document, summarised through the worker's engine as `make demo` summarises it, repeats at most 5 %
 of its 4-grams, and where the n-gram ban refuses a repeat the model does not glue the word on instead.
 bench/quantization.py prints the same figures for every demo document."""
 
@@ -12,10 +12,10 @@ import torch
 
 from jobs.config import CacheConfig, ModelConfig, load_config
 from jobs.stopping import repeated_ngram_share
+from runner.engine.batch_engine import BatchEngine, PassRequest
 from runner.engine.kvcache import build_cache
 from runner.engine.model_loader import LoadedModel, load_model
 from runner.engine.probes import StageMemory
-from runner.engine.scheduler import BatchScheduler, PassRequest
 from runner.engine.summarize import Summarizer
 from runner.engine.worker import _is_memory_error
 
@@ -42,17 +42,17 @@ def smollm2() -> LoadedModel:
 
 
 def _default_summary(loaded: LoadedModel, document: Path, scratch: Path) -> list[int]:
-    """The document summarised in one pass through the worker's scheduler, as `make demo` runs it."""
+    """The document summarised in one pass through the worker's engine, as `make demo` runs it."""
     settings = load_config(REPO / "configs" / "default.yaml").summarize
     prompt = Summarizer(loaded, 0).prompt_ids(settings.prompt, document.read_text())
     assert len(prompt) + settings.max_new_tokens <= settings.context_tokens  # one pass, as the demo runs it
-    scheduler = BatchScheduler(loaded, settings, "auto", 1, 1 << 50, _is_memory_error)
+    engine = BatchEngine(loaded, settings, "auto", 1, 1 << 50, _is_memory_error)
     try:
         request = PassRequest(prompt, settings.max_new_tokens, device_bytes=0, memory=StageMemory(),
                               make_cache=lambda: build_cache("dynamic", loaded.model, CacheConfig(), scratch, None))
-        return scheduler.submit(request).result(timeout=600).generation.tokens
+        return engine.submit(request).result(timeout=600).generation.tokens
     finally:
-        scheduler.close()
+        engine.close()
 
 
 @pytest.mark.slow

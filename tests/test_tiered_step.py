@@ -145,7 +145,7 @@ def test_sliding_window_layers_stay_per_row(tmp_path: Path) -> None:
 def test_a_row_whose_blocks_are_damaged_fails_alone_by_its_own_number(tmp_path: Path) -> None:
     """Beside a pooled row (caller's row 3, the step's first), tiered row 2's block files are cut
     short between two batched steps: the step fails naming row 2 (the caller's numbering, not the
-    step's 3), with the tier's own read error as the cause, so the scheduler fails that sequence and
+    step's 3), with the tier's own read error as the cause, so the engine fails that sequence and
     not its batch-mates."""
     model = tiny_model("llama-gqa")
     caches, first = _prefilled(model, "disk", tmp_path, batched=True)

@@ -3,7 +3,7 @@ processors (repetition penalty, no-repeat n-grams, minimum lengths, temperature,
 in one batched call each, greedy rows take one argmax, sampled rows draw from their own generator, all
 of them reach the host in one transfer, and every row's tokens stay those generate() chooses alone.
 
-Real tiny random models (tests/helpers/models.py), real caches, the scheduler's own prefill and
+Real tiny random models (tests/helpers/models.py), real caches, the engine's own prefill and
 decode step; transfers are counted where they happen, by torch's own function and dispatch modes.
 """
 
@@ -20,10 +20,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import DynamicCache
 
 from jobs.config import SummarizeConfig
+from runner.engine.batch_engine import BatchEngine
 from runner.engine.batch_plan import BatchSequence
 from runner.engine.generation import TokenPicker, choose_tokens, generate_once, prefill
 from runner.engine.ragged import decode_step
-from runner.engine.scheduler import BatchScheduler
 from runner.engine.worker import _is_memory_error
 from tests.helpers.batching import BIG, PLAIN, as_loaded_model, dynamic_request
 from tests.helpers.models import random_prompt, tiny_model
@@ -76,7 +76,7 @@ class HostTransfers(TorchFunctionMode):
 
 
 def _prefilled(loaded, settings: list[SummarizeConfig], prompts: list[list[int]]) -> tuple[list, list, list]:
-    """Each row's cache, picker and first token, as the scheduler's join makes them."""
+    """Each row's cache, picker and first token, as the engine's join makes them."""
     caches, pickers, tokens = [], [], []
     for row_settings, prompt in zip(settings, prompts, strict=True):
         cache = DynamicCache(config=loaded.model.config)
@@ -88,22 +88,22 @@ def _prefilled(loaded, settings: list[SummarizeConfig], prompts: list[list[int]]
     return caches, pickers, tokens
 
 
-def test_the_schedulers_step_of_plain_greedy_rows_makes_one_transfer_to_the_host(tokenizer) -> None:
+def test_the_engines_step_of_plain_greedy_rows_makes_one_transfer_to_the_host(tokenizer) -> None:
     """The worker's own decode step over ROWS joined greedy sequences reads the host once for all
-    their tokens (the code before made one read a row: ROWS). The scheduler's thread is closed first
+    their tokens (the code before made one read a row: ROWS). The engine's thread is closed first
     so that the step runs here, inside the counter (torch's modes are per thread)."""
     model = tiny_model("llama-gqa")
-    scheduler = BatchScheduler(as_loaded_model(model, tokenizer), GREEDY, "auto", ROWS, BIG, _is_memory_error,
+    engine = BatchEngine(as_loaded_model(model, tokenizer), GREEDY, "auto", ROWS, BIG, _is_memory_error,
                                prefill_chunk_tokens=0)  # each prompt prefilled whole, so the step is decode rows only
-    scheduler.close()
+    engine.close()
     prompts = [random_prompt(8 + row)[0].tolist() for row in range(ROWS)]
     for prompt in prompts:
-        scheduler.plan.add(BatchSequence(dynamic_request(model, prompt, NEW), Future(), scheduler.settings.loop_stop))
-        scheduler._start(scheduler.plan.schedule().prefill)
-    rows = scheduler.plan.decoding
+        engine.plan.add(BatchSequence(dynamic_request(model, prompt, NEW), Future(), engine.settings.loop_stop))
+        engine._start(engine.plan.schedule().prefill)
+    rows = engine.plan.decoding
     with HostTransfers() as step:
-        scheduler._decode(rows, None)
-    assert scheduler.most_rows == ROWS and scheduler.plan.decoding == rows  # one batched step, none ended
+        engine._decode(rows, None)
+    assert engine.most_rows == ROWS and engine.plan.decoding == rows  # one batched step, none ended
     assert step.count == 1
     with torch.no_grad():
         alone = [model.generate(torch.tensor([p]), max_new_tokens=2, do_sample=False)[0, len(p):].tolist()
@@ -200,21 +200,21 @@ def test_rows_with_a_processor_chosen_together_equal_each_row_alone_with_one_tra
     assert alone != [_alone(loaded, plain, prompt) for prompt in prompts], "the setting changed nothing"
 
 
-def test_the_schedulers_summaries_without_a_repeated_ngram_are_generate_onces(tokenizer) -> None:
-    """Sequences decoded together by the worker's scheduler with `no_repeat_summary_ngram` get
+def test_the_engines_summaries_without_a_repeated_ngram_are_generate_onces(tokenizer) -> None:
+    """Sequences decoded together by the worker's engine with `no_repeat_summary_ngram` get
     generate_once's tokens (generate() with the same processor), no 2-gram repeats within a summary,
     and plain greedy decoding repeats one in some of them (the ban bit)."""
     model = tiny_model("llama-gqa")
     loaded = as_loaded_model(model, tokenizer)
     settings = SummarizeConfig(generation={}, no_repeat_summary_ngram=2, loop_stop={"enabled": False})
     prompts = [random_prompt(3 + 5 * row)[0].tolist() for row in range(ROWS)]
-    scheduler = BatchScheduler(loaded, settings, "auto", ROWS, BIG, _is_memory_error)
+    engine = BatchEngine(loaded, settings, "auto", ROWS, BIG, _is_memory_error)
     try:
-        futures = [scheduler.submit(dynamic_request(model, prompt, NEW)) for prompt in prompts]
+        futures = [engine.submit(dynamic_request(model, prompt, NEW)) for prompt in prompts]
         batched = [future.result(timeout=300).generation.tokens for future in futures]
     finally:
-        scheduler.close()
-    assert scheduler.most_rows > 1  # decoded in one batch
+        engine.close()
+    assert engine.most_rows > 1  # decoded in one batch
     assert batched == [_alone(loaded, settings, prompt) for prompt in prompts]
     assert not any(_repeats_a_2gram(t) for t in batched)
     plain = [_alone(loaded, GREEDY, prompt) for prompt in prompts]
@@ -275,7 +275,7 @@ def test_mixed_rows_chosen_together_equal_generate_alone(tokenizer) -> None:
 
 def test_a_row_whose_draw_fails_is_left_to_its_own_pick(tokenizer) -> None:
     """A sampled row whose logits are not finite cannot be drawn: the batch chooses its mates' tokens
-    and leaves it out, and its own pick raises torch's error for that row alone (the scheduler then
+    and leaves it out, and its own pick raises torch's error for that row alone (the engine then
     fails that sequence only)."""
     model = tiny_model("llama-gqa")
     loaded = as_loaded_model(model, tokenizer)

@@ -1,6 +1,6 @@
 """What the worker's batch runs next, with no model in it: sequences, their status, admission, splitting.
 
-The step runner (runner/engine/scheduler.py) asks `schedule()` for a step, runs its forward pass and
+The step runner (runner/engine/batch_engine.py) asks `schedule()` for a step, runs its forward pass and
 hands the outcome back (`decoded`, `split`, `wait_for_room`, `leave`): nano-vllm's schedule -> run ->
 postprocess. Here only plain Python: a sequence's cache and token picker are opaque handles, so every
 rule below is tested without a model (tests/test_batch_plan.py).

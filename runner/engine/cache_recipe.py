@@ -1,7 +1,7 @@
 """How one pass's cache is made on one rung: a frozen recipe, planned when the pass is handed over.
 
 The worker plans a pass (its rung, its length, the layers a tiered rung keeps on the device, its
-folder on a disk rung) in the task's thread; the scheduler's thread makes the cache later, when the
+folder on a disk rung) in the task's thread; the engine's thread makes the cache later, when the
 pass joins the batch, and makes it again from the same recipe if a split of the batch starts the
 pass over. Everything the cache needs is in the recipe, so making it reaches back into nothing.
 """
@@ -30,8 +30,8 @@ class CacheKit:
     shape: KVShape
     device_budget: int
     host_budget: int
-    device_pool: ResidentMeter
-    host_pool: ResidentMeter
+    device_meter: ResidentMeter
+    host_meter: ResidentMeter
     kv_pool: KVPool | None
     device_is_cpu: bool
 
@@ -53,7 +53,7 @@ class CacheKit:
 
 @dataclass(frozen=True)
 class CacheRecipe:
-    """One pass's cache on one rung; calling it makes a fresh one (the scheduler's `make_cache`)."""
+    """One pass's cache on one rung; calling it makes a fresh one (the engine's `make_cache`)."""
 
     kit: CacheKit
     rung: str
@@ -66,7 +66,7 @@ class CacheRecipe:
 
     @property
     def device_bytes(self) -> int:
-        """Device memory its KV takes at full length: what the scheduler's admission sums."""
+        """Device memory its KV takes at full length: what the engine's admission sums."""
         return device_kv_bytes(self.kit.shape, self.rung, self.tokens, self.placement)
 
     @property
@@ -77,5 +77,5 @@ class CacheRecipe:
     def __call__(self) -> CacheHandle:
         kit = self.kit
         return build_cache(self.rung, kit.model, kit.settings, self.offload_dir, kit.device_budget, kit.host_budget,
-                           self.placement, expected_tokens=self.tokens, device_pool=kit.device_pool,
-                           host_pool=kit.host_pool, kv_pool=kit.kv_pool)
+                           self.placement, expected_tokens=self.tokens, device_meter=kit.device_meter,
+                           host_meter=kit.host_meter, kv_pool=kit.kv_pool)

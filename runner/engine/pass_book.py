@@ -1,7 +1,7 @@
 """A task's finished passes, as its attempts see them: reuse what is done, keep what gets done.
 
 The worker opens one `PassBook` per attempt at a task, with the passes the coordinator handed in
-(storage/passes.py holds them in the job folder). Before a pass is handed to the scheduler, `find`
+(storage/passes.py holds them in the job folder). Before a pass is handed to the engine, `find`
 looks it up by key; after it ends, `keep` holds it for the coordinator to collect. The
 key is a hash of the fingerprint (the model and every setting that decides a pass's tokens, nothing
 that only decides where its KV lives or how its prompt is prefilled), the prompt's token ids and the

@@ -1,7 +1,7 @@
 """Memory at each stage of a task: after model load, after prefill, peak while decoding (device and host).
 
 Operators size batches by where memory goes, so the worker records it per stage instead of one
-task-wide peak. The scheduler knows each stage's boundary (it runs every prefill and decode step),
+task-wide peak. The engine knows each stage's boundary (it runs every prefill and decode step),
 so it records them for every task whose sequences it runs.
 """
 
@@ -43,7 +43,7 @@ def _max(a: float | None, b: float | None) -> float | None:
 
 @dataclass
 class StageMemory:
-    """Per-task memory by stage, taken by the scheduler that runs the task's passes: after each prefill,
+    """Per-task memory by stage, taken by the engine that runs the task's passes: after each prefill,
     and at each decode step (the peak). On CUDA the device figure is torch's allocation at that moment:
     sequences share the device, so a peak counter would mix in their batch-mates' transients."""
 

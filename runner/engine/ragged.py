@@ -128,7 +128,7 @@ class SequenceBatch:
         for row, (cache, length) in enumerate(rows, start=first):
             try:
                 k, v = cache.update(keys[:, :, start : start + length], values[:, :, start : start + length], layer_idx)
-            except Exception as e:  # the scheduler fails this row, not its batch-mates
+            except Exception as e:  # the engine fails this row, not its batch-mates
                 raise RowFailed(row) from e
             out_keys.append(k)
             out_values.append(v)
@@ -146,7 +146,7 @@ class SequenceBatch:
         outgoing = step.outgoing(keys, values)
         try:
             step.take(layer_idx, outgoing)
-        except TieredRowFailed as e:  # the scheduler fails this row, not its batch-mates
+        except TieredRowFailed as e:  # the engine fails this row, not its batch-mates
             raise RowFailed(first + e.row) from e.__cause__
         return step.write(layer_idx, outgoing)
 

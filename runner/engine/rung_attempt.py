@@ -1,7 +1,7 @@
 """One try of one task on one cache rung: what the summarizer calls as its `generate`.
 
 The worker's ladder makes one `RungAttempt` per rung it tries. The attempt turns each prompt the
-summarizer hands it into a pass for the worker's scheduler, with its cache recipe (numbered pass
+summarizer hands it into a pass for the worker's engine, with its cache recipe (numbered pass
 folders in the task's scratch dir on a disk rung), waits for every pass it handed over, adds up
 their cache figures, and raises the first pass's error only once all have ended (so no pass still
 writes into a scratch dir that is going away). A pass that an earlier attempt finished is taken from
@@ -30,7 +30,7 @@ from runner.engine.cache_recipe import CacheKit
 from runner.engine.generation import Generation
 from runner.engine.pass_book import PassBook
 from runner.engine.probes import StageMemory
-from runner.engine.scheduler import BatchScheduler, PassRequest, PassResult, TaskClock
+from runner.engine.batch_engine import BatchEngine, PassRequest, PassResult, TaskClock
 
 
 PASSES_COLLECTED_WAIT_S = 10.0
@@ -77,7 +77,7 @@ class CacheTotals:
 class RungAttempt:
     """One task's passes on one rung, and their cache totals."""
 
-    def __init__(self, rung: str, kit: CacheKit, scheduler: BatchScheduler, memory: StageMemory, clock: TaskClock,
+    def __init__(self, rung: str, kit: CacheKit, engine: BatchEngine, memory: StageMemory, clock: TaskClock,
                  offload_dir: Path | None, doc_id: str, fault: FaultKind | None, passes: PassBook | None = None) -> None:
         """`offload_dir`: the task's scratch dir on a rung that offloads to disk; `fault`: what a test
         injected for this task on this rung (jobs.faults), None for a real run; `passes`: the task's
@@ -85,7 +85,7 @@ class RungAttempt:
         self.rung = rung
         self.totals = CacheTotals()
         self._kit = kit
-        self._scheduler = scheduler
+        self._engine = engine
         self._memory = memory
         self._clock = clock
         self._offload_dir = offload_dir
@@ -102,7 +102,7 @@ class RungAttempt:
         to_run = [i for i, generation in enumerate(generations) if generation is None]
         if len(to_run) < len(prompts):  # a pass read back is work done: the task's timeout runs from here
             self._clock.start()
-        futures = self._scheduler.submit_all([self._pass(prompts[i], max_new_tokens) for i in to_run])
+        futures = self._engine.submit_all([self._pass(prompts[i], max_new_tokens) for i in to_run])
 
         def keep(k: int, generation: Generation) -> None:
             self._passes.keep(level, to_run[k], prompts[to_run[k]], max_new_tokens, generation)

@@ -3,7 +3,7 @@
 A document longer than the context is split (jobs.chunking) into token-budgeted chunks on
 paragraph/sentence boundaries; each chunk is summarised, then neighbouring summaries are joined in
 groups that fit one pass and summarised again, until one summary remains. The passes of one level
-(every chunk; every merge group of a round) are handed over together, so the worker's scheduler
+(every chunk; every merge group of a round) are handed over together, so the worker's engine
 decodes them side by side.
 """
 

@@ -153,7 +153,7 @@ class TieredStep:
         """`call` for tiered row `row`: its failure is that row's (`TieredRowFailed`)."""
         try:
             return call(*args)
-        except Exception as e:  # the scheduler fails this row, not its batch-mates
+        except Exception as e:  # the engine fails this row, not its batch-mates
             raise TieredRowFailed(row) from e
 
     def write(self, layer_idx: int, outgoing: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,7 +1,7 @@
 """The worker: holds one model and summarises several tasks at once (a Ray actor in a batch).
 
 Each task runs in a thread of its own (the actor takes `batch.max_sequences` calls at a time); its
-passes go to the worker's one `BatchScheduler`, which decodes the sequences of every task in flight
+passes go to the worker's one `BatchEngine`, which decodes the sequences of every task in flight
 together. A task runs in three stages: build its request (read the document, settings and
 overrides), find the first cache rung that runs it, and produce its outcome. The worker owns the
 cache ladder: a task starts on the first rung the planner says fits, and a device OOM (real, from
@@ -39,6 +39,7 @@ from jobs.outcome import TaskOutcome
 from jobs.policy import FailureClass, cache_fallback_note
 from jobs.rungs import RUNGS
 from jobs.task import Task
+from runner.engine.batch_engine import BatchEngine, TaskClock
 from runner.engine.cache_recipe import CacheKit
 from runner.engine.kvcache import ResidentMeter, kv_shape, ram_left_by_weights, resolve_budgets
 from runner.engine.kvcache.pool import KVPool
@@ -46,7 +47,6 @@ from runner.engine.model_loader import load_model
 from runner.engine.pass_book import PassBook, settings_fingerprint
 from runner.engine.probes import StageMemory, memory_snapshot
 from runner.engine.rung_attempt import CacheTotals, RungAttempt
-from runner.engine.scheduler import BatchScheduler, TaskClock
 from runner.engine.static_step import StaticStep, bucket
 from runner.engine.summarize import Summarizer, Summary
 from storage.passes import PassRow
@@ -158,16 +158,16 @@ class SummaryWorker:
             workers_per_device(self.node_workers, self.cfg.workers.gpus_per_worker), self.ram_left,
         )
         # one meter of the device and one of host RAM for every cache of the sequences batched here
-        self.device_pool = ResidentMeter(self.device_budget, "the batch's resident device", "cache.device_kv_budget_bytes")
-        self.host_pool = ResidentMeter(self.host_budget, "the batch's host RAM", "cache.host_kv_budget_bytes")
+        self.device_meter = ResidentMeter(self.device_budget, "the batch's resident device", "cache.device_kv_budget_bytes")
+        self.host_meter = ResidentMeter(self.host_budget, "the batch's host RAM", "cache.host_kv_budget_bytes")
         self.attention = attention_path(self.cfg.batch.attention, self.loaded.device.type,
                                         any(window is not None for window in self.kv_shape.layer_windows))
         self.kv_pool = (KVPool.for_model(self.loaded.model.config, self.loaded.dtype, self.loaded.device,
-                                         self.device_pool, self._pool_plan()) if self.attention == "pooled" else None)
+                                         self.device_meter, self._pool_plan()) if self.attention == "pooled" else None)
         self.cache_kit = CacheKit(self.loaded.model, self.cfg.cache, self.kv_shape, self.device_budget,
-                                  self.host_budget, self.device_pool, self.host_pool, self.kv_pool,
+                                  self.host_budget, self.device_meter, self.host_meter, self.kv_pool,
                                   device_is_cpu=self.loaded.device.type == "cpu")
-        self.scheduler = BatchScheduler(self.loaded, self.cfg.summarize, self.cfg.cache.prefill,
+        self.engine = BatchEngine(self.loaded, self.cfg.summarize, self.cfg.cache.prefill,
                                         self.cfg.batch.sequences, self.device_budget, _is_memory_error,
                                         host_budget=self.host_budget,
                                         prefill_chunk_tokens=self.cfg.batch.prefill_chunk_tokens,
@@ -223,7 +223,7 @@ class SummaryWorker:
 
     def tokens_decoded(self) -> int:
         """Tokens this worker's decode steps have made since it started, asked while tasks run (live tok/s)."""
-        return self.scheduler.plan.tokens_decoded
+        return self.engine.plan.tokens_decoded
 
     def run(self, task: Task, attempt: int, context_tokens: int, kept: list[PassRow],
             call_id: str = "") -> tuple[TaskOutcome, list[PassRow]]:
@@ -306,7 +306,7 @@ class SummaryWorker:
         task = request.task
         fault = fault_for(self.faults, task.doc_id, request.attempt, rung, request.context_tokens)
         with self._scratch_dir(rung, request) as offload_dir:
-            attempt = RungAttempt(rung, self.cache_kit, self.scheduler, memory, request.clock, offload_dir,
+            attempt = RungAttempt(rung, self.cache_kit, self.engine, memory, request.clock, offload_dir,
                                   task.doc_id, fault, request.passes)
             summary = self.summarizer.summarize(
                 request.text, request.instruction, request.max_new_tokens, request.context_tokens, attempt

@@ -1,4 +1,4 @@
-"""The worker's BatchScheduler on tiny random models, and "alone": plain `generate()` one prompt at a time.
+"""The worker's BatchEngine on tiny random models, and "alone": plain `generate()` one prompt at a time.
 
 A batched sequence must give exactly its tokens alone, so every batching test compares with
 `tokens_alone`, cut where the loop stop would have ended it (random models loop).
@@ -14,11 +14,11 @@ from transformers import DynamicCache, PreTrainedModel
 from jobs.config import CacheConfig, LoopStopConfig
 from jobs.kvplan import kv_bytes
 from jobs.stopping import loop_stopped
+from runner.engine.batch_engine import BatchEngine, PassRequest
 from runner.engine.kvcache import CacheHandle, ResidentMeter, build_cache, kv_shape
 from runner.engine.kvcache.pool import KVPool
 from runner.engine.model_loader import LoadedModel
 from runner.engine.probes import StageMemory
-from runner.engine.scheduler import BatchScheduler, PassRequest
 
 LENGTHS = [37, 20, 51, 9, 44]  # mixed lengths, so rows of a step attend to different lengths
 NEW = [12, 20, 7, 16, 10]  # and finish at different steps, so rows leave and others join
@@ -42,7 +42,7 @@ def tokens_alone(model: PreTrainedModel, prompt: list[int], new: int, rule: Loop
     return loop_stopped(out[0, len(prompt):].tolist(), rule or LoopStopConfig())[0]
 
 
-def run_batch(scheduler: BatchScheduler, model: PreTrainedModel, strategy: str | list[str], tmp_path: Path,
+def run_batch(engine: BatchEngine, model: PreTrainedModel, strategy: str | list[str], tmp_path: Path,
               prompts: list[list[int]], new: list[int], pool: ResidentMeter | None = None,
               kv_pool: KVPool | None = None, expected: bool | None = None,
               made: dict[int, object] | None = None) -> list:
@@ -56,7 +56,7 @@ def run_batch(scheduler: BatchScheduler, model: PreTrainedModel, strategy: str |
 
     def make(i: int, tokens: int) -> CacheHandle:
         handle = build_cache(strategies[i], model, cfg, tmp_path / f"seq-{i}", None, None,
-                             expected_tokens=tokens if sized else None, device_pool=pool, kv_pool=kv_pool)
+                             expected_tokens=tokens if sized else None, device_meter=pool, kv_pool=kv_pool)
         if made is not None:
             made[i] = handle.cache
         return handle
@@ -69,7 +69,7 @@ def run_batch(scheduler: BatchScheduler, model: PreTrainedModel, strategy: str |
             device_bytes=kv_bytes(kv_shape(model.config), tokens), memory=StageMemory(),
         )
 
-    futures = [scheduler.submit(request(i)) for i in range(len(prompts))]
+    futures = [engine.submit(request(i)) for i in range(len(prompts))]
     return [f.result(timeout=300).generation for f in futures]
 
 

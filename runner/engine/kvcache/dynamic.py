@@ -23,13 +23,13 @@ class BudgetedDynamicCache(DynamicCache):
 
     def __init__(
         self, config: PretrainedConfig, device_budget_bytes: int | None = None, expected_tokens: int | None = None,
-        device_pool: ResidentMeter | None = None,
+        device_meter: ResidentMeter | None = None,
     ) -> None:
         super().__init__(config=config)
         self.expected_tokens = expected_tokens
         # DynamicCache maps "full_attention" to exactly DynamicLayer; subclasses (sliding, hybrid) stay
         self.layers = [GrowingLayer() if type(layer) is DynamicLayer else layer for layer in self.layers]
-        self.meter = ResidentMeter(device_budget_bytes, "resident device", "cache.device_kv_budget_bytes", device_pool)
+        self.meter = ResidentMeter(device_budget_bytes, "resident device", "cache.device_kv_budget_bytes", device_meter)
         self.kv = ResidentMeter(None, "valid KV", "")  # the tokens themselves, one slot a layer: `kv_bytes`
 
     def _held_bytes(self, layers: list[Any] | None = None) -> int:

@@ -88,7 +88,7 @@ class KVPool:
 
     def claim(self, cache: PooledCache, tokens: int) -> int:
         """A slot for `cache` with room for `tokens`; raises `KVBudgetExceeded` (a memory error: the
-        scheduler waits for a smaller batch, or the task moves down the ladder) when it does not fit."""
+        engine waits for a smaller batch, or the task moves down the ladder) when it does not fit."""
         self.ensure(len(self.owners) + 1, tokens)
         self.owners.append(cache)
         return len(self.owners) - 1

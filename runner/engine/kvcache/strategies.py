@@ -89,14 +89,14 @@ def build_cache(
     host_budget_bytes: int | None = None,
     placement: Placement | None = None,
     expected_tokens: int | None = None,
-    device_pool: ResidentMeter | None = None,
-    host_pool: ResidentMeter | None = None,
+    device_meter: ResidentMeter | None = None,
+    host_meter: ResidentMeter | None = None,
     kv_pool: KVPool | None = None,
 ) -> CacheHandle:
     """A fresh cache for one generate() call; `offload_dir` is the task's scratch dir (disk tier);
     `placement` says which layers a tiered rung keeps on the device (default: none);
     `expected_tokens` (prompt + new tokens) lets `dynamic` allocate once instead of growing;
-    `device_pool` and `host_pool` are the worker's meters of the device and of host RAM, which every
+    `device_meter` and `host_meter` are the worker's meters of the device and of host RAM, which every
     cache of a batch counts against; `kv_pool` (when the worker's attention is pooled) is where a
     `dynamic` cache takes its slot."""
     check_strategy(strategy)
@@ -105,7 +105,7 @@ def build_cache(
         pooled = PooledCache(kv_pool, expected_tokens)
         return CacheHandle(strategy, pooled, pooled.stats, pooled.close)
     if strategy == "dynamic":
-        cache = BudgetedDynamicCache(model.config, device_budget_bytes, expected_tokens, device_pool)
+        cache = BudgetedDynamicCache(model.config, device_budget_bytes, expected_tokens, device_meter)
         return CacheHandle(strategy, cache, cache.stats, cache.close)
     if rung.tier is not None:
         tier = rung.tier
@@ -122,8 +122,8 @@ def build_cache(
             device_budget_bytes=device_budget_bytes,
             host_budget_bytes=host_budget_bytes,
             placement=placement,
-            device_pool=device_pool,
-            host_pool=host_pool,
+            device_meter=device_meter,
+            host_meter=host_meter,
             batched_attention=kv_pool is not None,
         )
         return CacheHandle(strategy, tiered, tiered.stats, tiered.close)

@@ -290,8 +290,8 @@ class TieredCache(Cache):
         device_budget_bytes: int | None = None,
         host_budget_bytes: int | None = None,
         placement: Placement | None = None,
-        device_pool: ResidentMeter | None = None,
-        host_pool: ResidentMeter | None = None,
+        device_meter: ResidentMeter | None = None,
+        host_meter: ResidentMeter | None = None,
         batched_attention: bool = False,
     ) -> None:
         if block_tokens <= 0:
@@ -299,8 +299,8 @@ class TieredCache(Cache):
         self.shared = _Shared(
             _make_tier(tier, offload_dir, BlockCodec(compression, zstd_level, shuffle)),
             block_tokens,
-            ResidentMeter(device_budget_bytes, "resident device", "cache.device_kv_budget_bytes", device_pool),
-            ResidentMeter(host_budget_bytes, "host RAM", "cache.host_kv_budget_bytes", host_pool),
+            ResidentMeter(device_budget_bytes, "resident device", "cache.device_kv_budget_bytes", device_meter),
+            ResidentMeter(host_budget_bytes, "host RAM", "cache.host_kv_budget_bytes", host_meter),
         )
         self.placement = placement
         self.batched_attention = batched_attention

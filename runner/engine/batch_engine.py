@@ -99,7 +99,7 @@ class PassResult:
 Sequence = BatchSequence[PassRequest]
 
 
-class BatchScheduler:
+class BatchEngine:
     """Runs every sequence submitted to it, batching decode steps; `submit` from any thread."""
 
     def __init__(self, loaded: LoadedModel, settings: SummarizeConfig, prefill_mode: PrefillMode,
@@ -124,7 +124,7 @@ class BatchScheduler:
         self._changed = threading.Condition()  # guards the plan: `submit` adds to it from other threads
         self._closed = False
         self._process = psutil.Process()
-        self._thread = threading.Thread(target=self._loop, name="kvbatch-scheduler", daemon=True)
+        self._thread = threading.Thread(target=self._loop, name="kvbatch-engine", daemon=True)
         self._thread.start()
 
     @property
@@ -158,7 +158,7 @@ class BatchScheduler:
         futures: list[Future[PassResult]] = [Future() for _ in requests]
         with self._changed:
             if self._closed:
-                raise RuntimeError("the worker's scheduler is closed")
+                raise RuntimeError("the worker's engine is closed")
             for request, future in zip(requests, futures, strict=True):
                 self.plan.add(BatchSequence(request, future, self.settings.loop_stop))
             self._changed.notify_all()
@@ -177,7 +177,7 @@ class BatchScheduler:
             while self._turn():
                 pass
         except BaseException as e:  # not even the guard held (e.g. SystemExit): nobody may wait on this thread
-            stopped = RuntimeError(f"the worker's scheduler stopped: {type(e).__name__}: {e}")
+            stopped = RuntimeError(f"the worker's engine stopped: {type(e).__name__}: {e}")
             raise
         finally:
             with self._changed:
