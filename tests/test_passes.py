@@ -9,6 +9,7 @@ import json
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -251,6 +252,35 @@ def test_a_pass_is_found_by_what_it_was_given_whatever_the_context_and_lost_with
     # where the KV lives, the context and the prefill chunking do not decide tokens: same fingerprint
     assert settings_fingerprint(JobConfig(cache={"strategy": "tiered-disk"}, summarize={"context_tokens": 2048}),
                                 "cpu", "torch.float32") == fingerprint
+
+
+def test_a_waiting_question_is_answered_by_the_pass_that_ends_and_by_the_attempts_end():
+    """The coordinator's open question (`progress`) gets each pass the moment it is kept, not at its
+    next poll; the attempt's end answers a question still open, and hands back what is left."""
+    fingerprint = settings_fingerprint(JobConfig(), "cpu", "torch.float32")
+    passes = book([], fingerprint)
+    answers: list[list[PassRow]] = []
+    asked = threading.Event()
+
+    def ask() -> None:
+        asked.set()
+        answers.append(passes.handed_back(wait_s=600))
+
+    question = threading.Thread(target=ask)
+    question.start()
+    asked.wait()
+    passes.keep(0, 0, [1, 2, 3], 16, generation([7, 8]))
+    question.join(timeout=60)
+    assert not question.is_alive() and [[row["tokens"] for row in rows] for rows in answers] == [[[7, 8]]]
+    question = threading.Thread(target=ask)
+    question.start()
+    asked.wait()
+    passes.keep(0, 1, [4, 5], 16, generation([9]))  # kept while a question is open or just before: either way once
+    rest = passes.close()
+    question.join(timeout=60)
+    assert not question.is_alive()
+    assert sorted(row["tokens"] for row in rest + answers[1]) == [[9]]
+    assert passes.handed_back(wait_s=600) == []  # a closed book answers at once
 
 
 def _pass(task_id: str, key: str) -> PassRow:
