@@ -158,19 +158,23 @@ def mix_section(loaded: LoadedModel, args: argparse.Namespace) -> dict:
             f"workers.cpus_per_worker={threads}"]
     print(f"{len(documents)} licence texts of {min(tokens)}-{max(tokens)} tokens ({sum(tokens):,} in all), "
           f"{workers} workers x {threads} thread(s); settings: {' '.join(base + args.set)}", flush=True)
+    trees = [("this", REPO)] + ([(args.mix_tree.name, args.mix_tree)] if args.mix_tree else [])
     runs: list[tuple[str, JobRun]] = []
     with tempfile.TemporaryDirectory(prefix="kvbench-mix-") as tmp, local_ray(workers * threads) as address:
         manifest = write_manifest(Path(tmp) / "mix.jsonl", documents)
         for sequences in args.mix_sequences.split(","):
-            run = submit(manifest, CONFIG, Path(tmp) / f"job-{sequences}", _settings(base, sequences, args.set),
-                         address)
-            runs.append((sequences, run))
-            print(f"  max_sequences {sequences}: {run.docs_per_hour:.0f} docs/h"
-                  + (f"; the long document: {long_passes(run)}" if args.mix_long else ""), flush=True)
+            for name, tree in trees:  # the trees side by side for each setting, so a load change hits both
+                label = sequences if tree == REPO else f"{sequences} @ {name}"
+                run = submit(manifest, tree / "configs" / "default.yaml", Path(tmp) / f"job-{sequences}-{name}",
+                             _settings(base, sequences, args.set), address, tree=tree)
+                runs.append((label, run))
+                print(f"  max_sequences {label}: {run.docs_per_hour:.0f} docs/h"
+                      + (f"; the long document: {long_passes(run)}" if args.mix_long else ""), flush=True)
     alone = runs[0][1]
     map_reduced = sorted(r["doc_id"] for r in alone.rows if (r["chunks"] or 0) > 1)
     print(f"map-reduced at context {MIX_CONTEXT}: {', '.join(map_reduced) or 'none'}")
-    print(f"\n{'max_seq':>7} {'batch s':>8} {'docs/h':>7} {'x first':>7} {'prefill s':>9} {'decode s':>8} "
+    width = max(len(label) for label, _ in runs)
+    print(f"\n{'max_seq':>{width}} {'batch s':>8} {'docs/h':>7} {'x first':>7} {'prefill s':>9} {'decode s':>8} "
           f"{'row decode s':>12} {'stalled s':>9} {'stalled':>7} {'mean batch':>10} {'same':>5}  prefill s by worker")
     figures = []
     for sequences, run in runs:
@@ -182,7 +186,7 @@ def mix_section(loaded: LoadedModel, args: argparse.Namespace) -> dict:
                   "mean_batch": run.mean_batch, "same_as_first": run.summaries == alone.summaries,
                   "workers": [t.__dict__ for t in times]}
         figures.append(figure)
-        print(f"{sequences:>7} {run.batch_s:>8.1f} {run.docs_per_hour:>7.0f} {figure['ratio']:>7.2f} "
+        print(f"{sequences:>{width}} {run.batch_s:>8.1f} {run.docs_per_hour:>7.0f} {figure['ratio']:>7.2f} "
               f"{figure['prefill_s']:>9.1f} {figure['decode_s']:>8.1f} {row_decode:>12.1f} {stalled:>9.1f} "
               f"{stalled / max(row_decode, 1e-9):>7.1%} {run.mean_batch:>10.2f} {figure['same_as_first']!s:>5}  "
               + " / ".join(f"{t.prefill_s:.1f}" for t in times), flush=True)

@@ -68,14 +68,14 @@ def local_ray(cpus: int) -> Iterator[str]:
         ray.shutdown()
 
 
-def kvbatch(args: list[str], watch: Callable[[], None] | None = None) -> tuple[float, str]:
-    """Run `kvbatch <args>` (this checkout's, from the repository root) and return its wall seconds and
-    stdout; `watch` is called every 50 ms while it runs. A non-zero exit ends the bench with the
+def kvbatch(args: list[str], watch: Callable[[], None] | None = None, tree: Path = REPO) -> tuple[float, str]:
+    """Run `kvbatch <args>` (the checkout at `tree`, this one unless another revision is compared, from
+    its root) and return its wall seconds and stdout; `watch` is called every 50 ms while it runs. A non-zero exit ends the bench with the
     command's output, since every figure after it would be wrong. The output goes to files, not pipes,
     so a chatty command cannot fill a pipe and stall while `watch` polls."""
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         started = time.perf_counter()
-        proc = subprocess.Popen([sys.executable, "-m", "runner", *args], cwd=REPO, stdout=out, stderr=err, text=True)
+        proc = subprocess.Popen([sys.executable, "-m", "runner", *args], cwd=tree, stdout=out, stderr=err, text=True)
         while proc.poll() is None:
             if watch is not None:
                 watch()
@@ -140,14 +140,14 @@ def decoded_tokens(row: dict[str, Any]) -> float:
 
 
 def submit(manifest: Path, config: Path, job: Path, settings: list[str], address: str | None = None,
-           watch: Callable[[], None] | None = None) -> JobRun:
+           watch: Callable[[], None] | None = None, tree: Path = REPO) -> JobRun:
     """`kvbatch submit` of `manifest` with `--set` for each of `settings` (later ones win), on the Ray
-    at `address` (None: its own local Ray); every result must be done."""
+    at `address` (None: its own local Ray), run from the checkout at `tree`; every result must be done."""
     args = ["submit", str(manifest), "-c", str(config), "-j", str(job), *(a for s in settings for a in ("--set", s))]
     if address is not None:
         args += ["--address", address]
     started_at = time.time()
-    wall_s, _ = kvbatch(args, watch)
+    wall_s, _ = kvbatch(args, watch, tree)
     rows = load_state(job).results.to_pylist()
     failed = [f"{r['doc_id']}: {r['status']} ({r['error_type']}: {r['error']})" for r in rows if r["status"] != "done"]
     if failed:

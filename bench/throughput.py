@@ -526,6 +526,9 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a config override for every kvbatch submit of docs, mix and cli-step (after the bench's own)")
     parser.add_argument("--mix-sequences", default="1,auto", help="mix: batch.max_sequences of each run, the first the base")
+    parser.add_argument("--mix-tree", type=Path, default=None, metavar="DIR",
+                        help="mix: also run every setting from this checkout of another revision, side by side "
+                             "(e.g. `git worktree add /tmp/base 55cc39a`)")
     parser.add_argument("--mix-layout", default="2x1", help="mix: workers x torch threads per worker")
     parser.add_argument("--mix-docs", type=int, default=len(MIX), help="mix: the first this many documents (a quick check)")
     parser.add_argument("--mix-long", type=int, default=0, metavar="TOKENS",

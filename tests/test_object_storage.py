@@ -29,6 +29,7 @@ from storage.jobdir import JobDir, JobInfo, create_job, new_job_id
 from storage.lease import LEASE_TTL_ENV
 from storage.location import Location
 from storage.parts import TEMP_PREFIX, list_parts, list_temp_files
+from storage.passes import read_passes, tasks_with_passes
 from tests.helpers.cli import (
     LICENSES,
     REPO,
@@ -214,6 +215,60 @@ def test_a_batch_on_s3_killed_and_resumed_from_the_uri_gives_the_local_results(s
     assert done_summaries(job) == expected
     assert not Location.of(f"{job}/.lock").exists()
     assert load_state(job).results.num_rows == len(DOCS)
+
+
+#: three long licence texts at a 512-token context: 4 to 17 chunks each, then merge rounds
+LONG_DOCS = ["GPL-2", "LGPL-2.1", "Apache-2.0"]
+SHORT_CONTEXT = ("--set", "summarize.context_tokens=512", "--set", "summarize.min_context_tokens=256",
+                 "--set", "checkpoint.flush_every=1")
+
+
+def _unfinished_passes(job: str) -> dict[str, int]:
+    """task id -> passes kept on S3 of a document not done (a folder removed as it is read: done by now)."""
+    done = load_state(job).done_task_ids  # before the passes: a document done after this has its passes still
+    kept = {}
+    for task_id in tasks_with_passes(job):
+        if task_id not in done:
+            try:
+                kept[task_id] = len(read_passes(job, task_id))
+            except OSError:  # its result landed and its folder went meanwhile
+                continue
+    return {t: n for t, n in kept.items() if n}
+
+
+def test_a_batch_on_s3_killed_mid_document_then_two_racing_resumes_run_only_the_passes_not_finished(
+        s3, s3_ray, tmp_path) -> None:
+    """The coordinator alone keeps finished passes on S3; after kill -9 two resumes race for the job, exactly
+    one runs it, reuses every pass kept before the kill and runs each of the others once."""
+    local_job = tmp_path / "local-job"
+    manifest = license_manifest(tmp_path, LONG_DOCS)
+    kvbatch("submit", str(manifest), "-c", str(TINY_CONFIG), "-j", str(local_job), "--address", s3_ray,
+            *ONE_WORKER, *SHORT_CONTEXT, check=0)
+    expected = {row["doc_id"]: row for row in export_rows(local_job)}
+    assert all(row["passes"] > row["chunks"] > 3 for row in expected.values()), expected
+
+    job = f"{s3}/jobs/passes-killed"
+    proc = start_submit(manifest, job, s3_ray, *ONE_WORKER, *SHORT_CONTEXT, env={LEASE_TTL_ENV: str(TEST_TTL_S)})
+    reached = wait_for(lambda: Location.of(f"{job}/job.json").exists() and bool(_unfinished_passes(job)), proc,
+                       poll=0.1)
+    proc.send_signal(signal.SIGKILL)
+    out, err = proc.communicate()
+    assert reached, f"the batch ended before a document's passes were kept\n{out}\n{err}"
+    done_at_kill = load_state(job).done_task_ids
+    kept = _unfinished_passes(job)
+    assert kept and len(done_at_kill) < len(LONG_DOCS)
+
+    procs = {host: _coordinator_on(host, "resume", job, "--address", s3_ray, ttl_s=TEST_TTL_S)
+             for host in ("node-a", "node-b")}
+    outcomes = {host: (proc.wait(timeout=600), proc.stdout.read() + proc.stderr.read()) for host, proc in procs.items()}
+    assert sorted(code for code, _ in outcomes.values()) == [0, 2], outcomes
+    rows = {row["doc_id"]: row for row in export_rows(job)}
+    assert {d: r["summary"] for d, r in rows.items()} == {d: r["summary"] for d, r in expected.items()}
+    resumed = {row["task_id"]: row for row in rows.values() if row["task_id"] not in done_at_kill}
+    assert {t: resumed[t]["passes_reused"] for t in kept} == kept  # every kept pass read back, none run again
+    assert all(row["passes"] == expected[row["doc_id"]]["passes"] for row in resumed.values())
+    assert not tasks_with_passes(job) or not any(read_passes(job, t) for t in tasks_with_passes(job))
+    assert not Location.of(f"{job}/.lock").exists()
 
 
 def test_a_folder_on_s3_is_submitted_with_glob_and_a_manifest_uri_reads_documents_beside_it(s3, s3_ray, tmp_path

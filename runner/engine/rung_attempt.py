@@ -34,8 +34,8 @@ from runner.engine.batch_engine import BatchEngine, PassRequest, PassResult, Tas
 
 
 PASSES_COLLECTED_WAIT_S = 10.0
-"""How long an injected crash or hang waits for the coordinator to collect the passes it follows (it
-asks every second; a collection never comes for a run outside a job)."""
+"""How long an injected crash or hang waits for the coordinator to collect the passes it follows (a
+question of the coordinator's is open while a task runs; none comes for a run outside a job)."""
 
 
 @dataclass
