@@ -71,7 +71,11 @@ class PartWatch:
         self.keys: dict[str, list[str]] = {}  # part path -> the keys of the passes it kept
 
     def look(self) -> int:
-        for part in (self.job / "passes").glob("*/part-*.parquet"):
+        try:
+            parts = list((self.job / "passes").glob("*/part-*.parquet"))
+        except FileNotFoundError:  # a document's folder was cleaned while it was listed: look again next time
+            return len(self.keys)
+        for part in parts:
             if str(part) not in self.keys:
                 try:
                     self.keys[str(part)] = pq.read_table(part, columns=["key"])["key"].to_pylist()
@@ -281,6 +285,18 @@ def test_a_waiting_question_is_answered_by_the_pass_that_ends_and_by_the_attempt
     assert not question.is_alive()
     assert sorted(row["tokens"] for row in rest + answers[1]) == [[9]]
     assert passes.handed_back(wait_s=600) == []  # a closed book answers at once
+
+
+def test_a_pass_counts_as_collected_only_once_the_coordinator_asks_again():
+    """An answer taken from the book may still be on its way when the worker dies: only the
+    coordinator's next question says it arrived, so an injected crash waits for that question."""
+    passes = book([], settings_fingerprint(JobConfig(), "cpu", "torch.float32"))
+    passes.keep(0, 0, [1, 2, 3], 16, generation([7, 8]))
+    assert not passes.wait_collected(0.05)  # finished, not handed back
+    assert [row["tokens"] for row in passes.handed_back()] == [[7, 8]]
+    assert not passes.wait_collected(0.05)  # handed back: the answer may not have reached the coordinator
+    assert passes.handed_back() == []  # the next question: the answer arrived
+    assert passes.wait_collected(0.05)
 
 
 def _pass(task_id: str, key: str) -> PassRow:

@@ -51,7 +51,8 @@ class PassBook:
         self._lock = threading.Lock()  # the task's thread keeps; the probe thread collects
         self._collected = threading.Condition(self._lock)
         self._known = {row["key"]: row for row in kept if row["fingerprint"] == fingerprint}
-        self._finished: list[PassRow] = []  # kept here, not yet collected
+        self._finished: list[PassRow] = []  # kept here, not yet handed back
+        self._answered: list[PassRow] = []  # handed back; the coordinator's next question says they arrived
         self._closed = False  # the attempt has ended: a waiting `handed_back` answers at once
 
     @classmethod
@@ -87,22 +88,29 @@ class PassBook:
 
     def handed_back(self, wait_s: float = 0.0) -> list[PassRow]:
         """The passes finished since the last call, each handed back once; waits up to `wait_s` for
-        one to finish (the coordinator's long poll: a pass reaches the job folder as it ends)."""
+        one to finish (the coordinator's long poll: a pass reaches the job folder as it ends). The
+        coordinator asks again only once it has kept the last answer, so a call says that answer
+        arrived (a worker dying while it was on its way loses it)."""
         with self._collected:
+            self._answered = []
+            self._collected.notify_all()
             self._collected.wait_for(lambda: self._finished or self._closed, wait_s)
             finished, self._finished = self._finished, []
-            self._collected.notify_all()
+            self._answered = list(finished)
         return finished
 
     def close(self) -> list[PassRow]:
-        """The attempt has ended: the passes not handed back yet, and a waiting `handed_back` answers."""
+        """The attempt has ended: the passes not handed back yet (they go with the call's result),
+        and a waiting `handed_back` answers."""
         with self._collected:
             self._closed = True
-        return self.handed_back()
+            finished, self._finished = self._finished, []
+            self._collected.notify_all()
+        return finished
 
     def wait_collected(self, timeout_s: float) -> bool:
         """Wait until the coordinator has collected every finished pass (at most `timeout_s`): what an
         injected crash waits for, so that it strikes after the passes were kept, as the crash it
         rehearses would (jobs/faults.py); whether they were."""
         with self._collected:
-            return self._collected.wait_for(lambda: not self._finished, timeout_s)
+            return self._collected.wait_for(lambda: not self._finished and not self._answered, timeout_s)
