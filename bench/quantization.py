@@ -176,8 +176,8 @@ def main() -> None:
           f"{args.new_tokens} new tokens, greedy, loop stop off, {args.threads} threads, SmolLM2-135M on the CPU, "
           f"summarize.generation {args.generation or json.dumps(SummarizeConfig().generation)}, "
           f"summarize.no_repeat_summary_ngram {SummarizeConfig().no_repeat_summary_ngram if args.no_repeat_summary_ngram is None else args.no_repeat_summary_ngram}\n")
-    print(f"| weights | docs/hour | decode tok/s | prefill s | weights MiB | peak RSS MiB | identical | "
-          f"token agreement | ROUGE-L vs float32 |")
+    print("| weights | docs/hour | decode tok/s | prefill s | weights MiB | peak RSS MiB | identical | "
+          "token agreement | ROUGE-L vs float32 |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for label, r in results.items():
         agree = [agreement(a, b) for a, b in zip(base["tokens"], r["tokens"])]

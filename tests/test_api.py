@@ -13,7 +13,8 @@ import pytest
 
 import kvbatch
 from jobs.config import ConfigError
-from tests.helpers.cli import REPO, TINY_CONFIG, kvbatch as cli
+from tests.helpers.cli import REPO, TINY_CONFIG
+from tests.helpers.cli import kvbatch as cli
 
 #: run in a child process: a batch owns its Ray session (a private one, or a connection to `address`)
 BATCH = """

@@ -20,7 +20,16 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.helpers.cli import REPO, TINY_CONFIG, export_rows, job_fingerprints, kvbatch, license_manifest, wait_for, write_jsonl
+from tests.helpers.cli import (
+    REPO,
+    TINY_CONFIG,
+    export_rows,
+    job_fingerprints,
+    kvbatch,
+    license_manifest,
+    wait_for,
+    write_jsonl,
+)
 from tests.helpers.system import free_port
 
 #: TEST-NET-1 (RFC 5737): never a Ray cluster; a connection to it times out or, where the network answers

@@ -16,8 +16,8 @@ from typer.testing import CliRunner
 
 from runner.cli import app
 from runner.observe.report_plots import fallback_ladder, figure_png, latency_split
-from storage.inputs import stage_input
 from runner.submit import EXIT_NO_SPACE
+from storage.inputs import stage_input
 from tests.helpers.cli import (
     REPO,
     TINY_CONFIG,

@@ -26,12 +26,11 @@ import torch
 from jobs.faults import FaultKind
 from jobs.kvplan import Placement
 from jobs.outcome import CacheStats
+from runner.engine.batch_engine import BatchEngine, PassRequest, PassResult, TaskClock
 from runner.engine.cache_recipe import CacheKit
 from runner.engine.generation import Generation
 from runner.engine.pass_book import PassBook
 from runner.engine.probes import StageMemory
-from runner.engine.batch_engine import BatchEngine, PassRequest, PassResult, TaskClock
-
 
 PASSES_COLLECTED_WAIT_S = 10.0
 """How long an injected crash or hang waits for the coordinator to collect the passes it follows (a
