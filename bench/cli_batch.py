@@ -31,11 +31,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import LICENSES, REPO, JobRun, decoded_tokens, local_ray, submit, write_manifest
+from common import LICENSES, REPO, JobRun, Unfinished, decoded_tokens, local_ray, submit, write_manifest
 from step_ops import shaped_model
 
 from runner.engine.model_loader import LoadedModel
 from runner.engine.model_registry import word_tokenizer
+from storage.checkpoint import load_state
 
 CONFIG = REPO / "configs" / "default.yaml"
 MIX_CONTEXT = 2048
@@ -160,13 +161,22 @@ def mix_section(loaded: LoadedModel, args: argparse.Namespace) -> dict:
           f"{workers} workers x {threads} thread(s); settings: {' '.join(base + args.set)}", flush=True)
     trees = [("this", REPO)] + ([(args.mix_tree.name, args.mix_tree)] if args.mix_tree else [])
     runs: list[tuple[str, JobRun]] = []
+    unfinished: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="kvbench-mix-") as tmp, local_ray(workers * threads) as address:
         manifest = write_manifest(Path(tmp) / "mix.jsonl", documents)
         for sequences in args.mix_sequences.split(","):
             for name, tree in trees:  # the trees side by side for each setting, so a load change hits both
                 label = sequences if tree == REPO else f"{sequences} @ {name}"
-                run = submit(manifest, tree / "configs" / "default.yaml", Path(tmp) / f"job-{sequences}-{name}",
-                             _settings(base, sequences, args.set), address, tree=tree)
+                job = Path(tmp) / f"job-{sequences}-{name}"
+                try:
+                    run = submit(manifest, tree / "configs" / "default.yaml", job,
+                                 _settings(base, sequences, args.set), address, tree=tree, limit_s=args.mix_limit)
+                except Unfinished:
+                    ended = load_state(job).results.num_rows
+                    unfinished.append({"max_sequences": label, "limit_s": args.mix_limit, "documents_ended": ended})
+                    print(f"  max_sequences {label}: not finished within {args.mix_limit:g} s "
+                          f"({ended} of {len(documents)} documents ended): killed", flush=True)
+                    continue
                 runs.append((label, run))
                 print(f"  max_sequences {label}: {run.docs_per_hour:.0f} docs/h"
                       + (f"; the long document: {long_passes(run)}" if args.mix_long else ""), flush=True)
@@ -194,7 +204,8 @@ def mix_section(loaded: LoadedModel, args: argparse.Namespace) -> dict:
           "to its last result;\nrow decode s: the documents' decode time, first token to last; stalled: the part "
           "of it spent waiting on another\ndocument's prefill on the same worker (bench/cli_batch.py: exact for "
           "single-pass documents)")
-    return {"documents": len(documents), "tokens": tokens, "map_reduced": map_reduced, "runs": figures}
+    return {"documents": len(documents), "tokens": tokens, "map_reduced": map_reduced, "runs": figures,
+            "unfinished": unfinished}
 
 
 # -- cli-step: one pooled step of ~28 short sequences, through the CLI --------------------------------

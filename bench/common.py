@@ -68,11 +68,17 @@ def local_ray(cpus: int) -> Iterator[str]:
         ray.shutdown()
 
 
-def kvbatch(args: list[str], watch: Callable[[], None] | None = None, tree: Path = REPO) -> tuple[float, str]:
+class Unfinished(Exception):
+    """A command still running at its time limit (it was killed): a figure of its own, not a crash."""
+
+
+def kvbatch(args: list[str], watch: Callable[[], None] | None = None, tree: Path = REPO,
+            limit_s: float | None = None) -> tuple[float, str]:
     """Run `kvbatch <args>` (the checkout at `tree`, this one unless another revision is compared, from
-    its root) and return its wall seconds and stdout; `watch` is called every 50 ms while it runs. A non-zero exit ends the bench with the
-    command's output, since every figure after it would be wrong. The output goes to files, not pipes,
-    so a chatty command cannot fill a pipe and stall while `watch` polls."""
+    its root) and return its wall seconds and stdout; `watch` is called every 50 ms while it runs. A
+    non-zero exit ends the bench with the command's output, since every figure after it would be
+    wrong; one still running after `limit_s` is killed (`Unfinished`). The output goes to files, not
+    pipes, so a chatty command cannot fill a pipe and stall while `watch` polls."""
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         started = time.perf_counter()
         proc = subprocess.Popen([sys.executable, "-m", "runner", *args], cwd=tree, stdout=out, stderr=err, text=True)
@@ -81,6 +87,10 @@ def kvbatch(args: list[str], watch: Callable[[], None] | None = None, tree: Path
                 watch()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=0.05)  # returns at the exit, so the wall time is not rounded up to a poll
+            if limit_s is not None and proc.poll() is None and time.perf_counter() - started > limit_s:
+                proc.kill()
+                proc.wait()
+                raise Unfinished(f"kvbatch {' '.join(args[:2])} still running after {limit_s:g} s: killed")
         elapsed = time.perf_counter() - started
         out.seek(0)
         err.seek(0)
@@ -140,14 +150,15 @@ def decoded_tokens(row: dict[str, Any]) -> float:
 
 
 def submit(manifest: Path, config: Path, job: Path, settings: list[str], address: str | None = None,
-           watch: Callable[[], None] | None = None, tree: Path = REPO) -> JobRun:
+           watch: Callable[[], None] | None = None, tree: Path = REPO, limit_s: float | None = None) -> JobRun:
     """`kvbatch submit` of `manifest` with `--set` for each of `settings` (later ones win), on the Ray
-    at `address` (None: its own local Ray), run from the checkout at `tree`; every result must be done."""
+    at `address` (None: its own local Ray), run from the checkout at `tree`, killed past `limit_s`
+    (`Unfinished`); every result must be done."""
     args = ["submit", str(manifest), "-c", str(config), "-j", str(job), *(a for s in settings for a in ("--set", s))]
     if address is not None:
         args += ["--address", address]
     started_at = time.time()
-    wall_s, _ = kvbatch(args, watch, tree)
+    wall_s, _ = kvbatch(args, watch, tree, limit_s)
     rows = load_state(job).results.to_pylist()
     failed = [f"{r['doc_id']}: {r['status']} ({r['error_type']}: {r['error']})" for r in rows if r["status"] != "done"]
     if failed:

@@ -529,6 +529,8 @@ def main() -> None:
     parser.add_argument("--mix-tree", type=Path, default=None, metavar="DIR",
                         help="mix: also run every setting from this checkout of another revision, side by side "
                              "(e.g. `git worktree add /tmp/base 55cc39a`)")
+    parser.add_argument("--mix-limit", type=float, default=1800.0, metavar="S",
+                        help="mix: a run still going after this many seconds is killed and reported unfinished")
     parser.add_argument("--mix-layout", default="2x1", help="mix: workers x torch threads per worker")
     parser.add_argument("--mix-docs", type=int, default=len(MIX), help="mix: the first this many documents (a quick check)")
     parser.add_argument("--mix-long", type=int, default=0, metavar="TOKENS",
