@@ -52,7 +52,7 @@ class PassBook:
         self._collected = threading.Condition(self._lock)
         self._known = {row["key"]: row for row in kept if row["fingerprint"] == fingerprint}
         self._finished: list[PassRow] = []  # kept here, not yet handed back
-        self._answered: list[PassRow] = []  # handed back; the coordinator's next question says they arrived
+        self._unconfirmed = False  # passes were handed back; the coordinator's next question says they arrived
         self._closed = False  # the attempt has ended: a waiting `handed_back` answers at once
 
     @classmethod
@@ -92,11 +92,11 @@ class PassBook:
         coordinator asks again only once it has kept the last answer, so a call says that answer
         arrived (a worker dying while it was on its way loses it)."""
         with self._collected:
-            self._answered = []
+            self._unconfirmed = False
             self._collected.notify_all()
             self._collected.wait_for(lambda: self._finished or self._closed, wait_s)
             finished, self._finished = self._finished, []
-            self._answered = list(finished)
+            self._unconfirmed = bool(finished)
         return finished
 
     def close(self) -> list[PassRow]:
@@ -113,4 +113,4 @@ class PassBook:
         injected crash waits for, so that it strikes after the passes were kept, as the crash it
         rehearses would (jobs/faults.py); whether they were."""
         with self._collected:
-            return self._collected.wait_for(lambda: not self._finished and not self._answered, timeout_s)
+            return self._collected.wait_for(lambda: not self._finished and not self._unconfirmed, timeout_s)
