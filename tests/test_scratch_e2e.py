@@ -215,7 +215,10 @@ def test_kvbatch_clean_removes_a_dead_workers_dir_never_a_live_ones(ray_address,
     try:
         left = wait_for_task_dir_with_blocks(root, proc)
         pid = json.loads((left / OWNER_FILE).read_text())["pid"]
-        proc.send_signal(signal.SIGKILL)  # the coordinator first, so nothing restarts the worker
+        # the worker frozen first (a coordinator's death could otherwise end it gracefully, cleaning its dir),
+        # then the coordinator, so nothing restarts the worker, then the worker itself
+        os.kill(pid, signal.SIGSTOP)
+        proc.send_signal(signal.SIGKILL)
         os.kill(pid, signal.SIGKILL)
         proc.wait()
         wait_until_dead(pid)
