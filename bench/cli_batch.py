@@ -140,10 +140,19 @@ def mix_documents(loaded: LoadedModel, count: int, long_tokens: int = 0) -> list
 
 
 def long_passes(run: JobRun) -> str:
-    """How many passes the long document took, and the workers they ran on (from job.log)."""
+    """How many passes the long document took and where they ran: from job.log's `pass_kept` lines, how
+    many on each worker and when each worker ended its first one (seconds into the batch); a tree that
+    logs no `pass_kept` (55cc39a), the workers its `task_assigned` lines name."""
     [row] = [r for r in run.rows if r["doc_id"] == "long"]
-    workers = sorted({e["worker"] for e in run.log if e.get("event") == "task_assigned" and e.get("doc_id") == "long"})
-    return f"{row['passes']} passes on {', '.join(workers)}"
+    ended: dict[str, list[float]] = defaultdict(list)
+    for e in run.log:
+        if e.get("event") == "pass_kept" and e.get("doc_id") == "long":
+            ended[e["worker"]].append(e["ts"] - run.batch_started_at)
+    if not ended:
+        workers = sorted({e["worker"] for e in run.log if e.get("event") == "task_assigned" and e.get("doc_id") == "long"})
+        return f"{row['passes']} passes on {', '.join(workers)}"
+    return f"{row['passes']} passes: " + ", ".join(
+        f"{len(times)} on {worker} (first at {min(times):.0f} s)" for worker, times in sorted(ended.items()))
 
 
 def _settings(base: list[str], sequences: str, extra: list[str]) -> list[str]:

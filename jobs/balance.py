@@ -67,11 +67,15 @@ def expected_decode_tokens(task: Task, config: JobConfig) -> int:
     return len(expected_passes(task, config)) * _max_new_tokens(task, config)
 
 
+def pass_work(task: Task, config: JobConfig, prompt_tokens: int) -> float:
+    """One pass's expected work in prefilled-token units: its prompt plus its weighted decode."""
+    return prompt_tokens + _max_new_tokens(task, config) * DECODE_TOKEN_WEIGHT
+
+
 def expected_work(task: Task, config: JobConfig, context_tokens: int | None = None) -> float:
-    """A task's expected work in prefilled-token units: every pass's prompt plus its weighted decode."""
-    passes = expected_passes(task, config, context_tokens)
-    return (sum(tokens + PROMPT_TOKENS for tokens in passes)
-            + len(passes) * _max_new_tokens(task, config) * DECODE_TOKEN_WEIGHT)
+    """A task's expected work: that of every pass it is expected to take."""
+    return sum(pass_work(task, config, tokens + PROMPT_TOKENS)
+               for tokens in expected_passes(task, config, context_tokens))
 
 
 def may_take(worker: Hashable, loads: Mapping[Hashable, float], free: Collection[Hashable]) -> bool:

@@ -6,6 +6,7 @@ never changes it. Keys are the result row's columns the worker knows, plus how a
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TypedDict
 
 
@@ -61,3 +62,50 @@ class TaskOutcome(TypedDict, total=False):
     decode_peak_device_bytes: int | None
     host_used_fraction: float | None  # for the coordinator's memory alert
     device_used_fraction: float | None
+
+
+@dataclass(frozen=True)
+class PassTiming:
+    """A dealt pass's timings (from its own outcome), handed to the task's attempt that uses the pass:
+    the task's row times every pass it ran, wherever it ran."""
+
+    ttft_s: float
+    decode_s: float
+    batch_size: float
+
+    @classmethod
+    def of(cls, outcome: TaskOutcome) -> PassTiming:
+        return cls(outcome["ttft_s"], outcome["decode_s"], outcome["batch_size"])
+
+
+@dataclass(frozen=True)
+class DealtPass:
+    """One pass of a task's first level (a chunk), as the coordinator deals it out to any worker."""
+
+    index: int  # its place among the chunks
+    key: str  # its name in the job folder (runner/engine/pass_book.py)
+    prompt: list[int]  # its prompt's token ids
+
+
+_ADDED_UP = ("offload_bytes_written", "offload_bytes_read")
+_MOST = ("kv_bytes", "kv_resident_peak_bytes", "peak_host_rss_bytes", "peak_device_bytes", "prefill_host_rss_bytes",
+         "prefill_device_bytes", "decode_peak_host_rss_bytes", "decode_peak_device_bytes")
+
+
+def with_dealt_passes(outcome: TaskOutcome, dealt: list[TaskOutcome]) -> TaskOutcome:
+    """The task's outcome with the cache figures of its passes that ran dealt out (each an outcome of its
+    own): the bytes moved add up, a peak is the most any of them reached, and their moves down the cache
+    ladder join the task's fallbacks (each note once)."""
+    merged = TaskOutcome(**outcome)
+    every = [outcome, *dealt]
+    for key in _ADDED_UP:
+        merged[key] = sum(o.get(key) or 0 for o in every)  # type: ignore[literal-required]
+    for key in _MOST:
+        values = [o[key] for o in every if o.get(key) is not None]  # type: ignore[literal-required]
+        merged[key] = max(values) if values else None  # type: ignore[literal-required]
+    stored = sum(o.get("offload_bytes_written") or 0 for o in every if o.get("compression_ratio"))
+    raw = sum((o.get("offload_bytes_written") or 0) * (o.get("compression_ratio") or 0) for o in every)
+    merged["compression_ratio"] = raw / stored if stored else None
+    merged["fallbacks"] = list(dict.fromkeys([*outcome.get("fallbacks", []),
+                                              *(note for o in dealt for note in o.get("fallbacks", []))]))
+    return merged

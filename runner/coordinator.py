@@ -43,10 +43,10 @@ from tenacity import (
 )
 from tenacity.stop import stop_base
 
-from jobs.balance import expected_decode_tokens, expected_work, may_take
+from jobs.balance import expected_decode_tokens, expected_work, may_take, pass_work
 from jobs.config import JobConfig, RetryConfig
 from jobs.faults import FaultRule
-from jobs.outcome import TaskOutcome
+from jobs.outcome import DealtPass, PassTiming, TaskOutcome, with_dealt_passes
 from jobs.policy import FINAL_CLASSES, FailureClass, context_fallback_note, shorter_context
 from jobs.task import Task
 from runner.node_sweeper import NodeSweeper
@@ -101,6 +101,26 @@ class TaskRun:
     batch_losses: int = 0  # worker losses while batch-mates were in flight: not counted as its attempts
     alone: bool = False  # after BATCH_LOSSES_BEFORE_ALONE of those, it runs with no batch-mates
     passes: dict[str, PassRow] = field(default_factory=dict)  # by key: finished passes, handed to each attempt
+    dealt_at: int = 0  # the context its first level was dealt out at (0: not yet)
+    passes_out: int = 0  # its passes dealt out and not ended yet: the task waits out of the queue until none is
+    dealt: dict[str, PassTiming] = field(default_factory=dict)  # by key: timings of the passes dealt out for
+    # its next attempt, which counts them as its own (not reused)
+    dealt_outcomes: list[TaskOutcome] = field(default_factory=list)  # of those passes: their cache figures
+
+
+@dataclass(eq=False)
+class PassRun:
+    """One pass of a task's first level, dealt out to whichever worker has room: a long document's chunks
+    run on every worker at once. It runs once, on its worker's cache ladder; a pass that fails or whose
+    worker is lost is left to the task's own attempt, which retries, moves down the ladder and falls back
+    to a shorter context as it does for any pass."""
+
+    run: TaskRun
+    dealt: DealtPass
+
+
+Work = TaskRun | PassRun
+"""What a feeding thread takes from the queue."""
 
 
 class TaskEnd(Enum):
@@ -140,32 +160,33 @@ def task_retrying(retry: RetryConfig, before_sleep: Any, sleep: Any) -> Retrying
 
 class TaskQueue:
     """Open tasks, the longest expected first, shared by the feeding threads; a task handed back by a
-    lost worker goes in front, with its work at its (maybe shorter) context. A worker takes the next
-    task only while no other worker with a free slot has less expected work in flight, so the long
-    documents spread over the workers instead of one worker's queue setting the batch's end. `take`
-    waits while other threads still hold tasks they may hand back."""
+    lost worker goes in front, with its work at its (maybe shorter) context, and so do the passes a task
+    deals out (it waits out of the queue until they have ended, then goes in front for its merges). A
+    worker takes the next item only while no other worker with a free slot has less expected work in
+    flight, so the long documents spread over the workers instead of one worker's queue setting the
+    batch's end. `take` waits while other threads still hold items that may bring work back."""
 
-    def __init__(self, runs: list[TaskRun], work_of: Callable[[TaskRun], float], workers: list[Worker],
+    def __init__(self, runs: list[TaskRun], work_of: Callable[[Work], float], workers: list[Worker],
                  slots: int, is_down: Callable[[Worker], bool]) -> None:
         self._order = itertools.count()
         self._work_of = work_of
         self._heap = [self._entry(1, run) for run in runs]
         heapq.heapify(self._heap)
-        self._held: dict[Worker, list[TaskRun]] = {w: [] for w in workers}
+        self._held: dict[Worker, list[Work]] = {w: [] for w in workers}
         self._slots = slots
         self._is_down = is_down
         self._changed = threading.Condition()
 
-    def _entry(self, priority: int, run: TaskRun) -> tuple[int, float, int, TaskRun]:
-        return priority, -self._work_of(run), next(self._order), run
+    def _entry(self, priority: int, item: Work) -> tuple[int, float, int, Work]:
+        return priority, -self._work_of(item), next(self._order), item
 
     def _load(self, worker: Worker) -> float:
         return sum(self._work_of(run) for run in self._held[worker])
 
     @contextmanager
-    def taking(self, worker: Worker, stop: threading.Event) -> Iterator[TaskRun | None]:
-        """The next task for `worker`, held by it until the block ends or it is handed back; None once
-        none is left and none can come back (or the batch stops)."""
+    def taking(self, worker: Worker, stop: threading.Event) -> Iterator[Work | None]:
+        """The next item for `worker`, held by it until the block ends or it is handed back or dealt out;
+        None once none is left and none can come back (or the batch stops)."""
         run = self._take(worker, stop)
         try:
             yield run
@@ -173,7 +194,7 @@ class TaskQueue:
             if run is not None:
                 self._release(worker, run)
 
-    def _take(self, worker: Worker, stop: threading.Event) -> TaskRun | None:
+    def _take(self, worker: Worker, stop: threading.Event) -> Work | None:
         with self._changed:
             while not stop.is_set():
                 if self._heap:
@@ -193,10 +214,23 @@ class TaskQueue:
         with self._changed:
             return self._load(worker)
 
-    def _release(self, worker: Worker, run: TaskRun) -> None:
+    def _release(self, worker: Worker, item: Work) -> None:
         with self._changed:
-            if run in self._held[worker]:  # not handed back
-                self._held[worker].remove(run)
+            if item in self._held[worker]:  # not handed back nor dealt out
+                self._held[worker].remove(item)
+            if isinstance(item, PassRun):
+                item.run.passes_out -= 1
+                if not item.run.passes_out:  # its last pass dealt out ended: on to its merges, in front
+                    heapq.heappush(self._heap, self._entry(0, item.run))
+            self._changed.notify_all()
+
+    def deal(self, worker: Worker, run: TaskRun, passes: list[DealtPass]) -> None:
+        """`run`'s `passes` go in front of the queue, for any worker; `run` waits until they have ended."""
+        with self._changed:
+            self._held[worker].remove(run)
+            run.passes_out = len(passes)
+            for dealt in passes:
+                heapq.heappush(self._heap, self._entry(0, PassRun(run, dealt)))
             self._changed.notify_all()
 
     def hand_back(self, worker: Worker, run: TaskRun) -> None:
@@ -212,8 +246,9 @@ class TaskQueue:
             return not self._heap and not any(self._held.values())
 
     def left(self) -> int:
+        """Tasks not run (a task whose passes wait in the queue counted once)."""
         with self._changed:
-            return len(self._heap)
+            return len({item.run if isinstance(item, PassRun) else item for *_, item in self._heap})
 
 
 def _transient_failure(e: TransientFailure) -> TaskOutcome:
@@ -274,6 +309,9 @@ class Coordinator:
         if rows:
             run.passes.update((row["key"], row) for row in rows)
             self.checkpoint.add_passes(rows)
+        for row in rows:
+            self.log.info("pass_kept", task_id=row["task_id"], doc_id=row["doc_id"], level=row["level"],
+                          index=row["index"], worker=row["worker"])
 
     # -- one attempt ----------------------------------------------------------------------------
     def _attempt(self, worker: Worker, run: TaskRun) -> TaskOutcome:
@@ -287,7 +325,7 @@ class Coordinator:
         own = True  # whether the attempt counts against the task
         try:
             outcome = self.pool.run(worker, run.task, run.attempt, run.context_tokens, run.alone,
-                                    list(run.passes.values()), lambda rows: self._passes_back(run, rows))
+                                    list(run.passes.values()), lambda rows: self._passes_back(run, rows), run.dealt)
         except PoolStopped:
             raise Interrupted() from None
         except WorkerLost as lost:
@@ -296,6 +334,7 @@ class Coordinator:
             own = self._lost(slot, run, lost)
             raise
         finally:
+            run.dealt = {}  # the attempt counted them as its own: the next one reuses them
             run.slow_alerted = self.recorder.stopped(run.task)
             if own:
                 run.tries_at_context += 1
@@ -329,12 +368,58 @@ class Coordinator:
         if self.stop.wait(seconds):
             raise Interrupted()
 
-    def _work_of(self, run: TaskRun) -> float:
-        return expected_work(run.task, self.cfg, run.context_tokens)
+    def _work_of(self, item: Work) -> float:
+        if isinstance(item, PassRun):
+            return pass_work(item.run.task, self.cfg, len(item.dealt.prompt))
+        return expected_work(item.task, self.cfg, item.context_tokens)
+
+    # -- one dealt pass -------------------------------------------------------------------------
+    def _deal(self, worker: Worker, run: TaskRun, work: TaskQueue) -> bool:
+        """Deals a task's first level out (once per context, with two workers or more), when two or more of
+        its chunks are not kept yet: they go to the front of the queue, one pass each, for whichever worker has room; whether it did."""
+        if run.dealt_at == run.context_tokens or len(self.pool.workers) < 2:  # one worker batches its chunks anyway
+            return False
+        run.dealt_at = run.context_tokens
+        passes = self.pool.first_level(worker, run.task, run.context_tokens)
+        left = [dealt for dealt in passes if dealt.key not in run.passes]
+        if len(left) < 2:
+            return False
+        if run.queue_wait_s is None:
+            run.queue_wait_s = time.time() - self._queued_at
+        self.log.info("task_dealt", task_id=run.task.task_id, doc_id=run.task.doc_id, context_tokens=run.context_tokens,
+                      chunks=len(passes), dealt=len(left))
+        work.deal(worker, run, left)
+        return True
+
+    def _run_pass(self, worker: Worker, item: PassRun) -> None:
+        """Runs one dealt pass; what it finishes is kept for its task, what stops it is the task's to meet."""
+        if self.stop.is_set():
+            raise Interrupted()
+        run, dealt = item.run, item.dealt
+        try:
+            outcome = self.pool.run(worker, run.task, run.attempt, run.context_tokens, False, [],
+                                    lambda rows: self._passes_back(run, rows), dealt_pass=dealt)
+        except PoolStopped:
+            raise Interrupted() from None
+        except WorkerLost as lost:
+            if self.stop.is_set():
+                raise Interrupted() from None
+            if lost.first_to_see:
+                self.recorder.worker_lost(self.pool.slot_name(worker), lost.error_type, None)
+            outcome = _transient_failure(lost)
+        if outcome["status"] == "done":
+            run.dealt[dealt.key] = PassTiming.of(outcome)
+            run.dealt_outcomes.append(outcome)
+        else:
+            self.log.warning("dealt_pass_failed", task_id=run.task.task_id, doc_id=run.task.doc_id, index=dealt.index,
+                             error_type=outcome["error_type"], error=outcome["error"],
+                             hint="the task's own attempt runs it")
 
     # -- one task -------------------------------------------------------------------------------
     def _finish(self, run: TaskRun, outcome: TaskOutcome) -> None:
         run.passes = {}  # its result is the record now
+        if outcome["status"] == "done":
+            outcome = with_dealt_passes(outcome, run.dealt_outcomes)
         self.recorder.finish(run.task, run.attempt, run.context_tokens, run.fallbacks, run.queue_wait_s,
                              run.slow_alerted, outcome)
 
@@ -384,10 +469,16 @@ class Coordinator:
         while True:
             if self.pool.is_down(worker) and not self._await_restart(worker, errors, until_drained=work):
                 return
-            with work.taking(worker, self.stop) as run:
-                if run is None:
+            with work.taking(worker, self.stop) as item:
+                if item is None:
                     return
                 try:
+                    if isinstance(item, PassRun):
+                        self._run_pass(worker, item)
+                        continue
+                    run = item
+                    if self._deal(worker, run, work):
+                        continue
                     self.log.info("task_assigned", task_id=run.task.task_id, doc_id=run.task.doc_id,
                                   worker=self.pool.slot_name(worker), context_tokens=run.context_tokens,
                                   expected_work=round(self._work_of(run)), worker_work=round(work.load(worker)))

@@ -30,7 +30,7 @@ from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError, RayEr
 from jobs.config import ConfigError, JobConfig
 from jobs.faults import FaultRule
 from jobs.node_share import workers_per_node, workers_that_fit
-from jobs.outcome import TaskOutcome
+from jobs.outcome import DealtPass, PassTiming, TaskOutcome
 from jobs.task import Task
 from runner.cluster import kill_and_wait
 from runner.worker_actor import WorkerActor
@@ -267,12 +267,24 @@ class WorkerPool:
                 continue
         return sum(self._decoded.values())
 
+    def first_level(self, worker: Worker, task: Task, context_tokens: int) -> list[DealtPass]:
+        """The task's chunks as passes to deal out; none when the worker cannot say within the task
+        timeout (it is down, died, or hung: the task's own attempt deals with that)."""
+        if self.is_down(worker):
+            return []
+        try:
+            return ray.get(worker.first_level.remote(task, context_tokens), timeout=self.cfg.retry.task_timeout_s)
+        except RayError:
+            return []
+
     def run(self, worker: Worker, task: Task, attempt: int, context_tokens: int, alone: bool, kept: list[PassRow],
-            on_passes: Callable[[list[PassRow]], None]) -> TaskOutcome:
-        """The worker's outcome for one attempt, handed the passes of the task `kept` before; each pass
-        it finishes goes to `on_passes` while the call runs. Raises `WorkerLost` when its process died
-        or hung. `alone`: wait until nothing else runs on the worker and keep it so, so that a loss
-        now is this task's own."""
+            on_passes: Callable[[list[PassRow]], None], dealt: dict[str, PassTiming] | None = None,
+            dealt_pass: DealtPass | None = None) -> TaskOutcome:
+        """The worker's outcome for one attempt, handed the passes of the task `kept` before (`dealt`:
+        the timings of those dealt out for it), or for the one pass `dealt_pass`; each pass it finishes
+        goes to `on_passes` while the call runs. Raises `WorkerLost` when its process died or hung.
+        `alone`: wait until nothing else runs on the worker and keep it so, so that a loss now is this
+        task's own."""
         slot = self._slots[worker]
         while True:
             # a call must reach a live incarnation: one sent while Ray restarts the worker fails at once
@@ -289,7 +301,7 @@ class WorkerPool:
                 call = slot.begin(alone)
                 break
         call_id = uuid.uuid4().hex
-        ref = worker.run.remote(task, attempt, context_tokens, kept, call_id)
+        ref = worker.run.remote(task, attempt, context_tokens, kept, call_id, dealt, dealt_pass)
         try:
             return self._result(worker, ref, call_id, on_passes)
         except _Hung as e:

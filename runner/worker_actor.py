@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jobs.outcome import TaskOutcome
+from jobs.outcome import DealtPass, PassTiming, TaskOutcome
 from jobs.task import Task
 from storage.passes import PassRow
 
@@ -31,6 +31,10 @@ class WorkerActor:
     def tokens_decoded(self) -> int:
         return self._worker.tokens_decoded()
 
-    def run(self, task: Task, attempt: int, context_tokens: int, kept: list[PassRow],
-            call_id: str = "") -> tuple[TaskOutcome, list[PassRow]]:
-        return self._worker.run(task, attempt, context_tokens, kept, call_id)
+    def first_level(self, task: Task, context_tokens: int) -> list[DealtPass]:
+        return self._worker.first_level(task, context_tokens)
+
+    def run(self, task: Task, attempt: int, context_tokens: int, kept: list[PassRow], call_id: str = "",
+            dealt: dict[str, PassTiming] | None = None, dealt_pass: DealtPass | None = None,
+            ) -> tuple[TaskOutcome, list[PassRow]]:
+        return self._worker.run(task, attempt, context_tokens, kept, call_id, dealt, dealt_pass)

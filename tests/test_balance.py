@@ -16,9 +16,10 @@ from jobs.balance import chunk_count, expected_work, may_take, pass_counts
 from jobs.chunking import plan_chunks
 from jobs.config import load_config
 from jobs.kvplan import CHARS_PER_TOKEN
+from jobs.outcome import DealtPass
 from jobs.task import Task
-from runner.coordinator import TaskQueue, TaskRun
-from tests.helpers.cli import LICENSES, TINY_CONFIG, done_summaries, export_rows, kvbatch, write_jsonl
+from runner.coordinator import PassRun, TaskQueue, TaskRun
+from tests.helpers.cli import LICENSES, TINY_CONFIG, export_rows, kvbatch, write_jsonl
 
 CONFIG = load_config(TINY_CONFIG)
 
@@ -107,8 +108,9 @@ def test_a_busy_or_down_worker_does_not_hold_the_task_back():
 # -- the coordinator's queue, real threads ----------------------------------------------------------
 def _queue(sizes: dict[str, int], down: set[str] = frozenset(), slots: int = 2) -> TaskQueue:
     runs = [TaskRun(task=_task(doc, n), context_tokens=1024) for doc, n in sizes.items()]
-    return TaskQueue(runs, lambda run: expected_work(run.task, CONFIG, run.context_tokens), ["w0", "w1"],
-                     slots, lambda w: w in down)
+    return TaskQueue(runs, lambda item: (len(item.dealt.prompt) if isinstance(item, PassRun)
+                                         else expected_work(item.task, CONFIG, item.context_tokens)),
+                     ["w0", "w1"], slots, lambda w: w in down)
 
 
 def _take_soon(queue: TaskQueue, worker: str, held: ExitStack, wait_s: float = 0.5) -> TaskRun | None:
@@ -169,43 +171,59 @@ def test_a_task_is_held_while_its_block_runs_and_released_however_the_block_ends
         assert _take_soon(queue, "w1", held) is None  # nothing left and nothing in flight
 
 
+def test_a_task_dealt_out_waits_for_its_passes_then_goes_first():
+    queue = _queue({"huge": 30_000, "mid": 15_000})
+    passes = [DealtPass(i, f"key-{i}", [1] * 900) for i in range(3)]
+    with ExitStack() as held:
+        huge = _take_soon(queue, "w0", held)
+        queue.deal("w0", huge, passes)
+        assert queue.load("w0") == 0 and queue.left() == 2  # its passes count as the task's, once
+        on_w0, on_w1 = ExitStack(), ExitStack()
+        first = _take_soon(queue, "w0", on_w0)
+        second = _take_soon(queue, "w1", on_w1)  # the other worker, while the first pass runs
+        assert isinstance(first, PassRun) and isinstance(second, PassRun) and first.run is second.run is huge
+        third = _take_soon(queue, "w1", on_w1)
+        assert isinstance(third, PassRun) and {p.dealt.index for p in (first, second, third)} == {0, 1, 2}
+        on_w0.close()
+        on_w1.close()  # its last pass ended: the task is back, in front of the longest task left
+        assert _take_soon(queue, "w0", held) is huge
+        assert _take_soon(queue, "w1", held).task.doc_id == "mid"
+    assert queue.drained()
+
+
 # -- through the CLI --------------------------------------------------------------------------------
 LONG = {"gpl-3": "GPL-3", "gpl-2": "GPL-2", "mpl-2.0": "MPL-2.0"}
 SHORT = {"short-1": "A short note on licensing. " * 20, "short-2": "Another short document. " * 25}
 
 
-def test_two_workers_get_the_long_documents_first_and_equal_expected_work(ray_address, tmp_path):
-    """gpl-3's work is about gpl-2's and mpl-2.0's together: arrival order (round robin over the
-    workers' slots) gives one worker gpl-3 and mpl-2.0; by expected work gpl-3 runs beside the
-    shorts on one worker while the other takes both middle ones."""
-    rows = [{"id": doc, "path": str(LICENSES / name)} for doc, name in LONG.items()]
+def test_a_long_documents_chunks_run_on_both_workers_from_the_start(ray_address, tmp_path):
+    """The coordinator deals each document's chunks out as passes of their own, the longest document's
+    first: its chunks run on both workers at once, each is kept once, and the summaries are token for
+    token those of one worker running each document alone."""
+    settings = ("--set", "workers.count=2", "--set", "batch.max_sequences=2")
+    rows = [{"id": doc, "path": str(LICENSES / file)} for doc, file in LONG.items()]
     rows += [{"id": doc, "text": text} for doc, text in SHORT.items()]
-    job = tmp_path / "job"
-    kvbatch("submit", str(write_jsonl(tmp_path / "manifest.jsonl", rows)), "-c", str(TINY_CONFIG), "-j", str(job),
-            "--address", ray_address, "--set", "workers.count=2", "--set", "batch.max_sequences=2", check=0)
-    assert len(done_summaries(job)) == 5
-    results = {r["doc_id"]: r for r in export_rows(job)}
-    work = {doc: expected_work(_task(doc, r["n_chars"]), CONFIG) for doc, r in results.items()}
-    per_worker: dict[str, float] = {}
-    for doc, r in results.items():
-        per_worker[r["worker"]] = per_worker.get(r["worker"], 0.0) + work[doc]
-    assert results["gpl-2"]["worker"] == results["mpl-2.0"]["worker"] != results["gpl-3"]["worker"], \
-        {doc: r["worker"] for doc, r in results.items()}
-    assert len(per_worker) == 2
-    assert abs(max(per_worker.values()) - min(per_worker.values())) <= sum(work[doc] for doc in SHORT), per_worker
+    manifest = write_jsonl(tmp_path / "manifest.jsonl", rows)
+    results, logs = {}, {}
+    for name, extra in (("dealt", settings), ("alone", ("--set", "workers.count=1", "--set", "batch.max_sequences=1"))):
+        job = tmp_path / name
+        kvbatch("submit", str(manifest), "-c", str(TINY_CONFIG), "-j", str(job), "--address", ray_address, *extra,
+                check=0)
+        results[name] = {r["doc_id"]: r for r in export_rows(job)}
+        logs[name] = [json.loads(line) for line in (job / "job.log").read_text().splitlines()]
+    dealt, log = results["dealt"], logs["dealt"]
+    assert {doc: r["status"] for doc, r in dealt.items()} == dict.fromkeys([*LONG, *SHORT], "done")
+    assert {doc: r["summary"] for doc, r in dealt.items()} == {doc: r["summary"] for doc, r in results["alone"].items()}
 
-    log = [json.loads(line) for line in (job / "job.log").read_text().splitlines()]
-    assigned = [e for e in log if e["event"] == "task_assigned"]
-    assert [e["doc_id"] for e in assigned[:3]] == ["gpl-3", "gpl-2", "mpl-2.0"], assigned
-    assert {e["doc_id"] for e in assigned} == set(results)
-    assert all(e["expected_work"] == round(work[e["doc_id"]]) for e in assigned)
-    logged = _grouped({e["doc_id"]: e["worker"] for e in assigned})
-    assert logged == _grouped({doc: r["worker"] for doc, r in results.items()})
-
-
-def _grouped(worker_of: dict[str, str]) -> list[list[str]]:
-    """The documents each worker ran, whatever the worker is called (a slot in job.log, a process in results)."""
-    groups: dict[str, list[str]] = {}
-    for doc, worker in worker_of.items():
-        groups.setdefault(worker, []).append(doc)
-    return sorted(sorted(docs) for docs in groups.values())
+    deals = [e for e in log if e["event"] == "task_dealt"]
+    assert sorted(e["doc_id"] for e in deals) == sorted(LONG)  # the shorts fit one pass
+    assert all(e["dealt"] == e["chunks"] == dealt[e["doc_id"]]["chunks"] > 2 for e in deals)
+    kept = [e for e in log if e["event"] == "pass_kept"]
+    places = [(e["doc_id"], e["level"], e["index"]) for e in kept]
+    assert len(places) == len(set(places)) == sum(r["passes"] for r in dealt.values())  # each pass kept once
+    workers = {r["worker"] for r in dealt.values()}
+    assert len(workers) == 2
+    first = [e["worker"] for e in kept if e["doc_id"] == "gpl-3" and e["level"] == 0][:4]
+    assert set(first) == workers, f"gpl-3's first chunks ran on {first}"  # on both, from the start
+    # every pass the task ran counts as its own: none reused, and its timings include the dealt ones
+    assert all(r["passes_reused"] == 0 and r["prefill_s"] > 0 for r in dealt.values())

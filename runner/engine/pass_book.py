@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 
 from jobs.config import JobConfig
+from jobs.outcome import PassTiming
 from jobs.stopping import StopReason
 from runner.engine.generation import Generation
 from storage.passes import PassRow
@@ -36,13 +37,21 @@ def settings_fingerprint(config: JobConfig, device_type: str, dtype: str) -> str
     return hashlib.sha256(json.dumps(decisive, sort_keys=True).encode()).hexdigest()
 
 
+def pass_key(fingerprint: str, prompt_ids: list[int], max_new_tokens: int) -> str:
+    """A pass's name in the job folder: the same exactly when running it again gives the same tokens."""
+    digest = hashlib.sha256(fingerprint.encode())
+    digest.update(json.dumps([max_new_tokens, prompt_ids]).encode())
+    return digest.hexdigest()
+
+
 class PassBook:
     """One attempt's view of a task's passes: those handed in (kept by earlier attempts, read back
     from the job folder by the coordinator) and those it finishes, which wait in `handed_back` until
     the coordinator collects them. It never touches the job folder."""
 
     def __init__(self, kept: list[PassRow], task_id: str, doc_id: str, context_tokens: int, fingerprint: str,
-                 decode: Callable[[list[int]], str], worker: str) -> None:
+                 decode: Callable[[list[int]], str], worker: str, dealt: dict[str, PassTiming] | None = None) -> None:
+        """`dealt`: the timings of the kept passes that ran as passes dealt out for this attempt, by key."""
         self._task_id, self._doc_id = task_id, doc_id
         self._context_tokens = context_tokens
         self._fingerprint = fingerprint
@@ -51,6 +60,7 @@ class PassBook:
         self._lock = threading.Lock()  # the task's thread keeps; the probe thread collects
         self._collected = threading.Condition(self._lock)
         self._known = {row["key"]: row for row in kept if row["fingerprint"] == fingerprint}
+        self._dealt = dict(dealt or {})
         self._finished: list[PassRow] = []  # kept here, not yet handed back
         self._unconfirmed = False  # passes were handed back; the coordinator's next question says they arrived
         self._closed = False  # the attempt has ended: a waiting `handed_back` answers at once
@@ -61,18 +71,23 @@ class PassBook:
         return cls([], "", "", 0, "", str, "")
 
     def key(self, prompt_ids: list[int], max_new_tokens: int) -> str:
-        digest = hashlib.sha256(self._fingerprint.encode())
-        digest.update(json.dumps([max_new_tokens, prompt_ids]).encode())
-        return digest.hexdigest()
+        return pass_key(self._fingerprint, prompt_ids, max_new_tokens)
 
     def find(self, prompt_ids: list[int], max_new_tokens: int) -> Generation | None:
-        """The pass's generation when an earlier attempt finished it; no timings: it took none now."""
+        """The pass's generation when it was finished before: by a pass dealt out for this attempt (its
+        timings count here, once) or by an earlier attempt or run (no timings: it took none now)."""
+        key = self.key(prompt_ids, max_new_tokens)
         with self._lock:
-            row = self._known.get(self.key(prompt_ids, max_new_tokens))
+            row = self._known.get(key)
+            timing = self._dealt.pop(key, None)
         if row is None:
             return None
-        return Generation(tokens=list(row["tokens"]), input_tokens=len(prompt_ids), ttft_s=0.0, decode_s=0.0,
-                          stop_reason=StopReason(row["stop_reason"]), reused=True)
+        tokens, stop_reason = list(row["tokens"]), StopReason(row["stop_reason"])
+        if timing is not None:
+            return Generation(tokens=tokens, input_tokens=len(prompt_ids), ttft_s=timing.ttft_s,
+                              decode_s=timing.decode_s, batch_size=timing.batch_size, stop_reason=stop_reason)
+        return Generation(tokens=tokens, input_tokens=len(prompt_ids), ttft_s=0.0, decode_s=0.0,
+                          stop_reason=stop_reason, reused=True)
 
     def keep(self, level: int, index: int, prompt_ids: list[int], max_new_tokens: int, generation: Generation) -> None:
         """A pass that just ended: another rung of this attempt finds it, the coordinator collects it."""

@@ -94,8 +94,9 @@ class RungAttempt:
         self._passes = passes if passes is not None else PassBook.empty()
         self._levels = itertools.count()  # each call is one level: the chunks, then each merge round
 
-    def __call__(self, prompts: list[list[int]], max_new_tokens: int) -> list[Generation]:
-        """Generate for every prompt, side by side in the worker's batch; their generations in order."""
+    def __call__(self, prompts: list[list[int]], max_new_tokens: int, first_index: int = 0) -> list[Generation]:
+        """Generate for every prompt, side by side in the worker's batch; their generations in order.
+        `first_index`: the first prompt's place in its level (a pass dealt out alone is one of many)."""
         level = next(self._levels)
         generations = [self._passes.find(ids, max_new_tokens) for ids in prompts]
         to_run = [i for i, generation in enumerate(generations) if generation is None]
@@ -104,7 +105,7 @@ class RungAttempt:
         futures = self._engine.submit_all([self._pass(prompts[i], max_new_tokens) for i in to_run])
 
         def keep(k: int, generation: Generation) -> None:
-            self._passes.keep(level, to_run[k], prompts[to_run[k]], max_new_tokens, generation)
+            self._passes.keep(level, first_index + to_run[k], prompts[to_run[k]], max_new_tokens, generation)
 
         for i, generation in zip(to_run, self._results(futures, keep)):
             generations[i] = generation

@@ -28,6 +28,15 @@ GenerateFn = Callable[[list[list[int]], int], list[Generation]]
 """Generate for several prompts at once (each with the same number of new tokens), in their order."""
 
 
+@dataclass(frozen=True)
+class FirstLevel:
+    """A document's first level of passes at one context: one prompt per chunk."""
+
+    prompts: list[list[int]]
+    budget: int  # document tokens one pass holds: the merges group by it too
+    input_tokens: int  # the document's
+
+
 @dataclass
 class Summary:
     text: str
@@ -87,6 +96,16 @@ class Summarizer:
         with self._tokenizing:
             return prompt_ids(self.tokenizer, instruction, document)
 
+    def first_level(self, text: str, instruction: str, max_new_tokens: int, context_tokens: int) -> FirstLevel:
+        """The document's chunks as pass prompts: what the coordinator deals out to the workers before
+        the task's own attempt runs the merges (runner/coordinator.py)."""
+        overhead = len(self.prompt_ids(instruction, "")) + EDGE_MARGIN_TOKENS
+        budget = summary_budget(context_tokens, overhead, max_new_tokens)
+        encoded = self._encode(text, return_offsets_mapping=True)
+        chunks = plan_chunks(text, encoded["offset_mapping"], budget, self.overlap_tokens)
+        return FirstLevel([self.prompt_ids(instruction, chunk.text) for chunk in chunks], budget,
+                          len(encoded["input_ids"]))
+
     def summarize(
         self,
         text: str,
@@ -95,23 +114,21 @@ class Summarizer:
         context_tokens: int,
         generate: GenerateFn,
     ) -> Summary:
-        overhead = len(self.prompt_ids(instruction, "")) + EDGE_MARGIN_TOKENS
-        budget = summary_budget(context_tokens, overhead, max_new_tokens)
-        encoded = self._encode(text, return_offsets_mapping=True)
-        chunks = plan_chunks(text, encoded["offset_mapping"], budget, self.overlap_tokens)
-        summary = Summary(text="", input_tokens=len(encoded["input_ids"]), output_tokens=0, chunks=len(chunks))
+        first = self.first_level(text, instruction, max_new_tokens, context_tokens)
+        summary = Summary(text="", input_tokens=first.input_tokens, output_tokens=0, chunks=len(first.prompts))
 
-        def summarise(documents: list[str]) -> list[tuple[str, int, str]]:
-            generations = generate([self.prompt_ids(instruction, d) for d in documents], max_new_tokens)
+        def run(prompts: list[list[int]]) -> list[tuple[str, int, str]]:
+            generations = generate(prompts, max_new_tokens)
             summary.passes.extend(generations)
             return [(self.decode(g.tokens), g.output_tokens, g.stop_reason) for g in generations]
 
-        parts = summarise([chunk.text for chunk in chunks])
+        parts = run(first.prompts)
         separator_tokens = len(self._encode(SUMMARY_SEPARATOR)["input_ids"])
         while len(parts) > 1:
             counts = [len(self._encode(p)["input_ids"]) for p, _, _ in parts]
-            groups = group_for_merge(counts, budget, separator_tokens)
-            merged = iter(summarise([SUMMARY_SEPARATOR.join(parts[i][0] for i in g) for g in groups if len(g) > 1]))
+            groups = group_for_merge(counts, first.budget, separator_tokens)
+            merged = iter(run([self.prompt_ids(instruction, SUMMARY_SEPARATOR.join(parts[i][0] for i in g))
+                               for g in groups if len(g) > 1]))
             parts = [parts[g.start] if len(g) == 1 else next(merged) for g in groups]
         summary.text, summary.output_tokens, summary.stop_reason = parts[0]
         return summary

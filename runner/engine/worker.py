@@ -35,7 +35,7 @@ from jobs.documents import DocumentError, load_task_text
 from jobs.faults import FaultRule, fault_for
 from jobs.kvplan import estimated_tokens, kv_bytes, plan_rungs
 from jobs.node_share import workers_per_device
-from jobs.outcome import TaskOutcome
+from jobs.outcome import DealtPass, PassTiming, TaskOutcome
 from jobs.policy import FailureClass, cache_fallback_note
 from jobs.rungs import RUNGS
 from jobs.task import Task
@@ -44,7 +44,7 @@ from runner.engine.cache_recipe import CacheKit
 from runner.engine.kvcache import ResidentMeter, kv_shape, ram_left_by_weights, resolve_budgets
 from runner.engine.kvcache.pool import KVPool
 from runner.engine.model_loader import load_model
-from runner.engine.pass_book import PassBook, settings_fingerprint
+from runner.engine.pass_book import PassBook, pass_key, settings_fingerprint
 from runner.engine.probes import StageMemory, memory_snapshot
 from runner.engine.rung_attempt import CacheTotals, RungAttempt
 from runner.engine.static_step import StaticStep, bucket
@@ -119,6 +119,8 @@ class TaskRequest:
     instruction: str
     passes: PassBook
     """Its passes finished before (handed in) and now (handed back)."""
+    dealt_pass: DealtPass | None = None
+    """Set when the call runs one of the task's passes alone, dealt out by the coordinator."""
     clock: TaskClock = field(default_factory=TaskClock)
     """Started when the task's first sequence begins to run: what `progress` reports."""
 
@@ -225,16 +227,32 @@ class SummaryWorker:
         """Tokens this worker's decode steps have made since it started, asked while tasks run (live tok/s)."""
         return self.engine.plan.tokens_decoded
 
-    def run(self, task: Task, attempt: int, context_tokens: int, kept: list[PassRow],
-            call_id: str = "") -> tuple[TaskOutcome, list[PassRow]]:
-        """Summarise one task, reusing the passes in `kept` that it would run again; returns an
-        outcome (never raises for an expected failure) and the passes finished that `progress` has
-        not handed back yet. `call_id` names the call for `progress`."""
+    def first_level(self, task: Task, context_tokens: int) -> list[DealtPass]:
+        """The task's chunks at `context_tokens` as passes the coordinator can deal out to any worker;
+        none for a document that does not load or fit (its own attempt says why)."""
+        try:
+            text = load_task_text(task)
+            first = self.summarizer.first_level(text, self._instruction(task), self._max_new_tokens(task),
+                                                context_tokens)
+        except (DocumentError, ContextTooSmallError):
+            return []
+        max_new_tokens = self._max_new_tokens(task)
+        return [DealtPass(i, pass_key(self.fingerprint, ids, max_new_tokens), ids)
+                for i, ids in enumerate(first.prompts)]
+
+    def run(self, task: Task, attempt: int, context_tokens: int, kept: list[PassRow], call_id: str = "",
+            dealt: dict[str, PassTiming] | None = None, dealt_pass: DealtPass | None = None,
+            ) -> tuple[TaskOutcome, list[PassRow]]:
+        """Summarise one task, reusing the passes in `kept` that it would run again (`dealt`: the
+        timings of those that ran dealt out for this attempt); or with `dealt_pass`, run that one pass of
+        it alone, on this worker's cache ladder. Returns an outcome (never raises for an expected
+        failure) and the passes finished that `progress` has not handed back yet. `call_id` names the
+        call for `progress`."""
         started = time.perf_counter()
         outcome = TaskOutcome(worker=self.name, model=self.loaded.name, quantization=self.loaded.quantization,
                               fallbacks=[])
         try:
-            request = self._request(task, attempt, context_tokens, kept)
+            request = self._request(task, attempt, context_tokens, kept, dealt, dealt_pass)
         except DocumentError as e:
             return outcome | _failure(FailureClass.INPUT, type(e).__name__, str(e), started), []
         memory = StageMemory()
@@ -258,13 +276,21 @@ class SummaryWorker:
         return outcome, rest
 
     # -- stage 1: the request ------------------------------------------------------------------
-    def _request(self, task: Task, attempt: int, context_tokens: int, kept: list[PassRow]) -> TaskRequest:
+    def _max_new_tokens(self, task: Task) -> int:
+        return int(task.overrides.get("max_new_tokens", self.cfg.summarize.max_new_tokens))
+
+    def _instruction(self, task: Task) -> str:
+        return str(task.overrides.get("prompt", self.cfg.summarize.prompt))
+
+    def _request(self, task: Task, attempt: int, context_tokens: int, kept: list[PassRow],
+                 dealt: dict[str, PassTiming] | None, dealt_pass: DealtPass | None) -> TaskRequest:
         return TaskRequest(
-            task=task, attempt=attempt, context_tokens=context_tokens, text=load_task_text(task),
-            max_new_tokens=int(task.overrides.get("max_new_tokens", self.cfg.summarize.max_new_tokens)),
-            instruction=str(task.overrides.get("prompt", self.cfg.summarize.prompt)),
+            task=task, attempt=attempt, context_tokens=context_tokens,
+            text="" if dealt_pass is not None else load_task_text(task),
+            max_new_tokens=self._max_new_tokens(task), instruction=self._instruction(task),
             passes=PassBook(kept, task.task_id, task.doc_id, context_tokens, self.fingerprint,
-                            self.summarizer.decode, self.name),
+                            self.summarizer.decode, self.name, dealt),
+            dealt_pass=dealt_pass,
         )
 
     # -- stage 2: the first rung that runs it --------------------------------------------------
@@ -303,14 +329,20 @@ class SummaryWorker:
 
     def _summarize_on(self, rung: str, request: TaskRequest, memory: StageMemory) -> TaskOutcome:
         """The task done on `rung` (its passes in the worker's batch); raises what stops it there."""
-        task = request.task
-        fault = fault_for(self.faults, task.doc_id, request.attempt, rung, request.context_tokens)
+        task, dealt_pass = request.task, request.dealt_pass
+        # a fault a test injects strikes the task's own attempt, as in a batch that deals nothing out
+        fault = None if dealt_pass else fault_for(self.faults, task.doc_id, request.attempt, rung, request.context_tokens)
         with self._scratch_dir(rung, request) as offload_dir:
             attempt = RungAttempt(rung, self.cache_kit, self.engine, memory, request.clock, offload_dir,
                                   task.doc_id, fault, request.passes)
-            summary = self.summarizer.summarize(
-                request.text, request.instruction, request.max_new_tokens, request.context_tokens, attempt
-            )
+            if dealt_pass is None:
+                summary = self.summarizer.summarize(
+                    request.text, request.instruction, request.max_new_tokens, request.context_tokens, attempt
+                )
+            else:
+                [generation] = attempt([dealt_pass.prompt], request.max_new_tokens, first_index=dealt_pass.index)
+                summary = Summary(self.summarizer.decode(generation.tokens), len(dealt_pass.prompt),
+                                  generation.output_tokens, 1, [generation], str(generation.stop_reason))
         return _done(rung, summary, attempt.totals)
 
     def _scratch_dir(self, rung: str, request: TaskRequest) -> AbstractContextManager[Path | None]:
@@ -320,7 +352,8 @@ class SummaryWorker:
             return nullcontext(None)
         return task_scratch(self.offload_root, self.job_id, request.task.task_id, request.attempt,
                             claim_bytes=kv_bytes(self.kv_shape, request.context_tokens),
-                            wait_s=self.cfg.retry.task_timeout_s)
+                            wait_s=self.cfg.retry.task_timeout_s,
+                            dealt_pass=request.dealt_pass.index if request.dealt_pass else None)
 
     def _release_memory(self) -> None:
         gc.collect()
