@@ -35,18 +35,27 @@ def pass_counts(doc_tokens: int, context_tokens: int, max_new_tokens: int, overl
     Mirrors jobs/chunking.py in the large: chunks of the pass budget overlapping by `overlap_tokens`
     (capped at a quarter of the budget), and merges of as many `max_new_tokens` summaries as fit.
     """
-    budget = max(1, context_tokens - PROMPT_TOKENS - max_new_tokens)
+    budget = _pass_budget(context_tokens, max_new_tokens)
     if doc_tokens <= budget:
         return [doc_tokens]
     chunks = chunk_count(doc_tokens, budget, overlap_tokens)
-    passes = [budget] * chunks
-    per_merge = max(2, budget // max(1, max_new_tokens))
+    return [budget] * chunks + merge_counts(chunks, context_tokens, max_new_tokens)
+
+
+def merge_counts(chunks: int, context_tokens: int, max_new_tokens: int) -> list[int]:
+    """Document tokens of each merge pass that `chunks` summaries take: as many as fit in one pass."""
+    per_merge = max(2, _pass_budget(context_tokens, max_new_tokens) // max(1, max_new_tokens))
+    passes: list[int] = []
     summaries = chunks
     while summaries > 1:  # a group of one is carried over as it is, the others merge in one pass each
         groups = [per_merge] * (summaries // per_merge) + ([summaries % per_merge] if summaries % per_merge else [])
         passes += [size * max_new_tokens for size in groups if size > 1]
         summaries = len(groups)
     return passes
+
+
+def _pass_budget(context_tokens: int, max_new_tokens: int) -> int:
+    return max(1, context_tokens - PROMPT_TOKENS - max_new_tokens)
 
 
 def _max_new_tokens(task: Task, config: JobConfig) -> int:
@@ -76,6 +85,12 @@ def expected_work(task: Task, config: JobConfig, context_tokens: int | None = No
     """A task's expected work: that of every pass it is expected to take."""
     return sum(pass_work(task, config, tokens + PROMPT_TOKENS)
                for tokens in expected_passes(task, config, context_tokens))
+
+
+def merge_work(task: Task, config: JobConfig, chunks: int, context_tokens: int) -> float:
+    """The expected work left to a task whose `chunks` ran dealt out: its merge passes."""
+    return sum(pass_work(task, config, tokens + PROMPT_TOKENS)
+               for tokens in merge_counts(chunks, context_tokens, _max_new_tokens(task, config)))
 
 
 def may_take(worker: Hashable, loads: Mapping[Hashable, float], free: Collection[Hashable]) -> bool:

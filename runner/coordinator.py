@@ -43,7 +43,7 @@ from tenacity import (
 )
 from tenacity.stop import stop_base
 
-from jobs.balance import expected_decode_tokens, expected_work, may_take, pass_work
+from jobs.balance import expected_decode_tokens, expected_work, may_take, merge_work, pass_work
 from jobs.config import JobConfig, RetryConfig
 from jobs.faults import FaultRule
 from jobs.outcome import DealtPass, PassTiming, TaskOutcome, with_dealt_passes
@@ -102,6 +102,7 @@ class TaskRun:
     alone: bool = False  # after BATCH_LOSSES_BEFORE_ALONE of those, it runs with no batch-mates
     passes: dict[str, PassRow] = field(default_factory=dict)  # by key: finished passes, handed to each attempt
     dealt_at: int = 0  # the context its first level was dealt out at (0: not yet)
+    dealt_chunks: int = 0  # its chunks when they were dealt out (0: not dealt): then only its merges are left
     passes_out: int = 0  # its passes dealt out and not ended yet: the task waits out of the queue until none is
     dealt: dict[str, PassTiming] = field(default_factory=dict)  # by key: timings of the passes dealt out for
     # its next attempt, which counts them as its own (not reused)
@@ -121,6 +122,16 @@ class PassRun:
 
 Work = TaskRun | PassRun
 """What a feeding thread takes from the queue."""
+
+
+def work_of(item: Work, config: JobConfig) -> float:
+    """The work `item` is expected to take: a pass's own, a task's at its context (only its merges once
+    its chunks were dealt out)."""
+    if isinstance(item, PassRun):
+        return pass_work(item.run.task, config, len(item.dealt.prompt))
+    if item.dealt_chunks and item.dealt_at == item.context_tokens:
+        return merge_work(item.task, config, item.dealt_chunks, item.context_tokens)
+    return expected_work(item.task, config, item.context_tokens)
 
 
 class TaskEnd(Enum):
@@ -224,10 +235,12 @@ class TaskQueue:
                     heapq.heappush(self._heap, self._entry(0, item.run))
             self._changed.notify_all()
 
-    def deal(self, worker: Worker, run: TaskRun, passes: list[DealtPass]) -> None:
-        """`run`'s `passes` go in front of the queue, for any worker; `run` waits until they have ended."""
+    def deal(self, worker: Worker, run: TaskRun, passes: list[DealtPass], chunks: int) -> None:
+        """`run`'s `passes` (of its `chunks`) go in front of the queue, for any worker; `run` waits until
+        they have ended, then comes back with only its merges' work."""
         with self._changed:
             self._held[worker].remove(run)
+            run.dealt_chunks = chunks
             run.passes_out = len(passes)
             for dealt in passes:
                 heapq.heappush(self._heap, self._entry(0, PassRun(run, dealt)))
@@ -368,15 +381,11 @@ class Coordinator:
         if self.stop.wait(seconds):
             raise Interrupted()
 
-    def _work_of(self, item: Work) -> float:
-        if isinstance(item, PassRun):
-            return pass_work(item.run.task, self.cfg, len(item.dealt.prompt))
-        return expected_work(item.task, self.cfg, item.context_tokens)
-
     # -- one dealt pass -------------------------------------------------------------------------
     def _deal(self, worker: Worker, run: TaskRun, work: TaskQueue) -> bool:
-        """Deals a task's first level out (once per context, with two workers or more), when two or more of
-        its chunks are not kept yet: they go to the front of the queue, one pass each, for whichever worker has room; whether it did."""
+        """Deals a task's first level out (once per context, with two workers or more) when two or more
+        of its chunks are not kept yet: they go to the front of the queue, one pass each, for whichever
+        worker has room. Returns whether it did."""
         if run.dealt_at == run.context_tokens or len(self.pool.workers) < 2:  # one worker batches its chunks anyway
             return False
         run.dealt_at = run.context_tokens
@@ -388,7 +397,7 @@ class Coordinator:
             run.queue_wait_s = time.time() - self._queued_at
         self.log.info("task_dealt", task_id=run.task.task_id, doc_id=run.task.doc_id, context_tokens=run.context_tokens,
                       chunks=len(passes), dealt=len(left))
-        work.deal(worker, run, left)
+        work.deal(worker, run, left, len(passes))
         return True
 
     def _run_pass(self, worker: Worker, item: PassRun) -> None:
@@ -481,7 +490,7 @@ class Coordinator:
                         continue
                     self.log.info("task_assigned", task_id=run.task.task_id, doc_id=run.task.doc_id,
                                   worker=self.pool.slot_name(worker), context_tokens=run.context_tokens,
-                                  expected_work=round(self._work_of(run)), worker_work=round(work.load(worker)))
+                                  expected_work=round(work_of(run, self.cfg)), worker_work=round(work.load(worker)))
                     end = self._run_task(worker, run)
                 except Interrupted:
                     return
@@ -550,7 +559,8 @@ class Coordinator:
         self._queued_at = time.time()  # queue wait counts from here: waiting for a free worker
         errors: list[BaseException] = []
         workers = self.pool.workers
-        work = TaskQueue(runs, self._work_of, workers, self.cfg.batch.sequences, self.pool.is_down)
+        work = TaskQueue(runs, lambda item: work_of(item, self.cfg), workers, self.cfg.batch.sequences,
+                         self.pool.is_down)
         budgets = {run.task.task_id: expected_decode_tokens(run.task, self.cfg) for run in runs}
         with self.alerts.watching(), NodeSweeper(self.offload_root, self.log), \
                 BatchProgress(self.console, total, already_done, len(workers), budgets, self.alerts.busy_workers,

@@ -12,13 +12,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jobs.balance import chunk_count, expected_work, may_take, pass_counts
+from jobs.balance import chunk_count, expected_work, may_take, merge_work, pass_counts
 from jobs.chunking import plan_chunks
 from jobs.config import load_config
 from jobs.kvplan import CHARS_PER_TOKEN
 from jobs.outcome import DealtPass
 from jobs.task import Task
-from runner.coordinator import PassRun, TaskQueue, TaskRun
+from runner.coordinator import PassRun, TaskQueue, TaskRun, work_of
 from tests.helpers.cli import LICENSES, TINY_CONFIG, export_rows, kvbatch, write_jsonl
 
 CONFIG = load_config(TINY_CONFIG)
@@ -108,9 +108,7 @@ def test_a_busy_or_down_worker_does_not_hold_the_task_back():
 # -- the coordinator's queue, real threads ----------------------------------------------------------
 def _queue(sizes: dict[str, int], down: set[str] = frozenset(), slots: int = 2) -> TaskQueue:
     runs = [TaskRun(task=_task(doc, n), context_tokens=1024) for doc, n in sizes.items()]
-    return TaskQueue(runs, lambda item: (len(item.dealt.prompt) if isinstance(item, PassRun)
-                                         else expected_work(item.task, CONFIG, item.context_tokens)),
-                     ["w0", "w1"], slots, lambda w: w in down)
+    return TaskQueue(runs, lambda item: work_of(item, CONFIG), ["w0", "w1"], slots, lambda w: w in down)
 
 
 def _take_soon(queue: TaskQueue, worker: str, held: ExitStack, wait_s: float = 0.5) -> TaskRun | None:
@@ -176,7 +174,9 @@ def test_a_task_dealt_out_waits_for_its_passes_then_goes_first():
     passes = [DealtPass(i, f"key-{i}", [1] * 900) for i in range(3)]
     with ExitStack() as held:
         huge = _take_soon(queue, "w0", held)
-        queue.deal("w0", huge, passes)
+        huge.dealt_at = huge.context_tokens
+        whole = queue.load("w0")
+        queue.deal("w0", huge, passes, 4)  # one of its 4 chunks was kept before
         assert queue.load("w0") == 0 and queue.left() == 2  # its passes count as the task's, once
         on_w0, on_w1 = ExitStack(), ExitStack()
         first = _take_soon(queue, "w0", on_w0)
@@ -187,6 +187,8 @@ def test_a_task_dealt_out_waits_for_its_passes_then_goes_first():
         on_w0.close()
         on_w1.close()  # its last pass ended: the task is back, in front of the longest task left
         assert _take_soon(queue, "w0", held) is huge
+        merges = merge_work(huge.task, CONFIG, 4, huge.context_tokens)
+        assert queue.load("w0") == merges and 0 < merges < whole / 4  # what is left of it: its merges
         assert _take_soon(queue, "w1", held).task.doc_id == "mid"
     assert queue.drained()
 

@@ -230,13 +230,12 @@ class SummaryWorker:
     def first_level(self, task: Task, context_tokens: int) -> list[DealtPass]:
         """The task's chunks at `context_tokens` as passes the coordinator can deal out to any worker;
         none for a document that does not load or fit (its own attempt says why)."""
+        max_new_tokens = self._max_new_tokens(task)
         try:
             text = load_task_text(task)
-            first = self.summarizer.first_level(text, self._instruction(task), self._max_new_tokens(task),
-                                                context_tokens)
+            first = self.summarizer.first_level(text, self._instruction(task), max_new_tokens, context_tokens)
         except (DocumentError, ContextTooSmallError):
             return []
-        max_new_tokens = self._max_new_tokens(task)
         return [DealtPass(i, pass_key(self.fingerprint, ids, max_new_tokens), ids)
                 for i, ids in enumerate(first.prompts)]
 
