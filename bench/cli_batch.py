@@ -191,7 +191,7 @@ def mix_section(loaded: LoadedModel, args: argparse.Namespace) -> dict:
                       + (f"; the long document: {long_passes(run)}" if args.mix_long else ""), flush=True)
     alone = runs[0][1]
     map_reduced = sorted(r["doc_id"] for r in alone.rows if (r["chunks"] or 0) > 1)
-    print(f"map-reduced at context {MIX_CONTEXT}: {', '.join(map_reduced) or 'none'}")
+    print(f"map-reduced (more than one chunk): {', '.join(map_reduced) or 'none'}")
     width = max(len(label) for label, _ in runs)
     print(f"\n{'max_seq':>{width}} {'batch s':>8} {'docs/h':>7} {'x first':>7} {'prefill s':>9} {'decode s':>8} "
           f"{'row decode s':>12} {'stalled s':>9} {'stalled':>7} {'mean batch':>10} {'same':>5}  prefill s by worker")
