@@ -140,19 +140,19 @@ def mix_documents(loaded: LoadedModel, count: int, long_tokens: int = 0) -> list
 
 
 def long_passes(run: JobRun) -> str:
-    """How many passes the long document took and where they ran: from job.log's `pass_kept` lines, how
-    many on each worker and when each worker ended its first one (seconds into the batch); a tree that
-    logs no `pass_kept` (55cc39a), the workers its `task_assigned` lines name."""
+    """How many passes the long document took and where they ran: from job.log's `pass_assigned` lines,
+    how many of its chunks each worker slot took and when it took its first (seconds into the batch); a
+    tree that logs none (55cc39a), the workers its `task_assigned` lines name."""
     [row] = [r for r in run.rows if r["doc_id"] == "long"]
-    ended: dict[str, list[float]] = defaultdict(list)
+    taken: dict[str, list[float]] = defaultdict(list)
     for e in run.log:
-        if e.get("event") == "pass_kept" and e.get("doc_id") == "long":
-            ended[e["worker"]].append(e["ts"] - run.batch_started_at)
-    if not ended:
+        if e.get("event") == "pass_assigned" and e.get("doc_id") == "long":
+            taken[e["worker"]].append(e["ts"] - run.batch_started_at)
+    if not taken:
         workers = sorted({e["worker"] for e in run.log if e.get("event") == "task_assigned" and e.get("doc_id") == "long"})
         return f"{row['passes']} passes on {', '.join(workers)}"
-    return f"{row['passes']} passes: " + ", ".join(
-        f"{len(times)} on {worker} (first at {min(times):.0f} s)" for worker, times in sorted(ended.items()))
+    return f"{row['passes']} passes, {row['chunks']} chunks dealt: " + ", ".join(
+        f"{len(times)} to {worker} (first at {min(times):.0f} s)" for worker, times in sorted(taken.items()))
 
 
 def _settings(base: list[str], sequences: str, extra: list[str]) -> list[str]:

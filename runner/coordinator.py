@@ -405,6 +405,8 @@ class Coordinator:
         if self.stop.is_set():
             raise Interrupted()
         run, dealt = item.run, item.dealt
+        self.log.info("pass_assigned", task_id=run.task.task_id, doc_id=run.task.doc_id, index=dealt.index,
+                      worker=self.pool.slot_name(worker))
         try:
             outcome = self.pool.run(worker, run.task, run.attempt, run.context_tokens, False, [],
                                     lambda rows: self._passes_back(run, rows), dealt_pass=dealt)

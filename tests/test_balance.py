@@ -227,5 +227,8 @@ def test_a_long_documents_chunks_run_on_both_workers_from_the_start(ray_address,
     assert len(workers) == 2
     first = [e["worker"] for e in kept if e["doc_id"] == "gpl-3" and e["level"] == 0][:4]
     assert set(first) == workers, f"gpl-3's first chunks ran on {first}"  # on both, from the start
+    taken = [e for e in log if e["event"] in ("pass_assigned", "pass_kept") and e["doc_id"] == "gpl-3"]
+    assert len({e["worker"] for e in taken[:2]}) == 2 and all(e["event"] == "pass_assigned" for e in taken[:2]), \
+        taken[:2]  # both workers took one of its chunks before any of them ended
     # every pass the task ran counts as its own: none reused, and its timings include the dealt ones
     assert all(r["passes_reused"] == 0 and r["prefill_s"] > 0 for r in dealt.values())
