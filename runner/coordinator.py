@@ -225,6 +225,11 @@ class TaskQueue:
         with self._changed:
             return self._load(worker)
 
+    def room(self, worker: Worker) -> int:
+        """How many more items `worker` may hold now."""
+        with self._changed:
+            return self._slots - len(self._held[worker])
+
     def _release(self, worker: Worker, item: Work) -> None:
         with self._changed:
             if item in self._held[worker]:  # not handed back nor dealt out
@@ -383,15 +388,15 @@ class Coordinator:
 
     # -- one dealt pass -------------------------------------------------------------------------
     def _deal(self, worker: Worker, run: TaskRun, work: TaskQueue) -> bool:
-        """Deals a task's first level out (once per context, with two workers or more) when two or more
-        of its chunks are not kept yet: they go to the front of the queue, one pass each, for whichever
-        worker has room. Returns whether it did."""
+        """Deals a task's first level out (once per context, with two workers or more) when more of its
+        chunks are not kept yet than its worker has slots for: they go to the front of the queue, one pass
+        each, for whichever worker has room. Returns whether it did."""
         if run.dealt_at == run.context_tokens or len(self.pool.workers) < 2:  # one worker batches its chunks anyway
             return False
         run.dealt_at = run.context_tokens
         passes = self.pool.first_level(worker, run.task, run.context_tokens)
         left = [dealt for dealt in passes if dealt.key not in run.passes]
-        if len(left) < 2:
+        if len(left) <= work.room(worker) + 1:  # they fit its worker's batch: the task's own slot and the free ones
             return False
         if run.queue_wait_s is None:
             run.queue_wait_s = time.time() - self._queued_at

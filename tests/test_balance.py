@@ -176,6 +176,7 @@ def test_a_task_dealt_out_waits_for_its_passes_then_goes_first():
         huge = _take_soon(queue, "w0", held)
         huge.dealt_at = huge.context_tokens
         whole = queue.load("w0")
+        assert queue.room("w0") == 1
         queue.deal("w0", huge, passes, 4)  # one of its 4 chunks was kept before
         assert queue.load("w0") == 0 and queue.left() == 2  # its passes count as the task's, once
         on_w0, on_w1 = ExitStack(), ExitStack()
@@ -207,7 +208,8 @@ def test_a_long_documents_chunks_run_on_both_workers_from_the_start(ray_address,
     rows += [{"id": doc, "text": text} for doc, text in SHORT.items()]
     manifest = write_jsonl(tmp_path / "manifest.jsonl", rows)
     results, logs = {}, {}
-    for name, extra in (("dealt", settings), ("alone", ("--set", "workers.count=1", "--set", "batch.max_sequences=1"))):
+    for name, extra in (("dealt", settings), ("alone", ("--set", "workers.count=1", "--set", "batch.max_sequences=1")),
+                        ("roomy", ("--set", "workers.count=2", "--set", "batch.max_sequences=16"))):
         job = tmp_path / name
         kvbatch("submit", str(manifest), "-c", str(TINY_CONFIG), "-j", str(job), "--address", ray_address, *extra,
                 check=0)
@@ -227,8 +229,13 @@ def test_a_long_documents_chunks_run_on_both_workers_from_the_start(ray_address,
     assert len(workers) == 2
     first = [e["worker"] for e in kept if e["doc_id"] == "gpl-3" and e["level"] == 0][:4]
     assert set(first) == workers, f"gpl-3's first chunks ran on {first}"  # on both, from the start
-    taken = [e for e in log if e["event"] in ("pass_assigned", "pass_kept") and e["doc_id"] == "gpl-3"]
-    assert len({e["worker"] for e in taken[:2]}) == 2 and all(e["event"] == "pass_assigned" for e in taken[:2]), \
-        taken[:2]  # both workers took one of its chunks before any of them ended
+    taken = [(e["doc_id"], e["index"], e["worker"]) for e in log if e["event"] == "pass_assigned"]
+    assert sorted(place[:2] for place in taken) == sorted((e["doc_id"], i) for e in deals for i in range(e["dealt"]))
+    assert len({slot for doc, _, slot in taken if doc == "gpl-3"}) == 2, taken  # each dealt pass taken once, by a slot
     # every pass the task ran counts as its own: none reused, and its timings include the dealt ones
     assert all(r["passes_reused"] == 0 and r["prefill_s"] > 0 for r in dealt.values())
+    # with a slot free for each of its chunks, a document's worker decodes them side by side: none is dealt
+    roomy = results["roomy"]
+    assert max(roomy[doc]["chunks"] for doc in LONG) <= 16 and {r["summary"] for r in roomy.values()} == {
+        r["summary"] for r in dealt.values()}
+    assert [e["event"] for e in logs["roomy"] if e["event"] in ("task_dealt", "pass_assigned")] == []
