@@ -43,7 +43,7 @@ from tenacity import (
 )
 from tenacity.stop import stop_base
 
-from jobs.balance import expected_decode_tokens, expected_work, may_take, merge_work, pass_work
+from jobs.balance import expected_decode_tokens, expected_passes, expected_work, may_take, merge_work, pass_work
 from jobs.config import JobConfig, RetryConfig
 from jobs.faults import FaultRule
 from jobs.outcome import DealtPass, PassTiming, TaskOutcome, with_dealt_passes
@@ -392,6 +392,8 @@ class Coordinator:
         chunks are not kept yet than its worker has slots for: they go to the front of the queue, one pass
         each, for whichever worker has room. Returns whether it did."""
         if run.dealt_at == run.context_tokens or len(self.pool.workers) < 2:  # one worker batches its chunks anyway
+            return False
+        if len(expected_passes(run.task, self.cfg, run.context_tokens)) == 1:  # no call to plan what fits one pass
             return False
         run.dealt_at = run.context_tokens
         passes = self.pool.first_level(worker, run.task, run.context_tokens)
