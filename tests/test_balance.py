@@ -227,11 +227,17 @@ def test_a_long_documents_chunks_run_on_both_workers_from_the_start(ray_address,
     assert len(places) == len(set(places)) == sum(r["passes"] for r in dealt.values())  # each pass kept once
     workers = {r["worker"] for r in dealt.values()}
     assert len(workers) == 2
-    first = [e["worker"] for e in kept if e["doc_id"] == "gpl-3" and e["level"] == 0][:4]
-    assert set(first) == workers, f"gpl-3's first chunks ran on {first}"  # on both, from the start
     taken = [(e["doc_id"], e["index"], e["worker"]) for e in log if e["event"] == "pass_assigned"]
     assert sorted(place[:2] for place in taken) == sorted((e["doc_id"], i) for e in deals for i in range(e["dealt"]))
     assert len({slot for doc, _, slot in taken if doc == "gpl-3"}) == 2, taken  # each dealt pass taken once, by a slot
+    assert {e["worker"] for e in kept if e["doc_id"] == "gpl-3" and e["level"] == 0} == workers  # its chunks on both
+    # dealt the moment a worker first took it, and its own attempt (the merges) only once every chunk was kept
+    steps = [e for e in log
+             if e.get("doc_id") == "gpl-3" and e["event"] in ("task_dealt", "task_assigned", "pass_kept")]
+    assert steps[0]["event"] == "task_dealt", steps[:2]
+    merges = next(i for i, e in enumerate(steps) if e["event"] == "task_assigned")
+    assert all(e["event"] == "pass_kept" and e["level"] == 0 for e in steps[1:merges])
+    assert merges == 1 + dealt["gpl-3"]["chunks"], steps
     # every pass the task ran counts as its own: none reused, and its timings include the dealt ones
     assert all(r["passes_reused"] == 0 and r["prefill_s"] > 0 for r in dealt.values())
     # with a slot free for each of its chunks, a document's worker decodes them side by side: none is dealt
