@@ -15,6 +15,7 @@ the task has begun): the coordinator records each pass as it ends, so a kill los
 
 from __future__ import annotations
 
+import errno
 import re
 import threading
 import time
@@ -83,22 +84,34 @@ _RAISED = re.compile(r"^([A-Za-z_][\w.]*): (.*)$")
 
 
 class WorkerStartError(ConfigError):
-    """A worker's start raised: the job's settings (model, device, offload root) cannot run here."""
+    """A worker's start raised: the job's settings (model, device, offload root) cannot run here, or
+    `full_disk` names the offload root whose disk had no space for it (free space, no setting is wrong)."""
+
+    def __init__(self, message: str, full_disk: Path | None = None) -> None:
+        super().__init__(message)
+        self.full_disk = full_disk
 
 
 class WorkersNotStarted(Exception):
     """No worker was up within `workers.start_timeout_s`: the cluster has no room for one now."""
 
 
-def _start_error(e: ActorDiedError) -> str:
-    """What a worker's start raised, on one line without Ray's frames (they come first)."""
+#: how an OSError's message starts when its disk or quota is full
+_NO_SPACE = (f"[Errno {errno.ENOSPC}]", f"[Errno {errno.EDQUOT}]")
+
+
+def _start_error(e: ActorDiedError, offload_root: Path) -> WorkerStartError:
+    """What a worker's start raised, on one line without Ray's frames (they come first). Its only
+    writes are under the offload root, so a full disk there is what an OSError for no space means."""
     lines = str(e).splitlines()
     raised = max((i for i, line in enumerate(lines) if _RAISED.match(line)), default=None)
     if raised is None:
-        return f"a worker could not start: {type(e).__name__}"
+        return WorkerStartError(f"a worker could not start: {type(e).__name__}")
     kind, message = _RAISED.match(lines[raised]).groups()
     rest = " ".join(line.strip() for line in [message, *lines[raised + 1:]] if line.strip())
-    return f"a worker could not start: {kind.rsplit('.', 1)[-1]}: {rest}"
+    full = kind.endswith("OSError") and message.startswith(_NO_SPACE)
+    return WorkerStartError(f"a worker could not start: {kind.rsplit('.', 1)[-1]}: {rest}",
+                            offload_root if full else None)
 
 
 def cluster_nodes() -> list[dict[str, float]]:
@@ -234,7 +247,7 @@ class WorkerPool:
                     infos[worker] = ray.get(ref)
                 except RayActorError as e:
                     if isinstance(e, ActorDiedError) and e.actor_init_failed:
-                        raise WorkerStartError(_start_error(e)) from None
+                        raise _start_error(e, self.offload_root) from None
                     waiting[worker.info.remote()] = worker  # its process died: ask the restarted one
         if not infos:
             raise WorkersNotStarted(
@@ -371,7 +384,7 @@ class WorkerPool:
                 process = ray.get(ready, timeout=1.0)["worker"]
             except RayActorError as e:  # it reached the dying incarnation: ask the next one
                 if isinstance(e, ActorDiedError) and e.actor_init_failed:  # the next one raised as it started
-                    raise WorkerStartError(_start_error(e)) from None
+                    raise _start_error(e, self.offload_root) from None
                 process = None
             except GetTimeoutError:
                 continue

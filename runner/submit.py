@@ -56,7 +56,8 @@ from storage.parts import CORRUPT_PART_ADVICE
 from storage.scratch import check_offload_root, default_offload_root
 
 EXIT_USAGE = 2
-#: the job folder's disk filled up: what was published stays, `resume` continues once there is space
+#: a disk the job writes to (its folder, the offload root) filled up: what was published stays, `resume`
+#: continues once there is space
 EXIT_NO_SPACE = 6
 STOPPED_AFTER_THE_END = "[yellow]stopped after every document had ended: nothing was interrupted"
 
@@ -124,7 +125,7 @@ def _interruptible(run: Callable[[], int], job: JobDir, console: Console, retry_
     except OSError as e:
         if not _disk_full(e):
             raise
-        console.print(f"[red]no space left on the job folder's disk ({escape(str(e))}); what was published is kept: "
+        console.print(f"[red]no space left on a disk the job writes to ({escape(str(e))}); what was published is kept: "
                       f"free space then `kvbatch resume {escape(str(job.path))}`")
         return EXIT_NO_SPACE
     finally:
@@ -267,6 +268,8 @@ def _execute(job: JobDir, info: JobInfo, config: JobConfig, address: str | None,
             try:
                 code = coordinator.run(open_tasks, total - len(open_tasks), total)
             except WorkerStartError as e:
+                if e.full_disk is not None:  # no setting is wrong: the stop of a full job folder (exit 6)
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(e.full_disk)) from None
                 raise WorkerStartError(f"{e}; fix that setting and continue with: kvbatch resume {job.path} "
                                        "--set key=value") from None
     if code == EXIT_INTERRUPTED and _all_finished(job, retry_since) is not None:

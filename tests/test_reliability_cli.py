@@ -29,7 +29,7 @@ from tests.helpers.cli import (
     write_jsonl,
 )
 from tests.helpers.results import done_row
-from tests.helpers.system import mounted_tmpfs
+from tests.helpers.system import fill_disk, mounted_tmpfs
 
 
 def test_markup_in_a_doc_id_is_printed_as_it_is(tmp_path: Path) -> None:
@@ -109,19 +109,6 @@ def test_sigterm_while_ray_starts_exits_130_with_what_to_do(tmp_path: Path) -> N
     assert "interrupted" in out and "Traceback" not in err, (out, err)
 
 
-def _fill(disk: Path) -> Path:
-    """Writes a file until the filesystem is full; deleting it frees the space again."""
-    filler = disk / "filler"
-    with open(filler, "wb") as f:
-        try:
-            while True:
-                f.write(b"\0" * 65536)
-                f.flush()
-        except OSError:
-            pass
-    return filler
-
-
 def test_disk_full_while_checkpointing_stops_resumably(tmp_path: Path, ray_address: str) -> None:
     names = ["BSD", "Artistic"]  # two short texts: the disk fills before any result, whatever their size
     manifest = license_manifest(tmp_path, names)
@@ -130,7 +117,7 @@ def test_disk_full_while_checkpointing_stops_resumably(tmp_path: Path, ray_addre
         proc = start_submit(manifest, job, ray_address, "--set", "workers.count=1", env={"PYTHONUNBUFFERED": "1"})
         try:  # full once the job folder is made, before the first result is published
             assert wait_for(lambda: (job / "job.json").is_file(), proc, timeout=120), proc.communicate()
-            filler = _fill(disk)
+            fill_disk(disk)
             assert not any((job / "results").glob("*.parquet")), "a result was published before the disk filled"
             out, err = proc.communicate(timeout=300)
         finally:
@@ -138,6 +125,25 @@ def test_disk_full_while_checkpointing_stops_resumably(tmp_path: Path, ray_addre
         assert proc.returncode == EXIT_NO_SPACE, (proc.returncode, out, err[-3000:])
         assert "Traceback" not in out + err, (out, err)
         assert f"free space then `kvbatch resume {job}`" in out + err, (out, err)
-        filler.unlink()
+        (disk / "filler").unlink()
         kvbatch("resume", str(job), "--address", ray_address, check=0)
         assert sorted(done_summaries(job)) == sorted(n.lower() for n in names)
+
+
+def test_a_full_disk_under_the_offload_root_as_the_workers_start_stops_resumably(tmp_path: Path,
+                                                                                ray_address: str) -> None:
+    """A worker's start writes its offload root's marker: on a full disk that is no setting to fix (it
+    exited 2, "fix that setting"), but the stop a full job folder gives: exit 6, free space and resume."""
+    job = tmp_path / "job"
+    with mounted_tmpfs(tmp_path / "scratch", "size=1m") as disk:
+        fill_disk(disk)
+        offload_root = disk / "offload"
+        ran = kvbatch("submit", str(license_manifest(tmp_path, ["BSD"])), "-c", str(TINY_CONFIG), "-j", str(job),
+                      "--address", ray_address, "--set", f"cache.offload_root={offload_root}")
+        said = ran.stdout + ran.stderr
+        assert ran.returncode == EXIT_NO_SPACE, (ran.returncode, said)
+        assert "Traceback" not in said and str(offload_root) in said, said
+        assert f"free space then `kvbatch resume {job}`" in said, said
+        (disk / "filler").unlink()
+        kvbatch("resume", str(job), "--address", ray_address, check=0)
+    assert list(done_summaries(job)) == ["bsd"]
