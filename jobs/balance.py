@@ -3,53 +3,48 @@
 A batch ends when its busiest worker does, so the longest expected task goes first, to the worker
 with the least expected work in flight (greedy longest-processing-time scheduling). A task's work is
 estimated before it is tokenised, with the planner's characters-per-token (jobs/kvplan.py): the
-tokens it prefills over all its passes (chunks, then merge rounds of their summaries) plus the
-tokens it decodes, weighted, since a decoded token costs one forward step of its own.
+tokens it prefills over all its passes (its chunks, then merge rounds of their summaries, as
+jobs/chunking.py cuts and groups them) plus the tokens it decodes, weighted, since a decoded token
+costs one forward step of its own. Once a document is planned, its real chunk prompts count instead
+(runner/coordinator.py `work_of`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Hashable, Mapping
-from math import ceil
 
+from jobs.chunking import fewest_chunks, group_for_merge
 from jobs.config import JobConfig
 from jobs.kvplan import CHARS_PER_TOKEN, PROMPT_TOKENS
 from jobs.task import Task
 
+#: Tokens of jobs.chunking.SUMMARY_SEPARATOR ("\n\n") between two summaries a merge joins, in most tokenizers.
+SEPARATOR_TOKENS = 1
 #: What one decoded token costs in prefilled tokens: prefill runs a whole chunk per forward pass,
 #: decode one token per sequence per step (shared by the batch's rows, so far less than a full step).
 DECODE_TOKEN_WEIGHT = 4.0
 
 
-def chunk_count(doc_tokens: int, budget_tokens: int, overlap_tokens: int) -> int:
-    """About how many chunks jobs/chunking.py cuts: each brings its budget less the overlap."""
-    if doc_tokens <= budget_tokens:
-        return 1
-    overlap = min(overlap_tokens, budget_tokens // 4)
-    return ceil((doc_tokens - overlap) / (budget_tokens - overlap))
-
-
 def pass_counts(doc_tokens: int, context_tokens: int, max_new_tokens: int, overlap_tokens: int) -> list[int]:
-    """Document tokens of each pass a summary takes: its chunks, then each merge of their summaries.
-
-    Mirrors jobs/chunking.py in the large: chunks of the pass budget overlapping by `overlap_tokens`
-    (capped at a quarter of the budget), and merges of as many `max_new_tokens` summaries as fit.
-    """
+    """Document tokens of each pass a summary takes: its chunks, then each merge of their summaries, as
+    jobs/chunking.py cuts and groups them (the fewest chunks, every summary `max_new_tokens` long)."""
     budget = _pass_budget(context_tokens, max_new_tokens)
     if doc_tokens <= budget:
         return [doc_tokens]
-    chunks = chunk_count(doc_tokens, budget, overlap_tokens)
+    chunks = fewest_chunks(doc_tokens, budget, overlap_tokens)
     return [budget] * chunks + merge_counts(chunks, context_tokens, max_new_tokens)
 
 
 def merge_counts(chunks: int, context_tokens: int, max_new_tokens: int) -> list[int]:
-    """Document tokens of each merge pass that `chunks` summaries take: as many as fit in one pass."""
-    per_merge = max(2, _pass_budget(context_tokens, max_new_tokens) // max(1, max_new_tokens))
+    """Document tokens of each merge pass that `chunks` summaries of `max_new_tokens` take, round by round
+    as runner/engine/summarize.py merges them: a group of one is carried over, the others merge."""
+    # never too small for two: preflight checked that two summaries merge at every context the job uses
+    budget = max(_pass_budget(context_tokens, max_new_tokens), 2 * max_new_tokens + SEPARATOR_TOKENS)
     passes: list[int] = []
     summaries = chunks
-    while summaries > 1:  # a group of one is carried over as it is, the others merge in one pass each
-        groups = [per_merge] * (summaries // per_merge) + ([summaries % per_merge] if summaries % per_merge else [])
-        passes += [size * max_new_tokens for size in groups if size > 1]
+    while summaries > 1:
+        groups = group_for_merge([max_new_tokens] * summaries, budget, SEPARATOR_TOKENS)
+        passes += [len(g) * (max_new_tokens + SEPARATOR_TOKENS) - SEPARATOR_TOKENS for g in groups if len(g) > 1]
         summaries = len(groups)
     return passes
 

@@ -13,6 +13,7 @@ import re
 from bisect import bisect_left, bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
+from math import ceil
 
 #: Summaries are joined with a blank line, so a later split falls between two of them.
 SUMMARY_SEPARATOR = "\n\n"
@@ -133,6 +134,16 @@ def plan_chunks(
         start, previous_end = next_start, end
     chunks.append(chunk(start, n))
     return chunks
+
+
+def fewest_chunks(n_tokens: int, budget_tokens: int, overlap_tokens: int) -> int:
+    """How many chunks `plan_chunks` cuts `n_tokens` into where a cut may fall anywhere: each chunk but the
+    last fills its budget and shares the least overlap with the next. A text with fewer places to cut
+    takes more: this is what a document is expected to take before it is tokenised (jobs/balance.py)."""
+    if n_tokens <= budget_tokens:
+        return 1
+    overlap = min(overlap_tokens, budget_tokens // 4)
+    return ceil((n_tokens - overlap) / (budget_tokens - overlap))
 
 
 def group_for_merge(token_counts: Sequence[int], budget_tokens: int, separator_tokens: int) -> list[range]:

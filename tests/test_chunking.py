@@ -15,6 +15,7 @@ from jobs.chunking import (
     SUMMARY_SEPARATOR,
     Chunk,
     ContextTooSmallError,
+    fewest_chunks,
     group_for_merge,
     plan_chunks,
     summary_budget,
@@ -90,6 +91,15 @@ def test_chunks_fit_the_budget_cover_every_token_and_overlap(
     if len(spans) <= budget:
         assert chunks == [Chunk(0, len(spans), text)]
     assert plan_chunks(text, spans, budget, overlap) == chunks  # a plan is reproducible
+    assert len(chunks) >= fewest_chunks(len(spans), budget, overlap)  # what a work estimate counts is the least
+
+
+@settings(max_examples=40, deadline=None)
+@given(n_tokens=st.integers(1, 12_000), budget=st.integers(4, 4000), overlap=st.integers(0, 64))
+def test_a_text_that_may_break_at_every_word_takes_the_fewest_chunks(n_tokens: int, budget: int, overlap: int) -> None:
+    text = "w " * n_tokens
+    spans = [(2 * i, 2 * i + 1) for i in range(n_tokens)]  # one token per word
+    assert len(plan_chunks(text, spans, budget, overlap)) == fewest_chunks(n_tokens, budget, overlap)
 
 
 @settings(max_examples=150, deadline=None)
