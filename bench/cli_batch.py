@@ -17,8 +17,10 @@ Two sections of bench/throughput.py, each one `kvbatch submit` per setting on on
 The timeline comes from the result rows: a document's prefill ran for `prefill_s` and its decode for
 `decode_s` up to `finished_at`, on `worker`. That is exact for a single-pass document; a map-reduced
 one's passes (chunks side by side, then merges) are placed as one prefill followed by one decode, as
-the rows do not say when each pass ran. Every setting can be changed with `--set KEY=VALUE`, given
-after the bench's own (e.g. a batch engine key), so the same figures can be taken either way.
+the rows do not say when each pass ran, and a document whose chunks were dealt out counts every pass
+on the worker of its row (the one that ran its merges), wherever the chunks ran. Every setting can be
+changed with `--set KEY=VALUE`, given after the bench's own (e.g. a batch engine key), so the same
+figures can be taken either way.
 """
 
 from __future__ import annotations
