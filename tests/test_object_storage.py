@@ -202,7 +202,9 @@ def test_a_batch_on_s3_killed_and_resumed_from_the_uri_gives_the_local_results(s
     manifest = write_jsonl(tmp_path / "s3-manifest.jsonl",
                            [{"id": n.lower(), "path": f"{s3}/docs/{n}"} for n in DOCS])
     job = f"{s3}/jobs/killed"
-    proc = start_submit(manifest, job, s3_ray, "--set", "checkpoint.flush_every=1", *ONE_WORKER)
+    # gpl-2 hangs once its chunks are kept: the batch cannot end between the second result and the kill
+    proc = start_submit(manifest, job, s3_ray, "--set", "checkpoint.flush_every=1", *ONE_WORKER,
+                        env={FAULTS_ENV: json.dumps([{"doc": "gpl-2", "fault": "hang"}])})
     reached = wait_for(lambda: len(list_parts(f"{job}/results")) >= 2, proc, poll=0.2)
     proc.send_signal(signal.SIGKILL)
     out, err = proc.communicate()

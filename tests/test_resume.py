@@ -9,6 +9,7 @@ refused. The number of workers is the point of none of them: every job runs one,
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from jobs.fallback import Fallback, FallbackKind
+from jobs.faults import FAULTS_ENV
 from tests.helpers.cli import (
     LICENSE_DOCS,
     REPO,
@@ -62,10 +64,11 @@ def retried_after(job: Path, doc_id: str, error_type: str) -> bool:
     return any(e["event"] == "task_retry" and e["doc_id"] == doc_id and e["error_type"] == error_type for e in events)
 
 
-def start_resume(job: Path, address: str) -> subprocess.Popen:
-    """`kvbatch resume`, left running in the background."""
+def start_resume(job: Path, address: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """`kvbatch resume` (this environment with `env`), left running in the background."""
     return subprocess.Popen([sys.executable, "-m", "runner", "resume", str(job), "--address", address],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **(env or {})})
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +101,8 @@ def interrupted(ray_address, tmp_path_factory) -> Interrupted:
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     parts_at_kill = len(visible_parts(job, "results"))
-    proc = start_resume(job, ray_address)
+    # gpl-2 hangs once its chunks are kept: the batch cannot end between the first result and the Ctrl-C
+    proc = start_resume(job, ray_address, env={FAULTS_ENV: json.dumps([{"doc": "gpl-2", "fault": "hang"}])})
     try:
         mid_batch = wait_for(lambda: len(visible_parts(job, "results")) > parts_at_kill, proc)
         proc.send_signal(signal.SIGINT)
