@@ -137,7 +137,7 @@ def test_sigkill_during_a_flush_then_resume_gives_every_document_exactly_once(ba
     for attempt in range(FLUSH_TRIES):
         job = tmp_path / f"job-{attempt}"
         proc = start_submit(manifest_of(tmp_path), job, ray_address, *FAST)
-        wait_for(lambda: mid_write(job), proc, poll=0.0005)
+        wait_for(lambda job=job: mid_write(job), proc, poll=0.0005)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         if mid_write(job):
