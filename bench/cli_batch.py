@@ -14,13 +14,13 @@ Two sections of bench/throughput.py, each one `kvbatch submit` per setting on on
   `batch.attention=pooled`: each sequence's decode tok/s alone (`max_sequences=1`) against in one
   batch of all of them.
 
-The timeline comes from the result rows: a document's prefill ran for `prefill_s` and its decode for
-`decode_s` up to `finished_at`, on `worker`. That is exact for a single-pass document; a map-reduced
-one's passes (chunks side by side, then merges) are placed as one prefill followed by one decode, as
-the rows do not say when each pass ran, and a document whose chunks were dealt out counts every pass
-on the worker of its row (the one that ran its merges), wherever the chunks ran. Every setting can be
-changed with `--set KEY=VALUE`, given after the bench's own (e.g. a batch engine key), so the same
-figures can be taken either way.
+The timeline comes from job.log's `pass_kept` lines: each pass's prefill ran for its `prefill_s` and
+its decode for its `decode_s` up to its `finished_at`, on the worker that ran it (a dealt chunk on
+the worker that took it, not the one that ran its document's merges). A tree whose lines carry no
+timings (55cc39a) is timed from its result rows instead: each document as one prefill then one decode
+on its row's worker, exact only for single-pass documents. Every setting can be changed with
+`--set KEY=VALUE`, given after the bench's own (e.g. a batch engine key), so the same figures can be
+taken either way.
 """
 
 from __future__ import annotations
@@ -53,33 +53,43 @@ LONG_PARTS = ["GPL-3", "GFDL-1.3", "Apache-2.0", "LGPL-2.1", "MPL-2.0", "GPL-2",
 STEP_VOCAB = 1024
 
 
-# -- the timeline of a worker, from its result rows --------------------------------------------------
+# -- the timeline of a worker, from its job.log and result rows ----------------------------------------
 @dataclass(frozen=True)
-class RowTimes:
-    """One document on its worker: when its prefill and its decode ran (wall clock)."""
+class Span:
+    """One pass on the worker that ran it (or, from a tree whose job.log does not time its passes, one
+    document on the worker of its row): when its prefill and its decode ran (wall clock)."""
 
-    row: dict[str, Any]
-
-    @property
-    def decode_end(self) -> float:
-        return self.row["finished_at"]
+    worker: str
+    prefill_s: float
+    decode_s: float
+    decode_end: float
+    tokens: float  # what its decode steps made
 
     @property
     def decode_start(self) -> float:
-        return self.decode_end - self.row["decode_s"]
+        return self.decode_end - self.decode_s
 
     @property
     def prefill_start(self) -> float:
-        return self.decode_start - self.row["prefill_s"]
+        return self.decode_start - self.prefill_s
 
-    def stalled_s(self, others: list[RowTimes]) -> float:
-        """Seconds of its decode during which another document's prefill held the worker's model."""
+    def stalled_s(self, others: list[Span]) -> float:
+        """Seconds of its decode during which another pass's prefill held the worker's model."""
         return sum(max(0.0, min(self.decode_end, o.decode_start) - max(self.decode_start, o.prefill_start))
                    for o in others if o is not self)
 
-    def step_tok_s(self, others: list[RowTimes]) -> float:
+    def step_tok_s(self, others: list[Span]) -> float:
         """Its decode tok/s over the decode steps it was in: its decode time less its stalls."""
-        return decoded_tokens(self.row) / max(self.row["decode_s"] - self.stalled_s(others), 1e-9)
+        return self.tokens / max(self.decode_s - self.stalled_s(others), 1e-9)
+
+
+def spans(run: JobRun) -> list[Span]:
+    """Every pass the run ran, from its `pass_kept` lines; a tree that logs no pass timings (55cc39a):
+    every document as one prefill then one decode on its row's worker, exact for single-pass documents."""
+    kept = [e for e in run.log if e.get("event") == "pass_kept" and e.get("decode_s") is not None]
+    if kept:
+        return [Span(e["worker"], e["prefill_s"], e["decode_s"], e["finished_at"], max(e["new_tokens"] - 1, 0)) for e in kept]
+    return [Span(r["worker"], r["prefill_s"], r["decode_s"], r["finished_at"], decoded_tokens(r)) for r in run.rows]
 
 
 @dataclass(frozen=True)
@@ -87,33 +97,35 @@ class WorkerTime:
     """Where one worker's batch phase went (seconds)."""
 
     worker: str
-    docs: int
+    docs: int  # result rows on it
+    passes: int  # passes it ran
     prefill_s: float  # its model prefilling, one sequence at a time
-    decode_s: float  # the rest of its time up to its last result: decode steps
-    row_decode_s: float  # the rows' decode time (first token to last), stalls included
-    stalled_s: float  # of that, rows waiting on another row's prefill
+    decode_s: float  # the rest of its time up to its last pass: decode steps
+    row_decode_s: float  # the passes' decode time (first token to last), stalls included
+    stalled_s: float  # of that, passes waiting on another pass's prefill
 
 
-def _by_worker(run: JobRun) -> dict[str, list[RowTimes]]:
-    by_worker: dict[str, list[RowTimes]] = defaultdict(list)
-    for row in run.rows:
-        by_worker[row["worker"]].append(RowTimes(row))
+def _by_worker(run: JobRun) -> dict[str, list[Span]]:
+    by_worker: dict[str, list[Span]] = defaultdict(list)
+    for span in spans(run):
+        by_worker[span.worker].append(span)
     return dict(sorted(by_worker.items()))
 
 
 def worker_times(run: JobRun) -> list[WorkerTime]:
     times = []
-    for worker, rows in _by_worker(run).items():
-        prefill_s = sum(r.row["prefill_s"] for r in rows)
-        span = max(r.decode_end for r in rows) - run.batch_started_at
-        times.append(WorkerTime(worker, len(rows), prefill_s, span - prefill_s, sum(r.row["decode_s"] for r in rows),
-                                sum(r.stalled_s(rows) for r in rows)))
+    for worker, passes in _by_worker(run).items():
+        prefill_s = sum(p.prefill_s for p in passes)
+        span = max(p.decode_end for p in passes) - run.batch_started_at
+        times.append(WorkerTime(worker, sum(r["worker"] == worker for r in run.rows), len(passes), prefill_s,
+                                span - prefill_s, sum(p.decode_s for p in passes),
+                                sum(p.stalled_s(passes) for p in passes)))
     return times
 
 
 def step_rates(run: JobRun) -> list[float]:
-    """Each document's decode tok/s in the steps it was in (its stalls taken out)."""
-    return [r.step_tok_s(rows) for rows in _by_worker(run).values() for r in rows]
+    """Each pass's decode tok/s in the steps it was in (its stalls taken out)."""
+    return [p.step_tok_s(passes) for passes in _by_worker(run).values() for p in passes]
 
 
 # -- mix: real documents, max_sequences=1 against batched -----------------------------------------
@@ -212,9 +224,9 @@ def mix_section(loaded: LoadedModel, args: argparse.Namespace) -> dict:
               f"{stalled / max(row_decode, 1e-9):>7.1%} {run.mean_batch:>10.2f} {figure['same_as_first']!s:>5}  "
               + " / ".join(f"{t.prefill_s:.1f}" for t in times), flush=True)
     print("\nprefill s: the workers' prefill (one sequence at a time); decode s: the rest of each worker's time up "
-          "to its last result;\nrow decode s: the documents' decode time, first token to last; stalled: the part "
-          "of it spent waiting on another\ndocument's prefill on the same worker (bench/cli_batch.py: exact for "
-          "single-pass documents)")
+          "to its last pass;\nrow decode s: the passes' decode time, first token to last; stalled: the part "
+          "of it spent waiting on another\npass's prefill on the same worker (bench/cli_batch.py: each pass on the "
+          "worker that ran it)")
     return {"documents": len(documents), "tokens": tokens, "map_reduced": map_reduced, "runs": figures,
             "unfinished": unfinished}
 

@@ -131,6 +131,8 @@ PASS_SCHEMA = pa.schema(
         ("stop_reason", pa.string()),
         ("worker", pa.string()),
         ("finished_at", pa.float64()),
+        ("prefill_s", pa.float64()),  # its prefill on that worker, first token included; null in parts of older trees
+        ("decode_s", pa.float64()),  # its decode there, first token to last
     ]
 )
 

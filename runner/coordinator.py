@@ -329,7 +329,8 @@ class Coordinator:
             self.checkpoint.add_passes(rows)
         for row in rows:
             self.log.info("pass_kept", task_id=row["task_id"], doc_id=row["doc_id"], level=row["level"],
-                          index=row["index"], worker=row["worker"])
+                          index=row["index"], worker=row["worker"], finished_at=row["finished_at"],
+                          prefill_s=row["prefill_s"], decode_s=row["decode_s"], new_tokens=len(row["tokens"]))
 
     # -- one attempt ----------------------------------------------------------------------------
     def _attempt(self, worker: Worker, run: TaskRun) -> TaskOutcome:

@@ -41,6 +41,8 @@ class PassRow(TypedDict):
     stop_reason: str  # jobs.stopping.StopReason
     worker: str  # the "host:pid" that ran it
     finished_at: float
+    prefill_s: float | None  # how long it took there (None: kept by an older tree), so a timeline can place it
+    decode_s: float | None
 
 
 def _task_folder(job_dir: Where, task_id: str) -> Location:

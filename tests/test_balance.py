@@ -227,6 +227,13 @@ def test_a_long_documents_chunks_run_on_both_workers_from_the_start(ray_address,
     assert merges == 1 + dealt["gpl-3"]["chunks"], steps
     # every pass the task ran counts as its own: none reused, and its timings include the dealt ones
     assert all(r["passes_reused"] == 0 and r["prefill_s"] > 0 for r in dealt.values())
+    # each kept pass says what it took on the worker that ran it, so a timeline can place every pass
+    # there; a document's passes add up to its row
+    for doc, row in dealt.items():
+        own = [e for e in kept if e["doc_id"] == doc]
+        assert all(e["prefill_s"] > 0 and e["decode_s"] >= 0 and e["new_tokens"] > 0 for e in own), own
+        assert sum(e["prefill_s"] for e in own) == pytest.approx(row["prefill_s"]), doc
+        assert sum(e["decode_s"] for e in own) == pytest.approx(row["decode_s"]), doc
     # with a slot free for each of its chunks, a document's worker decodes them side by side: none is dealt
     roomy = results["roomy"]
     assert max(roomy[doc]["chunks"] for doc in LONG) <= 16 and {r["summary"] for r in roomy.values()} == {

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import psutil
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
@@ -25,7 +26,7 @@ from runner.engine.generation import Generation
 from runner.engine.pass_book import PassBook, settings_fingerprint
 from storage.checkpoint import CheckpointLog, load_state
 from storage.lease import LeaseLostError
-from storage.parts import list_parts, read_parts
+from storage.parts import list_parts, read_parts, write_part
 from storage.passes import PassRow, read_passes, tasks_with_passes
 from tests.helpers.cli import (
     LICENSES,
@@ -252,6 +253,7 @@ def test_a_pass_is_found_by_what_it_was_given_whatever_the_context_and_lost_with
     assert first.find([1, 2, 3], 16).tokens == [7, 8]  # another rung of the same attempt finds it
     kept = first.handed_back()
     assert [row["tokens"] for row in kept] == [[7, 8]] and first.handed_back() == []  # handed back once
+    assert (kept[0]["prefill_s"], kept[0]["decode_s"]) == (0.5, 1.0)  # what it took, for a timeline
     # a shorter context's plan that gives this pass the same prompt reuses it; another prompt or limit does not
     again = book(kept, fingerprint, context_tokens=256)
     found = again.find([1, 2, 3], 16)
@@ -309,7 +311,8 @@ def test_a_pass_counts_as_collected_only_once_the_coordinator_asks_again():
 
 def _pass(task_id: str, key: str) -> PassRow:
     return PassRow(task_id=task_id, doc_id=task_id, key=key, fingerprint="f", level=0, index=0, context_tokens=512,
-                   prompt_tokens=3, tokens=[7], text="7", stop_reason="eos", worker="w", finished_at=0.0)
+                   prompt_tokens=3, tokens=[7], text="7", stop_reason="eos", worker="w", finished_at=0.0,
+                   prefill_s=0.5, decode_s=1.0)
 
 
 def test_the_checkpoint_log_publishes_passes_fenced_and_drops_those_of_a_document_it_publishes_done(tmp_path):
@@ -332,3 +335,13 @@ def test_the_checkpoint_log_publishes_passes_fenced_and_drops_those_of_a_documen
     with pytest.raises(LeaseLostError):
         log.flush()
     assert sorted(row["key"] for row in read_passes(tmp_path, "t-a")) == ["k1", "k3"]  # nothing written unfenced
+
+
+def test_a_pass_kept_by_a_tree_before_pass_timings_still_resumes_with_none(tmp_path):
+    """A job folder from before passes said their timings: its parts lack the two columns, which read as null."""
+    older = pa.schema([field for field in PASS_SCHEMA if field.name not in ("prefill_s", "decode_s")])
+    row = {name: value for name, value in _pass("t-a", "k1").items() if name in older.names}
+    write_part(tmp_path / "passes" / "t-a", pa.Table.from_pylist([row], schema=older))
+    [read] = read_passes(tmp_path, "t-a")
+    assert read["key"] == "k1" and read["tokens"] == [7]
+    assert (read["prefill_s"], read["decode_s"]) == (None, None)

@@ -95,7 +95,8 @@ class PassBook:
         row = PassRow(task_id=self._task_id, doc_id=self._doc_id, key=key, fingerprint=self._fingerprint,
                       level=level, index=index, context_tokens=self._context_tokens, prompt_tokens=len(prompt_ids),
                       tokens=generation.tokens, text=self._decode(generation.tokens),
-                      stop_reason=str(generation.stop_reason), worker=self._worker, finished_at=time.time())
+                      stop_reason=str(generation.stop_reason), worker=self._worker, finished_at=time.time(),
+                      prefill_s=generation.ttft_s, decode_s=generation.decode_s)
         with self._collected:
             self._known[key] = row
             self._finished.append(row)
