@@ -227,7 +227,8 @@ class WorkerPool:
             self.kill_all()
             raise
         self._slots = {w: _Slot(f"worker slot {i}", infos[w]["worker"]) for i, w in enumerate(self.workers)}
-        return [infos[w] for w in self.workers]
+        # the slot too: job.log names a slot where work is handed out, a process where it ran
+        return [{**infos[w], "slot": self._slots[w].name} for w in self.workers]
 
     def _await_start(self, give_up: Callable[[], bool], gpus: float) -> dict[Worker, dict[str, Any]]:
         """Each worker's info once it is up; polled, so a signal or the deadline ends the wait."""
