@@ -65,20 +65,6 @@ class TaskOutcome(TypedDict, total=False):
 
 
 @dataclass(frozen=True)
-class PassTiming:
-    """A dealt pass's timings (from its own outcome), handed to the task's attempt that uses the pass:
-    the task's row times every pass it ran, wherever it ran."""
-
-    ttft_s: float
-    decode_s: float
-    batch_size: float
-
-    @classmethod
-    def of(cls, outcome: TaskOutcome) -> PassTiming:
-        return cls(outcome["ttft_s"], outcome["decode_s"], outcome["batch_size"])
-
-
-@dataclass(frozen=True)
 class DealtPass:
     """One pass of a task's first level (a chunk), as the coordinator deals it out to any worker."""
 

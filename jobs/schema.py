@@ -133,6 +133,7 @@ PASS_SCHEMA = pa.schema(
         ("finished_at", pa.float64()),
         ("prefill_s", pa.float64()),  # its prefill on that worker, first token included; null in parts of older trees
         ("decode_s", pa.float64()),  # its decode there, first token to last
+        ("batch_size", pa.float64()),  # mean sequences that shared its decode steps
     ]
 )
 

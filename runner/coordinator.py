@@ -46,7 +46,7 @@ from tenacity.stop import stop_base
 from jobs.balance import expected_decode_tokens, expected_passes, expected_work, may_take, merge_work, pass_work
 from jobs.config import JobConfig, RetryConfig
 from jobs.faults import FaultRule
-from jobs.outcome import DealtPass, PassTiming, TaskOutcome, with_dealt_passes
+from jobs.outcome import DealtPass, TaskOutcome, with_dealt_passes
 from jobs.policy import FINAL_CLASSES, FailureClass, context_fallback_note, shorter_context
 from jobs.task import Task
 from runner.node_sweeper import NodeSweeper
@@ -104,8 +104,8 @@ class TaskRun:
     dealt_at: int = 0  # the context its first level was dealt out at (0: not yet)
     dealt_chunks: int = 0  # its chunks when they were dealt out (0: not dealt): then only its merges are left
     passes_out: int = 0  # its passes dealt out and not ended yet: the task waits out of the queue until none is
-    dealt: dict[str, PassTiming] = field(default_factory=dict)  # by key: timings of the passes dealt out for
-    # its next attempt, which counts them as its own (not reused)
+    dealt: set[str] = field(default_factory=set)  # keys of the passes dealt out for its next attempt, which
+    # counts them (their timings, from their rows) as its own, not reused
     dealt_outcomes: list[TaskOutcome] = field(default_factory=list)  # of those passes: their cache figures
 
 
@@ -353,7 +353,7 @@ class Coordinator:
             own = self._lost(slot, run, lost)
             raise
         finally:
-            run.dealt = {}  # the attempt counted them as its own: the next one reuses them
+            run.dealt = set()  # the attempt counted them as its own: the next one reuses them
             run.slow_alerted = self.recorder.stopped(run.task)
             if own:
                 run.tries_at_context += 1
@@ -427,7 +427,7 @@ class Coordinator:
                 self.recorder.worker_lost(self.pool.slot_name(worker), lost.error_type, None)
             outcome = _transient_failure(lost)
         if outcome["status"] == "done":
-            run.dealt[dealt.key] = PassTiming.of(outcome)
+            run.dealt.add(dealt.key)
             run.dealt_outcomes.append(outcome)
         else:
             self.log.warning("dealt_pass_failed", task_id=run.task.task_id, doc_id=run.task.doc_id, index=dealt.index,

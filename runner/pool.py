@@ -31,7 +31,7 @@ from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError, RayEr
 from jobs.config import ConfigError, JobConfig
 from jobs.faults import FaultRule
 from jobs.node_share import workers_per_node, workers_that_fit
-from jobs.outcome import DealtPass, PassTiming, TaskOutcome
+from jobs.outcome import DealtPass, TaskOutcome
 from jobs.task import Task
 from runner.cluster import kill_and_wait
 from runner.worker_actor import WorkerActor
@@ -292,10 +292,10 @@ class WorkerPool:
             return []
 
     def run(self, worker: Worker, task: Task, attempt: int, context_tokens: int, alone: bool, kept: list[PassRow],
-            on_passes: Callable[[list[PassRow]], None], dealt: dict[str, PassTiming] | None = None,
+            on_passes: Callable[[list[PassRow]], None], dealt: set[str] | None = None,
             dealt_pass: DealtPass | None = None) -> TaskOutcome:
         """The worker's outcome for one attempt, handed the passes of the task `kept` before (`dealt`:
-        the timings of those dealt out for it), or for the one pass `dealt_pass`; each pass it finishes
+        the keys of those dealt out for it), or for the one pass `dealt_pass`; each pass it finishes
         goes to `on_passes` while the call runs. Raises `WorkerLost` when its process died or hung.
         `alone`: wait until nothing else runs on the worker and keep it so, so that a loss now is this
         task's own."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jobs.outcome import DealtPass, PassTiming, TaskOutcome
+from jobs.outcome import DealtPass, TaskOutcome
 from jobs.task import Task
 from storage.passes import PassRow
 
@@ -35,6 +35,6 @@ class WorkerActor:
         return self._worker.first_level(task, context_tokens)
 
     def run(self, task: Task, attempt: int, context_tokens: int, kept: list[PassRow], call_id: str = "",
-            dealt: dict[str, PassTiming] | None = None, dealt_pass: DealtPass | None = None,
+            dealt: set[str] | None = None, dealt_pass: DealtPass | None = None,
             ) -> tuple[TaskOutcome, list[PassRow]]:
         return self._worker.run(task, attempt, context_tokens, kept, call_id, dealt, dealt_pass)

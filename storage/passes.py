@@ -43,6 +43,7 @@ class PassRow(TypedDict):
     finished_at: float
     prefill_s: float | None  # how long it took there (None: kept by an older tree), so a timeline can place it
     decode_s: float | None
+    batch_size: float | None
 
 
 def _task_folder(job_dir: Where, task_id: str) -> Location:

@@ -312,7 +312,7 @@ def test_a_pass_counts_as_collected_only_once_the_coordinator_asks_again():
 def _pass(task_id: str, key: str) -> PassRow:
     return PassRow(task_id=task_id, doc_id=task_id, key=key, fingerprint="f", level=0, index=0, context_tokens=512,
                    prompt_tokens=3, tokens=[7], text="7", stop_reason="eos", worker="w", finished_at=0.0,
-                   prefill_s=0.5, decode_s=1.0)
+                   prefill_s=0.5, decode_s=1.0, batch_size=1.0)
 
 
 def test_the_checkpoint_log_publishes_passes_fenced_and_drops_those_of_a_document_it_publishes_done(tmp_path):
@@ -339,7 +339,7 @@ def test_the_checkpoint_log_publishes_passes_fenced_and_drops_those_of_a_documen
 
 def test_a_pass_kept_by_a_tree_before_pass_timings_still_resumes_with_none(tmp_path):
     """A job folder from before passes said their timings: its parts lack the two columns, which read as null."""
-    older = pa.schema([field for field in PASS_SCHEMA if field.name not in ("prefill_s", "decode_s")])
+    older = pa.schema([field for field in PASS_SCHEMA if field.name not in ("prefill_s", "decode_s", "batch_size")])
     row = {name: value for name, value in _pass("t-a", "k1").items() if name in older.names}
     write_part(tmp_path / "passes" / "t-a", pa.Table.from_pylist([row], schema=older))
     [read] = read_passes(tmp_path, "t-a")

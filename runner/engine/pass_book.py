@@ -18,7 +18,6 @@ import time
 from collections.abc import Callable
 
 from jobs.config import JobConfig
-from jobs.outcome import PassTiming
 from jobs.stopping import StopReason
 from runner.engine.generation import Generation
 from storage.passes import PassRow
@@ -50,8 +49,8 @@ class PassBook:
     the coordinator collects them. It never touches the job folder."""
 
     def __init__(self, kept: list[PassRow], task_id: str, doc_id: str, context_tokens: int, fingerprint: str,
-                 decode: Callable[[list[int]], str], worker: str, dealt: dict[str, PassTiming] | None = None) -> None:
-        """`dealt`: the timings of the kept passes that ran as passes dealt out for this attempt, by key."""
+                 decode: Callable[[list[int]], str], worker: str, dealt: set[str] | None = None) -> None:
+        """`dealt`: the keys of the kept passes that ran as passes dealt out for this attempt."""
         self._task_id, self._doc_id = task_id, doc_id
         self._context_tokens = context_tokens
         self._fingerprint = fingerprint
@@ -60,7 +59,7 @@ class PassBook:
         self._lock = threading.Lock()  # the task's thread keeps; the probe thread collects
         self._collected = threading.Condition(self._lock)
         self._known = {row["key"]: row for row in kept if row["fingerprint"] == fingerprint}
-        self._dealt = dict(dealt or {})
+        self._dealt = set(dealt or ())
         self._finished: list[PassRow] = []  # kept here, not yet handed back
         self._unconfirmed = False  # passes were handed back; the coordinator's next question says they arrived
         self._closed = False  # the attempt has ended: a waiting `handed_back` answers at once
@@ -79,13 +78,14 @@ class PassBook:
         key = self.key(prompt_ids, max_new_tokens)
         with self._lock:
             row = self._known.get(key)
-            timing = self._dealt.pop(key, None)
+            dealt = key in self._dealt
+            self._dealt.discard(key)
         if row is None:
             return None
         tokens, stop_reason = list(row["tokens"]), StopReason(row["stop_reason"])
-        if timing is not None:
-            return Generation(tokens=tokens, input_tokens=len(prompt_ids), ttft_s=timing.ttft_s,
-                              decode_s=timing.decode_s, batch_size=timing.batch_size, stop_reason=stop_reason)
+        if dealt:
+            return Generation(tokens=tokens, input_tokens=len(prompt_ids), ttft_s=row["prefill_s"],
+                              decode_s=row["decode_s"], batch_size=row["batch_size"], stop_reason=stop_reason)
         return Generation(tokens=tokens, input_tokens=len(prompt_ids), ttft_s=0.0, decode_s=0.0,
                           stop_reason=stop_reason, reused=True)
 
@@ -96,7 +96,7 @@ class PassBook:
                       level=level, index=index, context_tokens=self._context_tokens, prompt_tokens=len(prompt_ids),
                       tokens=generation.tokens, text=self._decode(generation.tokens),
                       stop_reason=str(generation.stop_reason), worker=self._worker, finished_at=time.time(),
-                      prefill_s=generation.ttft_s, decode_s=generation.decode_s)
+                      prefill_s=generation.ttft_s, decode_s=generation.decode_s, batch_size=generation.batch_size)
         with self._collected:
             self._known[key] = row
             self._finished.append(row)

@@ -35,7 +35,7 @@ from jobs.documents import DocumentError, load_task_text
 from jobs.faults import FaultRule, fault_for
 from jobs.kvplan import estimated_tokens, kv_bytes, plan_rungs
 from jobs.node_share import workers_per_device
-from jobs.outcome import DealtPass, PassTiming, TaskOutcome
+from jobs.outcome import DealtPass, TaskOutcome
 from jobs.policy import FailureClass, cache_fallback_note
 from jobs.rungs import RUNGS
 from jobs.task import Task
@@ -240,10 +240,10 @@ class SummaryWorker:
                 for i, ids in enumerate(first.prompts)]
 
     def run(self, task: Task, attempt: int, context_tokens: int, kept: list[PassRow], call_id: str = "",
-            dealt: dict[str, PassTiming] | None = None, dealt_pass: DealtPass | None = None,
+            dealt: set[str] | None = None, dealt_pass: DealtPass | None = None,
             ) -> tuple[TaskOutcome, list[PassRow]]:
         """Summarise one task, reusing the passes in `kept` that it would run again (`dealt`: the
-        timings of those that ran dealt out for this attempt); or with `dealt_pass`, run that one pass of
+        keys of those that ran dealt out for this attempt); or with `dealt_pass`, run that one pass of
         it alone, on this worker's cache ladder. Returns an outcome (never raises for an expected
         failure) and the passes finished that `progress` has not handed back yet. `call_id` names the
         call for `progress`."""
@@ -282,7 +282,7 @@ class SummaryWorker:
         return str(task.overrides.get("prompt", self.cfg.summarize.prompt))
 
     def _request(self, task: Task, attempt: int, context_tokens: int, kept: list[PassRow],
-                 dealt: dict[str, PassTiming] | None, dealt_pass: DealtPass | None) -> TaskRequest:
+                 dealt: set[str] | None, dealt_pass: DealtPass | None) -> TaskRequest:
         return TaskRequest(
             task=task, attempt=attempt, context_tokens=context_tokens,
             text="" if dealt_pass is not None else load_task_text(task),
