@@ -66,6 +66,14 @@ def job_lock(path: Where, ttl_s: float | None = None) -> HeldLock:
     return JobLease(location, ttl_s)
 
 
+def _expires(raw: bytes) -> float | None:
+    """The wall-clock expiry a lease record states, for people: no decision compares it."""
+    try:
+        return float(json.loads(raw)["expires"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
 class _S3Object:
     """One S3 object that is only ever written under a condition (boto3: pyarrow sends no If-Match)."""
 
@@ -233,12 +241,12 @@ class JobLease(HeldLock):
                 if seen == "gone":
                     continue
                 if seen == "changed":
-                    raise JobLockedError(self._refusal(holder) + " (it keeps renewing its lease)")
+                    raise JobLockedError(self._refusal_now(holder))
                 why = f"its lease expired (not renewed for {ttl_s:g} s)"
             sent = _clock()
             taken = self._store.replace(self._record(), etag)
-            if taken is None:  # renewed, released or taken by another taker meanwhile
-                raise JobLockedError(self._refusal(holder))
+            if taken is None:  # renewed, released or taken by another taker meanwhile: judge who holds it now
+                continue
             self._took(taken, sent)
             self.takeover_message = (
                 self._takeover(holder, why) if holder else f"took over lease {self.location} of an unreadable record"
@@ -249,6 +257,17 @@ class JobLease(HeldLock):
             raise JobLockedError(f"{self._refusal(None)} (its lease keeps appearing and disappearing)")
         self._renewer = threading.Thread(target=self._renew, name="job-lease", daemon=True)
         self._renewer.start()
+
+    def _refusal_now(self, watched: ProcessOwner | None) -> str:
+        """The refusal naming whom the lease names now, not the `watched` record: while this taker
+        watched a dead coordinator's lease, another taker may have taken it over."""
+        current = self._read()
+        if current is None:
+            return self._refusal(None)
+        holder = parse_owner(current[0])
+        if holder is not None and holder == watched:
+            return self._refusal(holder) + " (it keeps renewing its lease)"
+        return self._refusal(holder, _expires(current[0])) + " (it took the lease over while this one waited)"
 
     # -- holding it --------------------------------------------------------------------------
     def _lose(self, why: str) -> None:

@@ -87,10 +87,22 @@ class HeldLock(ABC):
     def check(self) -> None:
         """The fence: every publish into the job folder calls this first; raises once the lock is lost."""
 
-    def _refusal(self, holder: ProcessOwner | None) -> str:
+    def _refusal(self, holder: ProcessOwner | None, expires: float | None = None) -> str:
+        """Why the lock cannot be taken, naming its holder only as running when it is: a record may name a
+        process that is gone (a lease a killed coordinator left, whose TTL has not run out)."""
+        folder = self.location.parent
+        if holder is not None and holder.liveness() in (OwnerLiveness.DEAD, OwnerLiveness.PID_REUSED):
+            gone = f"its lock names {holder.describe()}, which is no longer running"
+            if expires is not None:
+                left = max(0.0, expires - time.time())
+                at = time.strftime("%H:%M:%S", time.localtime(expires))
+                return (f"job folder {folder} is locked: {gone}; its lease expires at {at} (in {left:.0f} s), "
+                        f"run the command again then")
+            return (f"job folder {folder} is locked by another process ({gone}); wait for that process to end, "
+                    f"then run the command again")
         who = holder.describe() if holder else "another process"
         return (
-            f"job folder {self.location.parent} is in use by a running coordinator ({who}); "
+            f"job folder {folder} is in use by a running coordinator ({who}); "
             f"wait for it to finish or stop it, then run the command again"
         )
 

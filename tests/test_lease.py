@@ -14,6 +14,7 @@ from storage.lease import JobLease, LeaseLostError, job_lock
 from storage.location import Location
 from storage.lock import JobLockedError
 from storage.parts import list_parts
+from tests.helpers.child_process import Child
 from tests.helpers.results import done_row
 
 
@@ -80,3 +81,37 @@ def test_a_lease_renewal_refused_by_the_store_stops_every_write(s3: str, tmp_pat
             log.close()
     assert json.loads((job / ".lock").read_bytes())["token"] == "z", "the lost lease's release left the taker's record"
     assert load_state(job).done_task_ids == {"t-a"} and len(list_parts(job / "results")) == 1
+
+
+#: takes the job lease of argv[1] (TTL argv[2]) in its own process and holds it: a resume's coordinator
+TAKER = """
+import logging, sys, time
+from storage.lease import JobLease
+logging.basicConfig(stream=sys.stdout, level=logging.WARNING, format="%(message)s")
+lease = JobLease(sys.argv[1], ttl_s=float(sys.argv[2]))
+lease.acquire()
+print(f"held since {time.monotonic()}", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_taker_refused_while_another_takes_over_a_dead_lease_names_the_live_one(s3: str) -> None:
+    """A killed coordinator's lease (from another host: judged only by a TTL without renewal); resume A
+    waits it out and takes it, resume B, which began waiting meanwhile, is refused naming A, never the dead one."""
+    lock = Location.of(f"{s3}/dead-lease-job/.lock")
+    killed = {"host": "lost-node", "pid": 4242, "start_time": 0.0, "token": "k", "expires": time.time() + 3600}
+    lock.write_bytes_atomic(json.dumps(killed).encode(), ".lock.tmp")
+    a = Child(TAKER, str(lock), "3")
+    try:
+        assert "waiting up to" in a.read_line()  # A watches the dead lease
+        b_started = time.monotonic()
+        with pytest.raises(JobLockedError) as refused:
+            JobLease(lock, ttl_s=3.0).acquire()
+        while not (line := a.read_line()).startswith("held since "):
+            pass  # A's takeover message
+        a_took = float(line.split()[-1])
+        assert b_started < a_took, "B began waiting before A took the lease over"
+        assert f"pid {a.pid} on host" in str(refused.value) and "4242" not in str(refused.value), refused.value
+    finally:
+        a.kill()
+

@@ -42,6 +42,31 @@ def test_second_coordinator_is_refused_then_takes_over_when_the_first_dies(tmp_p
     assert not lock_path.exists()
 
 
+def test_a_refusal_names_the_live_holder_and_never_calls_a_dead_one_running(tmp_path: Path) -> None:
+    """kill -9 of a coordinator, resume A takes its lock, resume B is refused naming A; a record that names
+    the killed one while A holds the flock (planted) is called gone, not "a running coordinator"."""
+    lock_path = tmp_path / ".lock"
+    killed = Child(HOLD_LOCK, str(lock_path))
+    assert killed.read_line() == "locked"
+    killed_record = lock_path.read_text()
+    killed.kill()
+    taker = Child(HOLD_LOCK, str(lock_path))
+    try:
+        assert taker.read_line() == "locked"
+        with pytest.raises(JobLockedError) as refused:
+            JobLock(lock_path).acquire()
+        assert f"running coordinator (pid {taker.pid} " in str(refused.value), refused.value
+        assert f"pid {killed.pid} " not in str(refused.value), refused.value
+        lock_path.write_text(killed_record)  # the same file, its flock still the taker's
+        with pytest.raises(JobLockedError) as refused:
+            JobLock(lock_path).acquire()
+        message = str(refused.value)
+        assert "running coordinator" not in message, message
+        assert f"pid {killed.pid} on host {socket.gethostname()}, which is no longer running" in message, message
+    finally:
+        taker.kill()
+
+
 def test_lock_released_cleanly_is_taken_without_a_message(tmp_path: Path) -> None:
     lock_path = tmp_path / ".lock"
     Child("""
