@@ -33,7 +33,7 @@ from storage.export import result_rows
 
 __all__ = ["Job", "__version__", "results", "resume", "submit"]
 
-#: exit codes that mean every document reached an end (3: some of them failed)
+#: exit codes that mean every document reached an end (3: some of them failed or were rejected)
 _FINISHED = (0, 3)
 
 
@@ -42,11 +42,12 @@ class Job:
     """A batch that ran: its folder and how it ended."""
 
     job_dir: str
-    exit_code: int  # the CLI's: 0 all done, 3 some failed, 4/6/130 stopped early (resume it), ...
+    exit_code: int  # the CLI's: 0 all done, 3 some failed or rejected, 4/6/130 stopped early (resume it), ...
 
     @property
     def finished(self) -> bool:
-        """Every document has ended, done or failed; otherwise `resume(job_dir)` runs the rest."""
+        """Every document has ended, done, failed or rejected (exit 3 when any is not done); otherwise
+        `resume(job_dir)` runs the rest."""
         return self.exit_code in _FINISHED
 
 

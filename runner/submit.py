@@ -294,10 +294,12 @@ def _final_report(job: JobDir, state: JobState, console: Console) -> int:
     done, failed, rejected = len(state.done_task_ids), len(state.failed_task_ids), len(state.rejected_task_ids)
     console.print(f"done {done}, failed {failed}, rejected {rejected}; results in {escape(str(job.results))}")
     console.print(f"export: kvbatch results {escape(str(job.path))} -o summaries.jsonl")
-    if failed:
-        console.print(f"[red]{failed} document(s) failed: kvbatch results {escape(str(job.path))} --errors")
-        return EXIT_FAILED_TASKS
-    if rejected and not done:
-        console.print(f"[red]every document was rejected, none was summarised: kvbatch results {escape(str(job.path))} --errors")
-        return EXIT_FAILED_TASKS
-    return EXIT_OK
+    if not failed and not rejected:
+        return EXIT_OK
+    # one rule for the CLI and the API: a run that left any document undone, failed or rejected, exits 3
+    if rejected and not done and not failed:
+        what = "every document was rejected, none was summarised"
+    else:
+        what = ", ".join(f"{n} document(s) {word}" for n, word in ((failed, "failed"), (rejected, "rejected")) if n)
+    console.print(f"[red]{what}: kvbatch results {escape(str(job.path))} --errors")
+    return EXIT_FAILED_TASKS

@@ -41,8 +41,8 @@ def test_a_batch_from_python_returns_rows_in_input_order(ray_address, tmp_path: 
                           env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.splitlines()[-1])
-    assert out["job"] == ["job", 0, True]  # a rejected row is reported, not a failure of the batch
-    assert out["again"] == [0, True]  # nothing left to run
+    assert out["job"] == ["job", 3, True]  # every document ended, but one was left undone: exit 3, as the CLI's
+    assert out["again"] == [3, True]  # nothing left to run, the rejected row still undone
     rows = out["rows"]
     assert [r["doc_id"] for r in rows] == ["long", "nothing", "short"]
     assert [r["status"] for r in rows] == ["done", "rejected", "done"]

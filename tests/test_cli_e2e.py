@@ -31,7 +31,7 @@ def finished_job(ray_address, tmp_path_factory):
     manifest = write_jsonl(tmp / "manifest.jsonl", rows)
     job = tmp / "job"
     proc = kvbatch("submit", str(manifest), "-c", str(TINY_CONFIG), "-j", str(job),
-                   "--address", ray_address, "--set", "workers.count=1", check=0)
+                   "--address", ray_address, "--set", "workers.count=1", check=3)  # 3: rows were rejected
     return job, proc
 
 

@@ -178,7 +178,7 @@ def test_submit_a_folder_resume_and_export_the_text(collection: Path, tmp_path: 
     assert json.loads((job / "job.json").read_text())["manifest"]["path"] == str(job / "input-manifest.jsonl")
     assert {r["doc_id"]: r["status"] for r in export_rows(job)}["lease.pdf"] == "failed"
 
-    kvbatch("resume", str(job), "--retry-failed", "--address", ray_address, check=0)
+    kvbatch("resume", str(job), "--retry-failed", "--address", ray_address, check=3)
     rows = {r["doc_id"]: r for r in export_rows(job, "--with-text")}
     assert {d for d, r in rows.items() if r["status"] == "done"} == set(ACCEPTED)
     assert {d for d, r in rows.items() if r["status"] == "rejected"} == set(REJECTED)
@@ -197,7 +197,7 @@ def glob_job(collection: Path, tmp_path_factory: pytest.TempPathFactory, ray_add
     """`kvbatch submit DIR --glob '*.pdf'`: one PDF done, two rejected."""
     job = tmp_path_factory.mktemp("glob") / "job"
     kvbatch("submit", str(collection), "--glob", "*.pdf", "-c", str(TINY_CONFIG), "-j", str(job),
-            "--address", ray_address, "--set", "workers.count=1", check=0)
+            "--address", ray_address, "--set", "workers.count=1", check=3)
     return job
 
 

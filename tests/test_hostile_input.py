@@ -188,7 +188,7 @@ def test_strict_submit_of_a_hostile_manifest_names_every_row_reads_nothing_big_a
 def test_the_batch_goes_on_past_hostile_rows_and_exports_them_as_errors(tmp_path: Path, ray_address: str) -> None:
     manifest, config = _write_hostile(tmp_path)
     job = tmp_path / "job"
-    proc = kvbatch("submit", str(manifest), "-c", str(config), "-j", str(job), "--address", ray_address, check=0)
+    proc = kvbatch("submit", str(manifest), "-c", str(config), "-j", str(job), "--address", ray_address, check=3)
     assert "Traceback" not in proc.stderr + proc.stdout
     rows = {r["task_id"]: r for r in export_rows(job)}
     done = sorted(r["doc_id"] for r in rows.values() if r["status"] == "done")

@@ -289,7 +289,7 @@ def test_a_folder_on_s3_is_submitted_with_glob_and_a_manifest_uri_reads_document
             out.write((local / name).read_bytes())
     job = tmp_path / "job"
     proc = kvbatch("submit", f"{s3}/collection/", "--glob", "*.pdf", "-c", str(TINY_CONFIG), "-j", str(job),
-                   "--address", s3_ray, check=0)
+                   "--address", s3_ray, check=3)
     assert "2 document(s) in s3://" in proc.stdout
     rows = {r["doc_id"]: r for r in export_rows(job, "--with-text")}
     assert {d: r["status"] for d, r in rows.items()} == {"lease.pdf": "done", "scan.pdf": "rejected"}
