@@ -2,8 +2,10 @@
 
 Documents come from user manifests, so every path is hostile until proven otherwise: the size
 limit is checked before a byte is read, only regular files are opened (a FIFO would block
-forever, a device would never end), and `documents_root` is enforced on the path *after*
-symlinks and `..` are resolved, so neither can be used to escape it. A document named by a storage
+forever, a device would never end), never a file of a pseudo file system (`/proc/self/environ` is
+"regular", 0 bytes by its size, and reads as the process's environment, credentials included), and
+`documents_root` is enforced on the path *after* symlinks and `..` are resolved, so neither can be
+used to escape it. A document named by a storage
 URI (s3://, gs://, file://) is read through pyarrow's filesystems under the same size and text rules.
 The size limit applies to the file as read (decompressed for `.gz`; for a DOCX, also to what its ZIP
 expands to, checked from its directory before expanding), not to the text extracted from it.
@@ -71,6 +73,49 @@ def _kind_problem(mode: int) -> str | None:
     return "is not a regular file (socket or other special file): give the path of a text file"
 
 
+#: File systems whose files the kernel makes up as they are read (a process's environment or memory, kernel
+#: state): never a document, though their files look regular.
+PSEUDO_FILE_SYSTEMS = frozenset({
+    "proc", "sysfs", "devtmpfs", "devpts", "cgroup", "cgroup2", "debugfs", "tracefs", "securityfs", "configfs",
+    "bpf", "pstore", "efivarfs", "fusectl", "binfmt_misc", "selinuxfs", "nsfs", "mqueue",
+})
+#: Where Linux mounts them: refused by path too, should the mount table not be readable.
+PSEUDO_ROOTS = (Path("/proc"), Path("/sys"))
+MOUNT_TABLE = Path("/proc/self/mountinfo")
+
+
+def _mounted_file_system(device: int) -> str | None:
+    """The type of the file system mounted from `device` (st_dev), from this process's mount table."""
+    wanted = f"{os.major(device)}:{os.minor(device)}"
+    try:
+        lines = MOUNT_TABLE.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return None
+    for line in lines:  # "36 35 0:21 / /proc rw,... shared:5 - proc proc rw" (proc(5))
+        fields, _, after = line.partition(" - ")
+        parts = fields.split()
+        if len(parts) > 2 and parts[2] == wanted and after:
+            return after.split()[0]
+    return None
+
+
+def pseudo_file_system(resolved: Path, device: int) -> str | None:
+    """The pseudo file system `resolved` (symlinks resolved) lies on, by its device `device` or its path;
+    None for a file system that holds files people wrote."""
+    # a pseudo file system has no block device (major 0); neither has tmpfs, NFS or overlay: look those up
+    if os.major(device) == 0 and (kind := _mounted_file_system(device)) in PSEUDO_FILE_SYSTEMS:
+        return kind
+    return next((str(root) for root in PSEUDO_ROOTS if resolved.is_relative_to(root)), None)
+
+
+def _refuse_pseudo(resolved: Path, device: int) -> None:
+    if (kind := pseudo_file_system(resolved, device)) is not None:
+        raise DocumentError(
+            f"{resolved} is on a pseudo file system ({kind}): the kernel makes its bytes up as it is read (a "
+            "process's environment, kernel state), it is no document: copy the text into a regular file"
+        )
+
+
 def resolve_document_path(path: Path, documents_root: Path | None) -> Path:
     """The real location of `path` (symlinks and `..` resolved), which must lie inside the root."""
     if "\x00" in str(path):
@@ -117,6 +162,7 @@ def read_document(path: Path, max_bytes: int, documents_root: Path | None, rerea
         raise DocumentError(f"file {resolved} cannot be read ({e.strerror or e}): check the path") from None
     if problem := _kind_problem(st.st_mode):
         raise DocumentError(f"{resolved} {problem}")
+    _refuse_pseudo(resolved, st.st_dev)
     check_size_before_reading(resolved, st.st_size, max_bytes)
     try:
         # O_NONBLOCK: if the file was swapped for a FIFO since stat(), opening must not hang.
@@ -127,8 +173,10 @@ def read_document(path: Path, max_bytes: int, documents_root: Path | None, rerea
         ) from None
     try:
         with open(fd, "rb") as raw:
-            if problem := _kind_problem(os.fstat(fd).st_mode):
+            opened = os.fstat(fd)  # what was opened, should the path have been swapped since stat()
+            if problem := _kind_problem(opened.st_mode):
                 raise DocumentError(f"{resolved} {problem}")
+            _refuse_pseudo(resolved, opened.st_dev)
             return _text_of(raw, resolved, max_bytes, None if rereading else max_bytes)
     except OSError as e:
         raise DocumentError(f"file {resolved} cannot be read ({e.strerror or e}): check the disk and the file") from None
@@ -161,6 +209,10 @@ def read_uri_document(uri: str, max_bytes: int, rereading: bool = False) -> Extr
     """The text of a document on shared storage (s3://, gs://, file://); `rereading` as for read_document."""
     try:
         fs, path = filesystem_of(uri)
+        if isinstance(fs, pafs.LocalFileSystem):  # a file:// URI: the local rules on its real path
+            local = Path(path).resolve()
+            if local.exists():
+                _refuse_pseudo(local, local.stat().st_dev)
         info = fs.get_file_info(path)
         if info.type == pafs.FileType.NotFound:
             raise DocumentError(f"{uri} does not exist: fix the URI or upload the document")

@@ -199,3 +199,33 @@ def test_the_batch_goes_on_past_hostile_rows_and_exports_them_as_errors(tmp_path
     for doc_id, reason in EXPECTED_REASONS.items():
         assert reason in by_id[doc_id]
     assert sorted(r["task_id"] for r in errors if r["doc_id"] is None) == ["t000002", "t000003"]  # cut JSON, NULs
+
+
+def test_pseudo_files_are_rejected_rows_naming_the_path_listed_or_linked(tmp_path: Path) -> None:
+    """`/proc/self/environ` would give submit's environment (credentials included) to the model and the
+    results: as a row's path, through a symlink in a documents folder, and in a submitted folder."""
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    (docs / "good.txt").write_text("An ordinary document about licences.\n")
+    (docs / "notes.txt").symlink_to("/proc/self/environ")
+    manifest = write_jsonl(tmp_path / "m.jsonl", [
+        {"id": "environ", "path": "/proc/self/environ"},
+        {"id": "linked", "path": "docs/notes.txt"},
+        {"id": "sys", "path": "/sys/devices/system/cpu/online"},
+        {"id": "good", "path": "docs/good.txt"},
+    ])
+    secret = {"KVBATCH_TEST_SECRET": "do-not-leak-7f3a"}
+    listed = refusal("submit", str(manifest), "-c", str(TINY_CONFIG), "-j", str(tmp_path / "job"), "--strict",
+                     env=secret)
+    folder = refusal("submit", str(docs), "-c", str(TINY_CONFIG), "-j", str(tmp_path / "job2"), "--strict",
+                     env=secret)
+    for proc in (listed, folder):
+        assert "do-not-leak" not in proc.stdout + proc.stderr and "Traceback" not in proc.stdout + proc.stderr
+    lines = " ".join(listed.stdout.split()).split(" row ")
+    for doc_id, path in (("environ", "'/proc/self/environ'"), ("linked", "'docs/notes.txt'"),
+                         ("sys", "'/sys/devices/system/cpu/online'")):
+        assert any(f"(id {doc_id!r}): 'path' {path}: " in line and "is on a pseudo file system" in line
+                   for line in lines), (doc_id, listed.stdout)
+    assert "3 manifest row(s) rejected" in listed.stdout
+    out = " ".join(folder.stdout.split())
+    assert "1 manifest row(s) rejected" in out and "(id 'notes.txt')" in out and "pseudo file system (proc)" in out

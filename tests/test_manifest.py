@@ -275,7 +275,7 @@ def test_unusable_document_files_are_rejected_with_the_path_and_a_fix(tmp_path: 
         {"id": "dir", "path": "docs/subdir"},
         {"id": "device", "path": "/dev/zero"},
         {"id": "dangling", "path": "docs/dangling"},
-        {"id": "eio", "path": "/proc/self/mem"},  # a regular file whose read fails with EIO, even for root
+        {"id": "mem", "path": "/proc/self/mem"},  # "regular", but the kernel's: never read
         {"id": "good", "path": "docs/bsd.txt"},
     ]
     started = time.monotonic()
@@ -292,7 +292,7 @@ def test_unusable_document_files_are_rejected_with_the_path_and_a_fix(tmp_path: 
     assert "is a directory" in reasons["dir"]
     assert "is a device" in reasons["device"]
     assert "nowhere.txt does not exist" in reasons["dangling"]
-    assert "cannot be read (Input/output error)" in reasons["eio"]
+    assert "is on a pseudo file system (proc)" in reasons["mem"]
     assert reasons["missing"].startswith("m.jsonl line 1 (id 'missing'): 'path' 'docs/nope.txt': ")
 
 
