@@ -98,15 +98,33 @@ def _start_reaper() -> None:
     dashboard and runtime-env agents are the raylet's children: after a `kill -9` of the driver they see
     the raylet die within seconds, then report that death through the GCS, which died with it, and wait
     out that call's 60 s timeout (and more), orphaned. A small process of its own, which outlives the
-    driver, kills every process the driver started once the pipe from the driver closes. Process start
-    times guard against pids reused meanwhile.
+    driver, kills the processes this Ray started once the pipe from the driver closes: those its node
+    reports (GCS, raylet, ...) and their children, never another child of the caller's (a `kvbatch.submit`
+    caller's own subprocesses). Process start times guard against pids reused meanwhile.
     """
     import psutil
 
-    family = [f"{p.pid}:{p.create_time()}" for p in psutil.Process().children(recursive=True)]
+    family = [f"{p.pid}:{p.create_time()}" for p in _ray_processes()]
     reaper = subprocess.Popen([sys.executable, "-c", _REAPER, *family], stdin=subprocess.PIPE,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     _reapers.append(reaper)
+
+
+def _ray_processes() -> list[Any]:
+    """The processes of the private Ray this driver started (psutil.Process), as its node lists them, with
+    every child they have started so far (the raylet's agents and workers)."""
+    import psutil
+
+    from ray._private import worker as ray_worker
+
+    processes = []
+    for _, popen in ray_worker._global_node.live_processes():
+        try:
+            process = psutil.Process(popen.pid)
+            processes += [process, *process.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            continue
+    return processes
 
 
 #: The reapers of this process's private Rays: each one's stdin closes with the process, or after ray.shutdown().

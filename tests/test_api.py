@@ -67,3 +67,31 @@ def test_a_bad_setting_raises_before_anything_is_made(tmp_path: Path) -> None:
         kvbatch.submit([{"id": "a", "text": "hello"}], job_dir=tmp_path / "job", settings={"cache.stratgy": "dynamic"},
                        quiet=True)
     assert not (tmp_path / "job").exists()
+
+
+#: a caller with children of its own (a plain subprocess and a multiprocessing one) runs a batch on a private Ray
+CALLER_WITH_CHILDREN = """
+import json, multiprocessing, subprocess, sys, time
+import kvbatch
+if __name__ == "__main__":
+    sleeper = subprocess.Popen(["sleep", "1000"])
+    helper = multiprocessing.Process(target=time.sleep, args=(1000,))
+    helper.start()
+    job = kvbatch.submit([{"id": "a", "text": "The board met on Monday and approved the budget."}], job_dir="job",
+                         config=sys.argv[1], settings={"workers.count": 1}, quiet=True)
+    # submit returned after the private Ray's reaper ended: a child it killed died of SIGKILL before this SIGTERM
+    sleeper.terminate()
+    helper.terminate()
+    helper.join()
+    print(json.dumps({"exit_code": job.exit_code, "sleeper": sleeper.wait(), "helper": helper.exitcode}), flush=True)
+"""
+
+
+def test_a_batch_leaves_the_callers_own_child_processes_alone(tmp_path: Path) -> None:
+    """The private Ray's reaper killed every child of the process alive after ray.init: the caller's too."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.run([sys.executable, "-c", CALLER_WITH_CHILDREN, str(TINY_CONFIG)], cwd=tmp_path,
+                          env={**env, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.splitlines()[-1])
+    assert out == {"exit_code": 0, "sleeper": -15, "helper": -15}, out  # alive until the caller ended them
