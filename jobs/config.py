@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 from pathlib import Path
 from types import UnionType
 from typing import Any, Literal, Union, get_args, get_origin
@@ -46,11 +47,19 @@ MIN_SEED = -(2**63)
 MAX_CONFIG_VALUES = 10_000
 """Values (list items, mapping entries) a config may expand to; a YAML alias bomb expands to billions."""
 
+MAX_CONFIG_BYTES = 1 << 20
+"""The largest config file read: every key with a long prompt is a few KiB; `-c /dev/urandom` never ends."""
+
 #: torch's device types (torch.device's parser), so jobs/ checks `model.device` without importing torch.
 TORCH_DEVICE_TYPES = ("cpu", "cuda", "ipu", "xpu", "mkldnn", "opengl", "opencl", "ideep", "hip", "ve", "fpga",
                       "maia", "xla", "lazy", "vulkan", "mps", "meta", "hpu", "mtia", "privateuseone")
 _DEVICE = re.compile(rf"({'|'.join(TORCH_DEVICE_TYPES)})(?::(0|[1-9][0-9]*))?")
 _MAX_DEVICE_INDEX = 127  # torch keeps a device index in an int8
+
+
+def _yes_or_no(value: Any) -> bool:
+    """true/false, or a word YAML 1.1 read as one (YAML 1.2, which configs are read as, keeps it a string)."""
+    return isinstance(value, bool) or (isinstance(value, str) and value.lower() in ("yes", "no", "on", "off"))
 
 
 def _numeric(annotation: Any) -> bool:
@@ -66,8 +75,8 @@ class _Section(BaseModel):
     @classmethod
     def _no_bool_for_a_number(cls, value: Any, info: ValidationInfo) -> Any:
         """pydantic reads true as 1 (and YAML reads yes/on as true): a number key refuses it, as a manifest row does."""
-        if isinstance(value, bool) and _numeric(cls.model_fields[info.field_name].annotation):
-            raise ValueError("must be a number, not true/false (YAML also reads yes, no, on, off as those)")
+        if _yes_or_no(value) and _numeric(cls.model_fields[info.field_name].annotation):
+            raise ValueError("must be a number, not true/false (nor yes, no, on, off)")
         return value
 
 
@@ -363,6 +372,19 @@ class JobConfig(_Section):
     input: InputConfig = Field(default_factory=InputConfig)
 
 
+class _Yaml12Loader(yaml.SafeLoader):
+    """PyYAML's safe loader with YAML 1.2's booleans: only true/false (True, TRUE, False, FALSE); YAML 1.1's
+    yes/no/on/off stay strings, so `static_step: on` is the word the docs name."""
+
+
+_Yaml12Loader.yaml_implicit_resolvers = {
+    first: [(tag, pattern) for tag, pattern in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Yaml12Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+
+
 def looks_like_path(name: str) -> bool:
     """A model name that is a local folder: written like a path, or existing on disk (as transformers
     decides); `builtin:...` names and hub ids (`org/name`) that are no folder here are not."""
@@ -426,8 +448,8 @@ def parse_override(item: str) -> tuple[list[str], Any]:
         raise ConfigError(f"--set '{item}': expected key=value, e.g. --set cache.strategy=tiered-disk")
     path = key.strip().split(".")
     try:
-        _check_unique_keys(yaml.compose(raw, Loader=yaml.SafeLoader), f"--set '{item}'", ".".join(path))
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        _check_unique_keys(yaml.compose(raw, Loader=_Yaml12Loader), f"--set '{item}'", ".".join(path))
+        value = yaml.load(raw, Loader=_Yaml12Loader) if raw.strip() else ""
     except yaml.YAMLError:
         value = raw
     return path, value
@@ -496,6 +518,31 @@ def _check_unique_keys(node: yaml.Node | None, source: str, key: str = "",
         _check_unique_keys(value_node, source, dotted, seen_nodes)
 
 
+def _read_config_file(path: str | Path) -> bytes:
+    """The bytes of config file `path`: a regular file of at most MAX_CONFIG_BYTES, checked on the open
+    file (a FIFO opened without blocking), and read with a bound, so a device, a FIFO or a file swapped
+    after the check is refused at once instead of read without end."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror or e}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ConfigError(f"config file {path} is not a regular file (a folder, FIFO or device): "
+                              "give -c a YAML file")
+        data = b""
+        while len(data) <= MAX_CONFIG_BYTES and (chunk := os.read(fd, MAX_CONFIG_BYTES + 1 - len(data))):
+            data += chunk
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e.strerror or e}") from None
+    finally:
+        os.close(fd)
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"config file {path} is larger than {MAX_CONFIG_BYTES >> 20} MiB, more than any config "
+                          "holds: give -c the YAML file of settings")
+    return data
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> JobConfig:
     """Read a YAML config (defaults when `path` is None) and apply `--set` overrides."""
     data: dict[str, Any] = {}
@@ -503,16 +550,14 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     if path is not None:
         source = str(path)
         try:
-            text = Path(path).read_text(encoding="utf-8")
-        except OSError as e:
-            raise ConfigError(f"cannot read config file {path}: {e.strerror or e}") from None
+            text = _read_config_file(path).decode("utf-8")
         except UnicodeDecodeError as e:
             raise ConfigError(
                 f"config file {path} is not valid UTF-8 (byte offset {e.start}): save it as UTF-8"
             ) from None
         try:
-            _check_unique_keys(yaml.compose(text, Loader=yaml.SafeLoader), f"config file {path}")
-            loaded = yaml.safe_load(text)
+            _check_unique_keys(yaml.compose(text, Loader=_Yaml12Loader), f"config file {path}")
+            loaded = yaml.load(text, Loader=_Yaml12Loader)
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
         if loaded is None:

@@ -104,3 +104,20 @@ def test_yes_and_no_still_set_a_yes_or_no_key() -> None:
     config = load_config(None, ["summarize.do_sample=yes", "cache.shuffle=off", "summarize.loop_stop.enabled=no"])
     assert config.summarize.do_sample is True and config.cache.shuffle is False
     assert config.summarize.loop_stop.enabled is False
+
+
+@pytest.mark.parametrize("word", ["on", "off", "auto"])
+def test_static_step_takes_on_and_off_as_the_docs_write_them(tmp_path: Path, word: str) -> None:
+    """YAML 1.1 read `on`/`off` as true/false, so the values docs/config.md names were refused (issue 47, row 18)."""
+    config = tmp_path / "static.yaml"
+    config.write_text(f"batch:\n  static_step: {word}\n")
+    assert load_config(config).batch.static_step == word
+    assert load_config(None, [f"batch.static_step={word}"]).batch.static_step == word
+
+
+def test_configs_are_read_as_yaml_1_2_where_only_true_and_false_are_booleans(tmp_path: Path) -> None:
+    config = tmp_path / "words.yaml"
+    config.write_text("model:\n  name: yes\nsummarize:\n  prompt: off\n  do_sample: true\n")
+    loaded = load_config(config)
+    assert loaded.model.name == "yes" and loaded.summarize.prompt == "off" and loaded.summarize.do_sample is True
+    assert load_config(None, ["summarize.prompt=No", "summarize.do_sample=False"]).summarize.prompt == "No"

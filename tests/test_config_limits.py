@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import json
 import os
+import resource
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
-from jobs.config import MAX_CONFIG_VALUES, MAX_SEQUENCES, ConfigError, config_from_dict, load_config
+from jobs.config import MAX_CONFIG_BYTES, MAX_CONFIG_VALUES, MAX_SEQUENCES, ConfigError, config_from_dict, load_config
 from jobs.manifest import read_manifest
 from runner.cli import app
-from tests.helpers.cli import TINY_CONFIG, write_jsonl
+from tests.helpers.cli import REPO, TINY_CONFIG, write_jsonl
 
 
 @pytest.mark.parametrize(
@@ -131,3 +134,34 @@ def test_local_paths_are_stored_absolute_and_names_are_not(tmp_path, monkeypatch
 def test_home_relative_offload_root_is_expanded():
     config = load_config(TINY_CONFIG, ["cache.offload_root=~/kv"])
     assert config.cache.offload_root == os.path.join(os.path.expanduser("~"), "kv")
+
+
+def _at_most_4_gib() -> None:
+    """A child's address space capped, so a config read without bound fails it instead of the machine."""
+    resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+
+
+@pytest.mark.parametrize("kind", ["/dev/urandom", "/dev/zero", "fifo", "folder", "too large"])
+def test_a_config_that_is_no_small_regular_file_is_refused_in_one_line(tmp_path: Path, kind: str) -> None:
+    """`-c /dev/urandom` was read until the OOM killer ended it, a FIFO blocked forever (issue 47, row 5):
+    a config is a regular file of at most MAX_CONFIG_BYTES, checked on the open file before reading."""
+    config = Path(kind) if kind.startswith("/dev/") else tmp_path / "config.yaml"
+    if kind == "fifo":
+        os.mkfifo(config)  # no writer: opening it to read blocks until one comes
+    elif kind == "folder":
+        config.mkdir()
+    elif kind == "too large":
+        config.write_text("# padding\n" * (MAX_CONFIG_BYTES // 10 + 1))
+    proc = subprocess.run([sys.executable, "-m", "runner", "config", "-c", str(config)], capture_output=True,
+                          text=True, timeout=60, cwd=REPO, preexec_fn=_at_most_4_gib)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert len(proc.stderr.splitlines()) == 1 and f"config file {config}" in proc.stderr, proc.stderr[-2000:]
+    assert ("larger than" if kind == "too large" else "not a regular file") in proc.stderr
+
+
+def test_a_config_of_exactly_the_limit_is_read(tmp_path: Path) -> None:
+    config = tmp_path / "padded.yaml"
+    body = "summarize:\n  max_new_tokens: 64\n"
+    config.write_text(body + "#" * (MAX_CONFIG_BYTES - len(body) - 1) + "\n")
+    assert config.stat().st_size == MAX_CONFIG_BYTES
+    assert load_config(config).summarize.max_new_tokens == 64
