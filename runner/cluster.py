@@ -169,6 +169,24 @@ def _check_reachable(address: str) -> None:
         raise ClusterUnreachableError(address, e.strerror or str(e) or type(e).__name__) from None
 
 
+#: Where the errors a Ray cluster reports to this driver go instead of stdout.
+_RAY_ERRORS = logging.getLogger("ray.reported_errors")
+
+
+def _report_ray_error(data: dict[str, Any], ignore_prefix: bool) -> None:
+    _RAY_ERRORS.debug(" ".join(data["lines"]))
+
+
+def _quiet_ray_errors() -> None:
+    """Ray's driver prints every error its cluster reports ("(raylet) A worker died ...") to stdout,
+    whatever `log_to_driver` says, into the user's progress and results. kvbatch reports what it meets
+    itself (job.log's `worker_lost`, with the cause Ray gives the call): those lines go to a debug logger.
+    With `log_to_driver` off, the error listener is the only caller of what is replaced."""
+    from ray._private import worker as ray_worker
+
+    ray_worker.print_to_stdstream = _report_ray_error
+
+
 @contextmanager
 def ray_session(address: str | None) -> Iterator[dict[str, float]]:
     """Connects to `address` (or $RAY_ADDRESS), else starts a private local instance; yields its resources.
@@ -181,6 +199,7 @@ def ray_session(address: str | None) -> Iterator[dict[str, float]]:
     # token authentication stays on (it is the safe default); only its notice is silenced
     logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(logging.ERROR)
     options = {"logging_level": logging.WARNING, "log_to_driver": False}
+    _quiet_ray_errors()
     if address:
         _join(address, options)
     else:

@@ -293,7 +293,7 @@ class Coordinator:
                                    flush_interval_s=config.checkpoint.flush_interval_s, fence=fence,
                                    after_results=self._drop_passes)
         self.recorder = TaskRecorder(checkpoint, self.log, self.alerts, BatchMetrics(job_id), self.stop)
-        self.pool = WorkerPool(config, job_id, offload_root, faults)
+        self.pool = WorkerPool(config, job_id, offload_root, faults, self.log)
         self.retrying = task_retrying(config.retry, self._before_retry, self._sleep)
         self._queued_at = time.time()
 

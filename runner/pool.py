@@ -34,6 +34,7 @@ from jobs.node_share import workers_per_node, workers_that_fit
 from jobs.outcome import DealtPass, TaskOutcome
 from jobs.task import Task
 from runner.cluster import kill_and_wait
+from runner.observe.joblog import JobLog
 from runner.worker_actor import WorkerActor
 from storage.passes import PassRow
 
@@ -181,8 +182,10 @@ class _Slot:
 
 
 class WorkerPool:
-    def __init__(self, config: JobConfig, job_id: str, offload_root: Path, faults: list[FaultRule]) -> None:
+    def __init__(self, config: JobConfig, job_id: str, offload_root: Path, faults: list[FaultRule],
+                 log: JobLog) -> None:
         self.cfg = config
+        self.log = log  # job.log: where a lost worker is recorded, with what Ray said of it
         self.job_id = job_id
         self.offload_root = offload_root
         self.faults = faults
@@ -366,8 +369,15 @@ class WorkerPool:
                             "batch.max_sequences): the worker is stuck")
 
     def _lost(self, slot: _Slot, call: _Call, error_type: str, message: str) -> WorkerLost:
+        """The loss as `call` sees it; the first call to see it records it in job.log (`worker_lost`: the
+        slot, the process lost, the cause Ray gave), once however many calls it ended."""
         with self._lock:
-            return slot.lose(call, error_type, message)
+            process = slot.process
+            lost = slot.lose(call, error_type, message)
+        if lost.first_to_see:
+            self.log.warning("worker_lost", worker=slot.name, process=process, error_type=error_type,
+                             cause=" ".join(message.split()))
+        return lost
 
     def await_restart(self, worker: Worker, give_up: Any) -> bool:
         """Wait until Ray has restarted a killed or crashed worker (its start sweeps the scratch dir the

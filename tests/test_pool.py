@@ -6,13 +6,15 @@ share its node, and `kill_all` returns only once the killed workers' processes a
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
 from jobs.config import load_config
+from runner.observe.joblog import JobLog
 from runner.pool import WorkerPool
 from storage.scratch import ROOT_MARKER, sweep_orphans
-from tests.helpers.cli import TINY_CONFIG
+from tests.helpers.cli import TINY_CONFIG, kvbatch, write_jsonl
 from tests.helpers.system import half_available_ram
 
 
@@ -20,7 +22,7 @@ def test_the_pool_tells_each_worker_how_many_share_its_node(ray_address, tmp_pat
     """Two workers on the one node of the test's Ray: each knows it shares the node with the other
     and sizes its `auto` host budget as half of what one worker alone would take."""
     config = load_config(TINY_CONFIG, ["workers.count=2", "workers.cpus_per_worker=1"])
-    pool = WorkerPool(config, "job", tmp_path / "kv", [])
+    pool = WorkerPool(config, "job", tmp_path / "kv", [], JobLog(tmp_path / "job.log"))
     try:
         infos = pool.start(2, give_up=lambda: False)
     finally:
@@ -48,7 +50,7 @@ def test_the_interrupted_batch_waits_for_its_killed_workers_before_the_last_swee
             return str(folder), os.getpid()
 
     root = tmp_path / "kv"
-    pool = WorkerPool(load_config(TINY_CONFIG), "job", root, [])
+    pool = WorkerPool(load_config(TINY_CONFIG), "job", root, [], JobLog(tmp_path / "job.log"))
     actors = [ray.remote(num_cpus=0)(Holder).remote() for _ in range(2)]
     held = ray.get([a.hold.remote(str(root), f"t00000{i}") for i, a in enumerate(actors)])
     assert all(Path(folder).is_dir() for folder, _ in held)
@@ -78,7 +80,8 @@ def test_a_call_waiting_to_run_alone_reaches_the_worker_that_replaces_the_one_lo
         return Task(f"t-{doc_id}", doc_id, "text", text, len(text), len(text), text_sha256(text), {}, {})
 
     config = load_config(TINY_CONFIG, ["workers.count=1", "retry.task_timeout_s=6"])
-    pool = WorkerPool(config, "job", tmp_path / "kv", [FaultRule(doc="hangs", fault="hang")])
+    pool = WorkerPool(config, "job", tmp_path / "kv", [FaultRule(doc="hangs", fault="hang")],
+                      JobLog(tmp_path / "job.log"))
     try:
         [info] = pool.start(1, give_up=lambda: False)
         worker = pool.workers[0]
@@ -124,3 +127,23 @@ def test_a_batch_mate_whose_call_ended_first_still_shared_the_loss() -> None:
     assert slot.exclusive and not slot.lose(alone, "WorkerDied", "worker process died").shared
     slot.end(alone)
     assert not slot.exclusive and slot.calls == []
+
+
+def test_a_worker_that_dies_is_a_worker_lost_event_in_job_log_and_no_ray_line_in_the_output(ray_address, tmp_path):
+    """A worker process that exits mid-task (a real exit): Ray's driver printed "(raylet) A worker died ..."
+    into submit's output, and job.log had no event for the loss, only the retries it caused."""
+    manifest = write_jsonl(tmp_path / "m.jsonl", [{"id": "a", "text": "The board met on Monday and approved it."},
+                                                  {"id": "b", "text": "The committee reviewed the figures."}])
+    job = tmp_path / "job"
+    proc = kvbatch("submit", str(manifest), "-c", str(TINY_CONFIG), "-j", str(job), "--address", ray_address,
+                   "--set", "workers.count=1", env={"KVBATCH_FAULTS": json.dumps([{"doc": "a", "fault": "crash",
+                                                                                  "attempts": [1]}])}, check=0)
+    events = [json.loads(line) for line in (job / "job.log").read_text().splitlines()]
+    names = [e["event"] for e in events]
+    [ready] = [e for e in events if e["event"] == "worker_ready"]
+    [lost] = [e for e in events if e["event"] == "worker_lost"]
+    assert names.index("worker_lost") < names.index("task_retry"), names  # the loss, then what it cost
+    assert lost["worker"] == ready["slot"] and lost["process"] == ready["worker"], (lost, ready)
+    assert lost["error_type"] == "WorkerDied" and "actor" in lost["cause"], lost  # what Ray said of it
+    output = proc.stdout + proc.stderr
+    assert "A worker died" not in output and "(raylet)" not in output, output
