@@ -11,26 +11,32 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from jobs.config import ConfigError
+from jobs.config import ConfigError, apply_overrides, load_config
 from jobs.manifest import ManifestError
-from storage.jobdir import JobDirError
+from jobs.uris import UnsupportedURIError, check_supported, is_uri
+from runner import __version__
+from storage.jobdir import JobDir, JobDirError, check_job_folder
 from storage.location import StorageError
 from storage.lock import JobLockedError
 from storage.scratch import ScratchError
 
+# rich_markup_mode=None: typer's rich help gives every option a type column, flags too (`--strict <bool>`)
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  help="Summarise thousands of long documents on Ray, with KV caches that fit.")
+                  rich_markup_mode=None, help="Summarise thousands of long documents on Ray, with KV caches that fit.")
 console = Console(soft_wrap=True)
 errors = Console(stderr=True, soft_wrap=True)
 
 EXIT_USAGE = 2
 #: Errors the user fixes: a clear message and exit 2, never a traceback.
-USER_ERRORS = (ConfigError, ManifestError, JobDirError, JobLockedError, ScratchError, StorageError)
+USER_ERRORS = (ConfigError, ManifestError, JobDirError, JobLockedError, ScratchError, StorageError, UnsupportedURIError)
 
-SetOption = Annotated[list[str], typer.Option("--set", help="dotted config key=value, e.g. cache.strategy=tiered-disk")]
-JOB_DIR_HELP = "job folder: a path, or s3://bucket/prefix, gs://bucket/prefix, file:///path on shared storage"
-JobDirArgument = Annotated[str, typer.Argument(help=JOB_DIR_HELP)]
-AddressOption = Annotated[Optional[str], typer.Option("--address", help="join this Ray cluster (default: $RAY_ADDRESS or a private local one)")]
+SetOption = Annotated[list[str], typer.Option(
+    "--set", metavar="KEY=VALUE", help="dotted config key=value, e.g. cache.strategy=tiered-disk")]
+JOB_DIR_HELP = "job folder: a path, or s3://bucket/prefix, file:///path on shared storage"
+JobDirArgument = Annotated[str, typer.Argument(metavar="JOB_DIR", help=JOB_DIR_HELP)]
+AddressOption = Annotated[Optional[str], typer.Option(
+    "--address", metavar="HOST:PORT", help="join this Ray cluster (default: $RAY_ADDRESS or a private local one)")]
+ConfigOption = Annotated[Optional[Path], typer.Option("-c", "--config", metavar="CONFIG", help="YAML config")]
 
 
 def _run(fn, *args) -> None:  # noqa: ANN001 - thin wrapper shared by the commands
@@ -42,22 +48,62 @@ def _run(fn, *args) -> None:  # noqa: ANN001 - thin wrapper shared by the comman
     raise typer.Exit(code)
 
 
+def _show_version(show: bool) -> None:
+    if show:
+        sys.stdout.write(f"kvbatch {__version__}\n")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _options(version: Annotated[bool, typer.Option(
+        "--version", callback=_show_version, is_eager=True, help="print the version and exit")] = False) -> None:
+    """Summarise thousands of long documents on Ray, with KV caches that fit."""
+
+
+def _check_where(name: str, folder_of_a_job: bool = False) -> None:
+    """A gs:// URI refused, and (`folder_of_a_job`) a local folder that holds no job, before any storage call."""
+    if is_uri(name):
+        check_supported(name)
+    elif folder_of_a_job:
+        check_job_folder(JobDir(name))
+
+
+def _check_source(source: str) -> None:
+    """A local manifest or folder of documents that is not there is refused before anything starts."""
+    _check_where(source)
+    if not is_uri(source) and not Path(source).expanduser().exists():
+        raise ManifestError(f"{source} does not exist: give a manifest file (JSONL, CSV, Parquet) or a folder "
+                            "of documents")
+
+
 @app.command()
 def submit(
     source: Annotated[str, typer.Argument(
+        metavar="MANIFEST|DIR|URI",
         help="JSONL, CSV or Parquet manifest, or a folder of documents (id = path in the folder); "
-             "local, or s3://, gs://, file:// on shared storage")],
-    glob: Annotated[Optional[str], typer.Option("--glob", help="with a folder: only files whose relative path matches, e.g. '*.pdf'")] = None,
-    config: Annotated[Optional[Path], typer.Option("-c", "--config", help="YAML config")] = None,
-    job_dir: Annotated[Optional[str], typer.Option("-j", "--job-dir", help=JOB_DIR_HELP + " (default runs/<job-id>)")] = None,
+             "local, or s3://, file:// on shared storage")],
+    glob: Annotated[Optional[str], typer.Option(
+        "--glob", metavar="PATTERN", help="with a folder: only files whose relative path matches, e.g. '*.pdf'")] = None,
+    config: ConfigOption = None,
+    job_dir: Annotated[Optional[str], typer.Option(
+        "-j", "--job-dir", metavar="JOB_DIR", help=JOB_DIR_HELP + " (default runs/<job-id>)")] = None,
     set_: SetOption = [],
     address: AddressOption = None,
     strict: Annotated[bool, typer.Option("--strict", help="any rejected manifest row stops everything (exit 2)")] = False,
 ) -> None:
     """Validate the manifest (or list the folder), create the job folder and run every task to an end."""
-    from runner.submit import submit as run_submit
 
-    _run(run_submit, source, glob, config, job_dir, set_, address, strict, console)
+    def early() -> int:
+        """What the user typed, checked before runner.submit imports Ray and the settings check transformers."""
+        load_config(config, set_)
+        _check_source(source)
+        if job_dir is not None:
+            _check_where(job_dir)
+        from runner.submit import submit as run_submit
+
+        return run_submit(source, glob, config, job_dir, set_, address, strict, console)
+
+    _run(early)
 
 
 @app.command()
@@ -68,9 +114,16 @@ def resume(
     address: AddressOption = None,
 ) -> None:
     """Continue a job: skip finished documents, run the rest."""
-    from runner.submit import resume as run_resume
 
-    _run(run_resume, job_dir, retry_failed, set_, address, console)
+    def early() -> int:
+        """The folder and the --set syntax, checked before runner.submit imports Ray."""
+        _check_where(job_dir, folder_of_a_job=True)
+        apply_overrides({}, set_)
+        from runner.submit import resume as run_resume
+
+        return run_resume(job_dir, retry_failed, set_, address, console)
+
+    _run(early)
 
 
 @app.command()
@@ -134,9 +187,8 @@ def report(
 
 
 @app.command()
-def doctor(config: Annotated[Optional[Path], typer.Option("-c", "--config", help="YAML config")] = None) -> None:
+def doctor(config: ConfigOption = None) -> None:
     """Check this machine: torch/CUDA, GPUs, copy bandwidth, offload root space and speed, RAM."""
-    from jobs.config import load_config
     from runner.observe.doctor import doctor as run_doctor
 
     _run(lambda: run_doctor(load_config(config), console))
@@ -144,12 +196,12 @@ def doctor(config: Annotated[Optional[Path], typer.Option("-c", "--config", help
 
 @app.command("config")
 def show_config(
-    config: Annotated[Path | None, typer.Option("-c", "--config", help="YAML config (default: the defaults)")] = None,
+    config: Annotated[Optional[Path], typer.Option(
+        "-c", "--config", metavar="CONFIG", help="YAML config (default: the defaults)")] = None,
     set_: SetOption = [],
     explain: Annotated[bool, typer.Option("--explain", help="a Markdown table per section: key, value, meaning")] = False,
 ) -> None:
     """Print the config a submit would run with, every key with what it means (no -c: configs/default.yaml)."""
-    from jobs.config import load_config
     from jobs.config_reference import config_yaml, reference_tables
 
     def show() -> int:

@@ -24,7 +24,7 @@ import pyarrow.fs as pafs
 from jobs.manifest import ManifestError
 from jobs.uris import is_uri
 from storage.jobdir import holds_job
-from storage.location import Location
+from storage.location import Location, StorageError
 
 #: The manifest made from a folder, kept in the job folder: the job's documents stay known if the folder changes.
 FOLDER_MANIFEST_NAME = "input-manifest.jsonl"
@@ -89,7 +89,7 @@ def _stage_uri(source: str, pattern: str | None, workdir: Path) -> StagedManifes
             raise ManifestError(f"manifest {source} does not exist: check the URI")
         local = workdir / location.name
         local.write_bytes(location.read_bytes())
-    except ManifestError:
+    except (ManifestError, StorageError):  # a StorageError names the URI and the fix already
         raise
     except (OSError, ValueError) as e:
         raise ManifestError(f"{source} cannot be read ({e}): check the URI and the storage credentials") from None

@@ -1,6 +1,6 @@
 """Where a job folder's files live: a local folder, or a prefix on shared storage.
 
-`s3://bucket/prefix`, `gs://bucket/prefix` and `file:///path` go through pyarrow's filesystems, so
+`s3://bucket/prefix` and `file:///path` go through pyarrow's filesystems (gs:// is refused), so
 a coordinator on any machine of a cluster (or a later one, after a crash) reads and writes the same
 job. A local folder keeps POSIX durability: a file is fsynced before its rename publishes it, and
 the folder is fsynced after. On an object store a write goes to a temporary key and is then moved
@@ -19,7 +19,7 @@ from typing import BinaryIO, Union
 
 import pyarrow.fs as pafs
 
-from jobs.uris import S3_ENDPOINT_ENV, filesystem_of, is_uri
+from jobs.uris import S3_ENDPOINT_ENV, UnsupportedURIError, filesystem_of, is_uri
 
 
 class StorageError(OSError):
@@ -95,6 +95,8 @@ class Location:
         if is_uri(text):
             try:
                 fs, path = filesystem_of(text)
+            except UnsupportedURIError as e:
+                raise StorageError(str(e)) from None
             except (OSError, ValueError) as e:
                 if isinstance(e, OSError) and (fixable := storage_error(text, e)) is not None:
                     raise fixable from None

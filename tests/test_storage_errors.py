@@ -98,3 +98,34 @@ def test_results_and_status_of_a_job_in_a_missing_bucket_exit_2(s3) -> None:
                     ["results", f"s3://{BUCKET}/jobs/never-made"]):
         line = _one_line_error(kvbatch(*command, env=env, check=2, timeout=120))
         assert command[1] in line and ("is not a job folder" in line or "does not exist" in line), line
+
+
+GS_COMMANDS = {
+    "submit -j": ["submit", "{manifest}", "-c", str(TINY_CONFIG), "-j", "gs://b/x"],
+    "submit gs:// manifest": ["submit", "gs://b/docs.jsonl", "-c", str(TINY_CONFIG), "-j", "{tmp}/job"],
+    "submit gs:// folder": ["submit", "gs://b/docs/", "-c", str(TINY_CONFIG), "-j", "{tmp}/job"],
+    "resume": ["resume", "gs://b/x"],
+    "status": ["status", "gs://b/x"],
+    "results": ["results", "gs://b/x"],
+}
+
+
+@pytest.mark.parametrize("command", list(GS_COMMANDS))
+def test_gs_is_refused_at_once_naming_what_to_use_instead(tmp_path: Path, command: str) -> None:
+    """gs:// went to pyarrow's GCS filesystem, which waited 10 min for credentials with Ctrl-C ignored and
+    SIGTERM too (issue 47, row 7): it is refused before any storage call, and no job folder is made."""
+    manifest = write_jsonl(tmp_path / "m.jsonl", [{"id": "a", "text": "A short document."}])
+    args = [a.format(manifest=manifest, tmp=tmp_path) for a in GS_COMMANDS[command]]
+    line = _one_line_error(kvbatch(*args, check=2, timeout=30))
+    assert "gs:// is not supported" in line and "s3://" in line and "file://" in line, line
+    assert not (tmp_path / "job").exists()
+
+
+def test_a_gs_path_in_a_manifest_row_is_a_rejected_row_naming_it(tmp_path: Path) -> None:
+    manifest = write_jsonl(tmp_path / "m.jsonl", [{"id": "cloud", "path": "gs://b/doc.txt"},
+                                                  {"id": "here", "text": "A short document."}])
+    proc = kvbatch("submit", str(manifest), "-c", str(TINY_CONFIG), "-j", str(tmp_path / "job"), "--strict",
+                   check=2, timeout=30)
+    rejected = [line for line in proc.stdout.splitlines() if line.strip().startswith("row ")]
+    assert len(rejected) == 1 and "gs://b/doc.txt" in rejected[0] and "gs:// is not supported" in rejected[0], proc.stdout
+    assert not (tmp_path / "job").exists()
