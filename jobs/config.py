@@ -176,6 +176,10 @@ class SummarizeConfig(_Section):
         "tokens, not the prompt: quoting the document stays allowed) is banned, and where the banned token "
         "begins a word so is every token that would glue on to the word before it; the builtin model's "
         "greedy summaries otherwise loop (docs/benchmarks.md, 'Summaries that end'); `0`: off"))
+    trim_to_sentence: bool = Field(True, description=(
+        "a summary that ran out of `max_new_tokens` (`stop_reason: length`) ends at its last complete sentence "
+        "and the cut words go to the result's `summary_tail` (one with no sentence end stays whole); the "
+        "partial summaries a merge joins stay whole"))
     loop_stop: LoopStopConfig = Field(default_factory=LoopStopConfig)
 
     @model_validator(mode="after")

@@ -32,6 +32,7 @@ class TaskOutcome(TypedDict, total=False):
     quantization: str  # how the model's weights are quantized: ModelConfig.quantization, or the checkpoint's
     fallbacks: list[str]  # cache rungs this attempt moved down, as notes (str of a jobs.fallback.Fallback)
     summary: str
+    summary_tail: str  # what followed the summary's last sentence when its pass ran out of tokens (jobs.summaries)
     input_tokens: int
     output_tokens: int
     chunks: int  # first-level chunks (1: one pass)

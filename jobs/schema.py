@@ -108,6 +108,9 @@ RESULT_SCHEMA = pa.schema(
         # of them were finished by an earlier attempt or run and read back from passes/ instead of redone
         ("passes", pa.int32()),
         ("passes_reused", pa.int32()),
+        # added with sentence trimming: the words after the summary's last complete sentence, cut off there
+        # when its pass ran out of tokens (`summarize.trim_to_sentence`); "" when nothing was cut
+        ("summary_tail", pa.string()),
     ]
 )
 

@@ -25,7 +25,7 @@ from storage.passes import PassRow
 #: Summarize settings that do not decide a pass's tokens once its prompt ids are known (the prompt and
 #: max_new_tokens are in the key itself; the context and overlap only shape which prompts there are).
 _NOT_IN_FINGERPRINT = frozenset({"prompt", "max_new_tokens", "context_tokens", "min_context_tokens",
-                                 "chunk_overlap_tokens", "prefill_chunk_size"})
+                                 "chunk_overlap_tokens", "prefill_chunk_size", "trim_to_sentence"})
 
 
 def settings_fingerprint(config: JobConfig, device_type: str, dtype: str) -> str:

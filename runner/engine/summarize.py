@@ -4,7 +4,9 @@ A document longer than the context is split (jobs.chunking) into token-budgeted 
 paragraph/sentence boundaries; each chunk is summarised, then neighbouring summaries are joined in
 groups that fit one pass and summarised again, until one summary remains. The passes of one level
 (every chunk; every merge group of a round) are handed over together, so the worker's engine
-decodes them side by side.
+decodes them side by side. The final summary, when its pass ran out of tokens, ends at its last
+complete sentence (jobs.summaries; `summarize.trim_to_sentence`); the passes it was merged from keep
+every word, since a merge is better for all of them.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from jobs.chunking import (
     plan_chunks,
     summary_budget,
 )
+from jobs.stopping import StopReason
+from jobs.summaries import trim_to_sentence
 from runner.engine.generation import Generation
 from runner.engine.model_loader import LoadedModel
 from runner.engine.prompts import EDGE_MARGIN_TOKENS, prompt_ids
@@ -46,6 +50,8 @@ class Summary:
     passes: list[Generation] = field(default_factory=list)
     stop_reason: str = ""
     """Why the pass that wrote the summary ended (jobs.stopping.StopReason)."""
+    tail: str = ""
+    """What that pass wrote after the summary's last complete sentence, cut off when it ran out of tokens."""
 
     @property
     def run_passes(self) -> list[Generation]:
@@ -77,9 +83,11 @@ class Summary:
 
 
 class Summarizer:
-    def __init__(self, loaded: LoadedModel, overlap_tokens: int) -> None:
+    def __init__(self, loaded: LoadedModel, overlap_tokens: int, trim_to_sentence: bool = False) -> None:
+        """`trim_to_sentence`: a final summary stopped by length ends at its last sentence (the rest in its tail)."""
         self.tokenizer = loaded.tokenizer
         self.overlap_tokens = overlap_tokens
+        self.trim_to_sentence = trim_to_sentence
         # a fast tokenizer sets its truncation state per call, and two threads at once fail ("Already
         # borrowed"): the tasks in flight in one worker take turns
         self._tokenizing = threading.Lock()
@@ -131,4 +139,6 @@ class Summarizer:
                                for g in groups if len(g) > 1]))
             parts = [parts[g.start] if len(g) == 1 else next(merged) for g in groups]
         summary.text, summary.output_tokens, summary.stop_reason = parts[0]
+        if self.trim_to_sentence and summary.stop_reason == StopReason.LENGTH:
+            summary.text, summary.tail = trim_to_sentence(summary.text)
         return summary

@@ -151,7 +151,8 @@ class SummaryWorker:
         self.after_load = memory_snapshot(self.loaded.device)
         self.ram_left = ram_left_by_weights(self.ram_before_load, self.loaded.weight_bytes,
                                             psutil.virtual_memory().available)
-        self.summarizer = Summarizer(self.loaded, self.cfg.summarize.chunk_overlap_tokens)
+        self.summarizer = Summarizer(self.loaded, self.cfg.summarize.chunk_overlap_tokens,
+                                     self.cfg.summarize.trim_to_sentence)
         self.fingerprint = settings_fingerprint(self.cfg, self.loaded.device.type, str(self.loaded.dtype))
         self.kv_shape = kv_shape(self.loaded.model.config, self.loaded.dtype)
         self.node_workers = max(1, node_workers)
@@ -365,6 +366,7 @@ def _done(rung: str, summary: Summary, totals: CacheTotals) -> TaskOutcome:
     return {
         "status": "done",
         "summary": summary.text,
+        "summary_tail": summary.tail,
         "input_tokens": summary.input_tokens,
         "output_tokens": summary.output_tokens,
         "chunks": summary.chunks,

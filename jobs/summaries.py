@@ -1,0 +1,48 @@
+"""A summary stopped by `max_new_tokens` ends where its last complete sentence ends.
+
+A pass that runs out of tokens stops mid-sentence ("The licence grants the right to use, copy and");
+a reader is better served by the summary up to its last full stop, with the cut words kept apart (the
+result's `summary_tail`, so nothing the model wrote is lost). Pure text policy: no tokenizer.
+
+A sentence ends at `.`, `!` or `?` (with any closing quotes or brackets after it) that is followed by
+the end of the text, or by whitespace and then a capital letter, a digit or an opening quote or bracket:
+so "e.g. the" and "3.5" are no ends, while "Dr. Smith" is (the rule is kept simple on purpose). CJK
+`。`, `！`, `？` end a sentence wherever they stand (no space follows them in CJK text).
+"""
+
+from __future__ import annotations
+
+import re
+
+#: A mark that may end a sentence, with the closing quotes and brackets after it.
+_WESTERN_END = re.compile(r"[.!?][\"'”’»)\]]*")
+_CJK_END = re.compile(r"[。！？][」』”’）)】〕》\]]*")
+#: What may open the next sentence: a capital letter (`str.isupper`), a digit, an opening quote or bracket.
+_OPENERS = "\"'“‘«([¿¡"
+
+
+def _opens_a_sentence(text: str, at: int) -> bool:
+    """After a Western end mark: the end of the text, or whitespace then what may open a sentence."""
+    if at == len(text):
+        return True
+    rest = text[at:]
+    stripped = rest.lstrip()
+    if len(stripped) == len(rest):  # no whitespace: "3.5", "e.g.,", "file.txt"
+        return False
+    return not stripped or stripped[0].isupper() or stripped[0].isdigit() or stripped[0] in _OPENERS
+
+
+def last_sentence_end(text: str) -> int | None:
+    """The index just past the last complete sentence of `text` (its end mark and closers), or None."""
+    ends = [m.end() for m in _CJK_END.finditer(text)]
+    ends += [m.end() for m in _WESTERN_END.finditer(text) if _opens_a_sentence(text, m.end())]
+    return max(ends, default=None)
+
+
+def trim_to_sentence(text: str) -> tuple[str, str]:
+    """`(summary, tail)` with `summary + tail == text`: the summary ends at the last complete sentence and the
+    tail holds what follows it; a text with no sentence end is kept whole (`tail` empty)."""
+    end = last_sentence_end(text)
+    if end is None:
+        return text, ""
+    return text[:end], text[end:]
