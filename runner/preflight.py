@@ -9,12 +9,14 @@ starts. Only the model's config is read, never its weights, and no worker is sta
 
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
 from typing import Any
 
 from jobs.chunking import SUMMARY_SEPARATOR, merge_room
 from jobs.config import ConfigError, JobConfig, SummarizeConfig, looks_like_path, max_answer_tokens
+from jobs.manifest import PromptMeasure
 from jobs.node_share import workers_that_fit
 from jobs.rungs import RUNGS
 from runner.engine.model_errors import ModelLoadError
@@ -161,14 +163,19 @@ def check_answer_room(settings: SummarizeConfig) -> None:
 
 
 def _tokenizer(config: JobConfig) -> Any | None:
-    """The model's tokenizer (both builtins use SmolLM2's); None when it cannot be read here (a worker says why).
+    """The model's tokenizer (both builtins use SmolLM2's); None when it cannot be read here (a worker says why)."""
+    return _tokenizer_of(config.model.name)
+
+
+@functools.lru_cache(maxsize=1)
+def _tokenizer_of(name: str) -> Any | None:
+    """Read once for a submit's settings check and its manifest's prompts (half a second each time).
     A fast tokenizer's own file when there is one: `AutoTokenizer` imports torch (through transformers'
     configuration code), which submit's process leaves to the workers (tests/test_submit_startup.py)."""
     from transformers import PreTrainedTokenizerFast
 
     from runner.engine.model_registry import BUILTIN_PREFIX, smollm2_tokenizer_dir
 
-    name = config.model.name
     try:
         source = (str(smollm2_tokenizer_dir()) if name.startswith(BUILTIN_PREFIX)
                   else str(Path(name).expanduser()) if looks_like_path(name) else name)
@@ -182,18 +189,31 @@ def _tokenizer(config: JobConfig) -> Any | None:
         return None
 
 
-def check_merge_room(config: JobConfig) -> None:
-    """Two partial summaries merge in one pass of the smallest context a document may run at
-    (`summarize.min_context_tokens`): else every document longer than one pass runs all its chunk
-    passes and then fails (ContextTooSmallError)."""
+def prompt_measure(config: JobConfig) -> PromptMeasure | None:
+    """How a pass's prompt is measured with the model's tokenizer (chat template and margin included): for
+    summarize.prompt here, for a manifest row's `prompt` as submit reads the manifest; None when the
+    tokenizer cannot be read here (a worker says why)."""
     from runner.engine.prompts import EDGE_MARGIN_TOKENS, prompt_ids
 
     tokenizer = _tokenizer(config)
     if tokenizer is None:
+        return None
+    return PromptMeasure(
+        prompt_tokens=lambda instruction: len(prompt_ids(tokenizer, instruction, "")) + EDGE_MARGIN_TOKENS,
+        separator_tokens=len(tokenizer(SUMMARY_SEPARATOR, add_special_tokens=False)["input_ids"]),
+        max_new_tokens=config.summarize.max_new_tokens,
+    )
+
+
+def check_merge_room(config: JobConfig) -> None:
+    """Two partial summaries merge in one pass of the smallest context a document may run at
+    (`summarize.min_context_tokens`): else every document longer than one pass runs all its chunk
+    passes and then fails (ContextTooSmallError)."""
+    measure = prompt_measure(config)
+    if measure is None:
         return
     s = config.summarize
-    prompt = len(prompt_ids(tokenizer, s.prompt, "")) + EDGE_MARGIN_TOKENS
-    separator = len(tokenizer(SUMMARY_SEPARATOR, add_special_tokens=False)["input_ids"])
+    prompt, separator = measure.prompt_tokens(s.prompt), measure.separator_tokens
     room = merge_room(s.min_context_tokens, prompt, s.max_new_tokens, separator)
     if room < 0:
         most = (s.min_context_tokens - prompt - separator) // 3

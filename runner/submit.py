@@ -33,7 +33,7 @@ from runner.coordinator import (
 )
 from runner.engine.model_registry import conversion_ahead
 from runner.pool import WorkerStartError
-from runner.preflight import check_cluster, check_settings
+from runner.preflight import check_cluster, check_settings, prompt_measure
 from storage.checkpoint import JobState, compact, load_state
 from storage.inputs import FOLDER_MANIFEST_NAME, StagedManifest, stage_input
 from storage.jobdir import (
@@ -92,7 +92,8 @@ def report_rejections(console: Console, rejections: list[Rejection], limit: int 
 
 def _read_staged(staged: StagedManifest, config: JobConfig) -> tuple[list[Task], list[Rejection]]:
     try:
-        return read_manifest(staged.path, config.input, staged.uri_base, config.summarize.context_tokens)
+        return read_manifest(staged.path, config.input, staged.uri_base, config.summarize.context_tokens,
+                             prompt_measure(config))
     except ManifestError as e:  # name the manifest as the user gave it, not its local copy
         raise ManifestError(str(e).replace(str(staged.path), staged.shown)) from None
 

@@ -229,3 +229,15 @@ def test_pseudo_files_are_rejected_rows_naming_the_path_listed_or_linked(tmp_pat
     assert "3 manifest row(s) rejected" in listed.stdout
     out = " ".join(folder.stdout.split())
     assert "1 manifest row(s) rejected" in out and "(id 'notes.txt')" in out and "pseudo file system (proc)" in out
+
+
+def test_a_row_prompt_too_long_for_the_context_is_refused_at_submit(tmp_path: Path) -> None:
+    """It passed submit and failed at run time (exit 3); now a rejected row naming it (--strict: exit 2)."""
+    manifest = write_jsonl(tmp_path / "m.jsonl", [
+        {"id": "memo", "text": "The committee agreed to publish the figures next week."},
+        {"id": "long-prompt", "text": "A memo.", "prompt": "Summarise this carefully. " * 60000},
+    ])
+    proc = refusal("submit", str(manifest), "-c", str(TINY_CONFIG), "-j", str(tmp_path / "job"), "--strict")
+    out = " ".join(proc.stdout.split())
+    assert "1 manifest row(s) rejected" in out and "m.jsonl line 2 (id 'long-prompt'): 'prompt' takes " in out, out
+    assert "--strict: nothing was started" in out and not (tmp_path / "job").exists()

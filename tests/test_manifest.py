@@ -653,3 +653,30 @@ def test_a_bad_csv_row_on_one_line_stays_a_rejection_of_that_row(tmp_path: Path)
     assert [t.doc_id for t in tasks] == ["b"]
     assert [(r.row, "line 2" in r.reason) for r in rejections] == [(2, True), (4, False)]
     assert "line 5" in rejections[1].reason  # the unterminated quote on the last line is named
+
+
+def test_a_row_prompt_that_leaves_no_room_for_the_document_is_rejected_naming_the_row(tmp_path: Path) -> None:
+    """A 300k-token `prompt` passed the manifest and failed every pass at run time (exit 3): measured with the
+    model's tokenizer (chat template included), as summarize.prompt is, it is a rejected row at submit."""
+    from jobs.config import load_config
+    from runner.preflight import prompt_measure
+
+    config = load_config(REPO / "configs" / "tiny.yaml")  # context_tokens 1024, max_new_tokens 16
+    measure = prompt_measure(config)
+    assert measure is not None
+    rows = [
+        {"id": "huge", "text": "A memo.", "prompt": "Summarise this carefully. " * 60000},
+        {"id": "fits", "text": "A memo.", "prompt": "Summarise in one line: " + "word " * 800},
+        {"id": "too-long", "text": "A memo.", "prompt": "word " * 1000},
+        {"id": "answer-eats-it", "text": "A memo.", "prompt": "word " * 600, "max_new_tokens": 200},
+        {"id": "plain", "text": "A memo."},
+    ]
+    tasks, rejections = read_manifest(write_jsonl(tmp_path / "m.jsonl", rows), CFG,
+                                      context_tokens=config.summarize.context_tokens, prompt_measure=measure)
+    assert [t.doc_id for t in tasks] == ["fits", "plain"]
+    reasons = {r.doc_id: r.reason for r in rejections}
+    assert reasons.keys() == {"huge", "too-long", "answer-eats-it"}
+    assert reasons["huge"].startswith("m.jsonl line 1 (id 'huge'): 'prompt' takes ")
+    for doc_id, answer in (("huge", 16), ("too-long", 16), ("answer-eats-it", 200)):
+        assert f"with an answer of up to {answer} tokens" in reasons[doc_id], reasons[doc_id]
+        assert "summarize.context_tokens (1024)" in reasons[doc_id]
