@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -15,6 +16,7 @@ from jobs.config import ConfigError, apply_overrides, load_config
 from jobs.manifest import ManifestError
 from jobs.uris import UnsupportedURIError, check_supported, is_uri
 from runner import __version__
+from runner.engine.model_loader import HUB_OFFLINE_ENV
 from storage.jobdir import JobDir, JobDirError, check_job_folder
 from storage.location import StorageError
 from storage.lock import JobLockedError
@@ -213,4 +215,7 @@ def show_config(
 
 
 def main() -> None:
+    # no model is downloaded unless HF_HUB_OFFLINE=0 (model_loader.hub_downloads_allowed): set for this process
+    # and the workers its private Ray starts, so no hub call of any library retries for minutes offline
+    os.environ.setdefault(HUB_OFFLINE_ENV, "1")
     app()

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from jobs.config import ConfigError, load_config
-from tests.helpers.cli import REPO, TINY_CONFIG, refusal, write_jsonl
+from tests.helpers.cli import REPO, TINY_CONFIG, kvbatch, refusal, write_jsonl
 
 
 def _manifest(tmp_path: Path) -> Path:
@@ -73,6 +73,19 @@ def test_a_setting_no_worker_can_run_exits_2_with_one_line_and_starts_and_create
                              *[a.replace("{tmp}", str(tmp_path)) for a in args])
     assert named in line
     assert [p.name for p in foreign.iterdir()] == ["notes.txt"]  # a foreign root is left as it was
+
+
+def test_a_hub_model_not_in_the_cache_is_refused_at_once_whatever_the_environment(tmp_path: Path) -> None:
+    """Without HF_HUB_OFFLINE (a venv activated by hand, no Makefile) a submit retried the hub for 6 min, then
+    made a job folder whose workers failed (issue 47, row 8): kvbatch downloads nothing unless HF_HUB_OFFLINE=0."""
+    job = tmp_path / "job"
+    proc = kvbatch("submit", str(_manifest(tmp_path)), "-c", str(TINY_CONFIG), "-j", str(job),
+                   "--set", "model.name=kvbatch-test/not-cached", env={"HF_HOME": str(tmp_path / "hf")},
+                   unset=("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"), check=2, timeout=60)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "model 'kvbatch-test/not-cached'" in lines[0], proc.stderr
+    assert "HF_HUB_OFFLINE=0" in lines[0] and "hf download kvbatch-test/not-cached" in lines[0], lines[0]
+    assert not job.exists()
 
 
 def test_the_gpu_config_on_a_node_with_fewer_cpus_than_it_asks_for_is_refused(tmp_path: Path, ray_address: str) -> None:

@@ -2,8 +2,9 @@
 a model name is (loadable at all, its context, vocabulary, quantization) without reading its weights.
 
 A name is one of kvbatch's builtins (``builtin:...``, runner/engine/model_registry.py: where each
-comes from, converted once into a shared folder), a local folder, or a Hugging Face model id
-(``HF_HUB_OFFLINE=1`` is respected).
+comes from, converted once into a shared folder), a local folder, or a Hugging Face model id, read
+from the local Hugging Face cache: kvbatch downloads a model only when ``HF_HUB_OFFLINE=0`` says so
+(`hub_downloads_allowed`).
 
 `model.quantization` loads the weights through transformers' quantizers (runner/engine/quantization.py);
 tiny-random is then saved once as a folder, since transformers quantizes while a checkpoint loads.
@@ -15,6 +16,7 @@ the cache without paying for what they do not use.
 from __future__ import annotations
 
 import functools
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -158,12 +160,21 @@ def _load_builtin(
     raise unknown_builtin(name)
 
 
+HUB_OFFLINE_ENV = "HF_HUB_OFFLINE"
+
+
+def hub_downloads_allowed() -> bool:
+    """Whether a model may be downloaded from the Hugging Face hub: only with HF_HUB_OFFLINE=0 (or false,
+    no, off) set. Without internet an id not in the cache was retried for minutes before a worker failed;
+    unset, the hub is not asked, in submit's checks and in the workers alike."""
+    return os.environ.get(HUB_OFFLINE_ENV, "").strip().lower() in ("0", "false", "no", "off")
+
+
 def check_model_name(name: str) -> None:
     """Raises `ModelLoadError` when `name` is no model a worker could load, found without reading
     weights: an unknown builtin (or its package missing), a folder without config.json, a hub id
-    that is not in the local cache while HF_HUB_OFFLINE forbids downloading it."""
+    that is not in the local cache while downloads are not allowed (`hub_downloads_allowed`)."""
     import huggingface_hub
-    import huggingface_hub.constants
 
     if name.startswith(BUILTIN_PREFIX):
         check_builtin(name)
@@ -172,7 +183,7 @@ def check_model_name(name: str) -> None:
         if not (Path(name).expanduser() / "config.json").is_file():
             raise ModelLoadError(f"model '{name}' is not a saved model: {_missing_model_fix(name)}")
         return
-    if not huggingface_hub.constants.is_offline_mode():
+    if hub_downloads_allowed():
         return  # a worker downloads it, or says why it cannot
     try:
         cached = huggingface_hub.try_to_load_from_cache(name, "config.json")
@@ -210,7 +221,7 @@ def _text_config(cfg: ModelConfig) -> Any | None:
         elif name.startswith(BUILTIN_PREFIX):
             return None
         else:
-            config = AutoConfig.from_pretrained(_location(name))
+            config = AutoConfig.from_pretrained(_location(name), local_files_only=not hub_downloads_allowed())
     except (OSError, ValueError, ModelLoadError):
         return None
     return config.get_text_config()
@@ -224,7 +235,8 @@ def model_quantization(cfg: ModelConfig) -> str | None:
     if cfg.name.startswith(BUILTIN_PREFIX):
         return None
     try:
-        return checkpoint_quantization(AutoConfig.from_pretrained(_location(cfg.name)))
+        return checkpoint_quantization(
+            AutoConfig.from_pretrained(_location(cfg.name), local_files_only=not hub_downloads_allowed()))
     except (OSError, ValueError):
         return None
 
@@ -239,15 +251,14 @@ def _prepare_for_generation(model: PreTrainedModel, tokenizer: PreTrainedTokeniz
 
 
 def _missing_model_fix(name: str) -> str:
-    import huggingface_hub.constants
-
     if looks_like_path(name):
         return f"check that {name} holds a saved model: config.json, weights and tokenizer files"
-    if huggingface_hub.constants.is_offline_mode():
+    if not hub_downloads_allowed():
         return (
-            f"'{name}' is neither a local folder nor in the Hugging Face cache, and HF_HUB_OFFLINE=1 "
-            f"forbids downloading it: run `hf download {name}` where there is internet and copy the "
-            "cache (HF_HOME) here, or set model.name to a local folder"
+            f"'{name}' is neither a local folder nor in the Hugging Face cache, and kvbatch downloads no "
+            f"model unless HF_HUB_OFFLINE=0 is set: run `hf download {name}` where there is internet and copy "
+            "the cache (HF_HOME) here, set HF_HUB_OFFLINE=0 to let kvbatch download it, or set model.name to "
+            "a local folder"
         )
     return (
         f"check that '{name}' is an existing local folder or a Hugging Face model id you can "
@@ -272,10 +283,11 @@ def _from_pretrained(
         location = str(Path(location).expanduser())
         if not Path(location).is_dir():
             raise ModelLoadError(f"model '{name}': folder {location} does not exist; fix model.name")
+    local = not hub_downloads_allowed()
     try:
-        tokenizer = AutoTokenizer.from_pretrained(location)
+        tokenizer = AutoTokenizer.from_pretrained(location, local_files_only=local)
         placed: dict[str, Any] = {}
-        checkpoint = checkpoint_quantization(AutoConfig.from_pretrained(location))
+        checkpoint = checkpoint_quantization(AutoConfig.from_pretrained(location, local_files_only=local))
         if checkpoint is not None and quantized is not None:
             raise ModelLoadError(
                 f"model '{name}' is quantized already ({checkpoint}): set model.quantization to none"
@@ -286,6 +298,7 @@ def _from_pretrained(
             location,
             dtype=dtype,
             attn_implementation=attn_implementation,
+            local_files_only=local,
             **{k: v for k, v in placed.items() if v is not None},
         )
     except (OSError, ValueError, ImportError, SafetensorError) as err:  # the last: a damaged weights file
