@@ -11,14 +11,14 @@ it stops cleanly on Ctrl-C and SIGTERM, and Python only lets the main thread set
         print(row["doc_id"], row["status"], row["summary"])
 
 Bad input raises what the CLI reports in one line (ConfigError and ManifestError are ValueErrors,
-JobDirError a RuntimeError, StorageError an OSError); how a run ended is `Job.exit_code`, the CLI's.
+JobDirError a RuntimeError, StorageError an OSError): rows are read in memory by the manifest's own
+rules, so a bad row is rejected alone, named by its place. How a run ended is `Job.exit_code`, the CLI's.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,10 +26,12 @@ from typing import Any
 
 from rich.console import Console
 
-from jobs.uris import is_uri
+from jobs.config import ConfigError
+from jobs.manifest import ManifestError
 from runner import __version__
 from runner import submit as runner_submit
 from storage.export import result_rows
+from storage.jobdir import DEFAULT_JOBS_DIR, new_job_id
 
 __all__ = ["Job", "__version__", "results", "resume", "submit"]
 
@@ -51,24 +53,26 @@ class Job:
         return self.exit_code in _FINISHED
 
 
-def submit(documents: str | os.PathLike[str] | Iterable[Mapping[str, Any]], *, job_dir: str | os.PathLike[str],
-           config: str | os.PathLike[str] | None = None, settings: Mapping[str, Any] | None = None,
-           address: str | None = None, glob: str | None = None, strict: bool = False,
-           quiet: bool = False) -> Job:
+def submit(documents: str | os.PathLike[str] | Iterable[Mapping[str, Any]], *,
+           job_dir: str | os.PathLike[str] | None = None, config: str | os.PathLike[str] | None = None,
+           settings: Mapping[str, Any] | None = None, address: str | None = None, glob: str | None = None,
+           strict: bool = False, quiet: bool = False) -> Job:
     """Summarises `documents` into the new job folder `job_dir` and returns once the batch ended.
 
     `documents` is what `kvbatch submit` takes (a manifest, a folder of documents, an s3:// prefix) or
     the manifest's rows themselves: dicts with an `id` and a `text` or a `path` (relative to the
-    working directory), optional `max_new_tokens`, `prompt` and metadata. `settings` are `--set`
-    keys (`{"summarize.max_new_tokens": 64}`); `quiet` keeps the progress lines off stderr.
+    working directory), optional `max_new_tokens`, `prompt` and metadata; a bad row is rejected alone
+    and named by its place ("documents row 3", from 1), as a manifest's line is. `job_dir`: by default
+    `runs/<job id>`, as the CLI's (`Job.job_dir` names it). `settings` are `--set` keys
+    (`{"summarize.max_new_tokens": 64}`); `quiet` keeps the progress lines off stderr.
     """
-    if isinstance(documents, (str, os.PathLike)):
-        return _submit(str(documents), job_dir, config, settings, address, glob, strict, quiet)
-    with tempfile.TemporaryDirectory(prefix="kvbatch-documents-") as folder:
-        manifest = Path(folder) / "documents.jsonl"
-        manifest.write_text("".join(json.dumps(_absolute(row), ensure_ascii=False) + "\n" for row in documents),
-                            encoding="utf-8")
-        return _submit(str(manifest), job_dir, config, settings, address, glob, strict, quiet)
+    source = str(documents) if isinstance(documents, (str, os.PathLike)) else _rows(documents)
+    config_path = Path(config) if config is not None else None
+    job_id = new_job_id()
+    folder = str(job_dir) if job_dir is not None else str(DEFAULT_JOBS_DIR / job_id)
+    code = runner_submit.submit(source, glob, config_path, folder, _overrides(settings), address, strict,
+                                _console(quiet), job_id)
+    return Job(folder, code)
 
 
 def resume(job_dir: str | os.PathLike[str], *, retry_failed: bool = False, settings: Mapping[str, Any] | None = None,
@@ -84,26 +88,30 @@ def results(job_dir: str | os.PathLike[str], *, errors_only: bool = False,
     return result_rows(str(job_dir), errors_only, with_text)
 
 
-def _submit(source: str, job_dir: str | os.PathLike[str], config: str | os.PathLike[str] | None,
-            settings: Mapping[str, Any] | None, address: str | None, glob: str | None, strict: bool,
-            quiet: bool) -> Job:
-    config_path = Path(config) if config is not None else None
-    code = runner_submit.submit(source, glob, config_path, str(job_dir), _overrides(settings), address, strict,
-                                _console(quiet))
-    return Job(str(job_dir), code)
+def _rows(documents: Any) -> list[Any]:
+    """The rows themselves, each checked as a manifest's row is (jobs/manifest.py `read_rows`); what is
+    no list of rows at all is refused whole."""
+    if isinstance(documents, (Mapping, bytes, bytearray)) or not isinstance(documents, Iterable):
+        raise ManifestError(f"documents must be a list of rows (dicts with an 'id' and a 'text' or a 'path'), "
+                            f"a manifest or a folder, got {type(documents).__name__}: give one document as [row]")
+    return list(documents)
 
 
-def _overrides(settings: Mapping[str, Any] | None) -> list[str]:
+def _overrides(settings: Any) -> list[str]:
     """`--set key=value` from a dict: each value as JSON, which the YAML the CLI reads takes as it is."""
-    return [f"{key}={json.dumps(value)}" for key, value in (settings or {}).items()]
-
-
-def _absolute(row: Mapping[str, Any]) -> dict[str, Any]:
-    """A row whose relative `path` is taken from the working directory, not the temporary manifest's."""
-    path = row.get("path")
-    if isinstance(path, str) and not is_uri(path) and not os.path.isabs(path):
-        return {**row, "path": os.path.abspath(path)}
-    return dict(row)
+    if settings is None:
+        return []
+    if not isinstance(settings, Mapping):
+        raise ConfigError(f"settings must be a dict of config keys and values ({{'summarize.max_new_tokens': 64}}), "
+                          f"got {type(settings).__name__}")
+    overrides = []
+    for key, value in settings.items():
+        try:
+            overrides.append(f"{key}={json.dumps(value, allow_nan=False)}")
+        except (TypeError, ValueError):
+            raise ConfigError(f"settings[{key!r}] is {type(value).__name__} {value!r}, which no config key takes: "
+                              "give a number, a string, a boolean, a list or a dict") from None
+    return overrides
 
 
 def _console(quiet: bool) -> Console:

@@ -10,7 +10,9 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 from rich.console import Console
@@ -18,7 +20,15 @@ from rich.markup import escape
 
 from jobs.config import JobConfig, apply_overrides, config_from_dict, load_config, without_retired_keys
 from jobs.faults import FAULTS_ENV, parse_faults
-from jobs.manifest import ManifestError, Rejection, read_manifest, table_json, tasks_from_table, tasks_to_table
+from jobs.manifest import (
+    ManifestError,
+    Rejection,
+    read_manifest,
+    read_rows,
+    table_json,
+    tasks_from_table,
+    tasks_to_table,
+)
 from jobs.schema import RESULT_SCHEMA, TaskState, empty_row
 from jobs.task import Task
 from runner import __version__
@@ -33,7 +43,7 @@ from runner.coordinator import (
 )
 from runner.engine.model_registry import conversion_ahead
 from runner.pool import WorkerStartError
-from runner.preflight import check_cluster, check_settings, prompt_measure
+from runner.preflight import check_cluster, check_settings
 from storage.checkpoint import JobState, compact, load_state
 from storage.inputs import FOLDER_MANIFEST_NAME, StagedManifest, stage_input
 from storage.jobdir import (
@@ -92,8 +102,7 @@ def report_rejections(console: Console, rejections: list[Rejection], limit: int 
 
 def _read_staged(staged: StagedManifest, config: JobConfig) -> tuple[list[Task], list[Rejection]]:
     try:
-        return read_manifest(staged.path, config.input, staged.uri_base, config.summarize.context_tokens,
-                             prompt_measure(config))
+        return read_manifest(staged.path, config.input, staged.uri_base, config.summarize.context_tokens)
     except ManifestError as e:  # name the manifest as the user gave it, not its local copy
         raise ManifestError(str(e).replace(str(staged.path), staged.shown)) from None
 
@@ -147,52 +156,87 @@ def _all_finished(job: JobDir, retry_since: float | None = None) -> JobState | N
     return state
 
 
-def submit(source: str, pattern: str | None, config_path: Path | None, job_dir: Where | None,
-           overrides: list[str], address: str | None, strict: bool, console: Console) -> int:
-    """`source`: a manifest or a folder of documents, local or on shared storage; `pattern`: --glob."""
-    job_id = new_job_id()
+def submit(source: str | list[Any], pattern: str | None, config_path: Path | None, job_dir: Where | None,
+           overrides: list[str], address: str | None, strict: bool, console: Console,
+           job_id: str | None = None) -> int:
+    """`source`: a manifest or a folder of documents, local or on shared storage, or the manifest's rows
+    themselves (`kvbatch.submit`); `pattern`: --glob. `job_id`: the new job's, when the caller made its
+    default folder (runs/<job_id>) itself."""
+    job_id = job_id or new_job_id()
     job = JobDir(job_dir or DEFAULT_JOBS_DIR / job_id)
     return _interruptible(lambda: _submit(job, job_id, source, pattern, config_path, overrides, address, strict,
                                           console), job, console)
 
 
-def _submit(job: JobDir, job_id: str, source: str, pattern: str | None, config_path: Path | None,
+@dataclass(frozen=True)
+class _Given:
+    """What submit was given, read: its tasks and rejected rows, how job.json names it, what to say of it."""
+
+    tasks: list[Task]
+    rejections: list[Rejection]
+    manifest_path: str
+    manifest_sha256: str
+    notes: tuple[str, ...] = ()  # what a folder's listing left out
+    listed: str | None = None  # "N document(s) in FOLDER -> MANIFEST" for a folder
+    copies: dict[str, bytes] | None = None  # files kept in the job folder (a folder's manifest)
+
+
+def _staged(source: str, pattern: str | None, config: JobConfig, job: JobDir) -> _Given:
+    """A manifest or a folder, local or on shared storage, read through a local manifest file."""
+    with tempfile.TemporaryDirectory(prefix="kvbatch-manifest-") as workdir:
+        staged = stage_input(source, pattern, Path(workdir), job.path.local_path if job.path.is_local else None)
+        tasks, rejections = _read_staged(staged, config)
+        if not staged.from_folder:
+            manifest_path = staged.shown if staged.uri_base is not None else str(staged.path.resolve())
+            return _Given(tasks, rejections, manifest_path, _sha256_of(staged.path), staged.notes)
+        manifest_path = str(job.path / FOLDER_MANIFEST_NAME)
+        listed = f"{len(tasks) + len(rejections)} document(s) in {source} -> {manifest_path}"
+        return _Given(tasks, rejections, manifest_path, _sha256_of(staged.path), staged.notes, listed,
+                      {FOLDER_MANIFEST_NAME: staged.path.read_bytes()})
+
+
+#: how job.json names documents a program gave as rows
+GIVEN_ROWS = "rows given to kvbatch.submit"
+
+
+def _given_rows(rows: list[Any], config: JobConfig) -> _Given:
+    """Rows a program gave (`kvbatch.submit`), read as a manifest's are, no file written; relative paths
+    from the working directory."""
+    tasks, rejections = read_rows(rows, config.input, Path.cwd(), config.summarize.context_tokens)
+    read = table_json({"tasks": tasks_to_table(tasks).to_pylist(), "rejected": [asdict(r) for r in rejections]})
+    return _Given(tasks, rejections, GIVEN_ROWS, hashlib.sha256(read.encode("utf-8", "surrogatepass")).hexdigest())
+
+
+def _submit(job: JobDir, job_id: str, source: str | list[Any], pattern: str | None, config_path: Path | None,
             overrides: list[str], address: str | None, strict: bool, console: Console) -> int:
     check_new_job_folder(job)
     config = load_config(config_path, overrides)
     check_settings(config)
     check_offload_root(offload_root_for(config, job.path))
-    with tempfile.TemporaryDirectory(prefix="kvbatch-manifest-") as workdir:
-        staged = stage_input(source, pattern, Path(workdir), job.path.local_path if job.path.is_local else None)
-        tasks, rejections = _read_staged(staged, config)
-        if strict and rejections:
-            report_rejections(console, rejections)
-            console.print("[red]--strict: nothing was started; fix the rows above and submit again")
-            return EXIT_USAGE
-        if staged.from_folder:
-            manifest_path = str(job.path / FOLDER_MANIFEST_NAME)
-        else:
-            manifest_path = staged.shown if staged.uri_base is not None else str(staged.path.resolve())
-        info = JobInfo(
-            job_id=job_id, created=time.time(), version=__version__, config=config.model_dump(mode="json"),
-            manifest_path=manifest_path, manifest_sha256=_sha256_of(staged.path),
-        )
-        rejected = pa.Table.from_pylist([_rejection_row(r) for r in rejections], schema=RESULT_SCHEMA)
-        with _checked_cluster(config, address, needed=bool(tasks)):
-            make_job_folder(job)
-            # the first line once there is a job: a refusal before it creates nothing and names no job
-            console.print(f"job {job_id} -> {escape(str(job.path))}", highlight=False)
-            for note in staged.notes:
-                console.print(note, style="yellow", markup=False, highlight=False)
-            if staged.from_folder:
-                console.print(f"{len(tasks) + len(rejections)} document(s) in {escape(source)} -> "
-                              f"{escape(manifest_path)}", highlight=False)
-            report_rejections(console, rejections)
-            # the lock first: a second submit to the same folder refuses instead of writing over this one
-            with job_lock(job.lock) as lock:
-                copies = {FOLDER_MANIFEST_NAME: staged.path.read_bytes()} if staged.from_folder else None
-                create_job(job, info, tasks_to_table(tasks), rejected, copies)
-                return _execute(job, info, config, address, retry_since=None, console=console, lock=lock)
+    given = _staged(source, pattern, config, job) if isinstance(source, str) else _given_rows(source, config)
+    tasks, rejections = given.tasks, given.rejections
+    if strict and rejections:
+        report_rejections(console, rejections)
+        console.print("[red]--strict: nothing was started; fix the rows above and submit again")
+        return EXIT_USAGE
+    info = JobInfo(
+        job_id=job_id, created=time.time(), version=__version__, config=config.model_dump(mode="json"),
+        manifest_path=given.manifest_path, manifest_sha256=given.manifest_sha256,
+    )
+    rejected = pa.Table.from_pylist([_rejection_row(r) for r in rejections], schema=RESULT_SCHEMA)
+    with _checked_cluster(config, address, needed=bool(tasks)):
+        make_job_folder(job)
+        # the first line once there is a job: a refusal before it creates nothing and names no job
+        console.print(f"job {job_id} -> {escape(str(job.path))}", highlight=False)
+        for note in given.notes:
+            console.print(note, style="yellow", markup=False, highlight=False)
+        if given.listed:
+            console.print(given.listed, markup=False, highlight=False)
+        report_rejections(console, rejections)
+        # the lock first: a second submit to the same folder refuses instead of writing over this one
+        with job_lock(job.lock) as lock:
+            create_job(job, info, tasks_to_table(tasks), rejected, given.copies)
+            return _execute(job, info, config, address, retry_since=None, console=console, lock=lock)
 
 
 def resume(job_dir: Where, retry_failed: bool, overrides: list[str], address: str | None,

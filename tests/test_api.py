@@ -3,6 +3,7 @@ input order, the example script as the README shows it, and bad settings raised 
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import subprocess
@@ -13,6 +14,7 @@ import pytest
 
 import kvbatch
 from jobs.config import ConfigError
+from jobs.manifest import ManifestError
 from tests.helpers.cli import REPO, TINY_CONFIG
 from tests.helpers.cli import kvbatch as cli
 
@@ -95,3 +97,68 @@ def test_a_batch_leaves_the_callers_own_child_processes_alone(tmp_path: Path) ->
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.splitlines()[-1])
     assert out == {"exit_code": 0, "sleeper": -15, "helper": -15}, out  # alive until the caller ended them
+
+
+@pytest.mark.parametrize("documents, message", [
+    ({"id": "a", "text": "hello"}, "documents must be a list of rows"),  # one row, not in a list
+    (b'{"id": "a", "text": "hello"}', "documents must be a list of rows"),
+    ([], "the documents given are an empty list"),
+], ids=["a-dict", "bytes", "empty"])
+def test_documents_that_are_no_list_of_rows_raise_a_manifest_error(tmp_path: Path, documents, message) -> None:
+    with pytest.raises(ManifestError, match=message):
+        kvbatch.submit(documents, job_dir=tmp_path / "job", quiet=True)
+    assert not (tmp_path / "job").exists()
+
+
+@pytest.mark.parametrize("settings, message", [
+    (["summarize.max_new_tokens=64"], "settings must be a dict"),
+    ({"summarize.max_new_tokens": datetime.date(2026, 1, 1)}, r"settings\['summarize.max_new_tokens'\] is date"),
+], ids=["a-list", "a-date"])
+def test_settings_that_no_config_takes_raise_a_config_error(tmp_path: Path, settings, message) -> None:
+    with pytest.raises(ConfigError, match=message):
+        kvbatch.submit([{"id": "a", "text": "hello"}], job_dir=tmp_path / "job", settings=settings, quiet=True)
+    assert not (tmp_path / "job").exists()
+
+
+#: rows a program may hand over, each rejected alone with its place: what the CLI's manifest rules say of them
+BAD_ROWS = [
+    "a plain string",
+    {"id": datetime.datetime(2026, 1, 1), "text": "an id no manifest can hold"},
+    {"id": "surrogate", "text": "half a pair \ud800 here"},
+    {"id": "meta-only", "when": datetime.date(2026, 3, 4), "raw": b"\x00bytes"},  # no text: rejected, metadata kept
+    {"id": "undecodable", "text": b"\xff\xfe"},
+]
+REASONS = ["documents row 1: is not a dict (got str)", "documents row 2: 'id' must be a string or an integer",
+           "documents row 3 (id 'surrogate'): 'text' contains a lone UTF-16 surrogate",
+           "documents row 4 (id 'meta-only'): has neither 'text' nor 'path'",
+           "documents row 5 (id 'undecodable'): 'text' is not valid UTF-8"]
+
+
+def test_bad_rows_are_rejected_alone_and_named_by_their_place(tmp_path: Path, capsys) -> None:
+    """The rows went through a temporary documents.jsonl: a date or bytes raised TypeError, a lone surrogate
+    UnicodeEncodeError; now each is one rejected row, as in a manifest, and the good row beside them runs."""
+    job = kvbatch.submit([*BAD_ROWS, {"id": "good", "text": "A fine document."}], job_dir=tmp_path / "job",
+                         strict=True)
+    said = " ".join(capsys.readouterr().err.split())
+    assert job.exit_code == 2 and "5 manifest row(s) rejected" in said, said  # --strict: the good one is row 6
+    for reason in REASONS:
+        assert reason in said, (reason, said)
+    assert "documents.jsonl" not in said and "good" not in said
+    assert not (tmp_path / "job").exists()
+
+
+def test_a_job_of_rejected_rows_goes_to_the_default_folder_and_keeps_their_metadata(tmp_path: Path,
+                                                                                    monkeypatch) -> None:
+    """job_dir=None ran the job in ./None; it is the CLI's default, runs/<job id>, and Job names it."""
+    monkeypatch.chdir(tmp_path)
+    job = kvbatch.submit(BAD_ROWS, quiet=True)  # every row rejected: no model needed
+    assert job.exit_code == 3 and job.finished
+    assert Path(job.job_dir).parent == Path("runs") and (tmp_path / job.job_dir / "job.json").is_file(), job
+    assert not (tmp_path / "None").exists()
+    info = json.loads((tmp_path / job.job_dir / "job.json").read_text())
+    assert info["job_id"] == Path(job.job_dir).name and info["manifest"]["path"] == "rows given to kvbatch.submit"
+    rows = kvbatch.results(job.job_dir)
+    assert [r["status"] for r in rows] == ["rejected"] * len(REASONS)
+    for row, reason in zip(rows, REASONS):
+        assert reason in row["error"], (reason, row["error"])
+    assert rows[3]["when"] == "2026-03-04" and rows[3]["raw"] == "\x00bytes"
