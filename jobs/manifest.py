@@ -16,7 +16,7 @@ import math
 import re
 import unicodedata
 import zlib
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -24,6 +24,7 @@ from typing import Any, BinaryIO
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from jobs.chunking import merge_room
 from jobs.config import ConfigError, InputConfig, max_answer_tokens
 from jobs.documents import (
     DocumentError,
@@ -80,6 +81,16 @@ def task_id_for_row(row: int) -> str:
 def row_of_task_id(task_id: str) -> int:
     """The manifest row a task id was made from: how exports list documents in the manifest's order."""
     return int(task_id[1:])
+
+
+@dataclass(frozen=True)
+class PromptMeasure:
+    """How a row's `prompt` is measured: with the model's tokenizer, as submit's settings check measures
+    summarize.prompt (runner/preflight.py)."""
+
+    prompt_tokens: Callable[[str], int]  # a pass's prompt with this instruction and no document: template, margin
+    separator_tokens: int  # of the text that joins partial summaries (jobs.chunking.SUMMARY_SEPARATOR)
+    max_new_tokens: int  # summarize.max_new_tokens: the answer of a row that does not set its own
 
 
 class _RowRejected(Exception):
@@ -159,13 +170,29 @@ def _answer_room(max_new_tokens: int, context_tokens: int | None) -> int:
     return max_new_tokens
 
 
-def _overrides(fields: dict[str, Any], context_tokens: int | None) -> dict[str, Any]:
+def _prompt_room(prompt: str, max_new_tokens: int, context_tokens: int, measure: PromptMeasure) -> None:
+    """A row's prompt leaves a pass room for its answer and the document: at least two partial summaries of
+    a long one, so they can merge (the room summarize.prompt must leave, at the row's context)."""
+    tokens = measure.prompt_tokens(prompt)
+    room = merge_room(context_tokens, tokens, max_new_tokens, measure.separator_tokens)
+    if room < 0:
+        raise _RowRejected(
+            f"'prompt' takes {tokens} tokens (chat template included): with an answer of up to {max_new_tokens} "
+            f"tokens it leaves a pass of summarize.context_tokens ({context_tokens}) no room for the document and "
+            f"two partial summaries to merge: shorten it by {-room} tokens or more, lower the row's "
+            "max_new_tokens, or raise summarize.context_tokens"
+        )
+
+
+def _overrides(fields: dict[str, Any], context_tokens: int | None, measure: PromptMeasure | None) -> dict[str, Any]:
     overrides: dict[str, Any] = {}
     if (value := fields.get("max_new_tokens")) is not None:
         overrides["max_new_tokens"] = _answer_room(_positive_int("max_new_tokens", value), context_tokens)
     if (value := fields.get("prompt")) is not None:
         if not isinstance(value, str) or not value.strip():
             raise _RowRejected(f"'prompt' must be a non-empty string, got {_shown(value)}: fix or remove it")
+        if measure is not None and context_tokens is not None:
+            _prompt_room(value, overrides.get("max_new_tokens", measure.max_new_tokens), context_tokens, measure)
         overrides["prompt"] = value
     return overrides
 
@@ -250,7 +277,8 @@ class _Validator:
     row_unit: str  # "line", "row" or "item", as messages call a row of this manifest
     seen_ids: dict[str, tuple[int, str]]  # NFC-normalised id -> (row, id as given)
     uri_base: str | None = None  # the folder URI of a manifest read from shared storage
-    context_tokens: int | None = None  # summarize.context_tokens, which bounds a row's max_new_tokens
+    context_tokens: int | None = None  # summarize.context_tokens, which bounds a row's max_new_tokens and prompt
+    prompt_measure: PromptMeasure | None = None  # how a row's prompt is measured (None: not checked)
 
     def task(self, record: _Record) -> Task:
         if record.fields is None:
@@ -263,7 +291,7 @@ class _Validator:
         doc_id = _doc_id(fields.get("id"))
         try:
             self._claim_id(doc_id, record.row)
-            overrides = _overrides(fields, self.context_tokens)
+            overrides = _overrides(fields, self.context_tokens, self.prompt_measure)
             source_type, source, document = self._document(fields)
         except _RowRejected as e:
             raise _RowRejected(e.problem, doc_id) from None
@@ -530,13 +558,15 @@ def _documents_root(input_cfg: InputConfig) -> Path | None:
 
 
 def read_manifest(
-    path: Path, input_cfg: InputConfig, uri_base: str | None = None, context_tokens: int | None = None
+    path: Path, input_cfg: InputConfig, uri_base: str | None = None, context_tokens: int | None = None,
+    prompt_measure: PromptMeasure | None = None,
 ) -> tuple[list[Task], list[Rejection]]:
     """Every runnable task of the manifest, and every row that will not run with its reason.
 
     `uri_base`: the manifest is a local copy of one on shared storage, in that folder; relative
     document paths are read from there. `context_tokens`: summarize.context_tokens, of which a row's
-    `max_new_tokens` may take at most half (None: not checked).
+    `max_new_tokens` may take at most half (None: not checked), and in which a row's `prompt` must leave
+    room, measured by `prompt_measure` (None: not checked).
     """
     path = Path(path)
     if not path.is_file():
@@ -553,6 +583,7 @@ def read_manifest(
             seen_ids={},
             uri_base=uri_base,
             context_tokens=context_tokens,
+            prompt_measure=prompt_measure,
         )
         _validate(validator, _records(path, fmt, input_cfg.max_document_bytes), path.name, tasks, rejections)
     except ManifestError as e:
@@ -589,6 +620,7 @@ def _row_record(row: int, value: Any) -> _Record:
 
 def read_rows(
     rows: Iterable[Any], input_cfg: InputConfig, base_dir: Path, context_tokens: int | None = None,
+    prompt_measure: PromptMeasure | None = None,
 ) -> tuple[list[Task], list[Rejection]]:
     """The documents a program gives as rows (`kvbatch.submit`), read as a manifest's are, without a file:
     a bad row is rejected alone, named "documents row N" (from 1); a relative `path` is read from `base_dir`.
@@ -600,6 +632,7 @@ def read_rows(
         row_unit="row",
         seen_ids={},
         context_tokens=context_tokens,
+        prompt_measure=prompt_measure,
     )
     tasks: list[Task] = []
     rejections: list[Rejection] = []

@@ -43,7 +43,7 @@ from runner.coordinator import (
 )
 from runner.engine.model_registry import conversion_ahead
 from runner.pool import WorkerStartError
-from runner.preflight import check_cluster, check_settings
+from runner.preflight import check_cluster, check_settings, prompt_measure
 from storage.checkpoint import JobState, compact, load_state
 from storage.inputs import FOLDER_MANIFEST_NAME, StagedManifest, stage_input
 from storage.jobdir import (
@@ -102,7 +102,8 @@ def report_rejections(console: Console, rejections: list[Rejection], limit: int 
 
 def _read_staged(staged: StagedManifest, config: JobConfig) -> tuple[list[Task], list[Rejection]]:
     try:
-        return read_manifest(staged.path, config.input, staged.uri_base, config.summarize.context_tokens)
+        return read_manifest(staged.path, config.input, staged.uri_base, config.summarize.context_tokens,
+                             prompt_measure(config))
     except ManifestError as e:  # name the manifest as the user gave it, not its local copy
         raise ManifestError(str(e).replace(str(staged.path), staged.shown)) from None
 
@@ -202,7 +203,8 @@ GIVEN_ROWS = "rows given to kvbatch.submit"
 def _given_rows(rows: list[Any], config: JobConfig) -> _Given:
     """Rows a program gave (`kvbatch.submit`), read as a manifest's are, no file written; relative paths
     from the working directory."""
-    tasks, rejections = read_rows(rows, config.input, Path.cwd(), config.summarize.context_tokens)
+    tasks, rejections = read_rows(rows, config.input, Path.cwd(), config.summarize.context_tokens,
+                                  prompt_measure(config))
     read = table_json({"tasks": tasks_to_table(tasks).to_pylist(), "rejected": [asdict(r) for r in rejections]})
     return _Given(tasks, rejections, GIVEN_ROWS, hashlib.sha256(read.encode("utf-8", "surrogatepass")).hexdigest())
 
@@ -300,7 +302,7 @@ def _execute(job: JobDir, info: JobInfo, config: JobConfig, address: str | None,
     if retry_since is None:
         finished |= state.failed_task_ids
     open_tasks = [t for t in tasks if t.task_id not in finished]
-    total = len(tasks) + len(state.rejected_task_ids)
+    total = len(tasks)  # the documents to run: rejected rows are said apart (report_rejections, _final_report)
     console.print(
         f"{len(tasks)} task(s): {len(tasks) - len(open_tasks)} already finished, {len(open_tasks)} to run"
     )
