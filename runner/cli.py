@@ -85,7 +85,8 @@ def submit(
         help="JSONL, CSV or Parquet manifest, or a folder of documents (id = path in the folder); "
              "local, or s3://, file:// on shared storage")],
     glob: Annotated[Optional[str], typer.Option(
-        "--glob", metavar="PATTERN", help="with a folder: only files whose relative path matches, e.g. '*.pdf'")] = None,
+        "--glob", metavar="PATTERN",
+        help="with a folder: only files whose relative path matches, e.g. '*.pdf'")] = None,
     config: ConfigOption = None,
     job_dir: Annotated[Optional[str], typer.Option(
         "-j", "--job-dir", metavar="JOB_DIR", help=JOB_DIR_HELP + " (default runs/<job-id>)")] = None,
