@@ -1,12 +1,17 @@
 """The job's checkpoint log: task events, results and finished passes as append-only Parquet parts.
 
-Rows are buffered and published in batches (every `flush_every` rows or `flush_interval_s`
-seconds, whichever comes first, and on close), because one fsynced part per row would cost
-milliseconds per task. A result row is the "done" record, so results are published before the
-events of the same batch, and a document's passes (storage/passes.py) only while it has no result:
-those of a document whose result goes out in the same batch are dropped. While a run goes on, every `merge_every` parts the log wrote are merged
-into one, which keeps the number of files a resume has to read small even after a crash;
-`compact` merges everything once the job ends.
+What the log is told is kept is on disk before the call returns: a result row (the "done" record) and a
+document's finished passes are published by `add_result`/`add_passes` themselves, so whatever job.log,
+the progress bar or `status` announce after it survives a `kill -9`; a kill loses only the work still
+in flight. Callers that finish at the same moment share one write (a group commit: whoever takes the
+writer's turn publishes every row added so far, and a caller whose row went out in another's write
+returns at once), so many feeding threads do not cost one fsynced part each. Task events (running,
+retrying) only describe the way there and are buffered: published with the next result or pass, every
+`flush_every` rows or after `flush_interval_s` seconds, and on close. Results are published before the
+events and passes of the same write, and a document's passes only while it has no result: those of a
+document whose result goes out in the same write are dropped. While a run goes on, every
+`merge_every` parts the log wrote are merged into one, which keeps the number of files a resume has to
+read small even after a crash; `compact` merges everything once the job ends.
 """
 
 from __future__ import annotations
@@ -46,11 +51,9 @@ def _row_label(row: dict[str, Any]) -> str:
 class _Stream:
     """One directory of parts (events or results) and the rows not yet published to it."""
 
-    def __init__(self, directory: Location, schema: pa.Schema, fence: Fence,
-                 after_publish: Callable[[list[str]], None] | None = None) -> None:
+    def __init__(self, directory: Location, schema: pa.Schema, fence: Fence) -> None:
         self.directory = directory
         self.fence = fence
-        self.after_publish = after_publish
         self.schema = schema
         self.columns = frozenset(schema.names)
         self.pending: list[dict[str, Any]] = []
@@ -64,13 +67,13 @@ class _Stream:
                 f"allowed: {', '.join(self.schema.names)}"
             )
 
-    def _convert_pending(self) -> tuple[pa.Table, list[str]]:
-        """Arrow table of the pending rows, leaving out (and describing) rows that do not fit."""
+    def _convert(self, rows: list[dict[str, Any]]) -> tuple[pa.Table, list[str]]:
+        """Arrow table of `rows`, leaving out (and describing) rows that do not fit."""
         try:
-            return pa.Table.from_pylist(self.pending, schema=self.schema), []
+            return pa.Table.from_pylist(rows, schema=self.schema), []
         except (pa.ArrowException, TypeError, ValueError):
             good, rejected = [], []
-            for row in self.pending:
+            for row in rows:
                 try:
                     pa.Table.from_pylist([row], schema=self.schema)
                     good.append(row)
@@ -78,20 +81,14 @@ class _Stream:
                     rejected.append(f"{_row_label(row)}: {exc}")
             return pa.Table.from_pylist(good, schema=self.schema), rejected
 
-    def publish(self) -> None:
-        if not self.pending:
-            return
-        table, rejected = self._convert_pending()
+    def publish(self, rows: list[dict[str, Any]]) -> tuple[list[str], list[str]]:
+        """Write `rows` as one part: the task ids written, and a description of each row left out."""
+        if not rows:
+            return [], []
+        table, rejected = self._convert(rows)
         if table.num_rows:
             self.unmerged.append((write_part(self.directory, table, fence=self.fence), table))
-        self.pending = []
-        if table.num_rows and self.after_publish is not None:
-            self.after_publish(table.column("task_id").to_pylist())
-        if rejected:
-            raise CheckpointRowError(
-                f"{len(rejected)} {self.directory.name} row(s) do not fit the schema and were not written: "
-                + "; ".join(rejected)
-            )
+        return table.column("task_id").to_pylist(), rejected
 
     def merge_if_due(self, merge_every: int) -> None:
         if len(self.unmerged) >= merge_every:
@@ -100,9 +97,19 @@ class _Stream:
             self.unmerged = []
 
 
+@dataclass
+class _Write:
+    """The rows one turn of the writer publishes; what is still here when it fails goes back to the queue."""
+
+    results: list[dict[str, Any]]
+    passes: dict[str, list[PassRow]]
+    events: list[dict[str, Any]]
+    upto: int  # rows added before it: a caller whose row is older finds it published
+
+
 class CheckpointLog:
-    """Buffered, thread-safe writer of a job's events/, results/ and passes/ parts: the only writer of
-    a job folder while its coordinator runs."""
+    """Thread-safe writer of a job's events/, results/ and passes/ parts (see the module): the only
+    writer of a job folder while its coordinator runs."""
 
     def __init__(
         self,
@@ -127,10 +134,13 @@ class CheckpointLog:
         self._job_dir = job_dir
         self._fence = fence
         self._after_results = after_results
-        self._results = _Stream(job_dir / RESULTS_DIR, RESULT_SCHEMA, fence, self._published)
+        self._results = _Stream(job_dir / RESULTS_DIR, RESULT_SCHEMA, fence)
         self._events = _Stream(job_dir / EVENTS_DIR, EVENT_SCHEMA, fence)
         self._passes: dict[str, list[PassRow]] = {}  # task id -> its finished passes not yet published
-        self._lock = threading.Condition()
+        self._lock = threading.Condition()  # the queues and counters below
+        self._turn = threading.Lock()  # the writer's turn: one write at a time, taken before `_lock`
+        self._added = 0  # rows ever added
+        self._published = 0  # rows added before the last write that succeeded
         self._oldest_pending: float | None = None
         self._closed = False
         self._background_error: Exception | None = None
@@ -138,92 +148,130 @@ class CheckpointLog:
         self._timer.start()
 
     def add_event(self, row: dict[str, Any]) -> None:
-        self._add(self._events, row)
+        """A task's way to its end: buffered (see the module)."""
+        self._add(self._events, row, kept=False)
 
     def add_result(self, row: dict[str, Any]) -> None:
-        self._add(self._results, row)
+        """A document's end: on disk when this returns."""
+        self._add(self._results, row, kept=True)
 
     def add_passes(self, rows: list[PassRow]) -> None:
-        """Finished passes of documents still running, published with the next batch."""
+        """Finished passes of documents still running: on disk when this returns."""
         with self._lock:
             for row in rows:
                 self._passes.setdefault(row["task_id"], []).append(row)
-            self._added()
+            ticket = self._queued(len(rows))
+        self._commit(ticket)
 
-    def _add(self, stream: _Stream, row: dict[str, Any]) -> None:
+    def _add(self, stream: _Stream, row: dict[str, Any], kept: bool) -> None:
         stream.check_keys(row)
         with self._lock:
             stream.pending.append(dict(row))
-            self._added()
+            ticket = self._queued(1)
+            due = kept or self._pending() >= self.flush_every
+        if due:
+            self._commit(ticket)
+        else:
+            self._raise_background_error()
 
-    def _added(self) -> None:
+    def _queued(self, rows: int) -> int:
+        """Count `rows` just queued (holding `_lock`); their ticket: the rows added up to them."""
         if self._closed:
             raise RuntimeError(f"checkpoint log of {self._job_dir} is closed")
+        self._added += rows
         if self._oldest_pending is None:
             self._oldest_pending = time.monotonic()
             self._lock.notify()
-        if self._pending() >= self.flush_every:
-            self._flush_locked()
-        self._raise_background_error()
+        return self._added
 
     def _pending(self) -> int:
         return len(self._results.pending) + len(self._events.pending) + sum(map(len, self._passes.values()))
 
-    def _published(self, task_ids: list[str]) -> None:
-        """Results of `task_ids` are out: their passes are not needed any more."""
-        for task_id in task_ids:
-            self._passes.pop(task_id, None)
-        if self._after_results is not None:
-            self._after_results(task_ids)
+    def _commit(self, ticket: int | None = None) -> None:
+        """Publish the rows added up to `ticket` (None: every row): in this thread, unless the write of
+        another caller took them out meanwhile."""
+        with self._turn:
+            if ticket is None or self._published < ticket:
+                self._write()
+        self._raise_background_error()
 
-    def _publish_passes(self) -> None:
-        while self._passes:
-            task_id, rows = next(iter(self._passes.items()))
-            write_passes(self._job_dir, task_id, rows, self._fence)
-            del self._passes[task_id]
-
-    def flush(self) -> None:
-        """Publish every buffered row now."""
+    def _write(self) -> None:
+        """One turn of the writer (holding `_turn`): every queued row, results first."""
         with self._lock:
-            self._flush_locked()
-            self._raise_background_error()
-
-    def _raise_background_error(self) -> None:
-        """Hand an error of the interval flusher to the next caller, who can act on it."""
-        error, self._background_error = self._background_error, None
-        if error is not None:
-            raise error
-
-    def _flush_locked(self) -> None:
-        self._oldest_pending = None
+            write = _Write(self._results.pending, self._passes, self._events.pending, self._added)
+            self._results.pending, self._passes, self._events.pending = [], {}, []
+            self._oldest_pending = None
+        rejected: dict[str, list[str]] = {}
         try:
-            self._results.publish()  # a result is the done record: it goes first
-            self._publish_passes()
-            self._events.publish()
+            published, rejected[RESULTS_DIR] = self._results.publish(write.results)  # the done record: first
+            write.results = []
+            if published:
+                with self._lock:
+                    for task_id in published:  # their passes are not needed any more
+                        write.passes.pop(task_id, None)
+                        self._passes.pop(task_id, None)
+                if self._after_results is not None:
+                    self._after_results(published)
+            while write.passes:
+                task_id, rows = next(iter(write.passes.items()))
+                write_passes(self._job_dir, task_id, rows, self._fence)
+                del write.passes[task_id]
+            rejected[EVENTS_DIR] = self._events.publish(write.events)[1]
+            write.events = []
             for stream in (self._results, self._events):
                 stream.merge_if_due(self.merge_every)
         finally:
-            if self._pending():
-                self._oldest_pending = time.monotonic()  # retry after another interval
+            with self._lock:
+                if write.results or write.passes or write.events:  # back in front of what came meanwhile
+                    self._results.pending[:0] = write.results
+                    for task_id, rows in write.passes.items():
+                        self._passes[task_id] = rows + self._passes.get(task_id, [])
+                    self._events.pending[:0] = write.events
+                    self._oldest_pending = time.monotonic()  # the interval flusher tries again after a while
+                else:
+                    self._published = write.upto
+        if any(rejected.values()):
+            raise CheckpointRowError("; ".join(
+                f"{len(rows)} {name} row(s) do not fit the schema and were not written: " + "; ".join(rows)
+                for name, rows in rejected.items() if rows
+            ))
+
+    def flush(self) -> None:
+        """Publish every buffered row now."""
+        self._commit()
+
+    def _raise_background_error(self) -> None:
+        """Hand an error of the interval flusher to the next caller, who can act on it."""
+        with self._lock:
+            error, self._background_error = self._background_error, None
+        if error is not None:
+            raise error
 
     def _flush_when_interval_passes(self) -> None:
+        while self._interval_passed():
+            try:
+                with self._turn:
+                    self._write()
+            except Exception as exc:  # unpublished rows stay buffered for the next flush
+                # the next caller raises it and says what to do (a full disk: submit's exit 6); a
+                # traceback on the console here came before that line
+                logger.debug("periodic checkpoint flush of %s failed", self._results.directory.parent,
+                             exc_info=True)
+                with self._lock:
+                    self._background_error = exc
+
+    def _interval_passed(self) -> bool:
+        """Wait until the oldest buffered row is `flush_interval_s` old (True) or the log closes (False)."""
         with self._lock:
             while not self._closed:
                 if self._oldest_pending is None:
                     self._lock.wait()
                     continue
                 remaining = self._oldest_pending + self.flush_interval_s - time.monotonic()
-                if remaining > 0:
-                    self._lock.wait(remaining)
-                    continue
-                try:
-                    self._flush_locked()
-                except Exception as exc:  # unpublished rows stay buffered for the next flush
-                    # the next caller raises it and says what to do (a full disk: submit's exit 6); a
-                    # traceback on the console here came before that line
-                    logger.debug("periodic checkpoint flush of %s failed", self._results.directory.parent,
-                                 exc_info=True)
-                    self._background_error = exc
+                if remaining <= 0:
+                    return True
+                self._lock.wait(remaining)
+            return False
 
     def close(self) -> None:
         """Publish what is buffered and stop the interval flusher; later adds raise."""
@@ -233,9 +281,7 @@ class CheckpointLog:
             self._closed = True
             self._lock.notify()
         self._timer.join()
-        with self._lock:
-            self._flush_locked()
-            self._raise_background_error()
+        self._commit()
 
     def __enter__(self) -> CheckpointLog:
         return self

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import shutil
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -16,8 +17,10 @@ from hypothesis import strategies as st
 
 from jobs.schema import EVENT_SCHEMA, RESULT_SCHEMA, empty_row
 from storage.checkpoint import EVENTS_DIR, RESULTS_DIR, CheckpointLog, CheckpointRowError, compact, load_state
+from storage.passes import read_passes, tasks_with_passes
 from storage.parts import TEMP_PREFIX, list_parts, list_temp_files, merge_parts, read_parts, write_part
 from tests.helpers.child_process import Child
+from tests.helpers.results import kept_pass
 from tests.helpers.system import fill_disk, mounted_tmpfs
 
 
@@ -185,30 +188,68 @@ def test_dedup_matches_reference_for_any_history(rows: list[tuple[str, str]], pa
 # --- the log's batching ---------------------------------------------------------------------------
 
 
-def test_log_flushes_every_n_rows_and_on_close(tmp_path: Path) -> None:
+def test_a_result_and_passes_are_on_disk_when_the_call_returns_and_events_wait_for_them(tmp_path: Path) -> None:
+    """What the log is told is kept is published before the call returns (job.log and the progress bar
+    announce it only after); events wait for the next write, `flush_every` events or close."""
     log = CheckpointLog(tmp_path, flush_every=4, flush_interval_s=3600)
     log.add_event(event("t1", "running"))
+    assert load_state(tmp_path).events.num_rows == 0
     log.add_result(result("d1"))
-    log.add_event(event("t1", "done"))
-    assert load_state(tmp_path).results.num_rows == 0
-    log.add_event(event("t2", "running"))
     state = load_state(tmp_path)
-    assert state.done_task_ids == {"t-d1"} and state.events.num_rows == 3
-    log.add_result(result("d2"))
+    assert state.done_task_ids == {"t-d1"} and state.events.num_rows == 1  # the event rode along
+    log.add_passes([kept_pass("t-d2", "k1")])
+    assert [row["key"] for row in read_passes(tmp_path, "t-d2")] == ["k1"]
+    for i in range(3):
+        log.add_event(event(f"t{i + 2}", "running"))
+    assert load_state(tmp_path).events.num_rows == 1
+    log.add_event(event("t5", "running"))  # the fourth buffered event
+    assert load_state(tmp_path).events.num_rows == 5
+    log.add_event(event("t6", "running"))
     log.close()
-    assert load_state(tmp_path).done_task_ids == {"t-d1", "t-d2"}
+    assert load_state(tmp_path).events.num_rows == 6
     with pytest.raises(RuntimeError, match="closed"):
         log.add_result(result("d3"))
 
 
-def test_log_flushes_after_the_interval_without_more_rows(tmp_path: Path) -> None:
+def test_log_flushes_events_after_the_interval_without_more_rows(tmp_path: Path) -> None:
     with CheckpointLog(tmp_path, flush_every=1000, flush_interval_s=0.2) as log:
-        log.add_result(result("d1"))
-        assert load_state(tmp_path).results.num_rows == 0
+        log.add_event(event("t1", "running"))
+        assert load_state(tmp_path).events.num_rows == 0
         deadline = time.monotonic() + 10
-        while not load_state(tmp_path).done_task_ids and time.monotonic() < deadline:
+        while not load_state(tmp_path).events.num_rows and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert load_state(tmp_path).done_task_ids == {"t-d1"}
+        assert load_state(tmp_path).events.num_rows == 1
+
+
+def test_callers_that_finish_together_share_one_write(tmp_path: Path) -> None:
+    """A group commit: while one caller's write is under way, the results of others queue and go out
+    together in the next write, each caller returning once its own row is on disk."""
+    writing, release = threading.Event(), threading.Event()
+
+    def fence() -> None:  # called before every part is published: holds the first write
+        if not writing.is_set():
+            writing.set()
+            assert release.wait(30)
+
+    log = CheckpointLog(tmp_path, flush_every=1000, flush_interval_s=3600, fence=fence)
+    first = threading.Thread(target=log.add_result, args=(result("d0"),))
+    first.start()
+    assert writing.wait(30)  # the moment: d0's write holds the writer's turn
+    others = [threading.Thread(target=log.add_result, args=(result(f"d{i}"),)) for i in range(1, 9)]
+    others.append(threading.Thread(target=log.add_passes, args=([kept_pass("t-d1", "k1")],)))
+    for thread in others:
+        thread.start()
+    deadline = time.monotonic() + 30
+    while log._pending() < 9:  # all eight and d1's pass queued behind the write under way
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    release.set()
+    for thread in [first, *others]:
+        thread.join(30)
+    assert len(list_parts(tmp_path / RESULTS_DIR)) == 2  # d0's part, then one part for the other eight
+    assert len(load_state(tmp_path).done_task_ids) == 9
+    assert tasks_with_passes(tmp_path) == []  # d1's pass went out with its result: not needed any more
+    log.close()
 
 
 def test_log_is_safe_across_threads(tmp_path: Path) -> None:
@@ -272,9 +313,8 @@ def test_rows_that_do_not_fit_are_named_and_the_rest_is_written(tmp_path: Path) 
     with pytest.raises(CheckpointRowError, match=r"doc_id 'd1'.*unknown results column\(s\) \['sumary'\]"):
         log.add_result({**result("d1"), "sumary": "typo"})
     log.add_result(result("ok"))
-    log.add_result(result("bad", attempts="three"))
     with pytest.raises(CheckpointRowError, match="1 results row.*doc_id 'bad'"):
-        log.flush()
+        log.add_result(result("bad", attempts="three"))
     log.close()
     assert load_state(tmp_path).done_task_ids == {"t-ok"}
 
@@ -282,12 +322,18 @@ def test_rows_that_do_not_fit_are_named_and_the_rest_is_written(tmp_path: Path) 
 # --- compaction -------------------------------------------------------------------------------
 
 
-def write_job(job: Path, n_tasks: int, flush_every: int = 3) -> None:
-    with CheckpointLog(job, flush_every=flush_every, merge_every=10_000) as log:
-        for i in range(n_tasks):
-            log.add_event(event(f"t{i}", "running"))
-            log.add_result(result(f"d{i % (n_tasks - 3)}", "done" if i % 5 else "failed", summary=f"s{i}"))
-            log.add_event(event(f"t{i}", "done"))
+def write_job(job: Path, n_tasks: int, per_part: int = 3) -> None:
+    """A job folder of many small parts: `per_part` tasks' rows in each, as a log writes them when that
+    many tasks end together."""
+    with CheckpointLog(job, flush_every=2 * per_part, merge_every=10_000) as log:
+        for start in range(0, n_tasks, per_part):
+            batch = range(start, min(start + per_part, n_tasks))
+            for i in batch:
+                log.add_event(event(f"t{i}", "running"))
+            write_part(job / RESULTS_DIR, results_table(*(
+                result(f"d{i % (n_tasks - 3)}", "done" if i % 5 else "failed", summary=f"s{i}") for i in batch)))
+            for i in batch:
+                log.add_event(event(f"t{i}", "done"))
 
 
 def assert_same_state(job: Path, before) -> None:
@@ -353,7 +399,7 @@ def kill_compaction_when(job: Path, moment) -> None:
 
 
 def test_compaction_killed_at_each_step_loses_nothing(tmp_path: Path) -> None:
-    write_job(tmp_path, 2400, flush_every=9)
+    write_job(tmp_path, 2400, per_part=9)
     before = load_state(tmp_path)
     originals = {d: set(list_parts(tmp_path / d)) for d in (RESULTS_DIR, EVENTS_DIR)}
 
@@ -394,16 +440,20 @@ def test_a_full_disk_in_the_interval_flush_goes_to_the_next_caller_without_a_tra
         log = CheckpointLog(disk, flush_every=1000, flush_interval_s=0.1)
         (disk / RESULTS_DIR).mkdir(exist_ok=True)
         fill_disk(disk)
-        log.add_result(result("d1"))
+        log.add_event(event("t-d1", "running"))
         deadline = time.monotonic() + 30
         while log._background_error is None:  # the moment: the interval flush has failed
             assert time.monotonic() < deadline, "the interval flush never ran"
             time.sleep(0.01)
         with pytest.raises(OSError) as raised:
-            log.add_event(event("t-d1", "done"))
+            log.add_event(event("t-d1", "retrying"))
+        assert raised.value.errno == errno.ENOSPC
+        with pytest.raises(OSError) as raised:  # a result is written at once: its caller hears of the full disk
+            log.add_result(result("d1"))
         assert raised.value.errno == errno.ENOSPC
         (disk / "filler").unlink()
         log.close()  # once there is space again, nothing buffered was lost
-        assert load_state(disk).done_task_ids == {"t-d1"}
+        state = load_state(disk)
+        assert state.done_task_ids == {"t-d1"} and state.events.num_rows == 2
     loud = [r for r in caplog.records if r.name == "storage.checkpoint" and r.levelno >= logging.WARNING]
     assert not loud, [r.getMessage() for r in loud]
