@@ -348,11 +348,13 @@ class BatchConfig(_Section):
 
 
 class CheckpointConfig(_Section):
-    """How often finished documents are published to `JOB_DIR/results/` (a crash loses only unpublished ones)."""
+    """How task events are batched into `JOB_DIR/events/`: a finished document's result and a finished pass
+    are published as they end, before job.log or the progress bar says so, so a kill loses only work in flight."""
 
-    flush_every: int = Field(32, gt=0, description="results buffered before a Parquet part is published")
+    flush_every: int = Field(32, gt=0, description=(
+        "task events (running, retrying) buffered before a Parquet part is published; a result or a pass takes them along"))
     flush_interval_s: float = Field(5.0, gt=0, le=86400, description=(
-        "seconds (at most a day) after which buffered results are published anyway"))
+        "seconds (at most a day) after which buffered task events are published anyway"))
 
 
 class InputConfig(_Section):
