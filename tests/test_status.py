@@ -168,6 +168,27 @@ def test_plain_progress_lines_when_stdout_is_not_a_terminal(watched):
     assert "\x1b[" not in watched["submit_out"]  # no terminal control codes in a log file
 
 
+def _runs_progress(job: Path) -> list[list[dict]]:
+    """job.log's `progress` lines of each run (a run begins at its `batch_start`)."""
+    runs: list[list[dict]] = []
+    for event in read_log(job / "job.log"):
+        if event["event"] == "batch_start":
+            runs.append([])
+        elif event["event"] == "progress" and runs:
+            runs[-1].append(event)
+    return runs
+
+
+def test_status_and_the_progress_bar_count_elapsed_from_the_same_start(watched):
+    """Both count this run from when its documents began to run (its workers ready): status from the run's
+    `batch_start`, before its workers started, said more than the bar beside it."""
+    first, resumed = _runs_progress(watched["job"])
+    for status, samples in ((watched["running_json"], first), (watched["finished_json"], resumed)):
+        assert samples, "the run logged no progress"
+        bar_started = [p["ts"] - p["elapsed_s"] for p in samples]
+        assert max(abs(status["run_started"] - started) for started in bar_started) < 0.25, (status, samples)
+
+
 def test_status_after_an_interruption(watched):
     s = watched["stopped_json"]
     assert s["coordinator"] is None

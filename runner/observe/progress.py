@@ -1,12 +1,16 @@
 """Live progress: a rich bar on a terminal, plain periodic lines otherwise (CI logs stay readable).
 
-Both show documents done/total, time elapsed, decode tokens/s, ETA, failed, busy workers and fallbacks.
-Tokens are counted as the workers decode them (asked every second), not when a document ends, so a
-batch of long documents shows its pace long before its first result; the ETA counts down the tokens
-its open documents may still decode. A background ticker refreshes both while nothing finishes, and
-writes a `progress` line to job.log every few seconds (the report's throughput plot);
-`$KVBATCH_PROGRESS_INTERVAL_S` sets how often a plain line is printed. The bar keeps done/total and the
-elapsed time first, so they stay on a narrow (80-column) terminal: the details are cut, not them.
+Both show the documents of this run done/to run (rejected rows are none of them), time elapsed since
+this run's documents began (its workers ready; `kvbatch status` counts from the same start, job.log's
+first `progress` line), decode tokens/s, ETA, failed, busy workers and fallbacks. Tokens are counted as
+the workers decode them (asked every second), not when a document ends, so a batch of long documents
+shows its pace long before its first result. The ETA divides the tokens its open documents may still
+decode by the decode rate measured between the first sample with tokens and the latest one (so neither
+the workers' start nor the first prefill counts as slowness), and says `estimating` until there is one.
+A background ticker refreshes both while nothing finishes, and writes a `progress` line to job.log
+every few seconds (the report's throughput plot); `$KVBATCH_PROGRESS_INTERVAL_S` sets how often a plain
+line is printed. The bar's line fits the terminal: done/total and the elapsed time first, then each
+detail that still fits whole (never one cut mid-word).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import time
 from collections.abc import Callable
 
 from rich.console import Console
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import Progress, TextColumn
 from rich.table import Column
 
 from runner.observe.joblog import JobLog
@@ -27,6 +31,8 @@ DEFAULT_PLAIN_INTERVAL_S = 10.0
 TICK_S = 1.0
 #: how often job.log gets a `progress` line while the batch runs
 LOG_INTERVAL_S = 5.0
+BAR_WIDTH = 10
+FIELD_GAP = "  "
 
 
 def plain_interval() -> float:
@@ -46,6 +52,22 @@ def format_duration(seconds: float | None) -> str:
     seconds = int(round(seconds))
     hours, rest = divmod(seconds, 3600)
     return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
+
+
+def format_eta(seconds: float | None) -> str:
+    """An ETA as shown while a batch runs: `estimating` until a rate is measured."""
+    return "estimating" if seconds is None else format_duration(seconds)
+
+
+def fit_fields(fields: list[str], width: int, kept: int = 2) -> list[str]:
+    """The first of `fields` that fit one line of `width` columns whole, two spaces apart; the first `kept`
+    always (a field that does not fit ends the line: the details give way, never mid-word)."""
+    used = len(FIELD_GAP.join(fields[:kept]))
+    for i in range(kept, len(fields)):
+        used += len(FIELD_GAP) + len(fields[i])
+        if used > width:
+            return fields[:i]
+    return list(fields)
 
 
 class BatchProgress:
@@ -72,25 +94,22 @@ class BatchProgress:
         self._decoded = decoded
         self._log = log
         self._started = time.monotonic()
+        # (when, tokens) of the first sample that had tokens and of the latest: the measured decode rate
+        self._first_sample: tuple[float, int] | None = None
+        self._last_sample: tuple[float, int] | None = None
         self._lock = threading.RLock()
         self._interval_s = plain_interval_s or plain_interval()
         self._stop = threading.Event()
         self._ticker = threading.Thread(target=self._tick, name="progress", daemon=True)
         self._bar: Progress | None = None
         if console.is_terminal:
-            self._bar = Progress(
-                # done/total and the elapsed time keep their width; the details give way on a narrow terminal
-                TextColumn("{task.completed}/{task.total} documents",
-                           table_column=Column(no_wrap=True, min_width=len(f"{total}/{total} documents"))),
-                TimeElapsedColumn(table_column=Column(no_wrap=True, min_width=len("0:00:00"))),
-                BarColumn(bar_width=12),
-                TextColumn("{task.fields[detail]}", table_column=Column(no_wrap=True, overflow="ellipsis")),
-                console=console,
-                transient=False,
-            )
-            self._task = self._bar.add_task("batch", total=total, completed=already_done, detail="")
+            # one line of whole fields, made to fit the terminal's width at each refresh (_bar_line)
+            self._bar = Progress(TextColumn("{task.fields[line]}", table_column=Column(no_wrap=True)),
+                                 console=console, transient=False)
+            self._task = self._bar.add_task("batch", total=total, completed=already_done, line="")
 
     def __enter__(self) -> "BatchProgress":
+        self._log_sample()  # the run's start, for `kvbatch status` (its elapsed counts from here too)
         if self._bar:
             self._bar.start()
             self._refresh()
@@ -119,26 +138,51 @@ class BatchProgress:
         elapsed = self.elapsed_s()
         return self.tokens() / elapsed if elapsed > 0 else 0.0
 
+    def _sample(self) -> None:
+        """Notes this run's tokens now: the decode rate is measured from the first sample with tokens."""
+        with self._lock:
+            sample = (time.monotonic(), self.tokens())
+            if sample[1] <= 0:
+                return
+            self._first_sample = self._first_sample or sample
+            self._last_sample = sample
+
     def eta_s(self) -> float | None:
-        """From this run's token rate: the tokens the open documents may still decode (their budgets, less
-        what was decoded or freed by a document that ended early); unknown before the first token."""
+        """The tokens the open documents may still decode (their budgets, less what was decoded or freed by a
+        document that ended early) at the decode rate measured between samples; None (`estimating`) until
+        two samples with tokens measured one."""
         with self._lock:
             remaining = self.total - self.done
             if remaining <= 0:
                 return 0.0
             made = self.tokens()
-            if made <= 0:
-                return None
             left = sum(self._budgets.values()) - max(made, self._budget_done)
             if left <= 0:  # the documents outran their budgets (more passes than expected): count documents
                 return remaining * self.elapsed_s() / self.done_this_run if self.done_this_run else None
-            return left * self.elapsed_s() / made
+            if self._first_sample is None or self._last_sample is None:
+                return None
+            (first_at, first), (last_at, last) = self._first_sample, self._last_sample
+            if last <= first or last_at <= first_at:
+                return None
+            return left * (last_at - first_at) / (last - first)
 
-    def _detail(self) -> str:
-        return (
-            f"{self.tokens_per_s():.1f} tok/s  ETA {format_duration(self.eta_s())}  failed {self.failed}  "
-            f"active {self._busy()}/{self.workers} workers  fallbacks {self.fallbacks}"
-        )
+    def _details(self) -> list[str]:
+        return [f"{self.tokens_per_s():.1f} tok/s", f"ETA {format_eta(self.eta_s())}", f"failed {self.failed}",
+                f"active {self._busy()}/{self.workers} workers", f"fallbacks {self.fallbacks}"]
+
+    def _head(self) -> list[str]:
+        return [f"{self.done}/{self.total} documents", f"elapsed {format_duration(self.elapsed_s())}"]
+
+    def _bar_line(self) -> str:
+        """The bar's line for the terminal's width now: counts, elapsed, the bar, then the ETA first of the
+        details; each field whole or not at all."""
+        tok_s, eta, *rest = self._details()
+        fields = fit_fields([*self._head(), "━" * BAR_WIDTH, eta, tok_s, *rest], self.console.width)
+        if len(fields) > 2:  # the bar, drawn in the width its field was given
+            filled = round(BAR_WIDTH * self.done / self.total) if self.total else BAR_WIDTH
+            back = "━" if self.console.color_system else "─"  # without colours a thinner line tells them apart
+            fields[2] = f"[bar.complete]{'━' * filled}[/][bar.back]{back * (BAR_WIDTH - filled)}[/]"
+        return FIELD_GAP.join(fields)
 
     def record(self, task_id: str, status: str, output_tokens: int, fallbacks: int) -> None:
         with self._lock:
@@ -148,6 +192,7 @@ class BatchProgress:
             self.finished_tokens += output_tokens
             self.fallbacks += fallbacks
             self._budget_done += self._budgets.get(task_id, 0)
+            self._sample()
             if self._bar:
                 self._refresh()
 
@@ -156,10 +201,11 @@ class BatchProgress:
             decoded = self._decoded()  # outside the lock: it waits on the workers
             with self._lock:
                 self.decoded_tokens = max(self.decoded_tokens, decoded)
+                self._sample()
 
     def _refresh(self) -> None:
         with self._lock:
-            self._bar.update(self._task, completed=self.done, detail=self._detail())
+            self._bar.update(self._task, completed=self.done, line=self._bar_line())
 
     def _tick(self) -> None:
         last_line = last_log = time.monotonic()
@@ -186,6 +232,5 @@ class BatchProgress:
 
     def _plain_line(self) -> None:
         with self._lock:
-            line = (f"progress: {self.done}/{self.total} documents  elapsed {format_duration(self.elapsed_s())}  "
-                    f"{self._detail()}")
+            line = "progress: " + FIELD_GAP.join([*self._head(), *self._details()])
         self.console.print(line, highlight=False, soft_wrap=True)

@@ -22,7 +22,7 @@ from rich.table import Table
 from jobs.fallback import Fallback
 from jobs.schema import TaskState
 from runner.observe.joblog import read_log
-from runner.observe.progress import format_duration
+from runner.observe.progress import format_duration, format_eta
 from storage.checkpoint import load_state
 from storage.jobdir import JobDir, read_job, read_manifest_table
 from storage.location import Where
@@ -90,7 +90,7 @@ class JobStatus(TypedDict):
     coordinator: str | None  # "pid N on host H" while a live coordinator holds the lock
     total: int  # manifest rows and rejected documents
     counts: StateCounts
-    run_started: float  # when the latest coordinator run began (the job's creation before any)
+    run_started: float  # when the latest run's documents began, as its progress bar counts (docs/status.md)
     run_elapsed_s: float
     throughput_docs_per_s: float  # this run's finished documents per second
     tokens_per_s: float  # this run's output tokens per second
@@ -153,9 +153,16 @@ def _state_counts(results: pa.Table, manifest_rows: int, running: int) -> StateC
 
 
 def _run_started(log: list[dict[str, Any]], created: float) -> float:
-    """When the latest coordinator run began: throughput and ETA are this run's, not the job's."""
-    starts = [e["ts"] for e in log if e.get("event") == "batch_start"]
-    return max(starts) if starts else created
+    """When the latest coordinator run's documents began (its workers ready): where its progress bar counts
+    elapsed from, as its `progress` lines in job.log say (`ts - elapsed_s`); while its workers start, its
+    `batch_start`; before any run, the job's creation. Throughput and ETA are this run's, not the job's."""
+    started, bar_started = created, None
+    for event in log:
+        if event.get("event") == "batch_start":
+            started, bar_started = event["ts"], None
+        elif event.get("event") == "progress" and bar_started is None and event.get("elapsed_s") is not None:
+            bar_started = event["ts"] - event["elapsed_s"]
+    return bar_started if bar_started is not None else started
 
 
 def _run_pace(results: pa.Table, started: float, running_until: float | None) -> _RunPace:
@@ -265,7 +272,8 @@ def print_status(status: JobStatus, console: Console) -> None:
     fb = status["fallbacks"]
     console.print(
         f"this run: {status['throughput_docs_per_s'] * 60:.2f} docs/min, {status['tokens_per_s']:.1f} tok/s, "
-        f"elapsed {format_duration(status['run_elapsed_s'])}, ETA {format_duration(status['eta_s'])}; "
+        f"elapsed {format_duration(status['run_elapsed_s'])}, "
+        f"ETA {format_eta(status['eta_s']) if status['coordinator'] else format_duration(status['eta_s'])}; "
         f"fallbacks {fb['total']} in {fb['tasks']} task(s)", highlight=False, soft_wrap=True,
     )
     batch = status["batch"]
