@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pyarrow.fs as pafs
 
+from jobs.documents import pseudo_file_system
 from jobs.manifest import ManifestError
 from jobs.uris import is_uri
 from storage.jobdir import holds_job
@@ -68,6 +69,7 @@ def stage_input(source: str, pattern: str | None, workdir: Path, skip: Path | No
         return _stage_uri(source, pattern, workdir)
     path = Path(source).expanduser()
     if path.is_dir():
+        _refuse_pseudo_folder(path, source)
         return _write_rows(_local_listing(path, source, pattern, skip), source, pattern, workdir)
     if pattern is not None:
         raise ManifestError(f"--glob selects files of a folder, but {source} is not a folder: drop --glob or give a folder")
@@ -80,6 +82,8 @@ def _stage_uri(source: str, pattern: str | None, workdir: Path) -> StagedManifes
         location = Location.of(source)
         kind = location.fs.get_file_info(location.path).type
         if source.endswith("/") or base.endswith("/") or kind == pafs.FileType.Directory:
+            if location.is_local:
+                _refuse_pseudo_folder(location.local_path, source)
             listing = (_local_listing(location.local_path, source, pattern, None, _uri_of(base, query))
                        if location.is_local else _uri_listing(location, source, base.rstrip("/"), query, pattern))
             return _write_rows(listing, source, pattern, workdir)
@@ -94,6 +98,16 @@ def _stage_uri(source: str, pattern: str | None, workdir: Path) -> StagedManifes
     except (OSError, ValueError) as e:
         raise ManifestError(f"{source} cannot be read ({e}): check the URI and the storage credentials") from None
     return StagedManifest(local, source, uri_base=base.rsplit("/", 1)[0] + (f"?{query}" if query else ""))
+
+
+def _refuse_pseudo_folder(folder: Path, source: str) -> None:
+    """A folder of /proc or /sys holds no documents: the kernel makes its files up (jobs.documents)."""
+    resolved = folder.resolve()
+    if (kind := pseudo_file_system(resolved, resolved.stat().st_dev)) is not None:
+        raise ManifestError(
+            f"folder {source} is on a pseudo file system ({kind}): the kernel makes its files up as they are read, "
+            "no documents: submit a folder of documents"
+        )
 
 
 def _hidden(relative: str) -> bool:

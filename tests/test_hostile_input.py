@@ -241,3 +241,11 @@ def test_a_row_prompt_too_long_for_the_context_is_refused_at_submit(tmp_path: Pa
     out = " ".join(proc.stdout.split())
     assert "1 manifest row(s) rejected" in out and "m.jsonl line 2 (id 'long-prompt'): 'prompt' takes " in out, out
     assert "--strict: nothing was started" in out and not (tmp_path / "job").exists()
+
+
+def test_a_folder_on_a_pseudo_file_system_is_refused_before_it_is_listed(tmp_path: Path) -> None:
+    """`submit /proc/self` would list thousands of kernel files (environ among them), one rejected row each."""
+    proc = refusal("submit", "/proc/self", "-c", str(TINY_CONFIG), "-j", str(tmp_path / "job"))
+    out = " ".join((proc.stdout + proc.stderr).split())
+    assert "folder /proc/self is on a pseudo file system (proc)" in out and "no documents" in out, out
+    assert not (tmp_path / "job").exists() and "Traceback" not in proc.stdout + proc.stderr
