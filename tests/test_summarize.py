@@ -10,7 +10,7 @@ import torch
 
 from jobs.config import CacheConfig, ModelConfig, load_config
 from jobs.stopping import StopReason
-from jobs.summaries import last_sentence_end
+from jobs.summaries import last_sentence_end, trim_to_sentence
 from runner.engine.batch_engine import BatchEngine, PassRequest
 from runner.engine.generation import Generation
 from runner.engine.kvcache import build_cache
@@ -18,6 +18,7 @@ from runner.engine.model_loader import LoadedModel, load_model
 from runner.engine.probes import StageMemory
 from runner.engine.summarize import Summary, Summarizer
 from runner.engine.worker import _is_memory_error
+from tests.helpers.cli import TINY_CONFIG, export_rows, kvbatch, write_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
 DOCUMENT = Path("/usr/share/common-licenses/CC0-1.0")
@@ -60,3 +61,18 @@ def test_a_summary_stopped_by_length_ends_at_its_last_sentence_and_keeps_the_cut
     assert last_sentence_end(summary.text) == len(summary.text), summary.text
     untrimmed = _summary(smollm2, tmp_path, trim=False)
     assert (untrimmed.text, untrimmed.tail) == (written, "")
+
+
+def test_the_cut_words_reach_the_exported_result_row(ray_address: str, tmp_path: Path) -> None:
+    """Through a real batch (the tiny model, stopped by length): each row's `summary_tail` is exported beside
+    its summary, and together they are what the pass wrote, cut at the last sentence end."""
+    manifest = write_jsonl(tmp_path / "m.jsonl", [
+        {"id": f"memo{i}", "text": f"Memo {i}. The board approved the new budget on Monday. Spending rises."}
+        for i in range(3)])
+    job = tmp_path / "job"
+    kvbatch("submit", str(manifest), "-c", str(TINY_CONFIG), "-j", str(job), "--address", ray_address,
+            "--set", "workers.count=1", check=0)
+    rows = export_rows(job)
+    assert [r["stop_reason"] for r in rows] == ["length"] * 3, rows
+    for row in rows:
+        assert trim_to_sentence(row["summary"] + row["summary_tail"]) == (row["summary"], row["summary_tail"])
