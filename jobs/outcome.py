@@ -20,6 +20,32 @@ class CacheStats(TypedDict):
     compression_ratio: float | None  # raw / stored bytes of block files (zstd); None when nothing was compressed
 
 
+class DecodeSteps(TypedDict):
+    """A task's decode row-steps (one sequence in one decode step) over the passes its attempt ran, by
+    the path they took: through the static step (runner/engine/static_step.py) or eagerly, and why."""
+
+    static: int
+    eager: dict[str, int]  # why (runner.engine.static_step.Eager) -> row-steps
+
+
+def no_steps() -> DecodeSteps:
+    return {"static": 0, "eager": {}}
+
+
+def add_steps(total: DecodeSteps, more: DecodeSteps) -> DecodeSteps:
+    """Both tallies together."""
+    eager = dict(total["eager"])
+    for why, count in more["eager"].items():
+        eager[why] = eager.get(why, 0) + count
+    return {"static": total["static"] + more["static"], "eager": eager}
+
+
+def static_share(steps: DecodeSteps) -> float | None:
+    """Row-steps through the static step over all of them; None without a decode step."""
+    every = steps["static"] + sum(steps["eager"].values())
+    return steps["static"] / every if every else None
+
+
 class TaskOutcome(TypedDict, total=False):
     """One attempt's outcome. Always: `status`, `worker`, `model`, `fallbacks`, `wall_s`."""
 
@@ -46,6 +72,8 @@ class TaskOutcome(TypedDict, total=False):
     decode_s: float
     batch_size: float  # mean sequences sharing its decode steps
     padding_share: float  # padded share of them (0: ragged steps)
+    decode_row_steps: DecodeSteps  # its decode row-steps by path: job.log's task_done line
+    static_step_share: float | None  # of them, the share through the static step (None: no decode step)
     kv_bytes: int
     kv_resident_peak_bytes: int
     offload_bytes_written: int
@@ -81,8 +109,9 @@ _MOST = ("kv_bytes", "kv_resident_peak_bytes", "peak_host_rss_bytes", "peak_devi
 
 def with_dealt_passes(outcome: TaskOutcome, dealt: list[TaskOutcome]) -> TaskOutcome:
     """The task's outcome with the cache figures of its passes that ran dealt out (each an outcome of its
-    own): the bytes moved add up, a peak is the most any of them reached, and their moves down the cache
-    ladder join the task's fallbacks (each note once)."""
+    own): the bytes moved add up, a peak is the most any of them reached, their decode row-steps add up
+    (the static step's share is of them all), and their moves down the cache ladder join the task's
+    fallbacks (each note once)."""
     merged = TaskOutcome(**outcome)
     every = [outcome, *dealt]
     for key in _ADDED_UP:
@@ -93,6 +122,10 @@ def with_dealt_passes(outcome: TaskOutcome, dealt: list[TaskOutcome]) -> TaskOut
     stored = sum(o.get("offload_bytes_written") or 0 for o in every if o.get("compression_ratio"))
     raw = sum((o.get("offload_bytes_written") or 0) * (o.get("compression_ratio") or 0) for o in every)
     merged["compression_ratio"] = raw / stored if stored else None
+    steps = no_steps()
+    for o in every:
+        steps = add_steps(steps, o.get("decode_row_steps") or no_steps())
+    merged["decode_row_steps"], merged["static_step_share"] = steps, static_share(steps)
     merged["fallbacks"] = list(dict.fromkeys([*outcome.get("fallbacks", []),
                                               *(note for o in dealt for note in o.get("fallbacks", []))]))
     return merged

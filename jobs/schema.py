@@ -111,6 +111,10 @@ RESULT_SCHEMA = pa.schema(
         # added with sentence trimming: the words after the summary's last complete sentence, cut off there
         # when its pass ran out of tokens (`summarize.trim_to_sentence`); "" when nothing was cut
         ("summary_tail", pa.string()),
+        # added with the static step on every decode step: the share of the document's decode row-steps (a
+        # sequence in a decode step, over the passes this attempt ran) that went through the static step
+        # (runner/engine/static_step.py); null without a decode step, and in parts written before
+        ("static_step_share", pa.float64()),
     ]
 )
 

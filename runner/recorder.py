@@ -92,7 +92,8 @@ class TaskRecorder:
         level = self.log.info if row["status"] == "done" else self.log.warning
         level("task_" + row["status"], task_id=task.task_id, doc_id=task.doc_id, attempts=attempt,
               context_tokens=context_tokens, fallbacks=row["fallbacks"], cache_strategy=row.get("cache_strategy"),
-              error_type=row.get("error_type"), error=row.get("error"))
+              error_type=row.get("error_type"), error=row.get("error"),
+              decode_row_steps=outcome.get("decode_row_steps"))  # static, and eager by why (kvbatch status sums them)
         self.alerts.task_finished(task.task_id, task.doc_id, task.n_chars, outcome, row["fallbacks"], slow_alerted)
         self.metrics.task_finished(row)
         if self.progress is not None:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import DynamicCache
 
 from jobs.attention import static_step_on
 from jobs.config import SummarizeConfig, load_config
@@ -20,7 +21,7 @@ from runner.engine.batch_engine import BatchEngine
 from runner.engine.kvcache import ResidentMeter
 from runner.engine.kvcache.pool import KVPool, PooledCache
 from runner.engine.model_loader import LoadedModel
-from runner.engine.static_step import BUCKETS, StaticStep, bucket
+from runner.engine.static_step import BUCKETS, Eager, StaticStep, bucket
 from runner.engine.worker import _is_memory_error
 from tests.helpers.batching import BIG, PLAIN, run_batch
 from tests.helpers.cli import TINY_CONFIG
@@ -98,7 +99,9 @@ def test_a_step_with_a_row_outside_the_pool_is_not_static(tiny_random: LoadedMod
     caches = [PooledCache(pool, 64) for _ in range(3)]
     step = StaticStep(model, pool, graphs=False)
     assert step.takes(caches) and step.takes(caches[::-1])
-    assert not step.takes(caches[:2])  # a slot sits out (its sequence is prefilling): not every live slot
+    assert step.takes(caches[:2])  # a slot sits out (its prompt is riding): a passenger of the step
+    other = DynamicCache(config=model.config)
+    assert not step.takes([*caches, other]) and step.why_eager(other) == Eager.NOT_POOL
     for cache in caches:
         cache.close()
 

@@ -42,7 +42,7 @@ from transformers.cache_utils import Cache, get_layer_types_and_kwargs
 
 from jobs.batch_limit import GROW_BACK_STEPS
 from jobs.config import PREFILL_CHUNK_TOKENS, PrefillMode, SummarizeConfig
-from jobs.outcome import CacheStats
+from jobs.outcome import CacheStats, DecodeSteps, no_steps
 from jobs.stopping import StopReason
 from runner.engine.batch_plan import BatchPlan, BatchSequence, Status
 from runner.engine.generation import Generation, TokenPicker, choose_tokens, generate_once, prefill
@@ -51,7 +51,8 @@ from runner.engine.kvcache.pool import PooledCache
 from runner.engine.model_loader import LoadedModel
 from runner.engine.probes import StageMemory, memory_snapshot
 from runner.engine.ragged import MASKED_ATTENTION, PrefillChunk, RowFailed, mixed_step
-from runner.engine.static_step import StaticStep
+from runner.engine.static_step import Eager, StaticStep
+from runner.engine.step_inputs import step_inputs
 
 CacheFactory = Callable[[], CacheHandle]
 MemoryErrorTest = Callable[[BaseException], bool]
@@ -94,6 +95,8 @@ class PassRequest:
 class PassResult:
     generation: Generation
     cache_stats: CacheStats
+    decode_steps: DecodeSteps = field(default_factory=no_steps)
+    """Its decode steps by path (static, or eager and why); none for a pass generate() ran whole."""
 
 
 Sequence = BatchSequence[PassRequest]
@@ -289,8 +292,8 @@ class BatchEngine:
         seq.future.set_result(PassResult(generation, stats))
 
     def _decode(self, rows: list[Sequence], riding: Sequence | None) -> None:
-        """One forward pass: a decode step over `rows` (every decoding sequence) with the next chunk of
-        `riding`'s prompt beside them; then each row's token, and `riding`'s first once its prompt is in."""
+        """One decode step over `rows` (every decoding sequence) with the next chunk of `riding`'s prompt
+        beside them; then each row's token, and `riding`'s first once its prompt is in."""
         chunk = None
         if riding is not None:
             start, end = self.plan.next_chunk(riding)
@@ -299,14 +302,9 @@ class BatchEngine:
                                  wants_logits=end == len(prompt))
         everyone = rows + ([riding] if riding is not None else [])  # RowFailed numbers the chunk's row last
         caches = [s.handle.cache for s in rows]
-        greedy = None  # [rows] each row's argmax, when the static step chose it on the device
+        eager_because = [Eager.OFF if self.static is None else self.static.why_eager(c) for c in caches]
         try:
-            if chunk is None and self.static is not None and self.static.takes(caches):
-                (logits, greedy), first_logits = self.static.run([s.tokens[-1] for s in rows], caches), None
-            else:
-                logits, first_logits = mixed_step(
-                    self.loaded.model, [s.tokens[-1] for s in rows], [s.position for s in rows],
-                    caches, chunk)  # [rows, vocab], [1, vocab]
+            logits, greedy, first_logits = self._step(rows, caches, eager_because, chunk)
         except RowFailed as e:
             error = e.__cause__ or e
             if self.is_memory_error(error) and len(everyone) > 1:
@@ -324,12 +322,43 @@ class BatchEngine:
             return
         if rows:
             with self._changed:
-                self.plan.decoded(rows, beside_prefill=chunk is not None)
+                self.plan.decoded(rows, beside_prefill=chunk is not None, eager_because=eager_because)
         if riding is not None and chunk is not None:
             riding.prefilled += len(chunk.tokens)
             if first_logits is not None:
                 self._first_token(riding, first_logits)
         self._choose(rows, logits, greedy)
+
+    def _step(self, rows: list[Sequence], caches: list[Cache], eager_because: list[Eager | None],
+              chunk: PrefillChunk | None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """The forward passes of one step: the static step over the rows it takes (`eager_because`
+        None), and one eager `mixed_step` over the others with `chunk` beside them, so neither a
+        riding prompt nor a tiered row takes the pool rows off the static step. Each row's logits
+        ([rows, vocab]), their greedy tokens when the static step chose them all ([rows]), and the
+        chunk's last position's logits when it wants them ([1, vocab]). A `RowFailed` numbers the rows
+        as `rows`, the chunk's last."""
+        static = [row for row, why in enumerate(eager_because) if why is None]
+        eager = [row for row, why in enumerate(eager_because) if why is not None]
+        parts, greedy, first_logits = [], None, None
+        if static:
+            assert self.static is not None
+            static_logits, greedy = self.static.run([rows[row].tokens[-1] for row in static],
+                                                    [caches[row] for row in static])
+            parts.append(static_logits)
+        if eager or chunk is not None:
+            try:
+                eager_logits, first_logits = mixed_step(
+                    self.loaded.model, [rows[row].tokens[-1] for row in eager], [rows[row].position for row in eager],
+                    [caches[row] for row in eager], chunk)  # [eager rows, vocab], [1, vocab]
+            except RowFailed as e:
+                raise RowFailed(eager[e.row] if e.row < len(eager) else len(rows)) from e.__cause__
+            parts.append(eager_logits)
+        if not eager:
+            return parts[0], greedy, first_logits
+        if not static:
+            return parts[0], None, first_logits
+        back = step_inputs(parts[0].device).put("rows order", static + eager).argsort()  # row i's place in the parts
+        return torch.cat(parts)[back], None, first_logits
 
     def _choose(self, rows: list[Sequence], logits: torch.Tensor, argmax: torch.Tensor | None = None) -> None:
         """Each row's next token from the step's logits ([rows, vocab]), or from `argmax` (the static
@@ -384,7 +413,8 @@ class BatchEngine:
             batch_size=seq.batch_size,
             stop_reason=seq.stop_reason() or StopReason.LENGTH,
         )
-        seq.future.set_result(PassResult(generation, stats))
+        steps: DecodeSteps = {"static": seq.static_steps, "eager": {str(why): n for why, n in seq.eager_steps.items()}}
+        seq.future.set_result(PassResult(generation, stats, steps))
 
     def _fail_sequence(self, seq: Sequence, error: BaseException) -> None:
         self._leave(seq, Status.FAILED)

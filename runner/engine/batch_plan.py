@@ -16,7 +16,8 @@ growing a lowered limit back (jobs.batch_limit); a memory error lowers it.
 from __future__ import annotations
 
 import time
-from collections import deque
+from collections import Counter, deque
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from enum import Enum
@@ -72,6 +73,8 @@ class BatchSequence(Generic[R]):
     started: float = 0.0
     first_token_at: float = 0.0
     steps: int = 0  # decode steps it took part in
+    static_steps: int = 0  # of them, through the static step (runner/engine/static_step.py)
+    eager_steps: Counter[str] = field(default_factory=Counter)  # the others, by why they ran eagerly
     rows_seen: int = 0  # sum over its decode steps of the decode rows in the step
     began_at_step: int = 0  # the plan's decode steps when this attempt began
     decode_steps_during_prefill: int = 0
@@ -91,6 +94,7 @@ class BatchSequence(Generic[R]):
         self.status = Status.PREFILLING
         self.handle, self.picker = None, None
         self.tokens, self.prefilled, self.chunk_tokens, self.steps, self.rows_seen = [], 0, 0, 0, 0
+        self.static_steps, self.eager_steps = 0, Counter()
         self.watch = LoopWatch(self.loop_stop)
         self.started = time.perf_counter()
 
@@ -149,6 +153,10 @@ class BatchPlan(Generic[R]):
         """Tokens its decode steps have made (one a row a step): the progress line's live tok/s."""
         self.steps_with_prefill = 0
         """Decode steps whose forward pass carried a prefill chunk beside the decode rows."""
+        self.static_row_steps = 0
+        """Row-steps (a row in a decode step) through the static step."""
+        self.eager_row_steps: Counter[str] = Counter()
+        """The other row-steps, by why they ran eagerly."""
 
     @property
     def decoding(self) -> list[BatchSequence[R]]:
@@ -194,9 +202,11 @@ class BatchPlan(Generic[R]):
         seq.status = Status.DECODING
         seq.decode_steps_during_prefill = self.decode_steps - seq.began_at_step
 
-    def decoded(self, rows: list[BatchSequence[R]], beside_prefill: bool = False) -> None:
-        """A decode step over `rows` ran without a memory error (with a prefill chunk in its forward pass
-        when `beside_prefill`): each took one step; the limit may grow."""
+    def decoded(self, rows: list[BatchSequence[R]], beside_prefill: bool = False,
+                eager_because: Sequence[str | None] = ()) -> None:
+        """A decode step over `rows` ran without a memory error (with a prefill chunk beside them when
+        `beside_prefill`): each took one step; the limit may grow. `eager_because`: each row's reason
+        for the eager step, None for a row the static step ran (not given: no path counted)."""
         self.limit.step()
         self.decode_steps += 1
         self.tokens_decoded += len(rows)
@@ -205,6 +215,13 @@ class BatchPlan(Generic[R]):
         for seq in rows:
             seq.steps += 1
             seq.rows_seen += len(rows)
+        for seq, why in zip(rows, eager_because, strict=False):
+            if why is None:
+                seq.static_steps += 1
+                self.static_row_steps += 1
+            else:
+                seq.eager_steps[why] += 1
+                self.eager_row_steps[why] += 1
 
     def leave(self, seq: BatchSequence[R], status: Status) -> None:
         """`seq` is FINISHED or FAILED: out of the batch."""

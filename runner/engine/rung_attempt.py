@@ -18,14 +18,14 @@ import os
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, as_completed
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from jobs.faults import FaultKind
 from jobs.kvplan import Placement
-from jobs.outcome import CacheStats
+from jobs.outcome import CacheStats, DecodeSteps, add_steps, no_steps
 from runner.engine.batch_engine import BatchEngine, PassRequest, PassResult, TaskClock
 from runner.engine.cache_recipe import CacheKit
 from runner.engine.generation import Generation
@@ -39,7 +39,7 @@ question of the coordinator's is open while a task runs; none comes for a run ou
 
 @dataclass
 class CacheTotals:
-    """Cache figures over all generate passes of one task."""
+    """Cache figures over all generate passes of one task, and their decode row-steps by path."""
 
     kv_bytes: int = 0
     kv_resident_peak_bytes: int = 0
@@ -48,6 +48,7 @@ class CacheTotals:
     _raw: int = 0
     _stored: int = 0
     placement: Placement | None = None  # the pass that streamed the most layers
+    decode_steps: DecodeSteps = field(default_factory=no_steps)
 
     def add_placement(self, placement: Placement | None) -> None:
         if placement is not None and (
@@ -136,6 +137,7 @@ class RungAttempt:
                 errors[index[future]] = e
                 continue
             self.totals.add(result.cache_stats)
+            self.totals.decode_steps = add_steps(self.totals.decode_steps, result.decode_steps)
             generations[index[future]] = result.generation
             keep(index[future], result.generation)
         if errors:

@@ -6,10 +6,13 @@ The peers (nano-vllm's and transformers' continuous-batching model runners, vLLM
 decode step to a batch-size bucket, keep its inputs in static device buffers, capture one CUDA graph
 per bucket and replay it. This is that step for kvbatch's KV pool:
 
-- it takes a step whose rows are all the pool's live slots, in slot order (the usual case once the
-  prompts are in: no prompt chunk riding, no tiered or per-row caches beside them);
-- the rows are padded to a bucket (`BUCKETS`); a padding row is a free slot of the pool, written at
-  position 0 and read by nobody (a slot's next owner writes its prompt over it);
+- it takes the step's pool rows, whatever else the step runs: the engine runs a prompt chunk riding
+  the step, and the rows whose KV is not a pool slot (tiered, per-row), as their own eager forward
+  beside it (runner/engine/batch_engine.py), so neither takes the pool rows off this step;
+- the step runs over the pool's live slots, in slot order: a live slot that is no row of it (a prompt
+  prefilling chunk by chunk) is a passenger, written at its own length (the position its next write
+  fills) and its output dropped; the slots are padded to a bucket (`BUCKETS`); a padding row is a free
+  slot of the pool, written at position 0 and read by nobody (a slot's next owner writes its prompt over it);
 - token ids, positions and lengths live in buffers of the bucket's size; the mask is made from the
   lengths inside the step, every row's keys read up to one span (aligned: pooled_attention.py);
 - the step ends with each row's logits and its greedy token (argmax), on the device, in static
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from enum import StrEnum
 from typing import Any
 
 import torch
@@ -41,6 +45,15 @@ BUCKETS = (1, 2, 4, 8, *range(16, 1025, 16))
 """Rows a step is padded to (nano-vllm's): each is one graph per span."""
 GRAPH_SPAN_TOKENS = 4 * SPAN_GRANULE
 """A captured step's span is a multiple of this: a graph per 256 tokens of the longest row, not per 64."""
+
+
+class Eager(StrEnum):
+    """Why a decode row-step ran in the eager step, off the static one (counted per sequence: job.log,
+    the result row's `static_step_share`, `kvbatch status`)."""
+
+    OFF = "static_step off"  # `batch.static_step` is off (or the worker's attention is per-row)
+    NOT_POOL = "not pool"  # the row's KV is no slot of the pool (a tiered rung, a per-row cache)
+    OVER_SLOTS = "bucket over pool slots"  # the live slots' bucket has more rows than the pool has slots
 
 
 def bucket(rows: int) -> int:
@@ -86,35 +99,49 @@ class StaticStep:
         self.steps = 0
         """Steps run here: what a test asks to know this path ran."""
         self.buckets_run: set[int] = set()
+        self.passenger_steps = 0
+        """Steps run with a live slot that was no row of theirs (a riding prompt's)."""
         self.captures = 0
 
+    def why_eager(self, cache: Any) -> Eager | None:
+        """Why a decode row of this cache cannot run in this step; None when it can: its KV is a slot of
+        the pool, and the pool has a free slot for each padding row of its live slots' bucket."""
+        if not (isinstance(cache, PooledCache) and cache.pool is self.pool):
+            return Eager.NOT_POOL
+        if bucket(len(self.pool.owners)) > self.pool.slots:
+            return Eager.OVER_SLOTS
+        return None
+
     def takes(self, caches: Sequence[Any]) -> bool:
-        """Whether a step of these rows is a static one: they are the pool's live slots and nothing else,
-        and the pool has a free slot for each padding row of their bucket."""
-        owners = self.pool.owners
-        return (0 < len(caches) == len(owners) and bucket(len(caches)) <= self.pool.slots
-                and all(isinstance(c, PooledCache) for c in caches)
-                and all(c is owner for c, owner in zip(sorted(caches, key=lambda c: c.slot), owners)))
+        """Whether every one of these rows runs in a static step."""
+        return bool(caches) and all(self.why_eager(cache) is None for cache in caches)
 
     def run(self, last_tokens: Sequence[int], caches: Sequence[PooledCache]) -> tuple[torch.Tensor, torch.Tensor]:
-        """One decode step of `caches` (their last tokens in the same order): each row's logits
-        ([rows, vocab] float32) and greedy token ([rows]), on the device, in the order of `caches`.
-        Nothing here waits on the device."""
-        order = sorted(range(len(caches)), key=lambda row: caches[row].slot)
-        size = bucket(len(caches))
-        lengths = [caches[row].length for row in order]
+        """One decode step of `caches` (their last tokens in the same order; `takes` them): each row's
+        logits ([rows, vocab] float32) and greedy token ([rows]), on the device, in the order of
+        `caches`. The pool's other live slots ride as passengers. Nothing here waits on the device."""
+        owners = self.pool.owners
+        size = bucket(len(owners))
+        rows = {cache.slot: row for row, cache in enumerate(caches)}
+        lengths = [cache.length for cache in caches]
         span = aligned(max(lengths) + 1)
         if self.graphs:  # fewer shapes to capture, within the pool's room
             span = max(span, min(-(-span // GRAPH_SPAN_TOKENS) * GRAPH_SPAN_TOKENS, self.pool.tokens))
-        self.pool.ensure(len(self.pool.owners), span)
+        # a passenger writes at its own length: room for that too
+        self.pool.ensure(len(owners), max(span, *(owner.length + 1 for owner in owners)))
         buffers = self._buffers.get(size)
         if buffers is None:
             buffers = self._buffers[size] = _Buffers(size, self.pool.device)
-        padding = size - len(caches)
+        ids, positions, attended = [0] * size, [0] * size, [1] * size  # padding: position 0, one key
+        for slot, owner in enumerate(owners):
+            row = rows.get(slot)
+            positions[slot] = owner.length
+            if row is not None:
+                ids[slot], attended[slot] = last_tokens[row], owner.length + 1
         inputs = step_inputs(self.pool.device)
-        buffers.ids.copy_(inputs.put("ids", [last_tokens[row] for row in order] + [0] * padding), non_blocking=True)
-        buffers.positions.copy_(inputs.put("positions", lengths + [0] * padding), non_blocking=True)
-        buffers.lengths.copy_(inputs.put("pooled lengths", [n + 1 for n in lengths] + [1] * padding), non_blocking=True)
+        buffers.ids.copy_(inputs.put("ids", ids), non_blocking=True)
+        buffers.positions.copy_(inputs.put("positions", positions), non_blocking=True)
+        buffers.lengths.copy_(inputs.put("pooled lengths", attended), non_blocking=True)
         if self.graphs:
             self._replay(buffers, span)
         else:
@@ -122,13 +149,16 @@ class StaticStep:
         for cache in caches:
             cache.length += 1
         self.steps += 1
+        self.passenger_steps += len(caches) < len(owners)
         self.buckets_run.add(size)
         self.pool.steps += 1
         self.pool.most_rows = max(self.pool.most_rows, len(caches))
         assert buffers.logits is not None and buffers.tokens is not None
-        back = inputs.put("order", order).argsort() if order != sorted(order) else None
-        logits, tokens = buffers.logits[: len(caches)], buffers.tokens[: len(caches)]
-        return (logits, tokens) if back is None else (logits[back], tokens[back])
+        slots = [cache.slot for cache in caches]
+        if slots == list(range(len(caches))):  # the rows are the live slots, in slot order: no gather
+            return buffers.logits[: len(caches)], buffers.tokens[: len(caches)]
+        at = inputs.put("order", slots)
+        return buffers.logits[at], buffers.tokens[at]
 
     def _forward(self, buffers: _Buffers, span: int) -> None:
         """The step itself, from the buffers to the outputs: what a graph captures."""

@@ -35,7 +35,7 @@ from jobs.documents import DocumentError, load_task_text
 from jobs.faults import FaultRule, fault_for
 from jobs.kvplan import estimated_tokens, kv_bytes, plan_rungs
 from jobs.node_share import workers_per_device
-from jobs.outcome import DealtPass, TaskOutcome
+from jobs.outcome import DealtPass, TaskOutcome, static_share
 from jobs.policy import FailureClass, cache_fallback_note
 from jobs.rungs import RUNGS
 from jobs.task import Task
@@ -380,6 +380,8 @@ def _done(rung: str, summary: Summary, totals: CacheTotals) -> TaskOutcome:
         "passes_reused": summary.reused_passes,
         "batch_size": summary.batch_size,
         "padding_share": 0.0,  # ragged decode steps: every row attends to its own length, nothing is padded
+        "decode_row_steps": totals.decode_steps,
+        "static_step_share": static_share(totals.decode_steps),
         "kv_bytes": totals.kv_bytes,
         "kv_resident_peak_bytes": totals.kv_resident_peak_bytes,
         "offload_bytes_written": totals.offload_bytes_written,

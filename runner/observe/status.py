@@ -20,6 +20,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from jobs.fallback import Fallback
+from jobs.outcome import add_steps, no_steps, static_share
 from jobs.schema import TaskState
 from runner.observe.joblog import read_log
 from runner.observe.progress import format_duration, format_eta
@@ -44,6 +45,9 @@ class StateCounts(TypedDict):
 class BatchOccupancy(TypedDict):
     mean_sequences: float | None  # sequences sharing a done document's decode steps, on average
     padding_share: float | None  # the padded share of them (0: ragged steps); None before parts had it
+    static_step_share: float | None  # done documents' decode row-steps through the static step, of all; None: none
+    static_row_steps: int  # those row-steps (job.log's task_done lines)
+    eager_row_steps: dict[str, int]  # the others, by why they ran eagerly (runner.engine.static_step.Eager)
 
 
 class FallbackCounts(TypedDict):
@@ -193,13 +197,20 @@ def _column_counts(rows: pa.Table, column: str) -> dict[str, int]:
     return dict(Counter(v for v in rows[column].to_pylist() if v)) if column in rows.schema.names else {}
 
 
-def _batch_occupancy(done_rows: pa.Table) -> BatchOccupancy:
-    """Mean sequences sharing a document's decode steps, and the padded share of them (older parts: null)."""
+def _batch_occupancy(done_rows: pa.Table, log: list[dict[str, Any]]) -> BatchOccupancy:
+    """Mean sequences sharing a document's decode steps, and the padded share of them (older parts: null);
+    the decode row-steps of the documents done, through the static step or eagerly and why (job.log)."""
     def mean(column: str) -> float | None:
         values = [v for v in done_rows[column].to_pylist() if v is not None] if column in done_rows.schema.names else []
         return sum(values) / len(values) if values else None
 
-    return {"mean_sequences": mean("batch_size"), "padding_share": mean("padding_share")}
+    steps = no_steps()
+    for e in log:
+        if e.get("event") == "task_done" and e.get("decode_row_steps"):
+            steps = add_steps(steps, e["decode_row_steps"])
+    return {"mean_sequences": mean("batch_size"), "padding_share": mean("padding_share"),
+            "static_step_share": static_share(steps), "static_row_steps": steps["static"],
+            "eager_row_steps": steps["eager"]}
 
 
 def _fallback_counts(notes_per_row: list[list[str] | None]) -> FallbackCounts:
@@ -251,7 +262,7 @@ def job_status(job_dir: Where, slowest: int = 5) -> JobStatus:
         "strategies": dict(Counter(s for s in done_rows["cache_strategy"].to_pylist() if s)),
         "quantization": _column_counts(done_rows, "quantization"),
         "stop_reasons": _column_counts(done_rows, "stop_reason"),
-        "batch": _batch_occupancy(done_rows),
+        "batch": _batch_occupancy(done_rows, log),
         "fallbacks": _fallback_counts(results["fallbacks"].to_pylist()),
         "running": running,
         "slowest": _slowest(done_rows, slowest),
@@ -280,6 +291,12 @@ def print_status(status: JobStatus, console: Console) -> None:
     if batch["mean_sequences"] is not None:
         console.print(f"batch occupancy: {batch['mean_sequences']:.1f} sequences per decode step on average, "
                       f"{batch['padding_share']:.0%} padding", highlight=False, soft_wrap=True)
+    if batch["static_step_share"] is not None:
+        eager = ", ".join(f"{why} {n}" for why, n in batch["eager_row_steps"].items())
+        console.print(f"static step: {batch['static_step_share']:.1%} of decode row-steps "
+                      f"({batch['static_row_steps']}); off it {sum(batch['eager_row_steps'].values())}"
+                      + (f": {eager}" if eager else ""),
+                      highlight=False, soft_wrap=True)
     if status["strategies"]:
         console.print("cache strategies: " + ", ".join(f"{k} {v}" for k, v in status["strategies"].items()),
                       highlight=False, soft_wrap=True)
