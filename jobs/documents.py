@@ -6,7 +6,7 @@ forever, a device would never end), never a file of a pseudo file system (`/proc
 "regular", 0 bytes by its size, and reads as the process's environment, credentials included), and
 `documents_root` is enforced on the path *after* symlinks and `..` are resolved, so neither can be
 used to escape it. A document named by a storage
-URI (s3://, gs://, file://) is read through pyarrow's filesystems under the same size and text rules.
+URI (s3://, file://; gs:// is refused) is read through pyarrow's filesystems under the same size and text rules.
 The size limit applies to the file as read (decompressed for `.gz`; for a DOCX, also to what its ZIP
 expands to, checked from its directory before expanding), not to the text extracted from it.
 """
@@ -25,7 +25,7 @@ import pyarrow.fs as pafs
 
 from jobs.extract import Extracted, ExtractError, clean_text, extract
 from jobs.task import Task
-from jobs.uris import filesystem_of, is_uri
+from jobs.uris import UnsupportedURIError, filesystem_of, is_uri
 
 
 class DocumentError(ValueError):
@@ -206,7 +206,7 @@ def _text_of(raw: BinaryIO, name: Path | str, max_bytes: int, max_expanded_bytes
 
 
 def read_uri_document(uri: str, max_bytes: int, rereading: bool = False) -> Extracted:
-    """The text of a document on shared storage (s3://, gs://, file://); `rereading` as for read_document."""
+    """The text of a document on shared storage (s3://, file://); `rereading` as for read_document."""
     try:
         fs, path = filesystem_of(uri)
         if isinstance(fs, pafs.LocalFileSystem):  # a file:// URI: the local rules on its real path
@@ -223,6 +223,8 @@ def read_uri_document(uri: str, max_bytes: int, rereading: bool = False) -> Extr
             return _text_of(raw, uri, max_bytes, None if rereading else max_bytes)
     except DocumentError:
         raise
+    except UnsupportedURIError as e:  # its message already says what to use instead
+        raise DocumentError(str(e)) from None
     except (OSError, ValueError) as e:
         raise DocumentError(f"{uri} cannot be read ({e}): check the URI and the storage credentials") from None
 

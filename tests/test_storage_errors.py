@@ -129,4 +129,5 @@ def test_a_gs_path_in_a_manifest_row_is_a_rejected_row_naming_it(tmp_path: Path)
     rejected = [line for line in proc.stdout.splitlines() if line.strip().startswith("row ")]
     assert len(rejected) == 1 and "gs://b/doc.txt" in rejected[0], proc.stdout
     assert "gs:// is not supported" in rejected[0], proc.stdout
+    assert "cannot be read" not in rejected[0] and "credentials" not in rejected[0], proc.stdout  # one reason
     assert not (tmp_path / "job").exists()
