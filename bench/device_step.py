@@ -38,10 +38,10 @@ from __future__ import annotations
 import argparse
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from contextlib import contextmanager, nullcontext
-from dataclasses import asdict, dataclass, field
+from contextlib import contextmanager, nullcontext, suppress
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -163,6 +163,13 @@ def guarded(device: torch.device, what: dict[str, Any], measure: Callable[[], di
     except Exception as e:  # noqa: BLE001 - a row's failure is a figure of the run, never the run's end
         return what | {"error": f"{type(e).__name__}: {str(e)[:500]}"}
     finally:
+        release(device)
+
+
+def release(device: torch.device) -> None:
+    """Free what the last row left. After a sticky CUDA error (an illegal address) the device refuses
+    even this: the next rows then carry that error, and the bench still ends with its report."""
+    with suppress(Exception):
         _free(device)
 
 
@@ -274,7 +281,8 @@ def chunked_prefill(model: torch.nn.Module, ids: torch.Tensor, cache: StaticCach
     return out.logits[:, -1]
 
 
-def static_cache_graph(loaded: LoadedModel, prompts: list[list[int]], steps: int) -> tuple[float, float, int, list[list[int]], str]:
+def static_cache_graph(loaded: LoadedModel, prompts: list[list[int]], steps: int
+                       ) -> tuple[float, float, int, list[list[int]], str]:
     """Plain transformers: StaticCache, the prompts prefilled together (in chunks: PREFILL_CHUNK), one
     decode step captured in a CUDA graph (the ids fed back and the position advanced inside it) and
     replayed `steps` times, the tokens kept on the device until the end. tok/s, host ms a step,
@@ -377,7 +385,7 @@ class CountedStaticStep(StaticStep):
 
     row_steps = 0
 
-    def run(self, last_tokens, caches):  # noqa: ANN001, ANN201 - StaticStep.run's
+    def run(self, last_tokens: Sequence[int], caches: Sequence[PooledCache]) -> tuple[torch.Tensor, torch.Tensor]:
         self.row_steps += len(caches)
         return super().run(last_tokens, caches)
 
@@ -414,7 +422,7 @@ def worker_engine(loaded: LoadedModel, config: JobConfig) -> tuple[TimedEngine, 
     device_meter = ResidentMeter(device_budget, "the batch's resident device", "cache.device_kv_budget_bytes")
     host_meter = ResidentMeter(host_budget, "the batch's host RAM", "cache.host_kv_budget_bytes")
     shape = kv_shape(loaded.model.config, loaded.dtype)
-    assert attention_path(config.batch.attention, device.type, False) == "pooled", "the job row measures the pooled path"
+    assert attention_path(config.batch.attention, device.type, False) == "pooled", "the job row runs the pooled path"
     sequences = config.batch.sequences
     plan = (bucket(sequences), config.summarize.context_tokens) if device.type == "cuda" else None
     pool = KVPool.for_model(loaded.model.config, loaded.dtype, device, device_meter, plan)
@@ -561,7 +569,7 @@ class Bench:
             print(row_line(row), flush=True)
         for prompts in pooled.values():
             prompts.close()
-        _free(self.device)
+        release(self.device)
 
     def measure(self, shape: Shape, way: str, pooled: dict[Shape, PooledPrompts], baseline: dict[Shape, float]
                 ) -> dict[str, Any]:
@@ -578,7 +586,8 @@ class Bench:
                 pooled[shape] = PooledPrompts(self.loaded, self.prompts_of(shape), self.steps)
             rate, host_ms, kernels, self.tokens_of[shape, way] = kvbatch_way(self.loaded, pooled[shape], way,
                                                                               self.steps)
-            note = "eager (no CUDA graphs on the CPU)" if way == "kvbatch graphed" and self.device.type != "cuda" else ""
+            eager = way == "kvbatch graphed" and self.device.type != "cuda"
+            note = "eager (no CUDA graphs on the CPU)" if eager else ""
         bound = width * self.read_gbs * 1e9 / step_bytes(self.loaded, width, tokens + self.steps // 2)
         row = Row(width, tokens, way, rate, host_ms, kernels, bound, rate / bound,
                   rate / baseline[shape] if shape in baseline else None, note)
@@ -683,9 +692,10 @@ def job_line(row: dict[str, Any]) -> str:
         return f"{head}: error: {row['error']}"
     return (f"{head}: {row['done']} done in {row['job_s']:.1f} s ({row['job_tok_s']:.1f} new tok/s overall); decode "
             f"{row['decode_tok_s']:.1f} tok/s = {row['of_bound']:.1%} of the bound at {row['mean_rows']:.1f} rows; "
-            f"{row['static_share']:.1%} of {row['row_steps']} row-steps on the static step ({row['static_steps']} steps, "
-            f"{row['captures']} captures), {row['steps_with_prefill']} of {row['decode_steps']} steps with a riding "
-            f"chunk; stops {row['stop_reasons']}{'; ' + row['note'] if row['note'] else ''}")
+            f"{row['static_share']:.1%} of {row['row_steps']} row-steps on the static step "
+            f"({row['static_steps']} steps, {row['captures']} captures), {row['steps_with_prefill']} of "
+            f"{row['decode_steps']} steps with a riding chunk; stops {row['stop_reasons']}"
+            f"{'; ' + row['note'] if row['note'] else ''}")
 
 
 def main() -> None:
@@ -694,7 +704,8 @@ def main() -> None:
     parser.add_argument("--rows", help="rows per decode step (default 1,8,32)")
     parser.add_argument("--prompt-tokens", type=int, help="prompt length (8192 on CUDA, 256 on the CPU)")
     parser.add_argument("--short-prompt-tokens", type=int,
-                        help="one more shape at the most rows with prompts this long (2048 on CUDA, 64 on the CPU; 0: none)")
+                        help="one more shape at the most rows with prompts this long "
+                             "(2048 on CUDA, 64 on the CPU; 0: none)")
     parser.add_argument("--decode-steps", type=int, default=32)
     parser.add_argument("--job", help="the job row's documents x context tokens x new tokens "
                                       f"({JOB['cuda']} on CUDA, {JOB['cpu']} on the CPU)")
