@@ -38,7 +38,7 @@ from __future__ import annotations
 import argparse
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from contextlib import contextmanager, nullcontext, suppress
 from dataclasses import asdict, dataclass
@@ -61,6 +61,7 @@ from transformers import StaticCache
 
 from jobs.attention import attention_path
 from jobs.config import JobConfig, SummarizeConfig, load_config
+from jobs.outcome import static_share
 from runner.engine.batch_engine import BatchEngine, PassRequest, PassResult
 from runner.engine.cache_recipe import CacheKit
 from runner.engine.generation import prefill
@@ -379,17 +380,6 @@ def first_difference(tokens: list[list[int]], reference: list[list[int]], margin
             "reference_margin": margins[prompt][step]}
 
 
-class CountedStaticStep(StaticStep):
-    """The worker's static step, counting the rows it ran: its row-steps over the engine's are the
-    share of decode row-steps on the graph (StaticStep counts its steps, not their rows)."""
-
-    row_steps = 0
-
-    def run(self, last_tokens: Sequence[int], caches: Sequence[PooledCache]) -> tuple[torch.Tensor, torch.Tensor]:
-        self.row_steps += len(caches)
-        return super().run(last_tokens, caches)
-
-
 class TimedEngine(BatchEngine):
     """The worker's engine, timing its decode steps: a step ends with its tokens read on the host, so
     the wall time of `_decode` is the step's (a riding prompt chunk's work included)."""
@@ -412,7 +402,7 @@ def job_config(tokens: int, new_tokens: int) -> JobConfig:
                               f"summarize.max_new_tokens={new_tokens}"])
 
 
-def worker_engine(loaded: LoadedModel, config: JobConfig) -> tuple[TimedEngine, CountedStaticStep, CacheKit]:
+def worker_engine(loaded: LoadedModel, config: JobConfig) -> tuple[TimedEngine, StaticStep, CacheKit]:
     """The engine as SummaryWorker builds it from `config` (runner/engine/worker.py: its budgets, its KV
     pool planned for the batch at the whole context on CUDA, its cache kit, its static step), around a
     model made here: the worker loads its model by name, and an 8B-shaped one saved and loaded back
@@ -428,7 +418,7 @@ def worker_engine(loaded: LoadedModel, config: JobConfig) -> tuple[TimedEngine, 
     pool = KVPool.for_model(loaded.model.config, loaded.dtype, device, device_meter, plan)
     kit = CacheKit(loaded.model, config.cache, shape, device_budget, host_budget, device_meter, host_meter, pool,
                    device_is_cpu=device.type == "cpu")
-    static = CountedStaticStep(loaded.model, pool, graphs=True)
+    static = StaticStep(loaded.model, pool, graphs=True)
     engine = TimedEngine(loaded, config.summarize, config.cache.prefill, sequences, device_budget, _is_memory_error,
                          host_budget=host_budget, prefill_chunk_tokens=config.batch.prefill_chunk_tokens, static=static)
     return engine, static, kit
@@ -439,7 +429,9 @@ def real_job(loaded: LoadedModel, spec: str, read_gbs: float, seconds: float) ->
     arriving in turn as a worker's tasks do (at most `batch.max_sequences` in flight, the next one
     submitted as one ends); stopped after `seconds` with what ran (the rest fail with the closed engine).
     Decode tok/s is the decode steps' row-steps over their wall time (riding chunks included), against
-    the bound of a step of the job's mean rows at the prompts' length plus half the summary."""
+    the bound of a step of the job's mean rows at the prompts' length plus half the summary; the static
+    share is the engine's row-steps through the static step over all (the eager ones by why), and the
+    least of the documents' own (each result row's `static_step_share`)."""
     documents, tokens, new_tokens = (int(n) for n in spec.split("x"))
     config = job_config(tokens, new_tokens)
     engine, static, kit = worker_engine(loaded, config)
@@ -472,6 +464,7 @@ def real_job(loaded: LoadedModel, spec: str, read_gbs: float, seconds: float) ->
     job_s = time.perf_counter() - started
     plan = engine.plan
     new = sum(r.generation.output_tokens for r in done)
+    shares = [share for r in done if (share := static_share(r.decode_steps)) is not None]
     mean_rows = plan.tokens_decoded / plan.decode_steps if plan.decode_steps else 0.0
     decode_tok_s = plan.tokens_decoded / engine.decode_s if engine.decode_s else 0.0
     bound = (mean_rows * read_gbs * 1e9 / step_bytes(loaded, mean_rows, prompt_tokens + new_tokens // 2)
@@ -484,9 +477,9 @@ def real_job(loaded: LoadedModel, spec: str, read_gbs: float, seconds: float) ->
             "row_steps": plan.tokens_decoded, "steps_with_prefill": plan.steps_with_prefill, "mean_rows": mean_rows,
             "decode_s": engine.decode_s, "decode_tok_s": decode_tok_s, "bound_tok_s": bound,
             "of_bound": decode_tok_s / bound if bound else 0.0, "static_steps": static.steps,
-            "static_row_steps": static.row_steps,
-            "static_share": static.row_steps / plan.tokens_decoded if plan.tokens_decoded else 0.0,
-            "captures": static.captures, "note": note}
+            "static_row_steps": plan.static_row_steps, "eager_row_steps": dict(plan.eager_row_steps),
+            "static_share": plan.static_row_steps / plan.tokens_decoded if plan.tokens_decoded else 0.0,
+            "least_document_share": min(shares, default=None), "captures": static.captures, "note": note}
 
 
 def pinned_copy_gbs(device: torch.device, nbytes: int) -> float:
@@ -692,8 +685,9 @@ def job_line(row: dict[str, Any]) -> str:
         return f"{head}: error: {row['error']}"
     return (f"{head}: {row['done']} done in {row['job_s']:.1f} s ({row['job_tok_s']:.1f} new tok/s overall); decode "
             f"{row['decode_tok_s']:.1f} tok/s = {row['of_bound']:.1%} of the bound at {row['mean_rows']:.1f} rows; "
-            f"{row['static_share']:.1%} of {row['row_steps']} row-steps on the static step "
-            f"({row['static_steps']} steps, {row['captures']} captures), {row['steps_with_prefill']} of "
+            f"{row['static_share']:.1%} of {row['row_steps']} row-steps on the static step (the least of a "
+            f"document's {row['least_document_share'] or 0:.1%}; eager: {row['eager_row_steps'] or 'none'}; "
+            f"{row['static_steps']} steps, {row['captures']} captures), {row['steps_with_prefill']} of "
             f"{row['decode_steps']} steps with a riding chunk; stops {row['stop_reasons']}"
             f"{'; ' + row['note'] if row['note'] else ''}")
 

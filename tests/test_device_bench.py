@@ -59,8 +59,10 @@ def test_a_spent_section_budget_skips_that_section_only_and_the_real_job_row_run
     assert job["done"] == job["documents"] == 6 and job["failed"] == {} and job["note"] == ""
     assert job["max_sequences"] == 16  # batch.max_sequences: auto, as the worker runs it
     assert 0 < job["row_steps"] and 0 < job["decode_tok_s"] and 0 < job["of_bound"] < 1
-    assert 0 < job["static_row_steps"] <= job["row_steps"] and job["static_share"] == (
-        job["static_row_steps"] / job["row_steps"])
+    assert job["static_row_steps"] + sum(job["eager_row_steps"].values()) == job["row_steps"]
+    assert job["static_share"] == job["static_row_steps"] / job["row_steps"]
+    # batch.static_step: on, every row a pool slot, a riding prompt a passenger: the 95 % and more
+    assert job["static_share"] >= 0.95 and job["least_document_share"] >= 0.95, job["eager_row_steps"]
     assert job["steps_with_prefill"] > 0, "no prompt rode the decode steps: the documents did not arrive in turn"
 
 
