@@ -148,19 +148,23 @@ def status(job_dir: JobDirArgument, as_json: Annotated[bool, typer.Option("--jso
 @app.command()
 def results(
     job_dir: JobDirArgument,
-    output: Annotated[Optional[Path], typer.Option("-o", "--output", help="file to write (default stdout)")] = None,
-    fmt: Annotated[Optional[str], typer.Option("--format", help="jsonl, csv or parquet (default: from -o, else jsonl)")] = None,
+    output: Annotated[Optional[Path], typer.Option(
+        "-o", "--output",
+        help="file to write (default stdout; - or /dev/stdout: into stdout as it is, parquet too)")] = None,
+    fmt: Annotated[Optional[str], typer.Option(
+        "--format",
+        help="jsonl, csv or parquet (default: from -o's extension .jsonl, .csv or .parquet, else jsonl)")] = None,
     errors_only: Annotated[bool, typer.Option("--errors", help="only failed and rejected documents")] = False,
     with_text: Annotated[bool, typer.Option("--with-text", help="add a text column: the extracted text each model was given")] = False,
 ) -> None:
     """Export one row per document."""
     from storage.export import export_results, format_for
+    from storage.output import STDOUT
 
     def export() -> int:
-        if fmt not in (None, "jsonl", "csv", "parquet"):
-            raise ConfigError(f"--format {fmt}: choose jsonl, csv or parquet")
-        n = export_results(job_dir, output, format_for(output, fmt), errors_only, with_text)
-        if output is not None:
+        chosen = format_for(output, fmt)  # an unknown --format or extension: refused before anything is read
+        n = export_results(job_dir, output, chosen, errors_only, with_text)
+        if output is not None and str(output) != STDOUT:
             errors.print(f"{n} row(s) -> {escape(str(output))}", highlight=False)
         return 0
 

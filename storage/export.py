@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
+from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, BinaryIO, Literal
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -20,20 +22,43 @@ from jobs.schema import TaskState
 from storage.checkpoint import load_state
 from storage.jobdir import JobDir, check_job_folder, read_manifest_table
 from storage.location import Where
-from storage.output import write_output
+from storage.output import STDOUT, descriptor_of, write_output, write_stdout
 
 ExportFormat = Literal["jsonl", "csv", "parquet"]
 #: Columns of seconds since the epoch: text a person reads (ISO 8601, UTC) in JSON lines and CSV.
 TIMESTAMP_COLUMNS = ("finished_at",)
 
 
-def format_for(path: Path | None, requested: str | None) -> ExportFormat:
-    """--format wins; else the output file's extension; else JSON lines."""
+#: What each output file extension means (any case); a name with none (`/dev/stdout`, a FIFO) is JSON lines.
+FORMAT_OF_EXTENSION: dict[str, ExportFormat] = {
+    ".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl",  # a .json file gets JSON lines, as it always has
+    ".csv": "csv",
+    ".parquet": "parquet",
+}
+FORMATS: tuple[ExportFormat, ...] = ("jsonl", "csv", "parquet")
+
+
+def format_for(path: Path | str | None, requested: str | None) -> ExportFormat:
+    """--format wins; else the output file's extension (none: JSON lines); else JSON lines.
+
+    An extension that names no format kvbatch writes (`.xlsx`, `.gz`) is refused rather than filled
+    with JSON lines; --format writes that format under any name."""
     if requested:
+        if requested not in FORMATS:
+            raise ConfigError(f"--format {requested}: choose jsonl, csv or parquet")
         return requested  # type: ignore[return-value]
-    if path is not None and path.suffix.lstrip(".") in ("csv", "parquet"):
-        return path.suffix.lstrip(".")  # type: ignore[return-value]
-    return "jsonl"
+    if path is None or os.fspath(path) == STDOUT:
+        return "jsonl"
+    suffix = Path(path).suffix
+    if not suffix:
+        return "jsonl"
+    if suffix.lower() not in FORMAT_OF_EXTENSION:
+        raise ConfigError(
+            f"-o {path}: kvbatch does not write {suffix} files; it writes jsonl, csv and parquet, chosen by the "
+            "extension (.jsonl, .csv, .parquet): rename the file, or give --format jsonl, csv or parquet to "
+            "write that format under this name"
+        )
+    return FORMAT_OF_EXTENSION[suffix.lower()]
 
 
 def _texts(job_dir: Where, task_ids: list[str]) -> list[str | None]:
@@ -145,21 +170,36 @@ def _jsonl(job_dir: Where, errors_only: bool, with_text: bool) -> tuple[str, int
     return "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), len(rows)
 
 
-def export_results(job_dir: Where, out: Path | None, fmt: ExportFormat, errors_only: bool,
+def _to_stdout(out: Path | str | None) -> bool:
+    return out is not None and os.fspath(out) == STDOUT
+
+
+def export_results(job_dir: Where, out: Path | str | None, fmt: ExportFormat, errors_only: bool,
                    with_text: bool = False) -> int:
-    """Writes the rows to `out` (stdout when None; not for parquet); returns the row count."""
+    """Writes the rows to `out` and returns the row count. `out` None: to sys.stdout (not parquet);
+    `-` (like `/dev/stdout`): into descriptor 1 as it is, parquet too."""
+    def write(data: Callable[[BinaryIO], object]) -> None:
+        if _to_stdout(out):
+            write_stdout(data)
+        else:
+            write_output(out, data)  # type: ignore[arg-type]
+
     if fmt == "jsonl":
         lines, n = _jsonl(job_dir, errors_only, with_text)
         if out is None:
             sys.stdout.write(lines)
         else:
-            write_output(out, lambda handle: handle.write(lines.encode("utf-8")))
+            write(lambda handle: handle.write(lines.encode("utf-8")))
         return n
     table = results_table(job_dir, errors_only, with_text)
     if fmt == "parquet":
         if out is None:
-            raise ConfigError("parquet output needs a file: add -o results.parquet")
-        write_output(out, lambda handle: pq.write_table(table, handle))
+            raise ConfigError("parquet output needs a file: add -o results.parquet (or -o - to write it to stdout)")
+        fd = 1 if _to_stdout(out) else descriptor_of(out)
+        if fd is not None and _is_terminal(fd):
+            raise ConfigError(f"-o {out} is a terminal and parquet is binary: redirect it to a file or a pipe, "
+                              "or give -o results.parquet")
+        write(lambda handle: pq.write_table(table, handle))
     else:
         flat = table.set_column(
             table.schema.get_field_index("fallbacks"), "fallbacks",
@@ -173,5 +213,12 @@ def export_results(job_dir: Where, out: Path | None, fmt: ExportFormat, errors_o
             pacsv.write_csv(flat, sink)
             sys.stdout.write(sink.getvalue().to_pybytes().decode())
         else:
-            write_output(out, lambda handle: pacsv.write_csv(flat, handle))
+            write(lambda handle: pacsv.write_csv(flat, handle))
     return table.num_rows
+
+
+def _is_terminal(fd: int) -> bool:
+    try:
+        return os.isatty(fd)
+    except OSError:
+        return False

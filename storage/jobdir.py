@@ -108,14 +108,46 @@ def _file_in_the_way(job: JobDir) -> Path | None:
     return existing if existing is not None and not os.path.isdir(existing) else None
 
 
+#: What a submit that stopped before publishing its manifest leaves in a job folder (the lock, the
+#: folders of the first writes): a folder holding only these may take a new job.
+_CREATION_NAMES = {".lock", "events", "results"}
+
+
+def _entry_names(job: JobDir) -> set[str]:
+    """Names of what the job folder holds (files and folders, hidden ones too); none if it is missing."""
+    if job.path.is_local:
+        try:
+            return set(os.listdir(job.path.local_path))
+        except (FileNotFoundError, NotADirectoryError):
+            return set()
+        except OSError as e:
+            raise JobDirError(
+                f"cannot read the job folder {job.path} ({e.strerror or e}): choose another -j JOB_DIR"
+            ) from None
+    return {f.name for f in job.path.files()} | set(job.path.folders())
+
+
+def _shown(names: set[str], job: JobDir, most: int = 3) -> str:
+    shown = [f"{name}/" if (job.path / name).is_dir() else name for name in sorted(names)[:most]]
+    return ", ".join(shown) + (f" and {len(names) - most} more" if len(names) > most else "")
+
+
 def check_new_job_folder(job: JobDir) -> None:
-    """Refuse, before anything is read or written, a job folder path that is a file or already holds a job."""
+    """Refuse, before anything is read or written, a job folder path that is a file, already holds a
+    job, or is a folder that is not empty and not a kvbatch job folder (kvbatch removes files in its
+    job folder: it must never be someone's folder of other things)."""
     if (blocking := _file_in_the_way(job)) is not None:
         raise JobDirError(f"{blocking} is a file, not a folder: give -j the path of a new job folder")
     if job.job_json.exists():
         raise JobDirError(
             f"{job.path} already holds a job ({job.job_json}); "
             f"continue it with `kvbatch resume {job.path}` or choose another -j JOB_DIR"
+        )
+    names = _entry_names(job)
+    if names and not holds_job(names) and not names <= _CREATION_NAMES:
+        raise JobDirError(
+            f"{job.path} is not empty and is not a kvbatch job folder (it holds {_shown(names, job)}): "
+            "give -j a new or empty folder, or leave -j out to make runs/<job-id>"
         )
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import re
 import secrets
 import threading
 import time
@@ -29,6 +30,9 @@ from storage.location import Fence, Location, Where, fsync_directory, no_fence
 
 PART_PREFIX, PART_SUFFIX = "part-", ".parquet"
 TEMP_PREFIX = ".tmp-"
+#: The names kvbatch gives a part, and the temporary name of its write (`_next_part_name`, `write_part`):
+#: removing a document's passes (storage/passes.py) deletes only files named so.
+_OWN_PART_NAME = re.compile(r"(?:\.tmp-)?part-\d{20,}-\d{8,}-\d+-[0-9a-f]{6}\.parquet")
 _REPLACES_KEY = b"kvbatch.replaces"
 _READ_THREADS = 4  # small parts are dominated by per-file latency; a few threads overlap it
 _RESCANS = 3  # extra listings that catch parts a concurrent merge published during a listing
@@ -88,6 +92,12 @@ def write_part(directory: Where, table: pa.Table, replaces: Sequence[str] = (), 
 def list_parts(directory: Where) -> list[Location]:
     """Visible parts in write order; temporary files are not parts."""
     return Location.of(directory).files(PART_PREFIX, PART_SUFFIX)
+
+
+def is_own_part_name(name: str) -> bool:
+    """Whether `name` is one kvbatch gives a part or the temporary file of its write (any other file in
+    a folder of parts is someone else's, and kvbatch leaves it alone)."""
+    return _OWN_PART_NAME.fullmatch(name) is not None
 
 
 def list_temp_files(directory: Where) -> list[Location]:

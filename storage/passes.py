@@ -9,6 +9,11 @@ passes read back from here and reuses every pass whose key matches what it is ab
 key covers everything that decides its tokens, so reusing one never changes a summary. The folder
 goes once the document's result has been published; a crash in between leaves it for the next run's
 sweep.
+
+Only what kvbatch wrote is ever removed: in the folders of the job's own tasks (those its
+manifest.parquet lists), only files named as kvbatch names a part or the temporary file of its write.
+Any other folder or file under `passes/` is left where it is (submit refuses a folder that is not
+empty and holds no job, storage/jobdir.py; this is the second line of that defence).
 """
 
 from __future__ import annotations
@@ -17,10 +22,11 @@ from collections.abc import Iterable
 from typing import TypedDict
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from jobs.schema import PASS_SCHEMA
 from storage.location import Fence, Location, Where, no_fence
-from storage.parts import read_parts, write_part
+from storage.parts import is_own_part_name, read_parts, write_part
 
 PASSES_DIR = "passes"
 
@@ -61,16 +67,37 @@ def read_passes(job_dir: Where, task_id: str) -> list[PassRow]:
     return list({row["key"]: row for row in table.to_pylist()}.values())
 
 
+def _job_task_ids(job_dir: Where) -> set[str] | None:
+    """The task ids of the job's manifest.parquet; None when there is none (no job was created there)."""
+    manifest = Location.of(job_dir) / "manifest.parquet"
+    try:
+        with manifest.open_input() as source:
+            return set(pq.read_table(source, columns=["task_id"]).column("task_id").to_pylist())
+    except FileNotFoundError:
+        return None
+    except (pa.ArrowException, KeyError) as e:
+        raise OSError(f"{manifest} is unreadable ({e})") from None
+
+
 def tasks_with_passes(job_dir: Where) -> list[str]:
-    """Task ids that have a passes folder."""
-    return (Location.of(job_dir) / PASSES_DIR).folders()
+    """The job's task ids that have a passes folder. A folder named after no task of the job's manifest
+    is not kvbatch's: it is neither listed nor ever emptied. (A folder that holds no manifest, which no
+    coordinator runs in, has no task list to check against: each of its passes folders is listed.)"""
+    folders = (Location.of(job_dir) / PASSES_DIR).folders()
+    if not folders or (tasks := _job_task_ids(job_dir)) is None:
+        return folders
+    return [name for name in folders if name in tasks]
 
 
 def remove_passes(job_dir: Where, task_ids: Iterable[str], fence: Fence = no_fence) -> None:
-    """Remove each task's passes (and writes of them that never completed); `fence` is checked first."""
+    """Remove each task's passes (and writes of them that never completed); `fence` is checked first.
+
+    Only files named as kvbatch names a part (or its temporary file) go, and the task's folder once it
+    is empty: a file someone else put there stays, and so does its folder."""
     for task_id in task_ids:
         folder = _task_folder(job_dir, task_id)
-        files = folder.files()  # its parts and any unfinished write of one, in one listing
+        # its parts and any unfinished write of one, in one listing
+        files = [f for f in folder.files() if is_own_part_name(f.name)]
         if files:
             fence()
         for part in files:
@@ -78,5 +105,5 @@ def remove_passes(job_dir: Where, task_ids: Iterable[str], fence: Fence = no_fen
         if folder.is_local:
             try:
                 folder.local_path.rmdir()
-            except OSError:  # gone already: nothing to do
+            except OSError:  # gone already, or holds files that are not kvbatch's: left as it is
                 pass

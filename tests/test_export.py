@@ -76,7 +76,7 @@ def test_results_come_in_manifest_order_with_readable_timestamps(ray_address, tm
     job = tmp_path / "job"
     before = time.time()
     kvbatch("submit", str(write_jsonl(tmp_path / "m.jsonl", rows)), "-c", str(TINY_CONFIG), "-j", str(job),
-            "--address", ray_address, check=0)
+            "--address", ray_address, check=3)  # 3: a row was rejected
     written = pq.read_table(job / "results").column("doc_id").to_pylist()
     assert written[0] == "second", written  # the order the export must not keep
     exported = export_rows(job)
@@ -89,3 +89,30 @@ def test_results_come_in_manifest_order_with_readable_timestamps(ray_address, tm
         table = list(csv.DictReader(f))
     assert [r["doc_id"] for r in table] == ["first", "second", "third"]
     assert [r["finished_at"] for r in table] == [r["finished_at"] for r in exported]
+
+
+@pytest.mark.parametrize("name", ["out.xlsx", "out.jsonl.gz", "out.txt"])
+def test_an_output_extension_that_names_no_format_is_refused(ragged_job: Path, tmp_path: Path, name: str) -> None:
+    """`-o out.xlsx` wrote JSON lines into out.xlsx; a .gz got no compression."""
+    out = tmp_path / name
+    proc = refusal("results", str(ragged_job), "-o", str(out))
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:"), proc.stderr
+    message = " ".join(proc.stderr.split())
+    assert str(out) in message and "jsonl, csv and parquet" in message and "--format" in message
+    assert not out.exists()
+
+
+def test_an_explicit_format_writes_under_any_name(ragged_job: Path, tmp_path: Path) -> None:
+    kvbatch("results", str(ragged_job), "-o", str(tmp_path / "out.xlsx"), "--format", "csv", check=0)
+    with (tmp_path / "out.xlsx").open(newline="", encoding="utf-8") as f:
+        assert sorted(r["doc_id"] for r in csv.DictReader(f)) == ["a", "b", "c"]
+
+
+@pytest.mark.parametrize(("name", "format_"), [("r.JSONL", "jsonl"), ("r.ndjson", "jsonl"), ("r.json", "jsonl"),
+                                               ("r.CSV", "csv"), ("r.Parquet", "parquet"), ("results", "jsonl")])
+def test_the_extension_chooses_the_format_in_any_case_and_none_is_json_lines(name: str, format_: str) -> None:
+    from storage.export import format_for
+
+    assert format_for(Path(name), None) == format_
+    assert format_for(Path(name), "parquet") == "parquet"

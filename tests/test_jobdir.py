@@ -268,3 +268,39 @@ def test_a_job_folder_of_an_earlier_kvbatch_resumes_without_its_retired_keys(fin
     assert "0 to run" in proc.stdout and "spread_passes" not in proc.stdout + proc.stderr
     refused = refusal("config", "--set", "batch.spread_passes=true")
     assert "unknown key" in refused.stdout + refused.stderr and "spread_passes" in refused.stdout + refused.stderr
+
+
+# ---------------------------------------------------------------- a folder that is not kvbatch's
+
+def test_a_folder_of_other_files_is_refused_as_a_job_folder_and_left_as_it_was(tmp_path: Path) -> None:
+    """kvbatch removes files in its job folder (a document's passes): a folder that is not empty and holds no
+    job was someone's, even one whose files sit where a job's would (passes/<task>/)."""
+    folder = tmp_path / "mine"
+    for relative in ("passes/holiday/photo.jpg", "passes/t000001/draft.txt"):
+        (folder / relative).parent.mkdir(parents=True, exist_ok=True)
+        (folder / relative).write_text(relative)
+    before = _files(folder)
+    proc = refusal("submit", str(_rejected_only(tmp_path / "m.jsonl", ["a"])), "-c", str(TINY_CONFIG),
+                   "-j", str(folder))
+    _no_traceback(proc)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:"), proc.stderr
+    message = " ".join(proc.stderr.split())
+    assert f"{folder} is not empty and is not a kvbatch job folder" in message and "passes/" in message
+    assert "give -j a new or empty folder" in message
+    assert _files(folder) == before and sorted(p.name for p in folder.iterdir()) == ["passes"]
+
+
+def test_an_empty_folder_and_one_a_stopped_submit_left_take_a_new_job(tmp_path: Path) -> None:
+    """Empty, or holding only what a submit that stopped before its manifest leaves (the lock, events/,
+    results/): a job is created there."""
+    empty, stopped = tmp_path / "empty", tmp_path / "stopped"
+    empty.mkdir()
+    for name in ("events", "results"):
+        (stopped / name).mkdir(parents=True)
+    (stopped / ".lock").write_text("")
+    for folder in (empty, stopped):
+        kvbatch("submit", str(_rejected_only(tmp_path / "m.jsonl", ["a"])), "-c", str(TINY_CONFIG), "-j", str(folder),
+                check=3)
+        assert (folder / "job.json").is_file()
+        assert [r["doc_id"] for r in export_rows(folder, "--errors")] == ["a"]

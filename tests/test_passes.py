@@ -20,14 +20,15 @@ import pytest
 
 from jobs.config import JobConfig
 from jobs.faults import FAULTS_ENV
-from jobs.schema import PASS_SCHEMA
+from jobs.schema import MANIFEST_SCHEMA, PASS_SCHEMA
 from jobs.stopping import StopReason
 from runner.engine.generation import Generation
 from runner.engine.pass_book import PassBook, settings_fingerprint
 from storage.checkpoint import CheckpointLog, load_state
 from storage.lease import LeaseLostError
-from storage.parts import list_parts, read_parts, write_part
-from storage.passes import PassRow, read_passes, tasks_with_passes
+from storage.location import Location
+from storage.parts import TEMP_PREFIX, list_parts, read_parts, write_part
+from storage.passes import PassRow, read_passes, remove_passes, tasks_with_passes, write_passes
 from tests.helpers.cli import (
     LICENSES,
     REPO,
@@ -38,7 +39,7 @@ from tests.helpers.cli import (
     start_submit,
     wait_for,
 )
-from tests.helpers.results import done_row
+from tests.helpers.results import kept_pass
 
 #: six long licence texts: 4 to 17 chunks each at a 512-token context, a merge round or two above them
 LONG_DOCS = ["LGPL-2.1", "GPL-2", "MPL-2.0", "Apache-2.0", "LGPL-3", "Artistic"]
@@ -309,13 +310,7 @@ def test_a_pass_counts_as_collected_only_once_the_coordinator_asks_again():
     assert passes.wait_collected(0.05)
 
 
-def _pass(task_id: str, key: str) -> PassRow:
-    return PassRow(task_id=task_id, doc_id=task_id, key=key, fingerprint="f", level=0, index=0, context_tokens=512,
-                   prompt_tokens=3, tokens=[7], text="7", stop_reason="eos", worker="w", finished_at=0.0,
-                   prefill_s=0.5, decode_s=1.0, batch_size=1.0)
-
-
-def test_the_checkpoint_log_publishes_passes_fenced_and_drops_those_of_a_document_it_publishes_done(tmp_path):
+def test_the_checkpoint_log_publishes_passes_fenced_as_they_are_added(tmp_path):
     lease = {"held": True}
 
     def fence() -> None:
@@ -323,25 +318,123 @@ def test_the_checkpoint_log_publishes_passes_fenced_and_drops_those_of_a_documen
             raise LeaseLostError("the lease was taken")
 
     log = CheckpointLog(tmp_path, flush_every=100, fence=fence)
-    log.add_passes([_pass("t-a", "k1"), _pass("t-b", "k2")])
-    log.add_passes([_pass("t-a", "k3")])
-    log.add_result(done_row("b"))  # t-b's result goes out in the same batch: its passes are not needed
-    log.flush()
-    assert sorted(tasks_with_passes(tmp_path)) == ["t-a"]
+    log.add_passes([kept_pass("t-a", "k1"), kept_pass("t-b", "k2")])
+    log.add_passes([kept_pass("t-a", "k3")])
+    assert sorted(tasks_with_passes(tmp_path)) == ["t-a", "t-b"]
     assert sorted(row["key"] for row in read_passes(tmp_path, "t-a")) == ["k1", "k3"]
-    assert len(list_parts(tmp_path / "passes" / "t-a")) == 1  # one part per document a batch
     lease["held"] = False
-    log.add_passes([_pass("t-a", "k4")])
     with pytest.raises(LeaseLostError):
-        log.flush()
+        log.add_passes([kept_pass("t-a", "k4")])
     assert sorted(row["key"] for row in read_passes(tmp_path, "t-a")) == ["k1", "k3"]  # nothing written unfenced
 
 
 def test_a_pass_kept_by_a_tree_before_pass_timings_still_resumes_with_none(tmp_path):
     """A job folder from before passes said their timings: its parts lack the two columns, which read as null."""
     older = pa.schema([field for field in PASS_SCHEMA if field.name not in ("prefill_s", "decode_s", "batch_size")])
-    row = {name: value for name, value in _pass("t-a", "k1").items() if name in older.names}
+    row = {name: value for name, value in kept_pass("t-a", "k1").items() if name in older.names}
     write_part(tmp_path / "passes" / "t-a", pa.Table.from_pylist([row], schema=older))
     [read] = read_passes(tmp_path, "t-a")
     assert read["key"] == "k1" and read["tokens"] == [7]
     assert (read["prefill_s"], read["decode_s"]) == (None, None)
+
+
+# ---------------------------------------------------------------- only kvbatch's own passes are removed
+
+#: the temporary name of a pass part whose write never completed (storage/parts.py names them so)
+UNFINISHED = f"{TEMP_PREFIX}part-00000000000000000007-00000003-4242-abcdef.parquet"
+#: files that are not kvbatch's, in folders of passes/: (folder, name); t000009 and holiday are no task of the job
+FOREIGN = [("holiday", "photo.jpg"), ("t000009", "draft.txt"), ("t000001", "notes.txt"),
+           ("t000002", "part-mine.parquet")]
+
+
+def _own_and_foreign_passes(job: Location) -> None:
+    """A job of tasks t000001 and t000002 (its manifest.parquet); t000001 has a part and an unfinished
+    write, and every folder of passes/ also holds a file someone else put there."""
+    job.makedirs()
+    manifest = pa.Table.from_pylist([{"task_id": t, "doc_id": t} for t in ("t000001", "t000002")],
+                                    schema=MANIFEST_SCHEMA)
+    (job / "manifest.parquet").write_atomic(lambda handle: pq.write_table(manifest, handle), ".manifest.tmp")
+    write_passes(job, "t000001", [kept_pass("t000001", "k1")])
+    (job / "passes" / "t000001" / UNFINISHED).write_bytes_atomic(b"half a part", ".unfinished.tmp")
+    for folder, name in FOREIGN:
+        (job / "passes" / folder).makedirs()
+        (job / "passes" / folder / name).write_bytes_atomic(b"not kvbatch's", f".{name}.tmp")
+
+
+def _files_in_passes(job: Location) -> list[str]:
+    passes = job / "passes"
+    return sorted(f"{folder}/{f.name}" for folder in passes.folders() for f in (passes / folder).files())
+
+
+def _coordinator_removes_passes(job: Location) -> None:
+    """What a coordinator does to passes/: at its start it drops the folders of the job's tasks that are not
+    open (none is, here), and it drops a task's passes once its result is out (asked here of every folder)."""
+    remove_passes(job, tasks_with_passes(job))
+    remove_passes(job, ["t000001", "t000002", "t000009", "holiday"])
+
+
+def test_only_the_job_s_own_pass_parts_are_removed_and_every_other_file_stays(tmp_path: Path) -> None:
+    job = Location.of(tmp_path / "job")
+    _own_and_foreign_passes(job)
+    assert tasks_with_passes(job) == ["t000001", "t000002"]  # holiday and t000009 are no task of the job
+    assert f"t000001/{UNFINISHED}" in _files_in_passes(job) and len(list_parts(job / "passes" / "t000001")) == 1
+    _coordinator_removes_passes(job)
+    assert _files_in_passes(job) == sorted(f"{folder}/{name}" for folder, name in FOREIGN)
+    (tmp_path / "job" / "passes" / "t000001" / "notes.txt").unlink()
+    write_passes(job, "t000001", [kept_pass("t000001", "k2")])
+    remove_passes(job, ["t000001"])
+    assert not (tmp_path / "job" / "passes" / "t000001").exists()  # a folder left empty goes with its parts
+
+
+def test_on_s3_only_the_job_s_own_pass_parts_are_removed_too(s3: str) -> None:
+    job = Location.of(f"{s3}/jobs/own-passes")
+    _own_and_foreign_passes(job)
+    assert tasks_with_passes(job) == ["t000001", "t000002"]
+    assert f"t000001/{UNFINISHED}" in _files_in_passes(job)
+    _coordinator_removes_passes(job)
+    assert _files_in_passes(job) == sorted(f"{folder}/{name}" for folder, name in FOREIGN)
+
+
+def _claims(job: Path) -> list[dict]:
+    """job.log's `pass_kept` and `task_done` lines so far (a line cut by a kill is left out)."""
+    claims = []
+    for line in (job / "job.log").read_text().splitlines() if (job / "job.log").exists() else []:
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if entry["event"] in ("pass_kept", "task_done"):
+            claims.append(entry)
+    return claims
+
+
+def test_what_job_log_calls_kept_or_done_is_on_disk_when_the_coordinator_is_killed_right_after(
+        ray_address, tmp_path):
+    """kill -9 of the coordinator the moment job.log says a pass was kept and a document done: every pass
+    and document job.log named is in the job folder. Events are buffered for ten minutes here
+    (`checkpoint.flush_every` 1000, `flush_interval_s` 600), so only what is written as it is kept is there."""
+    job = tmp_path / "job"
+    hang = json.dumps([{"doc": "lgpl-2.1", "fault": "hang"}])  # once its chunks are kept: half done at the kill
+    buffered = ["--set", "checkpoint.flush_every=1000", "--set", "checkpoint.flush_interval_s=600"]
+    proc = start_submit(license_manifest(tmp_path, LONG_DOCS), job, ray_address, *SHORT_CONTEXT[:4],
+                        *buffered, env={FAULTS_ENV: hang})
+
+    def a_pass_kept_and_a_document_done() -> bool:
+        claims = _claims(job)
+        return (any(c["event"] == "pass_kept" and c["doc_id"] == "lgpl-2.1" for c in claims)
+                and any(c["event"] == "task_done" for c in claims))
+
+    reached = wait_for(a_pass_kept_and_a_document_done, proc, poll=0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert reached, "the batch ended before the kill"
+    claims = _claims(job)  # every line written before the kill
+    state = load_state(job)
+    said_done = {c["task_id"] for c in claims if c["event"] == "task_done"}
+    assert said_done <= state.done_task_ids, f"said done, no result row: {said_done - state.done_task_ids}"
+    on_disk = {(row["task_id"], row["level"], row["index"])
+               for task_id in tasks_with_passes(job) for row in read_passes(job, task_id)}
+    lost = [(c["doc_id"], c["level"], c["index"]) for c in claims if c["event"] == "pass_kept"
+            and c["task_id"] not in state.done_task_ids and (c["task_id"], c["level"], c["index"]) not in on_disk]
+    assert not lost, f"said kept, not in the job folder: {lost}"
+    assert any(c["event"] == "pass_kept" and c["task_id"] not in state.done_task_ids for c in claims)
