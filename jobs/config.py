@@ -323,9 +323,9 @@ class BatchConfig(_Section):
         "`pooled`: one attention call per layer over the worker's KV pool (device-resident rows); "
         "`per-row`: each row over its own cache; `auto`: pooled (measured faster on CUDA and on the CPU)"))
     static_step: Literal["auto", "on", "off"] = Field("auto", description=(
-        "`on`: a decode step whose rows are all the KV pool's (the pooled path, no prompt chunk riding) runs "
-        "with its inputs in static buffers, padded to a batch-size bucket (1, 2, 4, 8, then steps of 16), the "
-        "greedy token chosen on the device; on CUDA each bucket and span is captured once as a CUDA graph and "
+        "`on`: the KV pool's rows of every decode step (the pooled path) run with their inputs in static "
+        "buffers, padded to a batch-size bucket (1, 2, 4, 8, then steps of 16), the greedy token chosen on the "
+        "device (a riding prompt chunk and tiered rows run as their own eager forward beside them); on CUDA each bucket and span is captured once as a CUDA graph and "
         "replayed (runner/engine/static_step.py). The tokens are the same either way. `auto`: on with CUDA, "
         "off on the CPU (where the host's ops are not what bounds a step)"))
     prefill_chunk_tokens: int = Field(PREFILL_CHUNK_TOKENS, ge=0, description=(

@@ -9,10 +9,12 @@ per bucket and replay it. This is that step for kvbatch's KV pool:
 - it takes the step's pool rows, whatever else the step runs: the engine runs a prompt chunk riding
   the step, and the rows whose KV is not a pool slot (tiered, per-row), as their own eager forward
   beside it (runner/engine/batch_engine.py), so neither takes the pool rows off this step;
-- the step runs over the pool's live slots, in slot order: a live slot that is no row of it (a prompt
-  prefilling chunk by chunk) is a passenger, written at its own length (the position its next write
-  fills) and its output dropped; the slots are padded to a bucket (`BUCKETS`); a padding row is a free
-  slot of the pool, written at position 0 and read by nobody (a slot's next owner writes its prompt over it);
+- the step runs over the pool's slots from the first up to its last row's, padded to a bucket
+  (`BUCKETS`), in slot order: a live slot among them that is no row of the step (a prompt prefilling
+  chunk by chunk) is a passenger, written at its own length (the position its next write fills) and
+  its output dropped; a live slot past the bucket sits the step out (a joining prompt takes the last
+  slot, so the rows keep their bucket); a free slot is a padding row, written at position 0 and read
+  by nobody (a slot's next owner writes its prompt over it);
 - token ids, positions and lengths live in buffers of the bucket's size; the mask is made from the
   lengths inside the step, every row's keys read up to one span (aligned: pooled_attention.py);
 - the step ends with each row's logits and its greedy token (argmax), on the device, in static
@@ -119,21 +121,22 @@ class StaticStep:
     def run(self, last_tokens: Sequence[int], caches: Sequence[PooledCache]) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode step of `caches` (their last tokens in the same order; `takes` them): each row's
         logits ([rows, vocab] float32) and greedy token ([rows]), on the device, in the order of
-        `caches`. The pool's other live slots ride as passengers. Nothing here waits on the device."""
+        `caches`. A live slot among theirs that is no row rides as a passenger. Nothing here waits on the device."""
         owners = self.pool.owners
-        size = bucket(len(owners))
         rows = {cache.slot: row for row, cache in enumerate(caches)}
+        size = bucket(max(rows) + 1)  # up to the last row's slot: a riding prompt's slot after it sits out
         lengths = [cache.length for cache in caches]
         span = aligned(max(lengths) + 1)
         if self.graphs:  # fewer shapes to capture, within the pool's room
             span = max(span, min(-(-span // GRAPH_SPAN_TOKENS) * GRAPH_SPAN_TOKENS, self.pool.tokens))
+        carried = owners[:size]  # the bucket's live slots: the rows, and any passenger among them
         # a passenger writes at its own length: room for that too
-        self.pool.ensure(len(owners), max(span, *(owner.length + 1 for owner in owners)))
+        self.pool.ensure(len(owners), max(span, *(owner.length + 1 for owner in carried)))
         buffers = self._buffers.get(size)
         if buffers is None:
             buffers = self._buffers[size] = _Buffers(size, self.pool.device)
         ids, positions, attended = [0] * size, [0] * size, [1] * size  # padding: position 0, one key
-        for slot, owner in enumerate(owners):
+        for slot, owner in enumerate(carried):
             row = rows.get(slot)
             positions[slot] = owner.length
             if row is not None:
@@ -149,7 +152,7 @@ class StaticStep:
         for cache in caches:
             cache.length += 1
         self.steps += 1
-        self.passenger_steps += len(caches) < len(owners)
+        self.passenger_steps += len(caches) < len(carried)
         self.buckets_run.add(size)
         self.pool.steps += 1
         self.pool.most_rows = max(self.pool.most_rows, len(caches))
