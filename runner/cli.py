@@ -190,7 +190,7 @@ def report(
     """One self-contained HTML page: summary, plots, failures, fallbacks, alerts."""
     from runner.observe.report import write_report
 
-    _run(write_report, job_dir, output, console)
+    _run(write_report, job_dir, output, errors)  # where it went: stderr, the page may be stdout
 
 
 @app.command()

@@ -46,7 +46,7 @@ class JobDir:
         try:
             object.__setattr__(self, "path", Location.of(where))
         except ValueError as e:
-            raise JobDirError(f"job folder {e}: give a local path or an s3://, gs:// or file:// URI") from None
+            raise JobDirError(f"job folder {e}: give a local path or an s3:// or file:// URI") from None
 
     @property
     def job_json(self) -> Location:

@@ -94,7 +94,7 @@ def job(ray_address, tmp_path_factory) -> dict:
 
 
 def test_the_report_embeds_every_plot_as_an_image(job):
-    assert f"report -> {job['dir'] / 'report.html'}" in job["report"].stdout
+    assert f"report -> {job['dir'] / 'report.html'}" in job["report"].stderr
     page = job["page"]
     assert [img["alt"] for img in page.images] == [title for title, _, _ in PLOTS]
     for img in page.images:
@@ -103,6 +103,15 @@ def test_the_report_embeds_every_plot_as_an_image(job):
         width, height = png_size(base64.b64decode(img["src"][len(prefix):]))
         assert width >= 600 and height >= 150, (img["alt"], width, height)
     assert page.external == []  # self-contained: nothing to fetch
+
+
+def test_a_report_written_to_stdout_is_the_page_alone(job):
+    """`report -o /dev/stdout | ...`: the page goes into the pipe whole, the line saying where it went to
+    stderr (it was printed into the page's stream)."""
+    report = kvbatch("report", str(job["dir"]), "-o", "/dev/stdout", check=0)
+    assert report.stdout.lstrip().lower().startswith("<!doctype html") and "report ->" not in report.stdout
+    assert report.stdout.rstrip().endswith("</html>")
+    assert "report -> /dev/stdout" in report.stderr
 
 
 def test_the_report_tables_name_failures_fallbacks_and_alerts(job):
