@@ -15,6 +15,7 @@ import torch
 from transformers import PreTrainedModel
 
 from jobs.config import LoopStopConfig, SummarizeConfig
+from jobs.outcome import TaskOutcome, static_share, with_dealt_passes
 from runner.engine.batch_engine import BatchEngine
 from runner.engine.kvcache import ResidentMeter
 from runner.engine.kvcache.pool import KVPool
@@ -78,3 +79,12 @@ def test_tiered_rows_run_beside_the_static_step_and_the_pool_rows_stay_on_it(tok
     tiered = [len(t) - 1 for t, s in zip(got, strategies) if s != "dynamic"]
     assert engine.plan.static_row_steps == sum(pooled) and engine.plan.eager_row_steps == {Eager.NOT_POOL: sum(tiered)}
     assert engine.most_rows == 5 and step is not None and step.steps >= max(pooled)
+
+
+def test_a_tasks_dealt_passes_add_their_row_steps_and_the_share_is_of_them_all() -> None:
+    own: TaskOutcome = {"status": "done", "decode_row_steps": {"static": 30, "eager": {}}, "static_step_share": 1.0}
+    dealt: TaskOutcome = {"status": "done", "decode_row_steps": {"static": 50, "eager": {Eager.NOT_POOL: 20}}}
+    merged = with_dealt_passes(own, [dealt, {"status": "done"}])  # an outcome from before the count: none
+    assert merged["decode_row_steps"] == {"static": 80, "eager": {"not pool": 20}}
+    assert merged["static_step_share"] == 0.8 and own["static_step_share"] == 1.0
+    assert static_share({"static": 0, "eager": {}}) is None
