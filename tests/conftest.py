@@ -37,7 +37,7 @@ _LONGEST_FILES = ["test_load", "test_scratch_e2e", "test_batching_e2e", "test_re
                   "test_quantization", "test_cluster", "test_passes", "test_worker_start", "test_ladder_e2e",
                   "test_kvcache_smollm2", "test_cli_e2e", "test_pool", "test_task_timeout",
                   "test_formats", "test_soak", "test_decode_revisions", "test_report", "test_hostile_input",
-                  "test_checkpoint", "test_batch_end", "test_jobdir"]
+                  "test_checkpoint", "test_batch_end", "test_jobdir", "test_static_step_cli"]
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

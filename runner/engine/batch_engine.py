@@ -12,7 +12,10 @@ rides their steps instead of stalling them (`batch.prefill_chunk_tokens`): each 
 its next prompt chunk beside the decode rows, and it decodes from the step after its last chunk (a
 prompt prefilled whole goes in chunks of the same size, so its tokens are the same either way);
 caches that cannot take a chunk as a row (tiered rungs, transformers' own cache_implementation,
-layer-major prefill, sliding-window models) are prefilled whole, alone, as before.
+layer-major prefill, sliding-window models) are prefilled whole, alone, as before. With the static
+step on (`batch.static_step`, runner/engine/static_step.py) a step's pool rows run through it, and its
+other rows (tiered, per-row) with the riding chunk as one eager forward pass beside it (`_step`): neither
+takes the pool rows off the static step, and each sequence counts its row-steps on and off it.
 
 Admission (the plan's) keeps the batch within `batch.max_sequences` and the worker's budgets: the
 sum of the running sequences' device KV, and of their host KV (tiered rungs), each at its full
