@@ -5,8 +5,8 @@ free. Four sections, each with a time budget (`--budgets`; what a spent budget o
 unstarted is listed under `skipped`, with why), each row in its own guard (an error, a failed capture
 or an OOM is that row's `error`, type and message; the next row runs):
 
-- rows: for each shape (rows x prompt tokens: 32, 8 and 1 rows of 8,192 tokens, then 32 of 2,048 on
-  CUDA; widest first), one prefill, then `--decode-steps` steps of each way to decode them:
+- rows: for each shape (rows x prompt tokens, widest first: on CUDA 32 x 8,192, 32 x 2,048, 8 and 1 x
+  8,192), one prefill, then `--decode-steps` steps of each way to decode them:
   `static-cache graph`: plain transformers, `StaticCache`, one decode step captured in a
   `torch.cuda.CUDAGraph` and replayed, the tokens left on the device (gpt-fast's way: the fastest a
   transformers user writes); eager on the CPU, where there are no graphs;
