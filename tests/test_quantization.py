@@ -190,7 +190,7 @@ def test_the_builtin_model_summarises_a_real_document_quantized(method, real_doc
     (row,) = real_document_jobs[method]["rows"]
     assert row["status"] == "done" and row["quantization"] == method
     assert row["stop_reason"] in ("eos", "length", "repetition")
-    words = row["summary"].lower()
+    words = (row["summary"] + row["summary_tail"]).lower()  # all it wrote: 24 tokens may end mid-sentence
     assert len(words.split()) >= 5 and any(w in words for w in ("license", "licence", "software", "copyright"))
     assert real_document_jobs[method]["status"]["quantization"] == {method: 1}
 
