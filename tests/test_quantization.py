@@ -191,7 +191,10 @@ def test_the_builtin_model_summarises_a_real_document_quantized(method, real_doc
     assert row["status"] == "done" and row["quantization"] == method
     assert row["stop_reason"] in ("eos", "length", "repetition")
     words = (row["summary"] + row["summary_tail"]).lower()  # all it wrote: 24 tokens may end mid-sentence
-    assert len(words.split()) >= 5 and any(w in words for w in ("license", "licence", "software", "copyright"))
+    # words of the BSD licence itself: bnb-8bit (bitsandbytes 0.50.2) summarises it as "a work of the regents of
+    # the university of california", which names none of the generic ones
+    about = ("license", "licence", "software", "copyright", "redistribution", "regents", "university")
+    assert len(words.split()) >= 5 and any(w in words for w in about), words
     assert real_document_jobs[method]["status"]["quantization"] == {method: 1}
 
 
