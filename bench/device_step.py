@@ -260,7 +260,8 @@ def kvbatch_way(loaded: LoadedModel, pooled: PooledPrompts, way: str, steps: int
         def step(last: list[int]) -> torch.Tensor:
             return decode_step(loaded.model, last, [c.length for c in caches], caches).argmax(-1)
     else:
-        static = StaticStep(loaded.model, pooled.pool, graphs=way.startswith("kvbatch graphed"))
+        static = StaticStep(loaded.model, pooled.pool,
+                            graphs=way.startswith("kvbatch graphed") and loaded.device.type == "cuda")
 
         def step(last: list[int]) -> torch.Tensor:
             return static.run(last, caches)[1]
@@ -418,7 +419,9 @@ def worker_engine(loaded: LoadedModel, config: JobConfig) -> tuple[TimedEngine, 
     pool = KVPool.for_model(loaded.model.config, loaded.dtype, device, device_meter, plan)
     kit = CacheKit(loaded.model, config.cache, shape, device_budget, host_budget, device_meter, host_meter, pool,
                    device_is_cpu=device.type == "cpu")
-    static = StaticStep(loaded.model, pool, graphs=True)
+    static = StaticStep(loaded.model, pool, graphs=device.type == "cuda")
+    pool.reserve()  # the worker's start: the pool made for its life, every decode step captured
+    static.capture_all(sequences)
     engine = TimedEngine(loaded, config.summarize, config.cache.prefill, sequences, device_budget, _is_memory_error,
                          host_budget=host_budget, prefill_chunk_tokens=config.batch.prefill_chunk_tokens, static=static)
     return engine, static, kit
@@ -479,7 +482,8 @@ def real_job(loaded: LoadedModel, spec: str, read_gbs: float, seconds: float) ->
             "of_bound": decode_tok_s / bound if bound else 0.0, "static_steps": static.steps,
             "static_row_steps": plan.static_row_steps, "eager_row_steps": dict(plan.eager_row_steps),
             "static_share": plan.static_row_steps / plan.tokens_decoded if plan.tokens_decoded else 0.0,
-            "least_document_share": min(shares, default=None), "captures": static.captures, "note": note}
+            "least_document_share": min(shares, default=None), "captures": static.captures,
+            "replays": static.replays, "failed_captures": static.failed_captures, "note": note}
 
 
 def pinned_copy_gbs(device: torch.device, nbytes: int) -> float:
@@ -687,7 +691,8 @@ def job_line(row: dict[str, Any]) -> str:
             f"{row['decode_tok_s']:.1f} tok/s = {row['of_bound']:.1%} of the bound at {row['mean_rows']:.1f} rows; "
             f"{row['static_share']:.1%} of {row['row_steps']} row-steps on the static step (the least of a "
             f"document's {row['least_document_share'] or 0:.1%}; eager: {row['eager_row_steps'] or 'none'}; "
-            f"{row['static_steps']} steps, {row['captures']} captures), {row['steps_with_prefill']} of "
+            f"{row['static_steps']} steps, {row['captures']} captures, {row['replays']} replays, "
+            f"{row['failed_captures']} failed), {row['steps_with_prefill']} of "
             f"{row['decode_steps']} steps with a riding chunk; stops {row['stop_reasons']}"
             f"{'; ' + row['note'] if row['note'] else ''}")
 

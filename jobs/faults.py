@@ -4,11 +4,14 @@ Set `KVBATCH_FAULTS` to a JSON list of rules, e.g.
     [{"doc": "gpl-3", "fault": "oom", "attempts": [1, 2]},
      {"doc": "mit", "fault": "crash"},
      {"doc": "bsd", "fault": "oom", "rungs": ["dynamic"]},
-     {"doc": "apache", "fault": "io", "context_above": 2048}]
-A rule fires when every condition it names holds: the document id, the task attempt (1-based,
-counted over the whole task), the cache rung in use, and the context size. The worker raises the
-real failure at that point (torch.OutOfMemoryError, a real process exit, a real OSError, a real
-hang), so recovery runs through exactly the code paths a real failure takes.
+     {"doc": "apache", "fault": "io", "context_above": 2048},
+     {"doc": "*", "fault": "capture"}]
+A rule fires when every condition it names holds: the document id (`*`: any), the task attempt
+(1-based, counted over the whole task), the cache rung in use, and the context size. The worker raises
+the real failure at that point (torch.OutOfMemoryError, a real process exit, a real OSError, a real
+hang), so recovery runs through exactly the code paths a real failure takes. A `capture` rule is the
+workers', not a task's: every CUDA-graph capture of the decode step fails (runner/engine/static_step.py
+runs such steps eagerly).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 
 FAULTS_ENV = "KVBATCH_FAULTS"
 
-FaultKind = Literal["oom", "crash", "io", "hang", "error"]
+FaultKind = Literal["oom", "crash", "io", "hang", "error", "capture"]
 
 
 class FaultRule(BaseModel):
@@ -34,7 +37,8 @@ class FaultRule(BaseModel):
 
     def matches(self, doc_id: str, attempt: int, rung: str, context_tokens: int) -> bool:
         return (
-            self.doc == doc_id
+            self.fault != "capture"
+            and self.doc in (doc_id, "*")
             and (self.attempts is None or attempt in self.attempts)
             and (self.rungs is None or rung in self.rungs)
             and (self.context_above is None or context_tokens > self.context_above)

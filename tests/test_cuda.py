@@ -19,6 +19,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from jobs.config import CacheConfig, SummarizeConfig, load_config
+from jobs.faults import parse_faults
 from jobs.task import Task
 from runner.engine.batch_engine import BatchEngine, PassRequest
 from runner.engine.kvcache import ResidentMeter, TieredCache, build_cache
@@ -101,7 +102,7 @@ def run_scheduled(loaded: LoadedModel, strategy: str, max_sequences: int, tmp_pa
     kv_pool = (KVPool.for_model(loaded.model.config, loaded.dtype, loaded.device,
                                 ResidentMeter(None, "the test's device", "cache.device_kv_budget_bytes"))
                if pooled or static else None)
-    step = StaticStep(loaded.model, kv_pool, graphs=static == "graphed") if static else None
+    step = StaticStep(loaded.model, kv_pool, graphs=static == "graphed" and ON_CUDA) if static else None
     engine = BatchEngine(loaded, settings, "auto", max_sequences, 1 << 40, _is_memory_error, static=step)
     try:
         futures = []
@@ -122,14 +123,16 @@ def run_scheduled(loaded: LoadedModel, strategy: str, max_sequences: int, tmp_pa
 
 
 def assert_static_step_ran(step: StaticStep, graphed: bool) -> None:
-    """The static step ran, and as asked: graphed, its steps were graphs captured and then replayed
-    (every step of a graphed StaticStep replays one, so more steps than captures means a captured graph
-    ran again); eager, nothing was captured. Counted over the step's life, so a pool made again (each
-    sequence alone at max_sequences=1 frees it and drops its graphs) does not change what is asserted."""
+    """The static step ran, and as asked: graphed, its steps were graphs captured and replayed, none
+    failed; eager, nothing was captured. Counted over the step's life, so a pool made again (each
+    sequence alone at max_sequences=1 frees an unplanned pool and drops its graphs) does not change
+    what is asserted."""
     assert step.steps > 0, "no decode step went through the static step"
     assert step.graphs == graphed, f"the static step {'is not' if graphed else 'is'} graphed"
     if graphed:
-        assert 0 < step.captures < step.steps, f"{step.captures} captures over {step.steps} steps: no graph replayed"
+        assert step.captures > 0 and step.replays == step.steps and step.failed_captures == 0, (
+            f"{step.captures} captures, {step.replays} replays over {step.steps} steps, "
+            f"{step.failed_captures} failed ({step.capture_failure})")
     else:
         assert step.captures == 0, f"an eager static step captured {step.captures} graphs"
 
@@ -386,18 +389,30 @@ def _pinned_in_use() -> int:
 
 
 @cuda_only
-def test_a_cuda_workers_kv_pool_is_planned_for_its_batch_and_allocated_once(model_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("faults", [None, '[{"doc": "*", "fault": "capture"}]'])
+def test_a_cuda_workers_kv_pool_and_graphs_are_made_at_start_and_kept(faults: str | None, model_dir: Path,
+                                                                      tmp_path: Path) -> None:
+    """The pool made once at worker start for its batch, every decode step captured then, replayed by
+    the task's steps over the same pool; with KVBATCH_FAULTS' `capture` rule every capture fails and the
+    task is done all the same, its steps eager."""
     config = load_config(TINY_CONFIG, [f"model.name={model_dir}", f"model.device={DEVICE}", "batch.attention=pooled",
                                        "batch.max_sequences=4", "summarize.context_tokens=1024",
                                        "summarize.max_new_tokens=8"])
-    worker = SummaryWorker(config, "job", str(tmp_path / "kv"))
+    worker = SummaryWorker(config, "job", str(tmp_path / "kv"), faults=parse_faults(faults))
     try:
-        assert worker.kv_pool is not None and worker.kv_pool.planned == (4, 1024)
-        assert worker.engine.static is not None and worker.engine.static.graphs  # batch.static_step: auto
+        pool, static = worker.kv_pool, worker.engine.static
+        assert pool is not None and pool.planned == (4, 1024) and pool.generation == 1
+        assert static is not None and static.graphs  # batch.static_step: auto
+        graphs = worker.info()["graphs"]
+        if faults:
+            assert graphs["captured"] == 0 and graphs["failed"] > 0 and "KVBATCH_FAULTS" in graphs["failure"]
+        else:
+            assert graphs["captured"] > 0 and graphs["failed"] == 0, graphs
+        captured = static.captures
         outcome = worker.run(_words_task(300, 3), 1, 1024, kept=[])[0]
         assert outcome["status"] == "done", outcome
-        # sized at its first claim for four sequences of the whole context: no growth was needed
-        assert worker.kv_pool.slots >= 1 and worker.kv_pool.tokens >= 1024
-        assert worker.engine.static.captures > 0, "no decode step was captured as a CUDA graph"
+        assert pool.generation == 1 and pool.slots >= 1 and pool.tokens >= 1024  # no growth, never made again
+        assert static.captures == captured, "a step was captured mid-batch"
+        assert (static.replays == 0) if faults else (static.replays > 0)
     finally:
         worker.engine.close()

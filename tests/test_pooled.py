@@ -134,34 +134,26 @@ def test_a_pool_that_cannot_grow_mid_step_splits_the_batch(tokenizer, tmp_path: 
     assert pool.meter.total == 0
 
 
-class _CountedPool(KVPool):
-    """A KV pool that counts its allocations (each one after the first is a copy of its live slots)."""
-
-    allocations: list[tuple[int, int]]
-
-    def _reallocate(self, slots: int, tokens: int) -> None:
-        self.allocations = [*getattr(self, "allocations", []), (slots, tokens)]
-        super()._reallocate(slots, tokens)
-
-
 @pytest.mark.parametrize("planned", [None, (8, 60)])
 def test_a_planned_pool_is_allocated_once_for_its_batch(planned: tuple[int, int] | None, tokenizer,
                                                         tmp_path: Path) -> None:
     """Four sequences joining the batch: without a plan the pool grows as they claim slots (new
-    buffers and a copy each time); with one it is allocated once, at the first claim, for the plan's
-    sequences cut to the four the budget has room for, and never again. The same tokens either way."""
+    buffers and a copy each time: a new generation) and is freed when they leave; with one it is
+    allocated once, at the first claim, for the plan's sequences cut to the four the budget has room
+    for, and kept. The same tokens either way."""
     model = tiny_model("llama-gqa")
     prompts = [random_prompt(n)[0].tolist() for n in LENGTHS[:4]]
     new = [12, 12, 12, 12]  # every sequence fits one 64-token granule
     meter = ResidentMeter(None, "the batch's resident device", "cache.device_kv_budget_bytes")
-    pool = _CountedPool.for_model(model.config, torch.float32, torch.device("cpu"), meter, planned)
+    pool = KVPool.for_model(model.config, torch.float32, torch.device("cpu"), meter, planned)
     meter.budget_bytes = pool.bytes_for(4, 64)
     _four_dynamic_rows_match_generate(model, tokenizer, tmp_path, prompts, new, pool)
-    assert pool.most_rows == 4 and pool.meter.total == 0  # the four rows stepped together
+    assert pool.most_rows == 4  # the four rows stepped together
     if planned is None:
-        assert len(pool.allocations) > 1
+        assert pool.generation > 1 and pool.meter.total == 0
     else:
-        assert pool.allocations == [(4, 64)]
+        assert pool.generation == 1 and (pool.slots, pool.tokens) == (4, 64)
+        assert pool.meter.total == pool.bytes_for(4, 64)
 
 
 @pytest.mark.parametrize("planned", [None, (4, 64)])

@@ -20,8 +20,14 @@ per bucket and replay it. This is that step for kvbatch's KV pool:
 - the step ends with each row's logits and its greedy token (argmax), on the device, in static
   outputs: nothing in it reads a value back to the host (tests/test_static_step.py runs it on the
   meta device, where any such read raises);
-- on CUDA, each (bucket, span) is captured once and replayed (`graphs`); a grown pool (new buffers)
-  drops the graphs. On the CPU the same step runs eagerly and gives today's tokens.
+- with `graphs` (the worker's on CUDA), each (bucket, span) is captured once and replayed: at worker
+  start every bucket up to the batch's over every graph span of the pool (`capture_all`, largest
+  first, into one graph memory pool), later only what a grown pool needs again. Spans come from a
+  short list (`GRAPH_SPANS`: ×1.5 apart, so a row reads at most 1.5x past a span's start), which
+  bounds the graphs to buckets x spans. A graph belongs to the pool's `generation` (its buffers),
+  never replayed over another. A capture that fails is logged once with its reason and that
+  (bucket, span) runs eagerly: the same tokens, never a failed row (a `capture` rule of
+  KVBATCH_FAULTS injects one). On the CPU the same step runs eagerly and gives today's tokens.
 
 The caller reads the step's tokens (or chooses from its logits) after it: one transfer a step.
 """
@@ -29,6 +35,7 @@ The caller reads the step's tokens (or chooses from its logits) after it: one tr
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 from enum import StrEnum
 from typing import Any
@@ -46,7 +53,10 @@ log = logging.getLogger(__name__)
 BUCKETS = (1, 2, 4, 8, *range(16, 1025, 16))
 """Rows a step is padded to (nano-vllm's): each is one graph per span."""
 GRAPH_SPAN_TOKENS = 4 * SPAN_GRANULE
-"""A captured step's span is a multiple of this: a graph per 256 tokens of the longest row, not per 64."""
+"""The shortest span a captured step reads."""
+GRAPH_SPANS = tuple(GRAPH_SPAN_TOKENS * m for k in range(12) for m in (2**k, 3 * 2 ** (k - 1)) if m == int(m))
+"""The spans a captured step reads, ×1.5 or ×1.33 apart (256, 512, 768, 1024, 1536, ...): a graph per
+span of these, not per 256 tokens, so a 32k pool has 14 spans per bucket, not 128."""
 
 
 class Eager(StrEnum):
@@ -61,6 +71,12 @@ class Eager(StrEnum):
 def bucket(rows: int) -> int:
     """The smallest bucket that holds `rows`."""
     return next(size for size in BUCKETS if size >= rows)
+
+
+def graph_span(tokens: int, room: int) -> int:
+    """The span a captured step reads for rows of up to `tokens`: the first of `GRAPH_SPANS` that holds
+    them, within the pool's `room` (every slot's tokens), or the room itself."""
+    return min(next((span for span in GRAPH_SPANS if span >= tokens), room), room)
 
 
 class _StaticRows(PooledStep):
@@ -93,10 +109,12 @@ class StaticStep:
 
     def __init__(self, model: PreTrainedModel, pool: KVPool, graphs: bool) -> None:
         self.model, self.pool = model, pool
-        self.graphs = graphs and pool.device.type == "cuda"
+        self.graphs = graphs
         self._buffers: dict[int, _Buffers] = {}
         self._captured: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self._captured_for: int | None = None  # the pool buffers the graphs write (their data_ptr)
+        self._eager: set[tuple[int, int]] = set()
+        """(bucket, span)s whose capture failed: they run eagerly."""
+        self._generation: int | None = None  # the pool buffers the graphs (and failures) are of
         self._graph_pool: Any = None
         self.steps = 0
         """Steps run here: what a test asks to know this path ran."""
@@ -104,6 +122,13 @@ class StaticStep:
         self.passenger_steps = 0
         """Steps run with a live slot that was no row of theirs (a riding prompt's)."""
         self.captures = 0
+        self.replays = 0
+        self.capture_s = 0.0
+        self.capture_failure: str | None = None
+        """Why the first failed capture failed (logged once); `failed_captures` counts them all."""
+        self.failed_captures = 0
+        self.fail_captures: str | None = None
+        """Set: every capture raises this, before any CUDA call (KVBATCH_FAULTS' `capture` rule)."""
 
     def why_eager(self, cache: Any) -> Eager | None:
         """Why a decode row of this cache cannot run in this step; None when it can: its KV is a slot of
@@ -127,14 +152,12 @@ class StaticStep:
         size = bucket(max(rows) + 1)  # up to the last row's slot: a riding prompt's slot after it sits out
         lengths = [cache.length for cache in caches]
         span = aligned(max(lengths) + 1)
-        if self.graphs:  # fewer shapes to capture, within the pool's room
-            span = max(span, min(-(-span // GRAPH_SPAN_TOKENS) * GRAPH_SPAN_TOKENS, self.pool.tokens))
         carried = owners[:size]  # the bucket's live slots: the rows, and any passenger among them
         # a passenger writes at its own length: room for that too
         self.pool.ensure(len(owners), max(span, *(owner.length + 1 for owner in carried)))
-        buffers = self._buffers.get(size)
-        if buffers is None:
-            buffers = self._buffers[size] = _Buffers(size, self.pool.device)
+        if self.graphs:  # few shapes to capture, within the pool's room
+            span = max(span, graph_span(span, self.pool.tokens))
+        buffers = self._buffers_of(size)
         ids, positions, attended = [0] * size, [0] * size, [1] * size  # padding: position 0, one key
         for slot, owner in enumerate(carried):
             row = rows.get(slot)
@@ -176,23 +199,70 @@ class StaticStep:
         buffers.logits.copy_(logits)
         torch.argmax(logits, dim=-1, out=buffers.tokens)
 
-    def _replay(self, buffers: _Buffers, span: int) -> None:
-        """The captured step of this bucket and span (captured now if it is new; a pool that was made
-        again drops the graphs, which wrote its old buffers)."""
-        assert self.pool.keys is not None
-        if self._captured_for != self.pool.keys.data_ptr():
+    def capture_all(self, rows: int) -> None:
+        """Capture every bucket up to `rows`' (within the pool's slots) over every graph span of the
+        pool, largest first (the smaller ones reuse the largest's graph memory): at worker start, so no
+        capture stalls a batch. Nothing without graphs or a pool."""
+        if not self.graphs or self.pool.keys is None:
+            return
+        sizes = [size for size in BUCKETS if size <= min(bucket(rows), self.pool.slots)]
+        spans = sorted({graph_span(span, self.pool.tokens) for span in GRAPH_SPANS if span < self.pool.tokens}
+                       | {self.pool.tokens})
+        self._keep_generation()
+        for size in reversed(sizes):
+            buffers = self._buffers_of(size)
+            for span in reversed(spans):
+                if (size, span) not in self._captured and (size, span) not in self._eager:
+                    self._capture_or_fall_back(buffers, span)
+
+    def _buffers_of(self, size: int) -> _Buffers:
+        buffers = self._buffers.get(size)
+        if buffers is None:
+            buffers = self._buffers[size] = _Buffers(size, self.pool.device)
+        return buffers
+
+    def _keep_generation(self) -> None:
+        """Drop the graphs (and failures) of another generation of the pool: they wrote its old buffers."""
+        if self._generation != self.pool.generation:
             self._captured.clear()
-            self._captured_for = self.pool.keys.data_ptr()
+            self._eager.clear()
+            self._generation = self.pool.generation
+
+    def _replay(self, buffers: _Buffers, span: int) -> None:
+        """The captured step of this bucket and span (captured now if it is new), or the eager step
+        where its capture failed."""
+        self._keep_generation()
         key = (buffers.rows, span)
         graph = self._captured.get(key)
+        if graph is None and key not in self._eager:
+            graph = self._capture_or_fall_back(buffers, span)
         if graph is None:
-            graph = self._capture(buffers, span)
-        graph.replay()
+            self._forward(buffers, span)
+        else:
+            graph.replay()
+            self.replays += 1
+
+    def _capture_or_fall_back(self, buffers: _Buffers, span: int) -> torch.cuda.CUDAGraph | None:
+        """The graph of (bucket, span); None, its key marked eager, when its capture fails (the first
+        failure logged with its reason: the step is the same without the graph)."""
+        try:
+            return self._capture(buffers, span)
+        except Exception as e:  # noqa: BLE001 - whatever it was, the eager step gives the same tokens
+            self._eager.add((buffers.rows, span))
+            self.failed_captures += 1
+            if self.capture_failure is None:
+                self.capture_failure = f"{type(e).__name__}: {e}"
+                log.warning("capturing the decode step for %d rows up to %d tokens failed (%s): such steps "
+                            "run eagerly, with the same tokens", buffers.rows, span, self.capture_failure)
+            return None
 
     def _capture(self, buffers: _Buffers, span: int) -> torch.cuda.CUDAGraph:
         """Warm the step up on a side stream (allocator and kernels' first-run work), then capture it.
         The warm-up and the capture write the padding rows' KV at their positions: slots nobody reads
         at positions the real rows' writes repeat with the same values."""
+        if self.fail_captures is not None:
+            raise RuntimeError(self.fail_captures)
+        started = time.perf_counter()
         stream = torch.cuda.Stream(self.pool.device)
         stream.wait_stream(torch.cuda.current_stream(self.pool.device))
         with torch.cuda.stream(stream):
@@ -205,5 +275,6 @@ class StaticStep:
             self._forward(buffers, span)
         self._captured[buffers.rows, span] = graph
         self.captures += 1
-        log.info("captured the decode step for %d rows up to %d tokens", buffers.rows, span)
+        self.capture_s += time.perf_counter() - started
+        log.debug("captured the decode step for %d rows up to %d tokens", buffers.rows, span)
         return graph

@@ -32,7 +32,7 @@ from jobs.attention import attention_path, static_step_on
 from jobs.chunking import ContextTooSmallError
 from jobs.config import ConfigError, JobConfig
 from jobs.documents import DocumentError, load_task_text
-from jobs.faults import FaultRule, fault_for
+from jobs.faults import FAULTS_ENV, FaultRule, fault_for
 from jobs.kvplan import estimated_tokens, kv_bytes, plan_rungs
 from jobs.node_share import workers_per_device
 from jobs.outcome import DealtPass, TaskOutcome, static_share
@@ -175,6 +175,7 @@ class SummaryWorker:
                                         host_budget=self.host_budget,
                                         prefill_chunk_tokens=self.cfg.batch.prefill_chunk_tokens,
                                         static=self._static_step())
+        self.graphs = self._capture_graphs()
         self._calls: dict[str, TaskRequest] = {}  # call id -> the task in flight under it
 
     def _pool_plan(self) -> tuple[int, int] | None:
@@ -193,7 +194,23 @@ class SummaryWorker:
         """The pooled steps in static buffers, captured as CUDA graphs on CUDA (`batch.static_step`)."""
         if self.kv_pool is None or not self._static_on():
             return None
-        return StaticStep(self.loaded.model, self.kv_pool, graphs=True)
+        step = StaticStep(self.loaded.model, self.kv_pool, graphs=self.loaded.device.type == "cuda")
+        if any(rule.fault == "capture" for rule in self.faults):
+            step.fail_captures = f"a capture failure injected by {FAULTS_ENV}"
+        return step
+
+    def _capture_graphs(self) -> dict[str, Any] | None:
+        """The KV pool made for the worker's life and every decode step of its batch captured now, not
+        mid-batch (CUDA); what worker_ready tells job.log: graphs captured, seconds, failures."""
+        static = self.engine.static
+        if static is None or not static.graphs:
+            return None
+        assert self.kv_pool is not None
+        self.kv_pool.reserve()
+        static.capture_all(self.cfg.batch.sequences)
+        return {"captured": static.captures, "capture_s": round(static.capture_s, 3),
+                "failed": static.failed_captures, "failure": static.capture_failure,
+                "pool_slots": self.kv_pool.slots, "pool_tokens": self.kv_pool.tokens}
 
     def info(self) -> dict[str, Any]:
         return {
@@ -211,6 +228,7 @@ class SummaryWorker:
             "device_kv_budget_bytes": self.device_budget,
             "host_kv_budget_bytes": self.host_budget,
             "attention": self.attention,
+            "graphs": self.graphs,
         }
 
     def progress(self, call_id: str, wait_s: float = 0.0) -> tuple[float | None, list[PassRow]]:

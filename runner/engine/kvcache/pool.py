@@ -15,9 +15,16 @@ holds in the worker's device meter: admission, the split on OOM and the budget g
 
 Growing the pool means a new pair of buffers and a copy of every live slot into them, with the old
 and the new pair on the device at once. Given `planned` (the most sequences a batch holds and the
-most tokens a pass holds), the first claim sizes the pool once for all of them, or for as many
-slots of that length as the device budget has room for, so a batch within that plan never grows
-it; without a plan it grows as claims need (×2 in slots, ×1.5 in tokens).
+most tokens a pass holds: the worker's on CUDA), the pool is made once for all of them (`reserve`, at
+worker start), or for as many slots of that length as the device budget has room for, and kept for
+the worker's life, so a batch within that plan never grows it and every captured decode step keeps
+replaying over the same buffers. Without a plan (the CPU, where the device budget is RAM the rest
+of the batch shares) it grows as claims need (×2 in slots, ×1.5 in tokens) and is freed when its
+last sequence leaves. Either way an empty pool gives way to a tiered cache (`give_way`): that rung
+is where a sequence too long for the pool's room goes, and it needs the device room the pool holds.
+
+Every new pair of buffers is a new `generation`: what a captured step was captured over is keyed by
+it, not by an address the allocator may hand out again with another shape.
 """
 
 from __future__ import annotations
@@ -52,6 +59,8 @@ class KVPool:
         """Slot i's sequence; the live slots are 0 .. len(owners) - 1."""
         self.token_bytes = 2 * num_layers * kv_heads * head_dim * dtype.itemsize
         """Keys and values of one token of one slot, all layers."""
+        self.generation = 0
+        """Buffers made so far: a captured step replays only over the generation it was captured over."""
         self.steps = 0
         """Decode steps run over the pool: what a test or a bench asks to know the pooled path ran."""
         self.most_rows = 0
@@ -93,8 +102,23 @@ class KVPool:
         self.owners.append(cache)
         return len(self.owners) - 1
 
+    def reserve(self) -> None:
+        """Make a planned pool now (the worker's start), if the budget has room for one slot of the plan."""
+        if self.planned is not None and self.keys is None:
+            try:
+                self.ensure(1, self.planned[1])
+            except KVBudgetExceeded:  # not even one pass of the plan: the claims will say so, task by task
+                pass
+
+    def give_way(self) -> None:
+        """Free the buffers of an empty pool (for a tiered cache, which needs the device room)."""
+        if not self.owners and self.keys is not None:
+            self.keys = self.values = None
+            self.meter.drop(METER_SLOT)
+
     def release(self, cache: PooledCache) -> None:
-        """The sequence leaves: the last live slot moves into its place; an empty pool frees its buffers."""
+        """The sequence leaves: the last live slot moves into its place; an empty unplanned pool frees
+        its buffers (a planned one is kept for the next)."""
         slot = self.owners.index(cache)
         last = self.owners.pop()
         if last is not cache:
@@ -103,9 +127,8 @@ class KVPool:
                 buffer[:, slot, :, : last.length].copy_(buffer[:, len(self.owners), :, : last.length])
             self.owners[slot] = last
             last.slot = slot
-        if not self.owners:
-            self.keys = self.values = None
-            self.meter.drop(METER_SLOT)
+        if self.planned is None:
+            self.give_way()
 
     def ensure(self, slots: int, tokens: int) -> None:
         """Room for `slots` sequences of `tokens`: an empty pool with a plan, once for the plan; else
@@ -158,6 +181,7 @@ class KVPool:
             keys[:, :live, :, :held].copy_(self.keys[:, :live, :, :held])
             values[:, :live, :, :held].copy_(self.values[:, :live, :, :held])
         self.keys, self.values = keys, values
+        self.generation += 1
 
 
 def _granule(tokens: int) -> int:

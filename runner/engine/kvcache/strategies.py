@@ -111,6 +111,8 @@ def build_cache(
         tier = rung.tier
         if rung.needs_offload_dir and offload_dir is None:
             raise ValueError("cache strategy tiered-disk needs the task's offload dir (cache.offload_root)")
+        if kv_pool is not None:  # an empty pool's device room is the tiered cache's
+            kv_pool.give_way()
         tiered = TieredCache(
             model.config,
             tier=tier,
