@@ -419,7 +419,8 @@ def worker_engine(loaded: LoadedModel, config: JobConfig) -> tuple[TimedEngine, 
     pool = KVPool.for_model(loaded.model.config, loaded.dtype, device, device_meter, plan)
     kit = CacheKit(loaded.model, config.cache, shape, device_budget, host_budget, device_meter, host_meter, pool,
                    device_is_cpu=device.type == "cpu")
-    static = StaticStep(loaded.model, pool, graphs=device.type == "cuda")
+    pieces = loaded.word_pieces if config.summarize.no_repeat_summary_ngram else None
+    static = StaticStep(loaded.model, pool, graphs=device.type == "cuda", pieces=pieces)
     pool.reserve()  # the worker's start: the pool made for its life, every decode step captured
     static.capture_all(sequences)
     engine = TimedEngine(loaded, config.summarize, config.cache.prefill, sequences, device_budget, _is_memory_error,

@@ -21,26 +21,36 @@ from runner.engine.batch_engine import BatchEngine
 from runner.engine.kvcache import ResidentMeter
 from runner.engine.kvcache.pool import KVPool, PooledCache
 from runner.engine.model_loader import LoadedModel
+from runner.engine.ragged import PrefillChunk, mixed_step
 from runner.engine.static_step import BUCKETS, Eager, StaticStep, bucket
+from runner.engine.word_pieces import WordPieces
 from runner.engine.worker import _is_memory_error
 from tests.helpers.batching import BIG, PLAIN, run_batch
 from tests.helpers.cli import TINY_CONFIG
-from tests.helpers.models import random_prompt, tiny_model
+from tests.helpers.models import VOCAB, random_prompt, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 PROMPTS = 48
 LENGTHS = [5 + (37 * i) % 150 for i in range(PROMPTS)]  # 5 to 152 tokens, mixed
 NEW = [34 + (11 * i) % 19 for i in range(PROMPTS)]  # past the 32 joins (a prompt a step); rows leave at different steps
-SETTINGS = {"plain greedy": PLAIN, "processors": {"generation": {"repetition_penalty": 1.3}, "no_repeat_summary_ngram": 3}}
+SETTINGS = {"plain greedy": PLAIN, "summary ban": {"generation": {}, "no_repeat_summary_ngram": 3},
+            "processors": {"generation": {"repetition_penalty": 1.3}, "no_repeat_summary_ngram": 3}}
+"""Greedy chosen in the step: plainly, and over the default config's summary n-gram ban (with its word
+pieces); and from the step's logits on the host (a repetition penalty has no form in the step)."""
+PIECES = WordPieces([" w" if i % 2 == 0 else "x" for i in range(VOCAB)])
+"""Word pieces for the random models' VOCAB ids: even ids begin a word, odd ones glue on, so the ban's
+glue rule (runner/engine/summary_ngrams.py) comes into play."""
 
 
 def _run(model, tokenizer, dtype: torch.dtype, max_sequences: int, settings: dict, static: bool, tmp_path: Path
          ) -> tuple[list[list[int]], StaticStep | None]:
     loaded = LoadedModel(model=model, tokenizer=tokenizer, name="tiny", device=torch.device("cpu"), dtype=dtype,
                          load_s=0.0)
+    loaded.word_pieces = PIECES  # the real tokenizer's first VOCAB ids hold no word start
     pool = KVPool.for_model(model.config, dtype, torch.device("cpu"), ResidentMeter(None, "the test's device", ""))
-    step = StaticStep(model, pool, graphs=False) if static else None  # eager: the step a CUDA graph captures
+    # eager: the step a CUDA graph captures
+    step = StaticStep(model, pool, graphs=False, pieces=loaded.word_pieces) if static else None
     engine = BatchEngine(loaded, SummarizeConfig(**settings, loop_stop={"enabled": False}), "auto",
                                max_sequences, BIG, _is_memory_error, static=step)
     count = max(4, max_sequences + max_sequences // 2)  # some join as others leave
@@ -63,6 +73,11 @@ def test_the_static_step_gives_todays_tokens(dtype: torch.dtype, max_sequences: 
     static, step = _run(model, tokenizer, dtype, max_sequences, SETTINGS[settings], True, tmp_path)
     assert step is not None and not step.graphs and step.captures == 0
     assert step.steps > 0 and max(step.buckets_run) == bucket(max_sequences), "the static step never ran that batch"
+    if settings == "processors":
+        assert step.banned_steps == 0
+    else:  # every step's tokens chosen in the step (a row's first token is the prompt's, chosen alone)
+        assert step.banned_steps == step.steps
+        assert (step.glued_row_steps > 0) == (settings == "summary ban"), "no banned word start glued"
     assert static == today
 
 
@@ -76,21 +91,42 @@ def test_padding_rows_take_free_slots_and_leave_the_real_rows_alone(tokenizer, t
 
 
 def test_the_static_step_reads_nothing_back_from_the_device() -> None:
-    """The whole step, model forward and token choice included, on the meta device: it ends with each
-    row's logits and greedy token as (data-less) device tensors; the caller's read is what raises."""
+    """The whole step, model forward and token choice (bans included) on the meta device: it ends with
+    each row's logits and token as (data-less) device tensors; the caller's read is what raises."""
     model = tiny_model("llama-gqa").to("meta")
     meta = torch.device("meta")
     pool = KVPool.for_model(model.config, torch.float32, meta, ResidentMeter(None, "the test's device", ""))
     caches = [PooledCache(pool, 100) for _ in range(3)]
     for cache, length in zip(caches, (40, 7, 90)):
         cache.length = length
-    step = StaticStep(model, pool, graphs=False)
+    step = StaticStep(model, pool, graphs=False, pieces=PIECES)
     assert step.takes(caches)
-    logits, tokens = step.run([5, 6, 7], caches)
+    bans = [([1, 2], True), ([], False), ([3], False)]  # the default config's choice: the summary's n-gram ban
+    assert all(step.ban_fits(ban) for ban in bans)
+    logits, tokens = step.run([5, 6, 7], caches, bans)
     assert logits.device == meta and logits.shape == (3, model.config.vocab_size) and tokens.shape == (3,)
     assert [cache.length for cache in caches] == [41, 8, 91] and step.steps == 1
     with pytest.raises(NotImplementedError):  # any read of a value inside the step would have raised the same
         tokens.tolist()
+
+
+def test_the_mixed_step_with_a_riding_prompt_reads_nothing_back_from_the_device() -> None:
+    """The eager step a riding prompt chunk takes (`mixed_step`: pool rows, a chunk of a joining
+    prompt beside them, its last position's logits kept) on the meta device: no read of a value."""
+    model = tiny_model("llama-gqa").to("meta")
+    meta = torch.device("meta")
+    pool = KVPool.for_model(model.config, torch.float32, meta, ResidentMeter(None, "the test's device", ""))
+    caches = [PooledCache(pool, 100) for _ in range(3)]
+    for cache, length in zip(caches, (40, 7, 90)):
+        cache.length = length
+    joining = PooledCache(pool, 100)
+    chunk = PrefillChunk(joining, list(range(1, 20)), 0, wants_logits=True)
+    logits, first = mixed_step(model, [5, 6, 7], [40, 7, 90], caches, chunk)
+    assert logits.device == meta and logits.shape == (3, model.config.vocab_size)
+    assert first is not None and first.shape == (1, model.config.vocab_size)
+    assert [cache.length for cache in caches] == [41, 8, 91] and joining.length == 19
+    with pytest.raises(NotImplementedError):
+        logits.argmax(-1).tolist()
 
 
 def test_a_step_with_a_row_outside_the_pool_is_not_static(tiny_random: LoadedModel) -> None:

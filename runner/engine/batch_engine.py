@@ -48,6 +48,7 @@ from jobs.config import PREFILL_CHUNK_TOKENS, PrefillMode, SummarizeConfig
 from jobs.outcome import CacheStats, DecodeSteps, no_steps
 from jobs.stopping import StopReason
 from runner.engine.batch_plan import BatchPlan, BatchSequence, Status
+from runner.engine.batched_logits import Ban
 from runner.engine.generation import Generation, TokenPicker, choose_tokens, generate_once, prefill
 from runner.engine.kvcache import CacheHandle
 from runner.engine.kvcache.pool import PooledCache
@@ -307,7 +308,7 @@ class BatchEngine:
         caches = [s.handle.cache for s in rows]
         eager_because = [Eager.OFF if self.static is None else self.static.why_eager(c) for c in caches]
         try:
-            logits, greedy, first_logits = self._step(rows, caches, eager_because, chunk)
+            logits, chosen, first_logits = self._step(rows, caches, eager_because, chunk)
         except RowFailed as e:
             error = e.__cause__ or e
             if self.is_memory_error(error) and len(everyone) > 1:
@@ -330,23 +331,29 @@ class BatchEngine:
             riding.prefilled += len(chunk.tokens)
             if first_logits is not None:
                 self._first_token(riding, first_logits)
-        self._choose(rows, logits, greedy)
+        self._choose(rows, logits, chosen)
 
     def _step(self, rows: list[Sequence], caches: list[Cache], eager_because: list[Eager | None],
-              chunk: PrefillChunk | None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+              chunk: PrefillChunk | None) -> tuple[torch.Tensor, Chosen | None, torch.Tensor | None]:
         """The forward passes of one step: the static step over the rows it takes (`eager_because`
         None), and one eager `mixed_step` over the others with `chunk` beside them, so neither a
         riding prompt nor a tiered row takes the pool rows off the static step. Each row's logits
-        ([rows, vocab]), their greedy tokens when the static step chose them all ([rows]), and the
-        chunk's last position's logits when it wants them ([1, vocab]). A `RowFailed` numbers the rows
-        as `rows`, the chunk's last."""
+        ([rows, vocab]), the tokens the static step chose on the device (for its rows whose choice is
+        greedy over bans: plain greedy, and the default config's n-gram ban), and the chunk's last
+        position's logits when it wants them ([1, vocab]). A `RowFailed` numbers the rows as `rows`,
+        the chunk's last."""
         static = [row for row, why in enumerate(eager_because) if why is None]
         eager = [row for row, why in enumerate(eager_because) if why is not None]
-        parts, greedy, first_logits = [], None, None
+        parts, chosen, first_logits = [], None, None
         if static:
             assert self.static is not None
-            static_logits, greedy = self.static.run([rows[row].tokens[-1] for row in static],
-                                                    [caches[row] for row in static])
+            bans = [rows[row].picker.ban(self.static.vocab, self.static.pieces) for row in static]
+            fits = [self.static.ban_fits(ban) for ban in bans]
+            static_logits, tokens = self.static.run([rows[row].tokens[-1] for row in static],
+                                                    [caches[row] for row in static],
+                                                    [ban if fit else NO_BAN for ban, fit in zip(bans, fits)]
+                                                    if any(fits) else None)
+            chosen = Chosen(static, tokens, fits) if any(fits) else None
             parts.append(static_logits)
         if eager or chunk is not None:
             try:
@@ -356,24 +363,23 @@ class BatchEngine:
             except RowFailed as e:
                 raise RowFailed(eager[e.row] if e.row < len(eager) else len(rows)) from e.__cause__
             parts.append(eager_logits)
-        if not eager:
-            return parts[0], greedy, first_logits
-        if not static:
-            return parts[0], None, first_logits
+        if not eager or not static:
+            return parts[0], chosen, first_logits
         back = step_inputs(parts[0].device).put("rows order", static + eager).argsort()  # row i's place in the parts
-        return torch.cat(parts)[back], None, first_logits
+        return torch.cat(parts)[back], chosen, first_logits
 
-    def _choose(self, rows: list[Sequence], logits: torch.Tensor, argmax: torch.Tensor | None = None) -> None:
-        """Each row's next token from the step's logits ([rows, vocab]), or from `argmax` (the static
-        step's, [rows]) when every row is plain greedy; a row that ends leaves."""
+    def _choose(self, rows: list[Sequence], logits: torch.Tensor, chosen: Chosen | None = None) -> None:
+        """Each row's next token: the static step's choice where it made one, else from the step's
+        logits ([rows, vocab]) on the host; a row that ends leaves."""
         device = self.loaded.device
         rss = self._process.memory_info().rss
         device_bytes = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
         pickers = [s.picker for s in rows]
-        if argmax is not None and all(picker.plain_greedy for picker in pickers):
-            greedy = dict(enumerate(argmax.tolist()))  # the step's one read of the device
-        else:
-            greedy = choose_tokens(pickers, logits)
+        greedy = chosen.read() if chosen is not None else {}  # the step's one read of the device
+        rest = [row for row in range(len(rows)) if row not in greedy]
+        if rest:
+            picked = choose_tokens([pickers[row] for row in rest], logits if len(rest) == len(rows) else logits[rest])
+            greedy.update({rest[i]: token for i, token in picked.items()})
         for row, seq in enumerate(rows):
             try:
                 seq.take(seq.picker.take(greedy[row]) if row in greedy else seq.picker.pick(logits[row : row + 1]))
@@ -429,6 +435,23 @@ class BatchEngine:
         # without its traceback: the frames would keep the failed cache (and activations) alive
         if not seq.future.done():
             seq.future.set_exception(error.with_traceback(None))
+
+
+NO_BAN: Ban = ([], False)
+
+
+@dataclass(frozen=True)
+class Chosen:
+    """The static step's tokens ([its rows], on the device) for `rows` (the step's rows it ran), of
+    which those that `fit` were chosen as their pickers choose (`TokenPicker.ban`)."""
+
+    rows: list[int]
+    tokens: torch.Tensor
+    fit: list[bool]
+
+    def read(self) -> dict[int, int]:
+        """The chosen tokens by the step's row, read from the device."""
+        return {row: token for row, token, fit in zip(self.rows, self.tokens.tolist(), self.fit) if fit}
 
 
 def _chunks_fit(loaded: LoadedModel) -> bool:

@@ -104,6 +104,11 @@ class SeenTokensPenalty(BatchedForm):
         return torch.where(seen, torch.where(scores < 0, scores * penalty, scores / penalty), scores)
 
 
+Ban = tuple[list[int], bool]
+"""A row's banned next tokens (under the vocabulary's width) and whether its word-continuing tokens
+are banned too (`NoRepeatNGrams.glues`): the whole of what `HostBans` forms do to its scores."""
+
+
 class HostBans(BatchedForm):
     """A processor that sets some tokens' scores to -inf by rules over the row's tokens, kept on the
     host: all rows' banned tokens become one mask. Rows share a call whatever their own parameters."""

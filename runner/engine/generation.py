@@ -25,7 +25,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from jobs.config import PrefillMode, SummarizeConfig
 from jobs.stopping import StopReason
-from runner.engine.batched_logits import BatchedForm, batched_form
+from runner.engine.batched_logits import Ban, BatchedForm, HostBans, NoRepeatNGrams, batched_form
 from runner.engine.kvcache.layer_major import (
     choose_prefill,
     layer_major_prefill,
@@ -33,6 +33,7 @@ from runner.engine.kvcache.layer_major import (
 )
 from runner.engine.model_loader import LoadedModel
 from runner.engine.summary_ngrams import summary_processors
+from runner.engine.word_pieces import WordPieces
 
 
 @dataclass(frozen=True)
@@ -182,11 +183,17 @@ generate() places them: runner/engine/summary_ngrams.py), then greedy, or sampli
         self._host_criteria = all(type(c) in _PLAIN_CRITERIA for c in self.criteria)
         self._ids = ids if self.forms is None or not self._host_criteria else None
 
-    @property
-    def plain_greedy(self) -> bool:
-        """Greedy without processors: its token is the logits' argmax, which a static step chooses on the
-        device (runner/engine/static_step.py)."""
-        return not self.do_sample and self.forms == []
+    def ban(self, vocab: int, pieces: WordPieces | None) -> Ban | None:
+        """Its next token's bans, when its choice is greedy over bans alone (the summary's n-gram ban,
+        min lengths: `HostBans`), with word pieces, if any, `pieces`: what a static step applies on the
+        device to choose the same token (runner/engine/static_step.py). None: its choice is the host's."""
+        if self.do_sample or self.forms is None or not all(isinstance(form, HostBans) for form in self.forms):
+            return None
+        banned = sorted({token for form in self.forms for token in form.banned() if token < vocab})
+        glues = [form for form in self.forms if isinstance(form, NoRepeatNGrams) and form.glues(vocab)]
+        if any(form.pieces is not pieces for form in glues):
+            return None
+        return banned, bool(glues)
 
     def pick(self, logits: torch.Tensor) -> int:
         """The next token from this position's logits ([1, vocab] float32), chosen alone; sets `done`."""

@@ -17,9 +17,13 @@ per bucket and replay it. This is that step for kvbatch's KV pool:
   by nobody (a slot's next owner writes its prompt over it);
 - token ids, positions and lengths live in buffers of the bucket's size; the mask is made from the
   lengths inside the step, every row's keys read up to one span (aligned: pooled_attention.py);
-- the step ends with each row's logits and its greedy token (argmax), on the device, in static
-  outputs: nothing in it reads a value back to the host (tests/test_static_step.py runs it on the
-  meta device, where any such read raises);
+- the step ends with each row's logits and its greedy token, on the device, in static outputs:
+  nothing in it reads a value back to the host (tests/test_static_step.py runs it on the meta device,
+  where any such read raises). The greedy token is the default config's too: the summary's n-gram
+  ban (and any other ban by rules over the row's tokens, runner/engine/batched_logits.py `HostBans`)
+  comes in as each row's banned tokens (`bans`: at most `BAN_WIDTH`, padded with an id past the
+  vocabulary) and whether its word-continuing tokens are banned too, made a mask by a scatter in the
+  step, so the argmax is the one the host's processors give;
 - with `graphs` (the worker's on CUDA), each (bucket, span) is captured once and replayed: at worker
   start every bucket up to the batch's over every graph span of the pool (`capture_all`, largest
   first, into one graph memory pool), later only what a grown pool needs again. Spans come from a
@@ -43,10 +47,12 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
+from runner.engine.batched_logits import Ban
 from runner.engine.kvcache.pool import KVPool, PooledCache
 from runner.engine.pooled_attention import SPAN_GRANULE, PooledStep, aligned, length_mask
 from runner.engine.ragged import SequenceBatch, ragged_step
 from runner.engine.step_inputs import step_inputs
+from runner.engine.word_pieces import WordPieces
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +63,11 @@ GRAPH_SPAN_TOKENS = 4 * SPAN_GRANULE
 GRAPH_SPANS = tuple(GRAPH_SPAN_TOKENS * m for k in range(12) for m in (2**k, 3 * 2 ** (k - 1)) if m == int(m))
 """The spans a captured step reads, ×1.5 or ×1.33 apart (256, 512, 768, 1024, 1536, ...): a graph per
 span of these, not per 256 tokens, so a 32k pool has 14 spans per bucket, not 128."""
+
+
+BAN_WIDTH = 8
+"""Banned tokens a row takes into the step at most (the summary's 4-gram ban rarely bans more than 2);
+a step with a row banning more chooses its tokens on the host."""
 
 
 class Eager(StrEnum):
@@ -100,16 +111,24 @@ class _Buffers:
         self.ids = torch.zeros(rows, dtype=torch.long, device=device)
         self.positions = torch.zeros(rows, dtype=torch.long, device=device)
         self.lengths = torch.ones(rows, dtype=torch.long, device=device)  # attended tokens, the new one included
+        self.banned = torch.zeros((rows, BAN_WIDTH), dtype=torch.long, device=device)  # past the vocab: none
+        self.glued = torch.zeros(rows, dtype=torch.bool, device=device)
         self.logits: torch.Tensor | None = None  # [rows, vocab] float32, made by the first run
-        self.tokens: torch.Tensor | None = None  # [rows] each row's greedy token
+        self.tokens: torch.Tensor | None = None  # [rows] each row's greedy token, its bans applied
 
 
 class StaticStep:
     """The worker's static decode steps over `pool`; `graphs`: capture and replay them (CUDA only)."""
 
-    def __init__(self, model: PreTrainedModel, pool: KVPool, graphs: bool) -> None:
-        self.model, self.pool = model, pool
+    def __init__(self, model: PreTrainedModel, pool: KVPool, graphs: bool, pieces: WordPieces | None = None) -> None:
+        """`pieces`: the tokenizer's word pieces the summary's n-gram ban reads (runner/engine/word_pieces.py)."""
+        self.model, self.pool, self.pieces = model, pool, pieces
         self.graphs = graphs
+        head = model.get_output_embeddings()
+        self.vocab: int = getattr(head, "out_features", None) or model.config.get_text_config(decoder=True).vocab_size
+        """The logits' width: a banned id at or past it is none."""
+        self._continues = (pieces.mask("continues", torch.empty((0, self.vocab), device=pool.device))
+                           if pieces is not None else None)
         self._buffers: dict[int, _Buffers] = {}
         self._captured: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self._eager: set[tuple[int, int]] = set()
@@ -121,6 +140,10 @@ class StaticStep:
         self.buckets_run: set[int] = set()
         self.passenger_steps = 0
         """Steps run with a live slot that was no row of theirs (a riding prompt's)."""
+        self.banned_steps = 0
+        """Steps whose rows' bans were applied in the step (their tokens the default config's choice)."""
+        self.glued_row_steps = 0
+        """Row-steps that banned word-continuing tokens too: what a test asks to know that part ran."""
         self.captures = 0
         self.replays = 0
         self.capture_s = 0.0
@@ -143,10 +166,16 @@ class StaticStep:
         """Whether every one of these rows runs in a static step."""
         return bool(caches) and all(self.why_eager(cache) is None for cache in caches)
 
-    def run(self, last_tokens: Sequence[int], caches: Sequence[PooledCache]) -> tuple[torch.Tensor, torch.Tensor]:
+    def ban_fits(self, ban: Ban | None) -> bool:
+        """Whether a row's bans (`TokenPicker.ban`; None: its choice is the host's) go into the step."""
+        return ban is not None and len(ban[0]) <= BAN_WIDTH and (not ban[1] or self._continues is not None)
+
+    def run(self, last_tokens: Sequence[int], caches: Sequence[PooledCache], bans: Sequence[Ban] | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode step of `caches` (their last tokens in the same order; `takes` them): each row's
-        logits ([rows, vocab] float32) and greedy token ([rows]), on the device, in the order of
-        `caches`. A live slot among theirs that is no row rides as a passenger. Nothing here waits on the device."""
+        logits ([rows, vocab] float32) and greedy token ([rows]) over its `bans` (each `ban_fits`; None: no
+        bans), on the device, in the order of `caches`. A live slot among theirs that is no row rides
+        as a passenger. Nothing here waits on the device."""
         owners = self.pool.owners
         rows = {cache.slot: row for row, cache in enumerate(caches)}
         size = bucket(max(rows) + 1)  # up to the last row's slot: a riding prompt's slot after it sits out
@@ -159,15 +188,21 @@ class StaticStep:
             span = max(span, graph_span(span, self.pool.tokens))
         buffers = self._buffers_of(size)
         ids, positions, attended = [0] * size, [0] * size, [1] * size  # padding: position 0, one key
+        banned, glued = [self.vocab] * (size * BAN_WIDTH), [0] * size
         for slot, owner in enumerate(carried):
             row = rows.get(slot)
             positions[slot] = owner.length
             if row is not None:
                 ids[slot], attended[slot] = last_tokens[row], owner.length + 1
+                if bans is not None:
+                    tokens, glued[slot] = bans[row][0], int(bans[row][1])
+                    banned[slot * BAN_WIDTH : slot * BAN_WIDTH + len(tokens)] = tokens
         inputs = step_inputs(self.pool.device)
         buffers.ids.copy_(inputs.put("ids", ids), non_blocking=True)
         buffers.positions.copy_(inputs.put("positions", positions), non_blocking=True)
         buffers.lengths.copy_(inputs.put("pooled lengths", attended), non_blocking=True)
+        buffers.banned.view(-1).copy_(inputs.put("banned", banned), non_blocking=True)
+        buffers.glued.copy_(inputs.put("glued", glued), non_blocking=True)
         if self.graphs:
             self._replay(buffers, span)
         else:
@@ -175,6 +210,8 @@ class StaticStep:
         for cache in caches:
             cache.length += 1
         self.steps += 1
+        self.banned_steps += bans is not None
+        self.glued_row_steps += sum(glued)
         self.passenger_steps += len(caches) < len(carried)
         self.buckets_run.add(size)
         self.pool.steps += 1
@@ -197,7 +234,12 @@ class StaticStep:
             buffers.logits = torch.empty_like(logits)
             buffers.tokens = torch.empty(buffers.rows, dtype=torch.long, device=logits.device)
         buffers.logits.copy_(logits)
-        torch.argmax(logits, dim=-1, out=buffers.tokens)
+        # the bans as a mask: a scatter into one column more (the padding's id lands there, dropped)
+        banned = torch.zeros((buffers.rows, self.vocab + 1), dtype=torch.bool, device=logits.device)
+        banned = banned.scatter_(1, buffers.banned, True)[:, : self.vocab]
+        if self._continues is not None:
+            banned |= buffers.glued[:, None] & self._continues
+        torch.argmax(logits.masked_fill(banned, -float("inf")), dim=-1, out=buffers.tokens)
 
     def capture_all(self, rows: int) -> None:
         """Capture every bucket up to `rows`' (within the pool's slots) over every graph span of the

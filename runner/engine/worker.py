@@ -194,7 +194,8 @@ class SummaryWorker:
         """The pooled steps in static buffers, captured as CUDA graphs on CUDA (`batch.static_step`)."""
         if self.kv_pool is None or not self._static_on():
             return None
-        step = StaticStep(self.loaded.model, self.kv_pool, graphs=self.loaded.device.type == "cuda")
+        pieces = self.loaded.word_pieces if self.cfg.summarize.no_repeat_summary_ngram else None  # the ban's
+        step = StaticStep(self.loaded.model, self.kv_pool, graphs=self.loaded.device.type == "cuda", pieces=pieces)
         if any(rule.fault == "capture" for rule in self.faults):
             step.fail_captures = f"a capture failure injected by {FAULTS_ENV}"
         return step
