@@ -9,39 +9,24 @@ SDPA kernel the step dispatches.
 from __future__ import annotations
 
 import itertools
-from typing import Any
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import PreTrainedModel
 
 from jobs.config import LoopStopConfig
 from runner.engine import ragged
 from runner.engine.kvcache.pool import KVPool, PooledCache
 from runner.engine.pooled_attention import MOST_RUNS, RUN_TOKENS, aligned, attention_runs
-from tests.helpers.batching import cpu_kv_pool, tokens_alone
+from tests.helpers.batching import AttentionKeys, cpu_kv_pool, tokens_alone
 from tests.helpers.models import random_prompt, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 NO_LOOP_STOP = LoopStopConfig(enabled=False)
 STEPS = 10
-
-
-class AttentionKeys(TorchDispatchMode):
-    """The key shape of every SDPA kernel dispatched while active."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.keys: list[tuple[int, ...]] = []
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if "scaled_dot_product" in func.overloadpacket.__name__:
-            self.keys.append(tuple(args[1].shape))
-        return func(*args, **(kwargs or {}))
 
 
 def _decode(model: PreTrainedModel, pool: KVPool, prompts: list[list[int]], sitting_out: list[int] | None = None

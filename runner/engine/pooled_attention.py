@@ -60,27 +60,27 @@ def length_mask(attended: Sequence[int] | torch.Tensor, span: int, dtype: torch.
         ~valid[:, None, None, :], torch.finfo(dtype).min)
 
 
-def attention_runs(attended: Sequence[int]) -> list[tuple[int, int, int]]:
+def attention_runs(attended: Sequence[int], most: int = MOST_RUNS) -> list[tuple[int, int, int]]:
     """The live slots (slot i attends its first `attended[i]` tokens) as runs `(start, end, span)`:
     slots start..end-1 attended in one call up to `span`, the run's longest. The cut into at most
-    `MOST_RUNS` contiguous runs that reads the fewest token-rows, each run after the first charged
+    `most` contiguous runs that reads the fewest token-rows, each run after the first charged
     `RUN_TOKENS` (a dynamic programme over the cuts, skipped when the padding could not pay for one)."""
     count, longest = len(attended), max(attended)
     if count * longest - sum(attended) < RUN_TOKENS:
         return [(0, count, longest)]
     # reads[k][end]: the fewest token-rows slots 0..end-1 read in k runs; first[k][end]: where the last starts
-    reads = [[math.inf] * (count + 1) for _ in range(MOST_RUNS + 1)]
-    first = [[0] * (count + 1) for _ in range(MOST_RUNS + 1)]
+    reads = [[math.inf] * (count + 1) for _ in range(most + 1)]
+    first = [[0] * (count + 1) for _ in range(most + 1)]
     reads[0][0] = 0
-    for k in range(1, MOST_RUNS + 1):
-        for end in range(k, count + 1) if k < MOST_RUNS else (count,):  # the last k: all the slots only
+    for k in range(1, most + 1):
+        for end in range(k, count + 1) if k < most else (count,):  # the last k: all the slots only
             span = 0
             for start in range(end - 1, k - 2, -1):
                 span = max(span, attended[start])
                 total = reads[k - 1][start] + (end - start) * span
                 if total < reads[k][end]:
                     reads[k][end], first[k][end] = total, start
-    runs_count = min(range(1, MOST_RUNS + 1), key=lambda k: reads[k][count] + RUN_TOKENS * (k - 1))
+    runs_count = min(range(1, most + 1), key=lambda k: reads[k][count] + RUN_TOKENS * (k - 1))
     runs, end = [], count
     for k in range(runs_count, 0, -1):
         start = first[k][end]

@@ -16,7 +16,10 @@ per bucket and replay it. This is that step for kvbatch's KV pool:
   slot, so the rows keep their bucket); a free slot is a padding row, written at position 0 and read
   by nobody (a slot's next owner writes its prompt over it);
 - token ids, positions and lengths live in buffers of the bucket's size; the mask is made from the
-  lengths inside the step, every row's keys read up to one span (aligned: pooled_attention.py);
+  lengths inside the step; the bucket's slots are read in runs (pooled_attention.py `attention_runs`,
+  up to `STEP_RUNS` attention calls a layer, each up to its own longest row, aligned), so a step reads
+  each row's KV about in proportion to its own length, not every row up to the longest: the runs are
+  part of what a graph is captured for;
 - the step ends with each row's logits and its greedy token, on the device, in static outputs:
   nothing in it reads a value back to the host (tests/test_static_step.py runs it on the meta device,
   where any such read raises). The greedy token is the default config's too: the summary's n-gram
@@ -24,22 +27,24 @@ per bucket and replay it. This is that step for kvbatch's KV pool:
   comes in as each row's banned tokens (`bans`: at most `BAN_WIDTH`, padded with an id past the
   vocabulary) and whether its word-continuing tokens are banned too, made a mask by a scatter in the
   step, so the argmax is the one the host's processors give;
-- with `graphs` (the worker's on CUDA), each (bucket, span) is captured once and replayed: at worker
-  start every bucket up to the batch's over every graph span of the pool (`capture_all`, largest
-  first, into one graph memory pool), later only what a grown pool needs again. Spans come from a
-  short list (`GRAPH_SPANS`: ×1.5 apart, so a row reads at most 1.5x past a span's start), which
-  bounds the graphs to buckets x spans. A graph belongs to the pool's `generation` (its buffers),
-  never replayed over another. A capture that fails is logged once with its reason and that
-  (bucket, span) runs eagerly: the same tokens, never a failed row (a `capture` rule of
-  KVBATCH_FAULTS injects one). On the CPU the same step runs eagerly and gives today's tokens.
+- with `graphs` (the worker's on CUDA), each (bucket, runs) is captured once and replayed: at worker
+  start every bucket up to the batch's in one run over every graph span of the pool (`capture_all`,
+  largest first, into one graph memory pool); the multi-run steps of mixed lengths when first met,
+  at most `MOST_GRAPHS` kept. Spans come from a short list (`GRAPH_SPANS`: ×1.5 apart, so a run reads
+  at most 1.5x past its longest row), which bounds the shapes. A graph belongs to the pool's
+  `generation` (its buffers), never replayed over another. A capture that fails is logged once with
+  its reason and that (bucket, runs) runs eagerly: the same tokens, never a failed row (a `capture`
+  rule of KVBATCH_FAULTS injects one). On the CPU the same step runs eagerly and gives today's tokens.
 
 The caller reads the step's tokens (or chooses from its logits) after it: one transfer a step.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from enum import StrEnum
 from typing import Any
@@ -49,7 +54,7 @@ from transformers import PreTrainedModel
 
 from runner.engine.batched_logits import Ban
 from runner.engine.kvcache.pool import KVPool, PooledCache
-from runner.engine.pooled_attention import SPAN_GRANULE, PooledStep, aligned, length_mask
+from runner.engine.pooled_attention import SPAN_GRANULE, PooledStep, aligned, attention_runs, length_mask
 from runner.engine.ragged import SequenceBatch, ragged_step
 from runner.engine.step_inputs import step_inputs
 from runner.engine.word_pieces import WordPieces
@@ -64,6 +69,19 @@ GRAPH_SPANS = tuple(GRAPH_SPAN_TOKENS * m for k in range(12) for m in (2**k, 3 *
 """The spans a captured step reads, ×1.5 or ×1.33 apart (256, 512, 768, 1024, 1536, ...): a graph per
 span of these, not per 256 tokens, so a 32k pool has 14 spans per bucket, not 128."""
 
+
+STEP_RUNS = 16
+"""Attention calls a layer at most (runs of slots in slot order, each read up to its own longest row;
+each call after the first charged `RUN_TOKENS`, so a cut is made where it saves more reads than a call
+costs). More than the eager step's `MOST_RUNS`: slots are in the order their sequences joined, in which
+long and short rows can alternate, and a captured step launches its calls without the host. On 16 rows
+of 50 to 7,500 tokens alternating long and short, 16 read 1.03x the rows' own tokens, 8 1.5x, 4 2.3x,
+one call 3.2x (tests/test_static_step_runs.py)."""
+MOST_GRAPHS = 128
+"""Graphs kept per pool generation (the least recently replayed goes first): every bucket's one-run
+step over every span captured at start, and the multi-run ones a batch of mixed lengths meets."""
+Runs = tuple[tuple[int, int, int], ...]
+"""A step's attention calls a layer: (first slot, end slot, span), in slot order."""
 
 BAN_WIDTH = 8
 """Banned tokens a row takes into the step at most (the summary's 4-gram ban rarely bans more than 2);
@@ -84,6 +102,11 @@ def bucket(rows: int) -> int:
     return next(size for size in BUCKETS if size >= rows)
 
 
+@functools.lru_cache(maxsize=4096)
+def _runs(spans: tuple[int, ...], most: int) -> Runs:
+    return tuple(attention_runs(spans, most))
+
+
 def graph_span(tokens: int, room: int) -> int:
     """The span a captured step reads for rows of up to `tokens`: the first of `GRAPH_SPANS` that holds
     them, within the pool's `room` (every slot's tokens), or the room itself."""
@@ -91,15 +114,16 @@ def graph_span(tokens: int, room: int) -> int:
 
 
 class _StaticRows(PooledStep):
-    """The pooled rows of one static step (`SequenceBatch`'s `pooled`): a bucket's buffers, every row
-    read up to `span` in one call, the mask made on the device from the buffers' lengths."""
+    """The pooled rows of one static step (`SequenceBatch`'s `pooled`): a bucket's buffers, read in
+    `runs`, the mask made on the device from the buffers' lengths."""
 
-    def __init__(self, pool: KVPool, buffers: _Buffers, span: int) -> None:  # not super().__init__: that one reads host lists
+    def __init__(self, pool: KVPool, buffers: _Buffers, runs: Runs) -> None:  # not super().__init__: that one reads host lists
+        span = max(span for _, _, span in runs)
         self.pool, self.caches, self.count, self.live, self.span = pool, [], buffers.rows, buffers.rows, span
         self.packed = True
         self.slots, self.positions = buffers.slots, buffers.positions
         self.mask = length_mask(buffers.lengths, span, pool.dtype, pool.device, "pooled lengths")
-        self.runs = [(0, self.count, span)]
+        self.runs = list(runs)
 
 
 class _Buffers:
@@ -120,9 +144,11 @@ class _Buffers:
 class StaticStep:
     """The worker's static decode steps over `pool`; `graphs`: capture and replay them (CUDA only)."""
 
-    def __init__(self, model: PreTrainedModel, pool: KVPool, graphs: bool, pieces: WordPieces | None = None) -> None:
-        """`pieces`: the tokenizer's word pieces the summary's n-gram ban reads (runner/engine/word_pieces.py)."""
-        self.model, self.pool, self.pieces = model, pool, pieces
+    def __init__(self, model: PreTrainedModel, pool: KVPool, graphs: bool, pieces: WordPieces | None = None,
+                 most_runs: int = STEP_RUNS) -> None:
+        """`pieces`: the tokenizer's word pieces the summary's n-gram ban reads (runner/engine/word_pieces.py);
+        `most_runs`: attention calls a layer at most (1: every slot up to the longest row)."""
+        self.model, self.pool, self.pieces, self.most_runs = model, pool, pieces, most_runs
         self.graphs = graphs
         head = model.get_output_embeddings()
         self.vocab: int = getattr(head, "out_features", None) or model.config.get_text_config(decoder=True).vocab_size
@@ -130,9 +156,9 @@ class StaticStep:
         self._continues = (pieces.mask("continues", torch.empty((0, self.vocab), device=pool.device))
                            if pieces is not None else None)
         self._buffers: dict[int, _Buffers] = {}
-        self._captured: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self._eager: set[tuple[int, int]] = set()
-        """(bucket, span)s whose capture failed: they run eagerly."""
+        self._captured: OrderedDict[tuple[int, Runs], torch.cuda.CUDAGraph] = OrderedDict()
+        self._eager: set[tuple[int, Runs]] = set()
+        """(bucket, runs) whose capture failed: they run eagerly."""
         self._generation: int | None = None  # the pool buffers the graphs (and failures) are of
         self._graph_pool: Any = None
         self.steps = 0
@@ -144,6 +170,7 @@ class StaticStep:
         """Steps whose rows' bans were applied in the step (their tokens the default config's choice)."""
         self.glued_row_steps = 0
         """Row-steps that banned word-continuing tokens too: what a test asks to know that part ran."""
+
         self.captures = 0
         self.replays = 0
         self.capture_s = 0.0
@@ -184,8 +211,6 @@ class StaticStep:
         carried = owners[:size]  # the bucket's live slots: the rows, and any passenger among them
         # a passenger writes at its own length: room for that too
         self.pool.ensure(len(owners), max(span, *(owner.length + 1 for owner in carried)))
-        if self.graphs:  # few shapes to capture, within the pool's room
-            span = max(span, graph_span(span, self.pool.tokens))
         buffers = self._buffers_of(size)
         ids, positions, attended = [0] * size, [0] * size, [1] * size  # padding: position 0, one key
         banned, glued = [self.vocab] * (size * BAN_WIDTH), [0] * size
@@ -197,6 +222,7 @@ class StaticStep:
                 if bans is not None:
                     tokens, glued[slot] = bans[row][0], int(bans[row][1])
                     banned[slot * BAN_WIDTH : slot * BAN_WIDTH + len(tokens)] = tokens
+        runs = self._runs(attended)
         inputs = step_inputs(self.pool.device)
         buffers.ids.copy_(inputs.put("ids", ids), non_blocking=True)
         buffers.positions.copy_(inputs.put("positions", positions), non_blocking=True)
@@ -204,9 +230,9 @@ class StaticStep:
         buffers.banned.view(-1).copy_(inputs.put("banned", banned), non_blocking=True)
         buffers.glued.copy_(inputs.put("glued", glued), non_blocking=True)
         if self.graphs:
-            self._replay(buffers, span)
+            self._replay(buffers, runs)
         else:
-            self._forward(buffers, span)
+            self._forward(buffers, runs)
         for cache in caches:
             cache.length += 1
         self.steps += 1
@@ -223,9 +249,19 @@ class StaticStep:
         at = inputs.put("order", slots)
         return buffers.logits[at], buffers.tokens[at]
 
-    def _forward(self, buffers: _Buffers, span: int) -> None:
+    def _span(self, tokens: int) -> int:
+        """What a call reads for rows of up to `tokens` (aligned): captured, one of a few spans."""
+        return max(aligned(tokens), graph_span(aligned(tokens), self.pool.tokens)) if self.graphs else aligned(tokens)
+
+    def _runs(self, attended: list[int]) -> Runs:
+        """The bucket's slots (slot i attends its first `attended[i]` keys) in runs of like lengths, cut
+        over the spans each would read: those change every 64 tokens (captured: every ×1.5), so a
+        batch's steps mostly find their cut made already."""
+        return _runs(tuple(self._span(tokens) for tokens in attended), self.most_runs)
+
+    def _forward(self, buffers: _Buffers, runs: Runs) -> None:
         """The step itself, from the buffers to the outputs: what a graph captures."""
-        rows = _StaticRows(self.pool, buffers, span)
+        rows = _StaticRows(self.pool, buffers, runs)
         with torch.inference_mode(), ragged_step(self.model):
             out = self.model(input_ids=buffers.ids[None], position_ids=buffers.positions[None],
                              past_key_values=SequenceBatch([], pooled=rows), use_cache=True, logits_to_keep=0)
@@ -254,8 +290,9 @@ class StaticStep:
         for size in reversed(sizes):
             buffers = self._buffers_of(size)
             for span in reversed(spans):
-                if (size, span) not in self._captured and (size, span) not in self._eager:
-                    self._capture_or_fall_back(buffers, span)
+                runs = ((0, size, span),)
+                if (size, runs) not in self._captured and (size, runs) not in self._eager:
+                    self._capture_or_fall_back(buffers, runs)
 
     def _buffers_of(self, size: int) -> _Buffers:
         buffers = self._buffers.get(size)
@@ -270,35 +307,36 @@ class StaticStep:
             self._eager.clear()
             self._generation = self.pool.generation
 
-    def _replay(self, buffers: _Buffers, span: int) -> None:
-        """The captured step of this bucket and span (captured now if it is new), or the eager step
+    def _replay(self, buffers: _Buffers, runs: Runs) -> None:
+        """The captured step of this bucket and runs (captured now if it is new), or the eager step
         where its capture failed."""
         self._keep_generation()
-        key = (buffers.rows, span)
+        key = (buffers.rows, runs)
         graph = self._captured.get(key)
         if graph is None and key not in self._eager:
-            graph = self._capture_or_fall_back(buffers, span)
+            graph = self._capture_or_fall_back(buffers, runs)
         if graph is None:
-            self._forward(buffers, span)
+            self._forward(buffers, runs)
         else:
+            self._captured.move_to_end(key)
             graph.replay()
             self.replays += 1
 
-    def _capture_or_fall_back(self, buffers: _Buffers, span: int) -> torch.cuda.CUDAGraph | None:
-        """The graph of (bucket, span); None, its key marked eager, when its capture fails (the first
+    def _capture_or_fall_back(self, buffers: _Buffers, runs: Runs) -> torch.cuda.CUDAGraph | None:
+        """The graph of (bucket, runs); None, its key marked eager, when its capture fails (the first
         failure logged with its reason: the step is the same without the graph)."""
         try:
-            return self._capture(buffers, span)
+            return self._capture(buffers, runs)
         except Exception as e:  # noqa: BLE001 - whatever it was, the eager step gives the same tokens
-            self._eager.add((buffers.rows, span))
+            self._eager.add((buffers.rows, runs))
             self.failed_captures += 1
             if self.capture_failure is None:
                 self.capture_failure = f"{type(e).__name__}: {e}"
-                log.warning("capturing the decode step for %d rows up to %d tokens failed (%s): such steps "
-                            "run eagerly, with the same tokens", buffers.rows, span, self.capture_failure)
+                log.warning("capturing the decode step for %d rows in runs %s failed (%s): such steps "
+                            "run eagerly, with the same tokens", buffers.rows, runs, self.capture_failure)
             return None
 
-    def _capture(self, buffers: _Buffers, span: int) -> torch.cuda.CUDAGraph:
+    def _capture(self, buffers: _Buffers, runs: Runs) -> torch.cuda.CUDAGraph:
         """Warm the step up on a side stream (allocator and kernels' first-run work), then capture it.
         The warm-up and the capture write the padding rows' KV at their positions: slots nobody reads
         at positions the real rows' writes repeat with the same values."""
@@ -308,15 +346,17 @@ class StaticStep:
         stream = torch.cuda.Stream(self.pool.device)
         stream.wait_stream(torch.cuda.current_stream(self.pool.device))
         with torch.cuda.stream(stream):
-            self._forward(buffers, span)
+            self._forward(buffers, runs)
         torch.cuda.current_stream(self.pool.device).wait_stream(stream)
         if self._graph_pool is None:
             self._graph_pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._graph_pool):
-            self._forward(buffers, span)
-        self._captured[buffers.rows, span] = graph
+            self._forward(buffers, runs)
+        if len(self._captured) >= MOST_GRAPHS:
+            self._captured.popitem(last=False)  # the least recently replayed
+        self._captured[buffers.rows, runs] = graph
         self.captures += 1
         self.capture_s += time.perf_counter() - started
-        log.debug("captured the decode step for %d rows up to %d tokens", buffers.rows, span)
+        log.debug("captured the decode step for %d rows in runs %s", buffers.rows, runs)
         return graph

@@ -7,8 +7,10 @@ A batched sequence must give exactly its tokens alone, so every batching test co
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import DynamicCache, PreTrainedModel
 
 from jobs.config import CacheConfig, LoopStopConfig
@@ -83,3 +85,16 @@ def dynamic_request(model: PreTrainedModel, prompt: list[int], new: int, device_
     """A pass on a plain `dynamic` cache."""
     return PassRequest(prompt, new, make_cache=lambda: build_cache("dynamic", model, CacheConfig(), None, None),
                        device_bytes=device_bytes)
+
+
+class AttentionKeys(TorchDispatchMode):
+    """The key shape of every SDPA kernel dispatched while active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.keys: list[tuple[int, ...]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if "scaled_dot_product" in func.overloadpacket.__name__:
+            self.keys.append(tuple(args[1].shape))
+        return func(*args, **(kwargs or {}))
