@@ -69,6 +69,7 @@ from runner.engine.kvcache import BudgetedDynamicCache, ResidentMeter, kv_shape,
 from runner.engine.kvcache.pool import KVPool, PooledCache
 from runner.engine.model_loader import LoadedModel
 from runner.engine.ragged import decode_step
+from runner.engine.sdpa import choose_sdpa
 from runner.engine.static_step import StaticStep, bucket
 from runner.engine.worker import _is_memory_error
 
@@ -421,6 +422,7 @@ def worker_engine(loaded: LoadedModel, config: JobConfig) -> tuple[TimedEngine, 
                    device_is_cpu=device.type == "cpu")
     pieces = loaded.word_pieces if config.summarize.no_repeat_summary_ngram else None
     static = StaticStep(loaded.model, pool, graphs=device.type == "cuda", pieces=pieces)
+    choose_sdpa(config.batch.sdpa_backend, device)
     pool.reserve()  # the worker's start: the pool made for its life, every decode step captured
     static.capture_all(sequences)
     engine = TimedEngine(loaded, config.summarize, config.cache.prefill, sequences, device_budget, _is_memory_error,

@@ -324,10 +324,16 @@ class BatchConfig(_Section):
         "`per-row`: each row over its own cache; `auto`: pooled (measured faster on CUDA and on the CPU)"))
     static_step: Literal["auto", "on", "off"] = Field("auto", description=(
         "`on`: the KV pool's rows of every decode step (the pooled path) run with their inputs in static "
-        "buffers, padded to a batch-size bucket (1, 2, 4, 8, then steps of 16), the greedy token chosen on the "
-        "device (a riding prompt chunk and tiered rows run as their own eager forward beside them); on CUDA each bucket and span is captured once as a CUDA graph and "
-        "replayed (runner/engine/static_step.py). The tokens are the same either way. `auto`: on with CUDA, "
-        "off on the CPU (where the host's ops are not what bounds a step)"))
+        "buffers, padded to a batch-size bucket (1, 2, 4, 8, then steps of 16), attended in runs of like "
+        "lengths, the greedy token chosen on the device, the summary's n-gram ban included (a riding prompt "
+        "chunk and tiered rows run as their own eager forward beside them); on CUDA every bucket and span is "
+        "captured as a CUDA graph at worker start over a KV pool made for the worker's life, and replayed (a "
+        "capture that fails runs eagerly; runner/engine/static_step.py). The tokens are the same either way. "
+        "`auto`: on with CUDA, off on the CPU (where the host's ops are not what bounds a step)"))
+    sdpa_backend: Literal["auto", "cudnn", "flash", "efficient", "math"] = Field("auto", description=(
+        "the scaled-dot-product attention kernel a CUDA worker's steps use (and its captured graphs freeze): "
+        "only that one enabled; `auto`: torch's own choice among its defaults. job.log's `worker_ready` line "
+        "says which were enabled. Nothing on the CPU"))
     prefill_chunk_tokens: int = Field(PREFILL_CHUNK_TOKENS, ge=0, description=(
         "tokens of a joining sequence's prompt that ride each decode step (its chunk beside the decode rows "
         "in one forward pass), so a long prompt does not stall the batch; 0: each prompt is prefilled whole "

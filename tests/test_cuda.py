@@ -403,7 +403,8 @@ def test_a_cuda_workers_kv_pool_and_graphs_are_made_at_start_and_kept(faults: st
         pool, static = worker.kv_pool, worker.engine.static
         assert pool is not None and pool.planned == (4, 1024) and pool.generation == 1
         assert static is not None and static.graphs  # batch.static_step: auto
-        graphs = worker.info()["graphs"]
+        graphs, sdpa = worker.info()["graphs"], worker.info()["sdpa"]
+        assert sdpa is not None and any(sdpa.values()), sdpa  # batch.sdpa_backend: auto, torch's own, written down
         if faults:
             assert graphs["captured"] == 0 and graphs["failed"] > 0 and "KVBATCH_FAULTS" in graphs["failure"]
         else:

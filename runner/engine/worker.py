@@ -47,6 +47,7 @@ from runner.engine.model_loader import load_model
 from runner.engine.pass_book import PassBook, pass_key, settings_fingerprint
 from runner.engine.probes import StageMemory, memory_snapshot
 from runner.engine.rung_attempt import CacheTotals, RungAttempt
+from runner.engine.sdpa import choose_sdpa
 from runner.engine.static_step import StaticStep, bucket
 from runner.engine.summarize import Summarizer, Summary
 from storage.passes import PassRow
@@ -175,6 +176,7 @@ class SummaryWorker:
                                         host_budget=self.host_budget,
                                         prefill_chunk_tokens=self.cfg.batch.prefill_chunk_tokens,
                                         static=self._static_step())
+        self.sdpa = choose_sdpa(self.cfg.batch.sdpa_backend, self.loaded.device)  # before any capture
         self.graphs = self._capture_graphs()
         self._calls: dict[str, TaskRequest] = {}  # call id -> the task in flight under it
 
@@ -229,6 +231,7 @@ class SummaryWorker:
             "device_kv_budget_bytes": self.device_budget,
             "host_kv_budget_bytes": self.host_budget,
             "attention": self.attention,
+            "sdpa": self.sdpa,
             "graphs": self.graphs,
         }
 
