@@ -5,7 +5,12 @@ with a joining prompt's chunk beside it, the two ways the engine can run it.
   rode before issue 48, and with `batch.static_step: off` still);
 - `split`: the static step over the decode rows (the riding prompt's slot a passenger) and the chunk
   as its own eager forward (`BatchEngine._step`, with `batch.static_step` on);
-- and, without a chunk, the static step alone and `mixed_step` alone (a decode step's own cost).
+- and, without a chunk, the static step alone and `mixed_step` alone (a decode step's own cost);
+- the default config's token choice (the summary's 4-gram ban, with word pieces: every row has a
+  repeat banned, every other one a word start, so the glue rule runs) made after the static step on
+  the host from its logits, as before issue 48 (`NoRepeatNGrams.apply`, then the argmax), or inside the
+  step (`StaticStep.run` with the rows' bans, an in-step scatter and argmax); each ends with the one
+  `tolist()` that brings the tokens to the host.
 
 Host ms is the step's wall time on the CPU (the least of `--steps`, after a warm-up), which on the
 CPU includes the kernels' own work; `ops` counts the aten ops dispatched (bench/step_ops.py's
@@ -27,11 +32,13 @@ from transformers import PreTrainedModel
 
 from bench.step_ops import OpCounter, shaped_model
 from jobs.config import ModelConfig
+from runner.engine.batched_logits import NoRepeatNGrams
 from runner.engine.kvcache import ResidentMeter
 from runner.engine.kvcache.pool import KVPool, PooledCache
 from runner.engine.model_loader import load_model
 from runner.engine.ragged import PrefillChunk, mixed_step
 from runner.engine.static_step import StaticStep
+from runner.engine.word_pieces import WordPieces
 
 CHUNK = 256
 """A riding chunk's tokens (`batch.prefill_chunk_tokens`' default)."""
@@ -59,7 +66,16 @@ class _Batch:
                 model(input_ids=ids, past_key_values=cache, use_cache=True)
         self.chunk_ids = torch.randint(0, vocab, (CHUNK,), generator=generator).tolist()
         self.tokens = torch.randint(0, vocab, (rows,), generator=generator).tolist()
-        self.static = StaticStep(model, self.pool, graphs=False)
+        # the default token choice: each row's summary so far holds a 4-gram its last three tokens repeat
+        vocab = model.config.vocab_size
+        self.pieces = WordPieces([" w" if i % 2 == 0 else "x" for i in range(vocab)])
+        self.forms = [NoRepeatNGrams(4, [], self.pieces) for _ in range(rows)]
+        for row, form in enumerate(self.forms):
+            gram = [7, 9, 11, 2 * row + (row % 2)]  # the banned follower: a word start on every other row
+            for token in [*gram, 5, *gram[:3]]:
+                form.note(token)
+        self.vocab = vocab
+        self.static = StaticStep(model, self.pool, graphs=False, pieces=self.pieces)
         self.lengths = [cache.length for cache in [*self.caches, self.riding]]
 
     def chunk(self) -> PrefillChunk:
@@ -74,6 +90,15 @@ class _Batch:
 
     def static_step(self) -> None:
         self.static.run(self.tokens, self.caches)
+
+    def host_choice_step(self) -> None:
+        logits, _ = self.static.run(self.tokens, self.caches)
+        NoRepeatNGrams.apply(self.forms, logits).argmax(dim=-1).tolist()
+
+    def in_step_choice_step(self) -> None:
+        bans = [(form.banned(), form.glues(self.vocab)) for form in self.forms]
+        _, tokens = self.static.run(self.tokens, self.caches, bans)
+        tokens.tolist()
 
     def eager_step(self) -> None:
         mixed_step(self.model, self.tokens, [c.length for c in self.caches], self.caches, None)
@@ -118,6 +143,8 @@ def main() -> None:
         for name, step in (("riding (one eager mixed_step)", batch.riding_step),
                            ("split (static step + chunk forward)", batch.split_step),
                            ("static step alone, no chunk", batch.static_step),
+                           ("static step + the 4-gram ban's choice on the host", batch.host_choice_step),
+                           ("static step with the 4-gram ban's choice in it", batch.in_step_choice_step),
                            ("eager mixed_step alone, no chunk", batch.eager_step)):
             ms, ops, launching = measure(batch, step, args.steps)
             print(f"| {rows} | {name} | {ms:.1f} | {ops} | {launching} |", flush=True)
