@@ -9,6 +9,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from concurrent.futures import Future
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from hypothesis import given, settings
@@ -23,6 +24,7 @@ class _Request:
     prompt_ids: list[int]
     device_bytes: int = 0
     host_bytes: int = 0
+    fits: Callable[[], bool] | None = None
 
 
 def _seq(device_bytes: int = 0, host_bytes: int = 0, prompt: int = 4) -> BatchSequence[_Request]:

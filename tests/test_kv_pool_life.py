@@ -18,14 +18,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from jobs.config import CacheConfig, SummarizeConfig
+from jobs.config import CacheConfig, LoopStopConfig, SummarizeConfig
 from jobs.faults import FAULTS_ENV
-from runner.engine.batch_engine import BatchEngine
+from runner.engine.batch_engine import BatchEngine, PassRequest
 from runner.engine.kvcache import ResidentMeter, build_cache
 from runner.engine.kvcache.pool import KVPool, PooledCache
 from runner.engine.static_step import StaticStep
 from runner.engine.worker import _is_memory_error
-from tests.helpers.batching import BIG, PLAIN, as_loaded_model, run_batch
+from tests.helpers.batching import BIG, PLAIN, as_loaded_model, run_batch, tokens_alone
 from tests.helpers.models import random_prompt, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -151,3 +151,37 @@ def test_a_failed_capture_runs_its_steps_eagerly_with_the_same_tokens_and_says_s
     failures = [r.getMessage() for r in caplog.records]
     assert len(failures) == 1, failures
     assert (reason if injected else "CUDA") in failures[0], failures
+
+
+@pytest.mark.parametrize("asks_the_pool", [True, False])
+def test_admission_asks_the_pool_so_sequences_past_its_slots_wait_without_a_memory_error(
+        asks_the_pool: bool, tokenizer, tmp_path: Path) -> None:
+    """A pool planned for four sequences whose budget holds two: the byte sums admission also reads let
+    four in, but a third claim would need new buffers past the budget (three slots of 192 tokens). Asked, the pool says no and the third waits for a slot; not asked (the code before),
+    the claim raises mid-batch and the batch is split. The same tokens either way."""
+    model = tiny_model("llama-gqa")
+    pool = _pool(model, PLANNED)
+    pool.meter.budget_bytes = pool.bytes_for(2, PLANNED[1])
+    pool.reserve()
+    assert (pool.slots, pool.tokens) == (2, PLANNED[1])
+    engine = BatchEngine(as_loaded_model(model, tokenizer), SummarizeConfig(**PLAIN, loop_stop={"enabled": False}),
+                         "auto", PLANNED[0], BIG, _is_memory_error)
+    prompts = [random_prompt(n)[0].tolist() for n in (125, 120, 130, 118)]  # each over 128 tokens with its summary
+
+    def request(prompt: list[int], new: int) -> PassRequest:
+        tokens = len(prompt) + new
+        return PassRequest(prompt, new, device_bytes=1,
+                           make_cache=lambda: build_cache("dynamic", model, CacheConfig(), None, None,
+                                                          expected_tokens=tokens, kv_pool=pool),
+                           fits=(lambda: pool.fits(tokens)) if asks_the_pool else None)
+
+    try:
+        futures = [engine.submit(request(prompt, new)) for prompt, new in zip(prompts, NEW)]
+        got = [f.result(timeout=300).generation.tokens for f in futures]
+    finally:
+        engine.close()
+    assert got == [tokens_alone(model, p, n, LoopStopConfig(enabled=False)) for p, n in zip(prompts, NEW)]
+    assert pool.generation == 1 and pool.most_rows == 2
+    assert engine.plan.splits == 0
+    # not asked, the claim's memory error lowered the batch limit and counts against growing it back
+    assert (engine.plan.limit.memory_errors == 0) == asks_the_pool, engine.plan.limit.memory_errors

@@ -89,6 +89,8 @@ class PassRequest:
     """Device memory its KV takes at full length (prompt + new tokens): what admission sums."""
     host_bytes: int = 0
     """Host RAM its KV takes at full length (a tiered rung's streamed layers): summed the same way."""
+    fits: Callable[[], bool] | None = None
+    """Whether the worker's KV pool has room for it now (a pooled sequence's; None: not the pool's)."""
     memory: StageMemory = field(default_factory=StageMemory)
     """The task's per-stage memory figures, updated as this sequence runs."""
     clock: TaskClock = field(default_factory=TaskClock)

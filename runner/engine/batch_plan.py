@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from enum import Enum
@@ -34,6 +34,8 @@ class Request(Protocol):
     prompt_ids: list[int]
     device_bytes: int
     host_bytes: int
+    fits: Callable[[], bool] | None
+    """Whether the KV pool has room for it now (None: its KV is not the pool's)."""
 
 
 class Picker(Protocol):
@@ -185,6 +187,8 @@ class BatchPlan(Generic[R]):
         if not self.running:  # alone, a sequence always runs: its own memory error moves its task down the ladder
             return True
         if len(self.running) >= self.limit.current:
+            return False
+        if head.fits is not None and not head.fits():  # the pool owns the device KV: it says
             return False
         if sum(seq.request.device_bytes for seq in self.running) + head.device_bytes > self.device_budget:
             return False

@@ -8,6 +8,7 @@ pass over. Everything the cache needs is in the recipe, so making it reaches bac
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,6 +74,14 @@ class CacheRecipe:
     def host_bytes(self) -> int:
         """Host RAM its KV takes at full length (a tiered rung's streamed layers)."""
         return host_kv_bytes(self.kit.shape, self.rung, self.tokens, self.placement, self.kit.settings.block_tokens)
+
+    @property
+    def fits(self) -> Callable[[], bool] | None:
+        """What admission asks for a pass whose KV is a slot of the worker's pool (`dynamic` with one)."""
+        pool = self.kit.kv_pool
+        if pool is None or self.rung != "dynamic":
+            return None
+        return lambda: pool.fits(self.tokens)
 
     def __call__(self) -> CacheHandle:
         kit = self.kit

@@ -117,7 +117,7 @@ class RungAttempt:
         recipe = self._kit.recipe(self.rung, len(prompt_ids) + max_new_tokens, self._pass_dir())
         self.totals.add_placement(recipe.placement)
         return PassRequest(prompt_ids, max_new_tokens, make_cache=recipe, device_bytes=recipe.device_bytes,
-                           host_bytes=recipe.host_bytes, memory=self._memory, clock=self._clock)
+                           host_bytes=recipe.host_bytes, fits=recipe.fits, memory=self._memory, clock=self._clock)
 
     def _pass_dir(self) -> Path | None:
         """Each pass's own folder in the scratch dir, numbered in the order the passes are handed over."""

@@ -95,6 +95,19 @@ class KVPool:
         assert self.keys is not None and self.values is not None, "the pool holds no sequence"
         return self.keys[layer_idx], self.values[layer_idx]
 
+    def fits(self, tokens: int) -> bool:
+        """Whether one more sequence of `tokens` can take a slot now: a free one with the room, or new
+        buffers within the budget. What admission asks before a pooled sequence joins the batch (the
+        pool owns the device KV; a claim that does not fit would raise mid-batch and split it)."""
+        slots = len(self.owners) + 1
+        if slots <= self.slots and tokens <= self.tokens:
+            return True
+        if self.meter.budget_bytes is None:
+            return True
+        held = self.bytes_for(self.slots, self.tokens)
+        least = self.bytes_for(slots, _granule(max(tokens, self.longest())))  # what `ensure` settles for at least
+        return self.meter.total - held + least <= self.meter.budget_bytes
+
     def claim(self, cache: PooledCache, tokens: int) -> int:
         """A slot for `cache` with room for `tokens`; raises `KVBudgetExceeded` (a memory error: the
         engine waits for a smaller batch, or the task moves down the ladder) when it does not fit."""
