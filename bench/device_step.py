@@ -484,6 +484,7 @@ def real_job(loaded: LoadedModel, spec: str, read_gbs: float, seconds: float) ->
             "decode_s": engine.decode_s, "decode_tok_s": decode_tok_s, "bound_tok_s": bound,
             "of_bound": decode_tok_s / bound if bound else 0.0, "static_steps": static.steps,
             "static_row_steps": plan.static_row_steps, "eager_row_steps": dict(plan.eager_row_steps),
+            "ahead_row_steps": static.ahead_row_steps,
             "static_share": plan.static_row_steps / plan.tokens_decoded if plan.tokens_decoded else 0.0,
             "least_document_share": min(shares, default=None), "captures": static.captures,
             "replays": static.replays, "failed_captures": static.failed_captures, "note": note}
@@ -694,7 +695,8 @@ def job_line(row: dict[str, Any]) -> str:
             f"{row['decode_tok_s']:.1f} tok/s = {row['of_bound']:.1%} of the bound at {row['mean_rows']:.1f} rows; "
             f"{row['static_share']:.1%} of {row['row_steps']} row-steps on the static step (the least of a "
             f"document's {row['least_document_share'] or 0:.1%}; eager: {row['eager_row_steps'] or 'none'}; "
-            f"{row['static_steps']} steps, {row['captures']} captures, {row['replays']} replays, "
+            f"{row['static_steps']} steps, {row['ahead_row_steps']} row-steps launched ahead of the last read, "
+            f"{row['captures']} captures, {row['replays']} replays, "
             f"{row['failed_captures']} failed), {row['steps_with_prefill']} of "
             f"{row['decode_steps']} steps with a riding chunk; stops {row['stop_reasons']}"
             f"{'; ' + row['note'] if row['note'] else ''}")

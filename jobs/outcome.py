@@ -26,18 +26,20 @@ class DecodeSteps(TypedDict):
 
     static: int
     eager: dict[str, int]  # why (runner.engine.static_step.Eager) -> row-steps
+    ahead: int  # of the static ones, those launched before the step before was read (their input from the device)
 
 
 def no_steps() -> DecodeSteps:
-    return {"static": 0, "eager": {}}
+    return {"static": 0, "eager": {}, "ahead": 0}
 
 
 def add_steps(total: DecodeSteps, more: DecodeSteps) -> DecodeSteps:
-    """Both tallies together."""
+    """Both tallies together (a job.log line written before `ahead` was counted has none)."""
     eager = dict(total["eager"])
     for why, count in more["eager"].items():
         eager[why] = eager.get(why, 0) + count
-    return {"static": total["static"] + more["static"], "eager": eager}
+    return {"static": total["static"] + more["static"], "eager": eager,
+            "ahead": total.get("ahead", 0) + more.get("ahead", 0)}
 
 
 def static_share(steps: DecodeSteps) -> float | None:

@@ -51,7 +51,8 @@ def test_an_attempt_runs_each_call_side_by_side_and_adds_up_every_passs_cache_fi
     assert list(scratch.iterdir()) == []  # each pass's own folder went with its cache
     assert attempt.totals.compression_ratio is not None
     # every pass's decode row-steps, by path: per-row attention has no static step
-    assert attempt.totals.decode_steps == {"static": 0, "eager": {"static_step off": 3 * (NEW_TOKENS - 1)}}
+    assert attempt.totals.decode_steps == {"static": 0, "eager": {"static_step off": 3 * (NEW_TOKENS - 1)},
+                                            "ahead": 0}
 
 
 def test_an_injected_fault_strikes_once_every_pass_has_ended(tmp_path: Path) -> None:

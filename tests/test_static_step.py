@@ -18,6 +18,7 @@ from transformers import DynamicCache
 from jobs.attention import static_step_on
 from jobs.config import SummarizeConfig, load_config
 from runner.engine.batch_engine import BatchEngine
+from runner.engine.batched_logits import ANY
 from runner.engine.kvcache import ResidentMeter
 from runner.engine.kvcache.pool import KVPool, PooledCache
 from runner.engine.model_loader import LoadedModel
@@ -78,6 +79,8 @@ def test_the_static_step_gives_todays_tokens(dtype: torch.dtype, max_sequences: 
     else:  # every step's tokens chosen in the step (a row's first token is the prompt's, chosen alone)
         assert step.banned_steps == step.steps
         assert (step.glued_row_steps > 0) == (settings == "summary ban"), "no banned word start glued"
+        # most rows' inputs came from the device: the step launched before the one before it was read
+        assert step.ahead_row_steps > 0.5 * sum(NEW[:len(static)]), step.ahead_row_steps
     assert static == today
 
 
@@ -101,11 +104,14 @@ def test_the_static_step_reads_nothing_back_from_the_device() -> None:
         cache.length = length
     step = StaticStep(model, pool, graphs=False, pieces=PIECES)
     assert step.takes(caches)
-    bans = [([1, 2], True), ([], False), ([3], False)]  # the default config's choice: the summary's n-gram ban
+    # the default config's choice: the summary's n-gram ban, the third row's by the token its input is,
+    # which comes from the device (the step before's, not read)
+    bans = [[(ANY, [1, 2], True)], [], [(7, [3], False), (9, [4], True)]]
     assert all(step.ban_fits(ban) for ban in bans)
-    logits, tokens = step.run([5, 6, 7], caches, bans)
+    before = torch.empty(4, dtype=torch.long, device=meta)
+    logits, tokens = step.run([5, 6, 0], caches, bans, ahead=(before, [None, None, 2]))
     assert logits.device == meta and logits.shape == (3, model.config.vocab_size) and tokens.shape == (3,)
-    assert [cache.length for cache in caches] == [41, 8, 91] and step.steps == 1
+    assert [cache.length for cache in caches] == [41, 8, 91] and step.steps == 1 and step.ahead_row_steps == 1
     with pytest.raises(NotImplementedError):  # any read of a value inside the step would have raised the same
         tokens.tolist()
 

@@ -82,9 +82,10 @@ def test_tiered_rows_run_beside_the_static_step_and_the_pool_rows_stay_on_it(tok
 
 
 def test_a_tasks_dealt_passes_add_their_row_steps_and_the_share_is_of_them_all() -> None:
-    own: TaskOutcome = {"status": "done", "decode_row_steps": {"static": 30, "eager": {}}, "static_step_share": 1.0}
-    dealt: TaskOutcome = {"status": "done", "decode_row_steps": {"static": 50, "eager": {Eager.NOT_POOL: 20}}}
+    own: TaskOutcome = {"status": "done", "decode_row_steps": {"static": 30, "eager": {}, "ahead": 25},
+                        "static_step_share": 1.0}
+    dealt: TaskOutcome = {"status": "done", "decode_row_steps": {"static": 50, "eager": {Eager.NOT_POOL: 20}}}  # no ahead: an older line
     merged = with_dealt_passes(own, [dealt, {"status": "done"}])  # an outcome from before the count: none
-    assert merged["decode_row_steps"] == {"static": 80, "eager": {"not pool": 20}}
+    assert merged["decode_row_steps"] == {"static": 80, "eager": {"not pool": 20}, "ahead": 25}
     assert merged["static_step_share"] == 0.8 and own["static_step_share"] == 1.0
-    assert static_share({"static": 0, "eager": {}}) is None
+    assert static_share({"static": 0, "eager": {}, "ahead": 0}) is None

@@ -122,6 +122,31 @@ def test_rows_batched_are_banned_as_the_processor_bans_each_alone(rows: list[tup
         assert torch.equal(together[row : row + 1], alone), f"row {row}: {prompt} + {summary}"
 
 
+@given(st.lists(st.integers(0, 4), max_size=24), st.integers(2, 5))
+def test_the_bans_after_the_next_token_are_the_bans_once_it_is_noted(summary: list[int], size: int) -> None:
+    """What a step whose input comes from the device applies (runner/engine/static_step.py): for every
+    token x the next one could be, the ban listed for x is what the row bans after noting x (a run of
+    one token, which makes the n-gram x completes the one looked up, included)."""
+    form = NoRepeatNGrams(size, [])
+    for token in summary:
+        form.note(token)
+    ahead = form.banned_after_next()
+    assert ahead is not None
+    for x in range(6):
+        after = NoRepeatNGrams(size, [*summary, x])
+        assert ahead.get(x, []) == after.banned(), f"after {summary} + [{x}]"
+
+
+def test_a_run_of_one_token_bans_it_after_one_more() -> None:
+    """[5, 5, 5] with 3-grams: after one more 5, (5, 5) -> 5 is the 3-gram that 5 itself completes."""
+    form = NoRepeatNGrams(3, [5, 5])
+    assert form.banned_after_next() == {5: [5]} and NoRepeatNGrams(3, [5, 5, 5]).banned() == [5]
+
+
+def test_bans_after_the_next_token_of_unigrams_are_not_listed() -> None:
+    assert NoRepeatNGrams(1, [3, 4]).banned_after_next() is None
+
+
 def test_the_setting_makes_the_processor_and_zero_turns_it_off() -> None:
     (processor,) = summary_processors(SummarizeConfig(no_repeat_summary_ngram=5), 40)
     assert (processor.ngram_size, processor.prompt_length) == (5, 40)

@@ -48,7 +48,6 @@ from jobs.config import PREFILL_CHUNK_TOKENS, PrefillMode, SummarizeConfig
 from jobs.outcome import CacheStats, DecodeSteps, no_steps
 from jobs.stopping import StopReason
 from runner.engine.batch_plan import BatchPlan, BatchSequence, Status
-from runner.engine.batched_logits import Ban
 from runner.engine.generation import Generation, TokenPicker, choose_tokens, generate_once, prefill
 from runner.engine.kvcache import CacheHandle
 from runner.engine.kvcache.pool import PooledCache
@@ -130,6 +129,8 @@ class BatchEngine:
         self.plan: BatchPlan[PassRequest] = BatchPlan(max_sequences, device_budget, host_budget, grow_back_steps)
         self.is_memory_error = is_memory_error
         self.static = static
+        self._ahead: Ahead | None = None
+        """The step launched and not read yet (`_decode`)."""
         self._changed = threading.Condition()  # guards the plan: `submit` adds to it from other threads
         self._closed = False
         self._process = psutil.Process()
@@ -215,6 +216,7 @@ class BatchEngine:
 
     def _fail_waiting(self, error: BaseException) -> None:
         """Fail every sequence waiting or running with `error` and drop their caches."""
+        self._ahead = None  # its rows are among those failed here
         with self._changed:
             everyone = self.plan.drain()
         for seq in everyone:
@@ -299,7 +301,26 @@ class BatchEngine:
 
     def _decode(self, rows: list[Sequence], riding: Sequence | None) -> None:
         """One decode step over `rows` (every decoding sequence) with the next chunk of `riding`'s prompt
-        beside them; then each row's token, and `riding`'s first once its prompt is in."""
+        beside them; then each row's token, and `riding`'s first once its prompt is in.
+
+        A step whose tokens the static step chose, all of them, is not read at once (`_ahead`): the
+        next one is launched first, its rows' inputs taken from the device, their bans the host's for
+        each token they could be, and that step is read after, while the device runs this one (the
+        loop stop and the end-of-sequence tokens are seen a step late; a row that ended then drops
+        the step it took beyond). Where the next step cannot be launched so (a row on the eager step,
+        bans past the step's room) the step ahead is read first, as every step was before."""
+        ahead, self._ahead = self._ahead, None
+        plan = None
+        if ahead is not None:
+            run = [seq for seq in rows if not ahead.ends(seq)]  # a row whose last token is ahead is done with it
+            plan = self._ahead_plan(run, ahead) if run else None
+            if plan is None:
+                self._choose(ahead.rows, None, ahead.chosen)
+                rows = self.plan.decoding
+                if not rows and riding is None:
+                    return
+            else:
+                rows = run
         chunk = None
         if riding is not None:
             start, end = self.plan.next_chunk(riding)
@@ -310,51 +331,87 @@ class BatchEngine:
         caches = [s.handle.cache for s in rows]
         eager_because = [Eager.OFF if self.static is None else self.static.why_eager(c) for c in caches]
         try:
-            logits, chosen, first_logits = self._step(rows, caches, eager_because, chunk)
-        except RowFailed as e:
-            error = e.__cause__ or e
-            if self.is_memory_error(error) and len(everyone) > 1:
-                self._split(everyone)
-            else:  # that sequence's own failure; the others' caches took part of this step: they restart
-                self._fail_sequence(everyone[e.row], error)
-                self._restart([s for s in everyone if s is not everyone[e.row]])
+            logits, chosen, first_logits = self._step(
+                rows, caches, eager_because, chunk, (ahead.chosen.tokens, plan) if plan is not None else None)
+        except Exception as e:  # noqa: BLE001 - sorted out in `_failed`
+            if plan is not None:  # the step before is read first: its tokens stand
+                self._choose(ahead.rows, None, ahead.chosen)
+            self._failed(everyone, e)
             return
-        except Exception as e:  # noqa: BLE001 - not one sequence's: the batch's (e.g. activations OOM)
-            if self.is_memory_error(e) and len(everyone) > 1:
-                self._split(everyone)
-            else:
-                for seq in everyone:
-                    self._fail_sequence(seq, e)
-            return
-        if rows:
+        if plan is not None:
+            self._choose(ahead.rows, None, ahead.chosen)  # the step before, while the device runs this one
+        going_on = [row for row, seq in enumerate(rows) if seq.status is Status.DECODING]  # an ended row's step is dropped
+        if going_on:
             with self._changed:
-                self.plan.decoded(rows, beside_prefill=chunk is not None, eager_because=eager_because)
+                self.plan.decoded([rows[row] for row in going_on], beside_prefill=chunk is not None,
+                                  eager_because=[eager_because[row] for row in going_on],
+                                  ahead=[rows[row] in plan for row in going_on] if plan is not None else ())
         if riding is not None and chunk is not None:
             riding.prefilled += len(chunk.tokens)
             if first_logits is not None:
                 self._first_token(riding, first_logits)
-        self._choose(rows, logits, chosen)
+        if chosen is not None and len(chosen.rows) == len(rows) and all(chosen.fit):
+            self._ahead = Ahead(rows, chosen)  # read after the next step is launched
+        else:
+            self._choose(rows, logits, chosen)
+
+    def _ahead_plan(self, rows: list[Sequence], ahead: Ahead) -> dict[Sequence, int] | None:
+        """Where each row's input token is in the step ahead's tokens, when the next step can be launched
+        before that one is read: every row on the static step with bans that fit it, the step ahead's
+        rows by their token there, the others (just joined) by their host token. None otherwise."""
+        if self.static is None:
+            return None
+        at = {seq: i for i, seq in enumerate(ahead.rows)}
+        for seq in rows:
+            if self.static.why_eager(seq.handle.cache) is not None:
+                return None
+            if not self.static.ban_fits(seq.picker.ban(self.static.vocab, self.static.pieces, ahead=seq in at)):
+                return None
+        return {seq: at[seq] for seq in rows if seq in at}
+
+    def _failed(self, everyone: list[Sequence], error: BaseException) -> None:
+        """A step raised: a memory error splits the batch; a row's own error fails it and restarts the
+        others (their caches took part of the step); any other error fails them all. Rows that ended
+        meanwhile (the step ahead read) are left as they are."""
+        failing = everyone[error.row] if isinstance(error, RowFailed) else None
+        if isinstance(error, RowFailed):
+            error = error.__cause__ or error
+        everyone = [seq for seq in everyone if seq.status in (Status.DECODING, Status.PREFILLING)]
+        if self.is_memory_error(error) and len(everyone) > 1:
+            self._split(everyone)
+        elif failing is not None:
+            if failing in everyone:
+                self._fail_sequence(failing, error)
+            self._restart([seq for seq in everyone if seq is not failing])
+        else:
+            for seq in everyone:
+                self._fail_sequence(seq, error)
 
     def _step(self, rows: list[Sequence], caches: list[Cache], eager_because: list[Eager | None],
-              chunk: PrefillChunk | None) -> tuple[torch.Tensor, Chosen | None, torch.Tensor | None]:
+              chunk: PrefillChunk | None, ahead: tuple[torch.Tensor, dict[Sequence, int]] | None = None
+              ) -> tuple[torch.Tensor, Chosen | None, torch.Tensor | None]:
         """The forward passes of one step: the static step over the rows it takes (`eager_because`
         None), and one eager `mixed_step` over the others with `chunk` beside them, so neither a
         riding prompt nor a tiered row takes the pool rows off the static step. Each row's logits
         ([rows, vocab]), the tokens the static step chose on the device (for its rows whose choice is
         greedy over bans: plain greedy, and the default config's n-gram ban), and the chunk's last
-        position's logits when it wants them ([1, vocab]). A `RowFailed` numbers the rows as `rows`,
-        the chunk's last."""
+        position's logits when it wants them ([1, vocab]). `ahead`: the step ahead's tokens (on the
+        device) and the rows whose input token is among them, by where (`_ahead_plan`). A `RowFailed`
+        numbers the rows as `rows`, the chunk's last."""
         static = [row for row, why in enumerate(eager_because) if why is None]
         eager = [row for row, why in enumerate(eager_because) if why is not None]
         parts, chosen, first_logits = [], None, None
         if static:
             assert self.static is not None
-            bans = [rows[row].picker.ban(self.static.vocab, self.static.pieces) for row in static]
+            at = [ahead[1].get(rows[row]) if ahead is not None else None for row in static]
+            bans = [rows[row].picker.ban(self.static.vocab, self.static.pieces, ahead=where is not None)
+                    for row, where in zip(static, at)]
             fits = [self.static.ban_fits(ban) for ban in bans]
+            device_tokens = (ahead[0], at) if ahead is not None and any(where is not None for where in at) else None
             static_logits, tokens = self.static.run([rows[row].tokens[-1] for row in static],
                                                     [caches[row] for row in static],
-                                                    [ban if fit else NO_BAN for ban, fit in zip(bans, fits)]
-                                                    if any(fits) else None)
+                                                    [ban if fit else [] for ban, fit in zip(bans, fits)]
+                                                    if any(fits) else None, device_tokens)
             chosen = Chosen(static, tokens, fits) if any(fits) else None
             parts.append(static_logits)
         if eager or chunk is not None:
@@ -370,9 +427,10 @@ class BatchEngine:
         back = step_inputs(parts[0].device).put("rows order", static + eager).argsort()  # row i's place in the parts
         return torch.cat(parts)[back], chosen, first_logits
 
-    def _choose(self, rows: list[Sequence], logits: torch.Tensor, chosen: Chosen | None = None) -> None:
+    def _choose(self, rows: list[Sequence], logits: torch.Tensor | None, chosen: Chosen | None = None) -> None:
         """Each row's next token: the static step's choice where it made one, else from the step's
-        logits ([rows, vocab]) on the host; a row that ends leaves."""
+        logits ([rows, vocab]) on the host; a row that ends leaves. A row no longer decoding (it ended
+        with the step before: this one ran ahead of that being read) drops its token."""
         device = self.loaded.device
         rss = self._process.memory_info().rss
         device_bytes = torch.cuda.memory_allocated(device) if device.type == "cuda" else None
@@ -380,9 +438,12 @@ class BatchEngine:
         greedy = chosen.read() if chosen is not None else {}  # the step's one read of the device
         rest = [row for row in range(len(rows)) if row not in greedy]
         if rest:
+            assert logits is not None, "a step read ahead had every token chosen on the device"
             picked = choose_tokens([pickers[row] for row in rest], logits if len(rest) == len(rows) else logits[rest])
             greedy.update({rest[i]: token for i, token in picked.items()})
         for row, seq in enumerate(rows):
+            if seq.status is not Status.DECODING:
+                continue
             try:
                 seq.take(seq.picker.take(greedy[row]) if row in greedy else seq.picker.pick(logits[row : row + 1]))
                 seq.request.memory.decode_step(rss, device_bytes)
@@ -424,7 +485,8 @@ class BatchEngine:
             batch_size=seq.batch_size,
             stop_reason=seq.stop_reason() or StopReason.LENGTH,
         )
-        steps: DecodeSteps = {"static": seq.static_steps, "eager": {str(why): n for why, n in seq.eager_steps.items()}}
+        steps: DecodeSteps = {"static": seq.static_steps, "eager": {str(why): n for why, n in seq.eager_steps.items()},
+                              "ahead": seq.ahead_steps}
         seq.future.set_result(PassResult(generation, stats, steps))
 
     def _fail_sequence(self, seq: Sequence, error: BaseException) -> None:
@@ -439,21 +501,40 @@ class BatchEngine:
             seq.future.set_exception(error.with_traceback(None))
 
 
-NO_BAN: Ban = ([], False)
-
-
-@dataclass(frozen=True)
 class Chosen:
     """The static step's tokens ([its rows], on the device) for `rows` (the step's rows it ran), of
-    which those that `fit` were chosen as their pickers choose (`TokenPicker.ban`)."""
+    which those that `fit` were chosen as their pickers choose (`TokenPicker.ban`). On CUDA they are
+    copied to pinned host memory as soon as the step is queued, and an event marks the copy: reading
+    them waits for that step alone, not for a step queued after it (`BatchEngine._decode`)."""
 
-    rows: list[int]
-    tokens: torch.Tensor
-    fit: list[bool]
+    def __init__(self, rows: list[int], tokens: torch.Tensor, fit: list[bool]) -> None:
+        self.rows, self.tokens, self.fit = rows, tokens, fit
+        self._copied: torch.cuda.Event | None = None
+        if tokens.device.type == "cuda":
+            self._host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self._host.copy_(tokens, non_blocking=True)
+            self._copied = torch.cuda.Event()
+            self._copied.record(torch.cuda.current_stream(tokens.device))
+        else:  # the step's output buffers are the next step's: keep this one's values
+            self._host = tokens.clone()
 
     def read(self) -> dict[int, int]:
         """The chosen tokens by the step's row, read from the device."""
-        return {row: token for row, token, fit in zip(self.rows, self.tokens.tolist(), self.fit) if fit}
+        if self._copied is not None:
+            self._copied.synchronize()
+        return {row: token for row, token, fit in zip(self.rows, self._host.tolist(), self.fit) if fit}
+
+
+@dataclass(frozen=True)
+class Ahead:
+    """A step launched and not read yet: its rows and the tokens the static step chose for them all."""
+
+    rows: list[Sequence]
+    chosen: Chosen
+
+    def ends(self, seq: Sequence) -> bool:
+        """Whether the token ahead is `seq`'s last by count (so it takes no step after it)."""
+        return seq in self.rows and seq.picker.ends_after(1)
 
 
 def _chunks_fit(loaded: LoadedModel) -> bool:

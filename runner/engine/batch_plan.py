@@ -76,6 +76,7 @@ class BatchSequence(Generic[R]):
     first_token_at: float = 0.0
     steps: int = 0  # decode steps it took part in
     static_steps: int = 0  # of them, through the static step (runner/engine/static_step.py)
+    ahead_steps: int = 0  # of those, launched before the step before was read (its input from the device)
     eager_steps: Counter[str] = field(default_factory=Counter)  # the others, by why they ran eagerly
     rows_seen: int = 0  # sum over its decode steps of the decode rows in the step
     began_at_step: int = 0  # the plan's decode steps when this attempt began
@@ -96,7 +97,7 @@ class BatchSequence(Generic[R]):
         self.status = Status.PREFILLING
         self.handle, self.picker = None, None
         self.tokens, self.prefilled, self.chunk_tokens, self.steps, self.rows_seen = [], 0, 0, 0, 0
-        self.static_steps, self.eager_steps = 0, Counter()
+        self.static_steps, self.eager_steps, self.ahead_steps = 0, Counter(), 0
         self.watch = LoopWatch(self.loop_stop)
         self.started = time.perf_counter()
 
@@ -207,10 +208,11 @@ class BatchPlan(Generic[R]):
         seq.decode_steps_during_prefill = self.decode_steps - seq.began_at_step
 
     def decoded(self, rows: list[BatchSequence[R]], beside_prefill: bool = False,
-                eager_because: Sequence[str | None] = ()) -> None:
+                eager_because: Sequence[str | None] = (), ahead: Sequence[bool] = ()) -> None:
         """A decode step over `rows` ran without a memory error (with a prefill chunk beside them when
         `beside_prefill`): each took one step; the limit may grow. `eager_because`: each row's reason
-        for the eager step, None for a row the static step ran (not given: no path counted)."""
+        for the eager step, None for a row the static step ran (not given: no path counted); `ahead`:
+        whether each row's input came from the device (the step launched before the last was read)."""
         self.limit.step()
         self.decode_steps += 1
         self.tokens_decoded += len(rows)
@@ -226,6 +228,8 @@ class BatchPlan(Generic[R]):
             else:
                 seq.eager_steps[why] += 1
                 self.eager_row_steps[why] += 1
+        for seq, went_ahead in zip(rows, ahead, strict=False):
+            seq.ahead_steps += went_ahead
 
     def leave(self, seq: BatchSequence[R], status: Status) -> None:
         """`seq` is FINISHED or FAILED: out of the batch."""

@@ -104,9 +104,15 @@ class SeenTokensPenalty(BatchedForm):
         return torch.where(seen, torch.where(scores < 0, scores * penalty, scores / penalty), scores)
 
 
-Ban = tuple[list[int], bool]
-"""A row's banned next tokens (under the vocabulary's width) and whether its word-continuing tokens
-are banned too (`NoRepeatNGrams.glues`): the whole of what `HostBans` forms do to its scores."""
+ANY = -1
+"""A ban's `after` that holds whatever the row's previous token (no token id is negative)."""
+Ban = list[tuple[int, list[int], bool]]
+"""What `HostBans` forms do to a row's scores, as entries (after, banned, glued): after the row's
+previous token `after` (ANY: any), its `banned` next tokens (under the vocabulary's width) may not be
+taken, and with `glued` neither may its word-continuing tokens (`NoRepeatNGrams.glues`). A step that
+knows the previous token applies the entries whose `after` it matches: the host's bans when the host
+has read it, and, when it comes from the device (the step before, not read yet), each bans' choice
+for every token it could be (`HostBans.banned_after_next`)."""
 
 
 class HostBans(BatchedForm):
@@ -119,6 +125,11 @@ class HostBans(BatchedForm):
     @abstractmethod
     def banned(self) -> list[int]:
         """The tokens this row may not take next."""
+
+    @abstractmethod
+    def banned_after_next(self) -> dict[int, list[int]] | None:
+        """The tokens this row may not take after its next one, by what that next one is (ANY: whatever
+        it is; a token not among the keys brings no ban); None: too many to list."""
 
     @classmethod
     def apply(cls, forms: Sequence[BatchedForm], scores: torch.Tensor) -> torch.Tensor:
@@ -149,6 +160,8 @@ class NoRepeatNGrams(HostBans):
         self.pieces = pieces
         self.tokens: list[int] = []
         self.followers: dict[tuple[int, ...], set[int]] = {}
+        self.by_prefix: dict[tuple[int, ...], dict[int, set[int]]] = {}
+        """`followers` by the (n-1)-gram's first n-2 tokens, then its last: the bans one token ahead."""
         for token in tokens:
             self.note(token)
 
@@ -157,6 +170,25 @@ class NoRepeatNGrams(HostBans):
         if len(self.tokens) >= self.size:
             gram = self.tokens[len(self.tokens) - self.size :]
             self.followers.setdefault(tuple(gram[:-1]), set()).add(gram[-1])
+            if self.size > 1:
+                self.by_prefix.setdefault(tuple(gram[:-2]), {}).setdefault(gram[-2], set()).add(gram[-1])
+
+    def banned_after_next(self) -> dict[int, list[int]] | None:
+        """After a next token x the row's last n-1 tokens end in x: their followers, as `note(x)` would
+        leave them (it adds the n-gram x completes, which a run of one repeated token looks up at once)."""
+        size, count = self.size, len(self.tokens)
+        if size == 1:
+            return None  # every token seen, x too: not a short list by x
+        if count + 1 < size:
+            return {}
+        prefix = tuple(self.tokens[count - size + 2 :]) if size > 2 else ()
+        after = {x: set(followers) for x, followers in self.by_prefix.get(prefix, {}).items()}
+        if count >= size - 1:  # the n-gram x completes: (last n-1 tokens) -> x, looked up after x when x
+            completed = tuple(self.tokens[count - size + 1 :])  # continues a run that makes it the key
+            if completed[:-1] == prefix:
+                x = completed[-1]
+                after.setdefault(x, set()).add(x)
+        return {x: sorted(followers) for x, followers in after.items()}
 
     def banned(self) -> list[int]:
         if len(self.tokens) < self.size:
@@ -193,6 +225,9 @@ class TooShortForEos(HostBans):
 
     def banned(self) -> list[int]:
         return self.eos if self.length < self.minimum else []
+
+    def banned_after_next(self) -> dict[int, list[int]]:
+        return {ANY: self.eos} if self.length + 1 < self.minimum else {}
 
 
 def batched_form(processor: LogitsProcessor, tokens: list[int]) -> BatchedForm | None:

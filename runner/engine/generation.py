@@ -25,7 +25,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from jobs.config import PrefillMode, SummarizeConfig
 from jobs.stopping import StopReason
-from runner.engine.batched_logits import Ban, BatchedForm, HostBans, NoRepeatNGrams, batched_form
+from runner.engine.batched_logits import ANY, Ban, BatchedForm, HostBans, NoRepeatNGrams, batched_form
 from runner.engine.kvcache.layer_major import (
     choose_prefill,
     layer_major_prefill,
@@ -183,17 +183,32 @@ generate() places them: runner/engine/summary_ngrams.py), then greedy, or sampli
         self._host_criteria = all(type(c) in _PLAIN_CRITERIA for c in self.criteria)
         self._ids = ids if self.forms is None or not self._host_criteria else None
 
-    def ban(self, vocab: int, pieces: WordPieces | None) -> Ban | None:
+    def ban(self, vocab: int, pieces: WordPieces | None, ahead: bool = False) -> Ban | None:
         """Its next token's bans, when its choice is greedy over bans alone (the summary's n-gram ban,
         min lengths: `HostBans`), with word pieces, if any, `pieces`: what a static step applies on the
-        device to choose the same token (runner/engine/static_step.py). None: its choice is the host's."""
+        device to choose the same token (runner/engine/static_step.py). `ahead`: the bans of the token
+        after the next, by what the next one is (that one not read from the device yet). None: its
+        choice is the host's."""
         if self.do_sample or self.forms is None or not all(isinstance(form, HostBans) for form in self.forms):
             return None
-        banned = sorted({token for form in self.forms for token in form.banned() if token < vocab})
-        glues = [form for form in self.forms if isinstance(form, NoRepeatNGrams) and form.glues(vocab)]
-        if any(form.pieces is not pieces for form in glues):
-            return None
-        return banned, bool(glues)
+        entries: Ban = []
+        for form in self.forms:
+            by_next = form.banned_after_next() if ahead else {ANY: form.banned()}
+            if by_next is None:
+                return None
+            for after, tokens in by_next.items():
+                banned = [token for token in tokens if token < vocab]
+                glued = (isinstance(form, NoRepeatNGrams) and form.pieces is not None
+                         and any(token in form.pieces.starts for token in banned))
+                if glued and form.pieces is not pieces:
+                    return None
+                if banned:
+                    entries.append((after, banned, glued))
+        return entries
+
+    def ends_after(self, tokens: int) -> bool:
+        """Whether it reaches its most new tokens within `tokens` more (whatever they are)."""
+        return self._picked + tokens >= self.max_new_tokens
 
     def pick(self, logits: torch.Tensor) -> int:
         """The next token from this position's logits ([1, vocab] float32), chosen alone; sets `done`."""

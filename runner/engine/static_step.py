@@ -24,9 +24,12 @@ per bucket and replay it. This is that step for kvbatch's KV pool:
   nothing in it reads a value back to the host (tests/test_static_step.py runs it on the meta device,
   where any such read raises). The greedy token is the default config's too: the summary's n-gram
   ban (and any other ban by rules over the row's tokens, runner/engine/batched_logits.py `HostBans`)
-  comes in as each row's banned tokens (`bans`: at most `BAN_WIDTH`, padded with an id past the
-  vocabulary) and whether its word-continuing tokens are banned too, made a mask by a scatter in the
-  step, so the argmax is the one the host's processors give;
+  comes in as each row's bans (`bans`, batched_logits.py `Ban`: up to `BAN_CHOICES` entries of up
+  to `BAN_WIDTH` tokens, each applied when the row's input token is its `after`, with whether its
+  word-continuing tokens are banned too), made a mask by a scatter in the step, so the argmax is the
+  one the host's processors give. A row's input token can come from the device (`ahead`: the step
+  before's token, not read yet): its bans are then the host's for each token it could be, and the
+  step picks the entry its input matches, so the host launches a step before it reads the last;
 - with `graphs` (the worker's on CUDA), each (bucket, runs) is captured once and replayed: at worker
   start every bucket up to the batch's in one run over every graph span of the pool (`capture_all`,
   largest first, into one graph memory pool); the multi-run steps of mixed lengths when first met,
@@ -52,7 +55,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from runner.engine.batched_logits import Ban
+from runner.engine.batched_logits import ANY, Ban
 from runner.engine.kvcache.pool import KVPool, PooledCache
 from runner.engine.pooled_attention import SPAN_GRANULE, PooledStep, aligned, attention_runs, length_mask
 from runner.engine.ragged import SequenceBatch, ragged_step
@@ -84,8 +87,13 @@ Runs = tuple[tuple[int, int, int], ...]
 """A step's attention calls a layer: (first slot, end slot, span), in slot order."""
 
 BAN_WIDTH = 8
-"""Banned tokens a row takes into the step at most (the summary's 4-gram ban rarely bans more than 2);
-a step with a row banning more chooses its tokens on the host."""
+"""Banned tokens a ban entry holds at most (the summary's 4-gram ban rarely bans more than 2)."""
+BAN_CHOICES = 4
+"""Ban entries a row takes into the step at most: one for a row whose input the host knows (two with
+a minimum length), one per next token that brings a ban for a row whose input comes from the device. A
+row with more chooses its token on the host."""
+NEVER = -2
+"""A padding entry's `after`: no input token matches it."""
 
 
 class Eager(StrEnum):
@@ -135,8 +143,9 @@ class _Buffers:
         self.ids = torch.zeros(rows, dtype=torch.long, device=device)
         self.positions = torch.zeros(rows, dtype=torch.long, device=device)
         self.lengths = torch.ones(rows, dtype=torch.long, device=device)  # attended tokens, the new one included
-        self.banned = torch.zeros((rows, BAN_WIDTH), dtype=torch.long, device=device)  # past the vocab: none
-        self.glued = torch.zeros(rows, dtype=torch.bool, device=device)
+        self.after = torch.full((rows, BAN_CHOICES), NEVER, dtype=torch.long, device=device)
+        self.banned = torch.zeros((rows, BAN_CHOICES, BAN_WIDTH), dtype=torch.long, device=device)  # vocab: none
+        self.glued = torch.zeros((rows, BAN_CHOICES), dtype=torch.bool, device=device)
         self.logits: torch.Tensor | None = None  # [rows, vocab] float32, made by the first run
         self.tokens: torch.Tensor | None = None  # [rows] each row's greedy token, its bans applied
 
@@ -169,7 +178,9 @@ class StaticStep:
         self.banned_steps = 0
         """Steps whose rows' bans were applied in the step (their tokens the default config's choice)."""
         self.glued_row_steps = 0
-        """Row-steps that banned word-continuing tokens too: what a test asks to know that part ran."""
+        """Row-steps that could ban word-continuing tokens too: what a test asks to know that part ran."""
+        self.ahead_row_steps = 0
+        """Row-steps whose input token came from the device, the step before not read yet."""
 
         self.captures = 0
         self.replays = 0
@@ -195,14 +206,16 @@ class StaticStep:
 
     def ban_fits(self, ban: Ban | None) -> bool:
         """Whether a row's bans (`TokenPicker.ban`; None: its choice is the host's) go into the step."""
-        return ban is not None and len(ban[0]) <= BAN_WIDTH and (not ban[1] or self._continues is not None)
+        return ban is not None and len(ban) <= BAN_CHOICES and all(
+            len(banned) <= BAN_WIDTH and (not glued or self._continues is not None) for _, banned, glued in ban)
 
-    def run(self, last_tokens: Sequence[int], caches: Sequence[PooledCache], bans: Sequence[Ban] | None = None
-            ) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, last_tokens: Sequence[int], caches: Sequence[PooledCache], bans: Sequence[Ban] | None = None,
+            ahead: tuple[torch.Tensor, Sequence[int | None]] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """One decode step of `caches` (their last tokens in the same order; `takes` them): each row's
         logits ([rows, vocab] float32) and greedy token ([rows]) over its `bans` (each `ban_fits`; None: no
-        bans), on the device, in the order of `caches`. A live slot among theirs that is no row rides
-        as a passenger. Nothing here waits on the device."""
+        bans), on the device, in the order of `caches`. `ahead`: a device tensor of tokens and, for each
+        row, where its input token is in it (None: `last_tokens`'). A live slot among theirs that is no
+        row rides as a passenger. Nothing here waits on the device."""
         owners = self.pool.owners
         rows = {cache.slot: row for row, cache in enumerate(caches)}
         size = bucket(max(rows) + 1)  # up to the last row's slot: a riding prompt's slot after it sits out
@@ -213,22 +226,37 @@ class StaticStep:
         self.pool.ensure(len(owners), max(span, *(owner.length + 1 for owner in carried)))
         buffers = self._buffers_of(size)
         ids, positions, attended = [0] * size, [0] * size, [1] * size  # padding: position 0, one key
-        banned, glued = [self.vocab] * (size * BAN_WIDTH), [0] * size
+        after, banned, glued = [NEVER] * (size * BAN_CHOICES), [self.vocab] * (size * BAN_CHOICES * BAN_WIDTH), \
+            [0] * (size * BAN_CHOICES)
+        from_device: list[tuple[int, int]] = []  # (slot, where its input token is in `ahead`'s tensor)
         for slot, owner in enumerate(carried):
             row = rows.get(slot)
             positions[slot] = owner.length
-            if row is not None:
-                ids[slot], attended[slot] = last_tokens[row], owner.length + 1
-                if bans is not None:
-                    tokens, glued[slot] = bans[row][0], int(bans[row][1])
-                    banned[slot * BAN_WIDTH : slot * BAN_WIDTH + len(tokens)] = tokens
+            if row is None:
+                continue
+            attended[slot] = owner.length + 1
+            at = ahead[1][row] if ahead is not None else None
+            if at is None:
+                ids[slot] = last_tokens[row]
+            else:
+                from_device.append((slot, at))
+            for choice, (token, tokens, glues) in enumerate(bans[row] if bans is not None else ()):
+                entry = slot * BAN_CHOICES + choice
+                after[entry], glued[entry] = token, int(glues)
+                banned[entry * BAN_WIDTH : entry * BAN_WIDTH + len(tokens)] = tokens
         runs = self._runs(attended)
         inputs = step_inputs(self.pool.device)
         buffers.ids.copy_(inputs.put("ids", ids), non_blocking=True)
+        if from_device:
+            assert ahead is not None
+            slots, at = zip(*from_device, strict=True)
+            buffers.ids.index_copy_(0, inputs.put("ids from the device", slots),
+                                    ahead[0].index_select(0, inputs.put("ids ahead", at)))
         buffers.positions.copy_(inputs.put("positions", positions), non_blocking=True)
         buffers.lengths.copy_(inputs.put("pooled lengths", attended), non_blocking=True)
+        buffers.after.view(-1).copy_(inputs.put("ban after", after), non_blocking=True)
         buffers.banned.view(-1).copy_(inputs.put("banned", banned), non_blocking=True)
-        buffers.glued.copy_(inputs.put("glued", glued), non_blocking=True)
+        buffers.glued.view(-1).copy_(inputs.put("glued", glued), non_blocking=True)
         if self.graphs:
             self._replay(buffers, runs)
         else:
@@ -237,7 +265,8 @@ class StaticStep:
             cache.length += 1
         self.steps += 1
         self.banned_steps += bans is not None
-        self.glued_row_steps += sum(glued)
+        self.glued_row_steps += sum(any(glued[slot * BAN_CHOICES : (slot + 1) * BAN_CHOICES]) for slot in range(size))
+        self.ahead_row_steps += len(from_device)
         self.passenger_steps += len(caches) < len(carried)
         self.buckets_run.add(size)
         self.pool.steps += 1
@@ -270,11 +299,14 @@ class StaticStep:
             buffers.logits = torch.empty_like(logits)
             buffers.tokens = torch.empty(buffers.rows, dtype=torch.long, device=logits.device)
         buffers.logits.copy_(logits)
-        # the bans as a mask: a scatter into one column more (the padding's id lands there, dropped)
+        # the bans as a mask: the entries the input token matches, scattered into one column more
+        # (where the padding's and the unmatched entries' id, the vocabulary's width, lands: dropped)
+        matched = (buffers.after == buffers.ids[:, None]) | (buffers.after == ANY)  # [rows, choices]
+        ids = torch.where(matched[:, :, None], buffers.banned, self.vocab).flatten(1)
         banned = torch.zeros((buffers.rows, self.vocab + 1), dtype=torch.bool, device=logits.device)
-        banned = banned.scatter_(1, buffers.banned, True)[:, : self.vocab]
+        banned = banned.scatter_(1, ids, True)[:, : self.vocab]
         if self._continues is not None:
-            banned |= buffers.glued[:, None] & self._continues
+            banned |= (matched & buffers.glued).any(dim=-1, keepdim=True) & self._continues
         torch.argmax(logits.masked_fill(banned, -float("inf")), dim=-1, out=buffers.tokens)
 
     def capture_all(self, rows: int) -> None:

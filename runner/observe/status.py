@@ -48,6 +48,7 @@ class BatchOccupancy(TypedDict):
     static_step_share: float | None  # done documents' decode row-steps through the static step, of all; None: none
     static_row_steps: int  # those row-steps (job.log's task_done lines)
     eager_row_steps: dict[str, int]  # the others, by why they ran eagerly (runner.engine.static_step.Eager)
+    ahead_row_steps: int  # of the static ones, launched before the step before was read
 
 
 class FallbackCounts(TypedDict):
@@ -210,7 +211,7 @@ def _batch_occupancy(done_rows: pa.Table, log: list[dict[str, Any]]) -> BatchOcc
             steps = add_steps(steps, e["decode_row_steps"])
     return {"mean_sequences": mean("batch_size"), "padding_share": mean("padding_share"),
             "static_step_share": static_share(steps), "static_row_steps": steps["static"],
-            "eager_row_steps": steps["eager"]}
+            "eager_row_steps": steps["eager"], "ahead_row_steps": steps["ahead"]}
 
 
 def _fallback_counts(notes_per_row: list[list[str] | None]) -> FallbackCounts:
