@@ -179,6 +179,8 @@ class StaticStep:
         """Steps whose rows' bans were applied in the step (their tokens the default config's choice)."""
         self.glued_row_steps = 0
         """Row-steps that could ban word-continuing tokens too: what a test asks to know that part ran."""
+        self.row_steps = 0
+        """Rows over the steps run here (a row that ended at the step before, not read yet, included)."""
         self.ahead_row_steps = 0
         """Row-steps whose input token came from the device, the step before not read yet."""
 
@@ -267,6 +269,7 @@ class StaticStep:
         self.banned_steps += bans is not None
         self.glued_row_steps += sum(any(glued[slot * BAN_CHOICES : (slot + 1) * BAN_CHOICES]) for slot in range(size))
         self.ahead_row_steps += len(from_device)
+        self.row_steps += len(caches)
         self.passenger_steps += len(caches) < len(carried)
         self.buckets_run.add(size)
         self.pool.steps += 1
