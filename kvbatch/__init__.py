@@ -33,7 +33,20 @@ from runner import submit as runner_submit
 from storage.export import result_rows
 from storage.jobdir import DEFAULT_JOBS_DIR, new_job_id
 
-__all__ = ["Job", "__version__", "results", "resume", "submit"]
+__all__ = ["BudgetedDynamicCache", "GrowingLayer", "Job", "KVBudgetExceeded", "TieredCache", "__version__", "results",
+           "resume", "submit"]
+
+_CACHES = ("BudgetedDynamicCache", "GrowingLayer", "KVBudgetExceeded", "TieredCache")
+"""The caches for code that calls transformers itself (`kvbatch.TieredCache`), from runner/engine/kvcache:
+imported on first use, so `import kvbatch` does not import torch."""
+
+
+def __getattr__(name: str) -> Any:
+    if name in _CACHES:
+        import runner.engine.kvcache
+
+        return getattr(runner.engine.kvcache, name)
+    raise AttributeError(f"module 'kvbatch' has no attribute {name!r}")
 
 #: exit codes that mean every document reached an end (3: some of them failed or were rejected)
 _FINISHED = (0, 3)

@@ -162,3 +162,14 @@ def test_a_job_of_rejected_rows_goes_to_the_default_folder_and_keeps_their_metad
     for row, reason in zip(rows, REASONS):
         assert reason in row["error"], (reason, row["error"])
     assert rows[3]["when"] == "2026-03-04" and rows[3]["raw"] == "\x00bytes"
+
+
+def test_the_drop_in_cache_is_kvbatch_s_and_importing_kvbatch_leaves_torch_alone(tmp_path: Path) -> None:
+    """One public face: `kvbatch.TieredCache` is the engine's cache (runner/engine/kvcache), imported
+    when first asked for; `import kvbatch` alone (a script that only submits) does not import torch."""
+    code = ("import sys, kvbatch; before = 'torch' in sys.modules; cache = kvbatch.TieredCache; "
+            "print(before, 'torch' in sys.modules, cache.__module__)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
+    assert out.stdout.split() == ["False", "True", "runner.engine.kvcache.tiered"]
+    with pytest.raises(AttributeError, match="no attribute 'Cache'"):
+        kvbatch.Cache  # noqa: B018 - what is asked for is the error
