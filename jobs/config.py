@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import stat
+from collections.abc import Mapping
 from pathlib import Path
 from types import UnionType
 from typing import Any, Literal, Union, get_args, get_origin
@@ -467,15 +468,23 @@ def parse_override(item: str) -> tuple[list[str], Any]:
     return path, value
 
 
-def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply dotted `--set` overrides to a raw config mapping (validation happens afterwards)."""
-    for item in overrides:
-        path, value = parse_override(item)
+def parse_overrides(overrides: list[str]) -> dict[str, Any]:
+    """The CLI's `--set a.b=value` items as settings (`apply_settings`): each value read as YAML 1.2."""
+    return {".".join(path): value for path, value in map(parse_override, overrides)}
+
+
+def apply_settings(data: dict[str, Any], settings: Mapping[str, Any], how: str = "--set") -> dict[str, Any]:
+    """Set dotted keys (`{"summarize.max_new_tokens": 64}`) in a raw config mapping, the values as they
+    are (validation happens afterwards); `how` names them in an error (`--set`, or the API's `settings`)."""
+    for key, value in settings.items():
+        path = key.split(".") if isinstance(key, str) else []
+        if not all(part.strip() for part in path):
+            raise ConfigError(f"{how} {key!r}: a key is section.key, e.g. cache.strategy")
         node = data
         for part in path[:-1]:
             child = node.setdefault(part, {})
             if not isinstance(child, dict):
-                raise ConfigError(f"--set '{item}': '{part}' is not a config section")
+                raise ConfigError(f"{how} '{key}': '{part}' is not a config section")
             node = child
         node[path[-1]] = value
     return data
@@ -556,7 +565,14 @@ def _read_config_file(path: str | Path) -> bytes:
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> JobConfig:
-    """Read a YAML config (defaults when `path` is None) and apply `--set` overrides."""
+    """Read a YAML config (defaults when `path` is None) with the CLI's `--set key=value` text."""
+    return read_config(path, parse_overrides(overrides or []))
+
+
+def read_config(path: str | os.PathLike[str] | None = None, settings: Mapping[str, Any] | None = None,
+                how: str = "--set") -> JobConfig:
+    """Read a YAML config (defaults when `path` is None) and set `settings` in it (dotted key -> value,
+    as given: what `load_config` parses the CLI's text into, or the API's `settings`, named by `how`)."""
     data: dict[str, Any] = {}
     source = "defaults"
     if path is not None:
@@ -577,7 +593,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not isinstance(loaded, dict):
             raise ConfigError(f"config file {path} must be a mapping of sections (model:, cache:, ...)")
         data = loaded
-    if overrides:
-        data = apply_overrides(data, overrides)
-        source += " with --set " + " ".join(overrides)
+    if settings:
+        data = apply_settings(data, settings, how)
+        source += f" with {how} " + " ".join(f"{key}={value!r}" for key, value in settings.items())
     return config_from_dict(data, source)

@@ -21,20 +21,19 @@ import json
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from rich.console import Console
 
-from jobs.config import ConfigError
+from jobs.config import ConfigError, JobConfig, apply_settings, config_from_dict, read_config
 from jobs.manifest import ManifestError
 from runner import __version__
 from runner import submit as runner_submit
 from storage.export import result_rows
 from storage.jobdir import DEFAULT_JOBS_DIR, new_job_id
 
-__all__ = ["BudgetedDynamicCache", "GrowingLayer", "Job", "KVBudgetExceeded", "TieredCache", "__version__", "results",
-           "resume", "submit"]
+__all__ = ["BudgetedDynamicCache", "GrowingLayer", "Job", "JobConfig", "KVBudgetExceeded", "TieredCache", "__version__",
+           "read_config", "results", "resume", "submit"]
 
 _CACHES = ("BudgetedDynamicCache", "GrowingLayer", "KVBudgetExceeded", "TieredCache")
 """The caches for code that calls transformers itself (`kvbatch.TieredCache`), from runner/engine/kvcache:
@@ -67,7 +66,7 @@ class Job:
 
 
 def submit(documents: str | os.PathLike[str] | Iterable[Mapping[str, Any]], *,
-           job_dir: str | os.PathLike[str] | None = None, config: str | os.PathLike[str] | None = None,
+           job_dir: str | os.PathLike[str] | None = None, config: JobConfig | str | os.PathLike[str] | None = None,
            settings: Mapping[str, Any] | None = None, address: str | None = None, glob: str | None = None,
            strict: bool = False, quiet: bool = False) -> Job:
     """Summarises `documents` into the new job folder `job_dir` and returns once the batch ended.
@@ -76,22 +75,22 @@ def submit(documents: str | os.PathLike[str] | Iterable[Mapping[str, Any]], *,
     the manifest's rows themselves: dicts with an `id` and a `text` or a `path` (relative to the
     working directory), optional `max_new_tokens`, `prompt` and metadata; a bad row is rejected alone
     and named by its place ("documents row 3", from 1), as a manifest's line is. `job_dir`: by default
-    `runs/<job id>`, as the CLI's (`Job.job_dir` names it). `settings` are `--set` keys
-    (`{"summarize.max_new_tokens": 64}`); `quiet` keeps the progress lines off stderr.
+    `runs/<job id>`, as the CLI's (`Job.job_dir` names it). `config`: a `JobConfig` (`kvbatch.read_config`)
+    or a YAML file (default: the defaults); `settings`: keys changed in it, with their values
+    (`{"summarize.max_new_tokens": 64}`, as `--set` names them); `quiet` keeps the progress lines off stderr.
     """
     source = str(documents) if isinstance(documents, (str, os.PathLike)) else _rows(documents)
-    config_path = Path(config) if config is not None else None
     job_id = new_job_id()
     folder = str(job_dir) if job_dir is not None else str(DEFAULT_JOBS_DIR / job_id)
-    code = runner_submit.submit(source, glob, config_path, folder, _overrides(settings), address, strict,
-                                _console(quiet), job_id)
+    code = runner_submit.submit(source, glob, _config(config, settings), folder, address, strict, _console(quiet),
+                                job_id)
     return Job(folder, code)
 
 
 def resume(job_dir: str | os.PathLike[str], *, retry_failed: bool = False, settings: Mapping[str, Any] | None = None,
            address: str | None = None, quiet: bool = False) -> Job:
     """Runs what a job has not finished (after Ctrl-C, a crash, a full disk); `retry_failed`: its failures too."""
-    code = runner_submit.resume(str(job_dir), retry_failed, _overrides(settings), address, _console(quiet))
+    code = runner_submit.resume(str(job_dir), retry_failed, _settings(settings), address, _console(quiet), SETTINGS)
     return Job(str(job_dir), code)
 
 
@@ -110,21 +109,36 @@ def _rows(documents: Any) -> list[Any]:
     return list(documents)
 
 
-def _overrides(settings: Any) -> list[str]:
-    """`--set key=value` from a dict: each value as JSON, which the YAML the CLI reads takes as it is."""
+SETTINGS = "settings"
+"""How an error names what the API's caller changed in the config (the CLI's: `--set`)."""
+
+
+def _config(config: Any, settings: Any) -> JobConfig:
+    """The job's config: `config` (a JobConfig, a YAML file, None: the defaults) with `settings` set."""
+    changes = _settings(settings)
+    if isinstance(config, JobConfig):
+        data = apply_settings(config.model_dump(mode="json"), changes, SETTINGS)
+        return config_from_dict(data, f"the config given with {SETTINGS}" if changes else "the config given")
+    if config is not None and not isinstance(config, (str, os.PathLike)):
+        raise ConfigError(f"config must be a JobConfig (kvbatch.read_config) or a YAML file's path, "
+                          f"got {type(config).__name__}")
+    return read_config(config, changes, SETTINGS)
+
+
+def _settings(settings: Any) -> dict[str, Any]:
+    """Config keys and values as given: plain values only (what a YAML config could hold)."""
     if settings is None:
-        return []
+        return {}
     if not isinstance(settings, Mapping):
         raise ConfigError(f"settings must be a dict of config keys and values ({{'summarize.max_new_tokens': 64}}), "
                           f"got {type(settings).__name__}")
-    overrides = []
     for key, value in settings.items():
         try:
-            overrides.append(f"{key}={json.dumps(value, allow_nan=False)}")
+            json.dumps(value, allow_nan=False)
         except (TypeError, ValueError):
             raise ConfigError(f"settings[{key!r}] is {type(value).__name__} {value!r}, which no config key takes: "
                               "give a number, a string, a boolean, a list or a dict") from None
-    return overrides
+    return dict(settings)
 
 
 def _console(quiet: bool) -> Console:

@@ -12,7 +12,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from jobs.config import ConfigError, apply_overrides, load_config
+from jobs.config import ConfigError, load_config, parse_overrides
 from jobs.manifest import ManifestError
 from jobs.uris import UnsupportedURIError, check_supported, is_uri
 from runner import __version__
@@ -98,13 +98,13 @@ def submit(
 
     def early() -> int:
         """What the user typed, checked before runner.submit imports Ray and the settings check transformers."""
-        load_config(config, set_)
+        resolved = load_config(config, set_)
         _check_source(source)
         if job_dir is not None:
             _check_where(job_dir)
         from runner.submit import submit as run_submit
 
-        return run_submit(source, glob, config, job_dir, set_, address, strict, console)
+        return run_submit(source, glob, resolved, job_dir, address, strict, console)
 
     _run(early)
 
@@ -121,10 +121,10 @@ def resume(
     def early() -> int:
         """The folder and the --set syntax, checked before runner.submit imports Ray."""
         _check_where(job_dir, folder_of_a_job=True)
-        apply_overrides({}, set_)
+        settings = parse_overrides(set_)
         from runner.submit import resume as run_resume
 
-        return run_resume(job_dir, retry_failed, set_, address, console)
+        return run_resume(job_dir, retry_failed, settings, address, console)
 
     _run(early)
 

@@ -8,7 +8,7 @@ import os
 import signal
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -18,7 +18,7 @@ import pyarrow as pa
 from rich.console import Console
 from rich.markup import escape
 
-from jobs.config import JobConfig, apply_overrides, config_from_dict, load_config, without_retired_keys
+from jobs.config import JobConfig, apply_settings, config_from_dict, without_retired_keys
 from jobs.faults import FAULTS_ENV, parse_faults
 from jobs.manifest import (
     ManifestError,
@@ -157,16 +157,15 @@ def _all_finished(job: JobDir, retry_since: float | None = None) -> JobState | N
     return state
 
 
-def submit(source: str | list[Any], pattern: str | None, config_path: Path | None, job_dir: Where | None,
-           overrides: list[str], address: str | None, strict: bool, console: Console,
-           job_id: str | None = None) -> int:
+def submit(source: str | list[Any], pattern: str | None, config: JobConfig, job_dir: Where | None,
+           address: str | None, strict: bool, console: Console, job_id: str | None = None) -> int:
     """`source`: a manifest or a folder of documents, local or on shared storage, or the manifest's rows
-    themselves (`kvbatch.submit`); `pattern`: --glob. `job_id`: the new job's, when the caller made its
+    themselves (`kvbatch.submit`); `pattern`: --glob; `config`: the job's, read (the CLI from its file
+    and `--set`, the API from what its caller gave). `job_id`: the new job's, when the caller made its
     default folder (runs/<job_id>) itself."""
     job_id = job_id or new_job_id()
     job = JobDir(job_dir or DEFAULT_JOBS_DIR / job_id)
-    return _interruptible(lambda: _submit(job, job_id, source, pattern, config_path, overrides, address, strict,
-                                          console), job, console)
+    return _interruptible(lambda: _submit(job, job_id, source, pattern, config, address, strict, console), job, console)
 
 
 @dataclass(frozen=True)
@@ -209,10 +208,9 @@ def _given_rows(rows: list[Any], config: JobConfig) -> _Given:
     return _Given(tasks, rejections, GIVEN_ROWS, hashlib.sha256(read.encode("utf-8", "surrogatepass")).hexdigest())
 
 
-def _submit(job: JobDir, job_id: str, source: str | list[Any], pattern: str | None, config_path: Path | None,
-            overrides: list[str], address: str | None, strict: bool, console: Console) -> int:
+def _submit(job: JobDir, job_id: str, source: str | list[Any], pattern: str | None, config: JobConfig,
+            address: str | None, strict: bool, console: Console) -> int:
     check_new_job_folder(job)
-    config = load_config(config_path, overrides)
     check_settings(config)
     check_offload_root(offload_root_for(config, job.path))
     given = _staged(source, pattern, config, job) if isinstance(source, str) else _given_rows(source, config)
@@ -241,23 +239,25 @@ def _submit(job: JobDir, job_id: str, source: str | list[Any], pattern: str | No
             return _execute(job, info, config, address, retry_since=None, console=console, lock=lock)
 
 
-def resume(job_dir: Where, retry_failed: bool, overrides: list[str], address: str | None,
-           console: Console) -> int:
+def resume(job_dir: Where, retry_failed: bool, settings: Mapping[str, Any], address: str | None,
+           console: Console, how: str = "--set") -> int:
+    """`settings`: dotted keys and values to change in the job's config (`how` names them in an error)."""
     job = JobDir(job_dir)
     retry_since = time.time() if retry_failed else None
-    return _interruptible(lambda: _resume(job, retry_since, overrides, address, console), job, console, retry_since)
+    return _interruptible(lambda: _resume(job, retry_since, settings, how, address, console), job, console,
+                          retry_since)
 
 
-def _resume(job: JobDir, retry_since: float | None, overrides: list[str], address: str | None,
+def _resume(job: JobDir, retry_since: float | None, settings: Mapping[str, Any], how: str, address: str | None,
             console: Console) -> int:
     check_job_folder(job)
     with job_lock(job.lock) as lock:  # job.json is the running coordinator's until this is held
         info = read_job(job)
-        config = config_from_dict(apply_overrides(without_retired_keys(info.config), overrides),
-                                  f"{job.job_json} with --set")
+        config = config_from_dict(apply_settings(without_retired_keys(info.config), settings, how),
+                                  f"{job.job_json} with {how}")
         check_settings(config)
         check_offload_root(offload_root_for(config, job.path))
-        if overrides:
+        if settings:
             update_job_config(job, config.model_dump(mode="json"))
         console.print(f"job {info.job_id} <- {escape(str(job.path))}", highlight=False)
         return _execute(job, info, config, address, retry_since, console, lock)

@@ -173,3 +173,53 @@ def test_the_drop_in_cache_is_kvbatch_s_and_importing_kvbatch_leaves_torch_alone
     assert out.stdout.split() == ["False", "True", "runner.engine.kvcache.tiered"]
     with pytest.raises(AttributeError, match="no attribute 'Cache'"):
         kvbatch.Cache  # noqa: B018 - what is asked for is the error
+
+
+#: a typed config and its settings given to kvbatch.submit, with the CLI's text parser made to fail: the API parses no text
+TYPED = """
+import json, sys
+import jobs.config
+import kvbatch
+
+def no_text(*args, **kwargs):
+    raise AssertionError("the API parsed --set text")
+
+jobs.config.parse_override = jobs.config.parse_overrides = no_text
+config = kvbatch.read_config(sys.argv[1], {"workers.count": 1})
+assert isinstance(config, kvbatch.JobConfig)
+job = kvbatch.submit(sys.argv[2], job_dir=sys.argv[3], config=config, address=sys.argv[4], quiet=True,
+                     settings={"summarize.max_new_tokens": 8, "batch.static_step": "on"})
+print(json.dumps([job.job_dir, job.exit_code]))
+"""
+
+
+def test_a_typed_config_runs_the_job_the_cli_runs_with_the_same_text(ray_address, tmp_path: Path) -> None:
+    """The API is the core the CLI's text ends in: a JobConfig and a dict of settings (no `--set` text
+    parsed, no file written for them) make the job folder the CLI makes from a config file and `--set`:
+    the same config in job.json, the same manifest, the same summaries."""
+    manifest = tmp_path / "docs.jsonl"
+    manifest.write_text("".join(json.dumps({"id": name, "text": f"The {name} committee met and approved it. " * 20})
+                                + "\n" for name in ("audit", "budget")))
+    proc = subprocess.run([sys.executable, "-c", TYPED, str(TINY_CONFIG), str(manifest), str(tmp_path / "api"),
+                           ray_address], cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)},
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.splitlines()[-1]) == [str(tmp_path / "api"), 0]
+    cli("submit", str(manifest), "-c", str(TINY_CONFIG), "-j", str(tmp_path / "cli"), "--address", ray_address,
+        "--set", "workers.count=1", "--set", "summarize.max_new_tokens=8", "--set", "batch.static_step=on")
+
+    def job(folder: str) -> dict:
+        info = json.loads((tmp_path / folder / "job.json").read_text())
+        return {key: value for key, value in info.items() if key not in ("job_id", "created")}
+
+    assert job("api") == job("cli") and job("api")["config"]["batch"]["static_step"] == "on"
+    summaries = {folder: [(r["doc_id"], r["summary"]) for r in kvbatch.results(tmp_path / folder)]
+                 for folder in ("api", "cli")}
+    assert summaries["api"] == summaries["cli"] and len(summaries["api"]) == 2
+
+
+def test_a_config_that_is_neither_a_jobconfig_nor_a_file_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="config must be a JobConfig"):
+        kvbatch.submit([{"id": "a", "text": "hello"}], job_dir=tmp_path / "job", config={"workers": {"count": 1}},
+                       quiet=True)
+    assert not (tmp_path / "job").exists()
