@@ -40,7 +40,6 @@ from dataclasses import dataclass, field
 
 import psutil
 import torch
-from transformers import DynamicCache
 from transformers.cache_utils import Cache, get_layer_types_and_kwargs
 
 from jobs.batch_limit import GROW_BACK_STEPS
@@ -50,7 +49,6 @@ from jobs.stopping import StopReason
 from runner.engine.batch_plan import BatchPlan, BatchSequence, Status
 from runner.engine.generation import Generation, TokenPicker, choose_tokens, generate_once, prefill
 from runner.engine.kvcache import CacheHandle
-from runner.engine.kvcache.pool import PooledCache
 from runner.engine.model_loader import LoadedModel
 from runner.engine.probes import StageMemory, memory_snapshot
 from runner.engine.ragged import MASKED_ATTENTION, PrefillChunk, RowFailed, mixed_step
@@ -258,7 +256,7 @@ class BatchEngine:
         prefill is layer-major or streams its layers, so it stays whole, as `cache.prefill:
         layer-major` asks)."""
         return (self.prefill_chunk_tokens > 0 and bool(self.plan.decoding) and self.prefill_mode != "layer-major"
-                and isinstance(cache, (DynamicCache, PooledCache)))
+                and getattr(cache, "takes_chunks", False))
 
     def _first_token(self, seq: Sequence, logits: torch.Tensor) -> None:
         """Its prompt is in its cache: the first token from the last position's logits ([1, vocab]),

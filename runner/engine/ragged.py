@@ -39,8 +39,6 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.cache_utils import Cache
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from runner.engine.kvcache.pool import PooledCache
-from runner.engine.kvcache.tiered import TieredCache
 from runner.engine.pooled_attention import PooledStep, aligned, length_mask
 from runner.engine.step_inputs import step_inputs
 from runner.engine.tiered_attention import TieredRowFailed, TieredStep
@@ -249,12 +247,12 @@ def mixed_step(model: PreTrainedModel, last_tokens: Sequence[int], positions: Se
     """One forward pass: a decode step for the rows of `caches`, and `chunk`'s prompt tokens beside
     them (its row is `len(caches)` in a `RowFailed`). The decode rows' next-token logits ([rows, vocab]
     float32, in the order of `caches`) and, when the chunk wants them, its last position's ([1, vocab])."""
-    pooled_rows = sorted((row for row, cache in enumerate(caches) if isinstance(cache, PooledCache)),
+    pooled_rows = sorted((row for row, cache in enumerate(caches) if getattr(cache, "pooled", False)),
                          key=lambda row: caches[row].slot)
-    tiered_rows = [row for row, cache in enumerate(caches) if isinstance(cache, TieredCache) and cache.batched_attention]
+    tiered_rows = [row for row, cache in enumerate(caches) if getattr(cache, "batched_attention", False)]
     grouped = set(pooled_rows + tiered_rows)
     order = pooled_rows + tiered_rows + [row for row in range(len(caches)) if row not in grouped]
-    if chunk is not None and isinstance(chunk.cache, PooledCache):  # its room before the step's views are cut
+    if chunk is not None and getattr(chunk.cache, "pooled", False):  # its room before the step's views are cut
         chunk.cache.pool.ensure(len(chunk.cache.pool.owners), chunk.start + len(chunk.tokens))
     pooled = PooledStep(caches[pooled_rows[0]].pool, [caches[row] for row in pooled_rows]) if pooled_rows else None
     tiered = TieredStep([caches[row] for row in tiered_rows]) if tiered_rows else None

@@ -196,7 +196,7 @@ class StaticStep:
     def why_eager(self, cache: Any) -> Eager | None:
         """Why a decode row of this cache cannot run in this step; None when it can: its KV is a slot of
         the pool, and the pool has a free slot for each padding row of its live slots' bucket."""
-        if not (isinstance(cache, PooledCache) and cache.pool is self.pool):
+        if getattr(cache, "pool", None) is not self.pool:
             return Eager.NOT_POOL
         if bucket(len(self.pool.owners)) > self.pool.slots:
             return Eager.OVER_SLOTS

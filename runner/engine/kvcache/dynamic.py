@@ -21,6 +21,9 @@ from runner.engine.kvcache.resident import GrowingLayer, allocated_bytes
 class BudgetedDynamicCache(DynamicCache):
     """`expected_tokens` (prompt + new tokens, when known) is allocated at once: no growth, no slack."""
 
+    takes_chunks = True
+    """A prompt chunk can ride a decode step as one more row of it (runner/engine/batch_engine.py)."""
+
     def __init__(
         self, config: PretrainedConfig, device_budget_bytes: int | None = None, expected_tokens: int | None = None,
         device_meter: ResidentMeter | None = None,

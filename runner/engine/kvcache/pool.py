@@ -230,6 +230,11 @@ class PooledLayer(DynamicLayer):
 class PooledCache(Cache):
     """A sequence's cache on the `dynamic` rung when the worker's attention path is pooled."""
 
+    pooled = True
+    """Its KV is a slot of `pool`: a decode step attends it with the pool's other rows in one call."""
+    takes_chunks = True
+    """A prompt chunk can ride a decode step as one more row of it (runner/engine/batch_engine.py)."""
+
     def __init__(self, pool: KVPool, expected_tokens: int | None) -> None:
         super().__init__(layers=[PooledLayer(self, i) for i in range(pool.num_layers)])
         self.pool = pool
