@@ -43,7 +43,7 @@ class BudgetedDynamicCache(DynamicCache):
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
         layer = self.layers[layer_idx]
-        growing = isinstance(layer, GrowingLayer)
+        growing = getattr(layer, "grows", False)
         if not growing:
             arriving = key_states.nbytes + value_states.nbytes
             if not self._fits(self._held_bytes() + arriving):
@@ -84,7 +84,7 @@ class BudgetedDynamicCache(DynamicCache):
     def _trim(layers: list[Any]) -> None:
         """Give back the growing layers' unused capacity: KV that fits without slack must not be refused."""
         for layer in layers:
-            if isinstance(layer, GrowingLayer):
+            if getattr(layer, "grows", False):
                 layer.trim()
 
     def batch_repeat_interleave(self, repeats: int) -> None:

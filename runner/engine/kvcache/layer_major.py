@@ -86,7 +86,7 @@ def choose_prefill(
     if mode == "chunked" or chunk_size <= 0:
         return "chunked"
     if mode == "auto":
-        offloads = isinstance(cache, Cache) and any(isinstance(layer, TieredLayer) for layer in cache.layers)
+        offloads = any(getattr(layer, "streamed", False) for layer in getattr(cache, "layers", ()))
         if not offloads or math.ceil(prompt_tokens / chunk_size) < MIN_CHUNKS:
             return "chunked"
     if isinstance(cache, Cache):
@@ -124,7 +124,7 @@ def layer_major_prefill(
     layer_types, _ = get_layer_types_and_kwargs(config)
 
     for idx, layer in enumerate(decoder.layers[: config.num_hidden_layers]):
-        resident = isinstance(cache.layers[idx], DynamicLayer)
+        resident = not getattr(cache.layers[idx], "streamed", False)
         # A resident layer grows in the cache itself, as in chunked prefill; an offloaded one in a
         # fresh DynamicCache's layer `idx` (what chunked prefill would attend to), handed over below.
         target = cache if resident else DynamicCache(config=config)

@@ -28,6 +28,9 @@ GRANULE_TOKENS = 64
 class GrowingLayer(DynamicLayer):
     """A full-attention layer whose KV grows in place; `.keys` / `.values` are views of the valid tokens."""
 
+    grows = True
+    """It keeps room beyond its tokens (`capacity`) and grows geometrically: its allocation is that room."""
+
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._key_buffer: torch.Tensor | None = None
@@ -153,7 +156,7 @@ class GrowingLayer(DynamicLayer):
 def allocated_bytes(layer: Any) -> int:
     """What a layer kept on the device allocates there: a GrowingLayer's whole capacity, another
     layer's tensors (0 before its first update)."""
-    if isinstance(layer, GrowingLayer):
+    if getattr(layer, "grows", False):
         return layer.capacity_bytes
     keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
     return keys.nbytes + values.nbytes if keys is not None else 0

@@ -86,6 +86,8 @@ class TieredLayer(CacheLayerMixin):
 
     is_sliding = False
     is_croppable = True
+    streamed = True
+    """Its KV lives on a tier and comes to the device for its turn (the other layers of a cache stay there)."""
 
     def __init__(self, layer_idx: int, shared: _Shared, tier: Tier) -> None:
         super().__init__()
@@ -306,11 +308,10 @@ class TieredCache(Cache):
         self.batched_attention = batched_attention
         """Whether a batched decode step attends this row's streamed layers with the step's other
         tiered rows in one call (runner/engine/tiered_attention.py), as `batch.attention: pooled` asks."""
-        layers = _layers_for(config.get_text_config(decoder=True), self.shared, placement)
+        layers, with_kv = _layers_for(config.get_text_config(decoder=True), self.shared, placement)
         super().__init__(layers=layers)
-        tiered = [i for i, layer in enumerate(layers) if isinstance(layer, TieredLayer)]
+        tiered = [i for i, layer in enumerate(layers) if getattr(layer, "streamed", False)]
         self._next_tiered = dict(zip(tiered, tiered[1:] + tiered[:1]))
-        with_kv = [i for i, layer in enumerate(layers) if not isinstance(layer, DummyLayer)]
         self._first_layer, self._last_layer = (with_kv[0], with_kv[-1]) if with_kv else (None, None)
         self._current: int | None = None
         self.batched_layers = 0
@@ -329,8 +330,8 @@ class TieredCache(Cache):
         layer = self.layers[layer_idx]
         new = key_states.shape[-2]
         self._count_step(layer_idx, new)
-        if not isinstance(layer, TieredLayer):  # resident or sliding-window: stays on the device, moves nothing
-            if isinstance(layer, GrowingLayer) and not layer.is_initialized:
+        if not getattr(layer, "streamed", False):  # resident or sliding-window: stays on the device, moves nothing
+            if getattr(layer, "grows", False) and not layer.is_initialized:
                 self._reserve(layer, layer_idx, key_states, value_states)
             keys, values = layer.update(key_states, value_states, *args, **kwargs)
             self.shared.device_meter.hold(("kept", layer_idx), allocated_bytes(layer))
@@ -346,14 +347,14 @@ class TieredCache(Cache):
         """Whether a batched decode step can take this row's layer `layer_idx` in a slot: a streamed
         layer of one sequence that holds tokens (resident and sliding-window layers stay per row)."""
         layer = self.layers[layer_idx]
-        return isinstance(layer, TieredLayer) and layer.store is not None and layer.store.seq_len > 0 \
+        return getattr(layer, "streamed", False) and layer.store is not None and layer.store.seq_len > 0 \
             and layer.store.batch == 1
 
     def begin_turn(self, layer_idx: int, slot: Slot) -> SlotTurn:
         """This row's share of streamed layer `layer_idx` in a batched decode step
         (runner/engine/tiered_attention.py), first half: its old tokens in `slot`, its tail window."""
         layer = self.layers[layer_idx]
-        assert isinstance(layer, TieredLayer)
+        assert getattr(layer, "streamed", False)
         self._count_step(layer_idx, 1)
         self._switch_to(layer_idx)
         return layer.begin_turn(slot)
@@ -413,7 +414,7 @@ class TieredCache(Cache):
         """All layers' KV as `dynamic` would hold it on the device."""
         total = 0
         for layer in self.layers:
-            if isinstance(layer, TieredLayer):
+            if getattr(layer, "streamed", False):
                 total += layer.store.seq_len * layer.store.token_bytes if layer.store is not None else 0
             elif getattr(layer, "keys", None) is not None:
                 total += layer.keys.nbytes + layer.values.nbytes
@@ -422,13 +423,12 @@ class TieredCache(Cache):
     def stats(self) -> dict[str, Any]:
         """Sizes and traffic so far; the first five keys are the result row's columns."""
         for layer in self.layers:  # a read ahead may be queued on another row's IO thread (a batched step's)
-            if isinstance(layer, TieredLayer):
+            if getattr(layer, "streamed", False):
                 layer._settle()
         self.shared.drain()
         traffic = self.shared.traffic
-        tier = self.shared.tier
-        if isinstance(tier, DiskTier):
-            store = tier.store
+        store = getattr(self.shared.tier, "store", None)  # a tier with a block store: the disk's
+        if store is not None:
             written, read = store.bytes_written, store.bytes_read
             ratio = store.compression_ratio if store.codec.compression == "zstd" else 1.0
         else:  # the host tier's offload traffic is the device<->host copies
@@ -454,7 +454,7 @@ class TieredCache(Cache):
         self.shared.drain()
         start = time.perf_counter()
         for layer in self.layers:
-            if isinstance(layer, TieredLayer) and layer.store is not None:
+            if getattr(layer, "streamed", False) and layer.store is not None:
                 resident = layer.store.load(extra_tokens=1)
                 if resident.filled is not None:  # on CUDA the load returns once its copies are queued
                     resident.filled.synchronize()
@@ -462,8 +462,8 @@ class TieredCache(Cache):
 
     def offload_files(self) -> list[Path]:
         """The block files currently in the offload dir (none for the host tier)."""
-        tier = self.shared.tier
-        return tier.store.files() if isinstance(tier, DiskTier) else []
+        store = getattr(self.shared.tier, "store", None)
+        return store.files() if store is not None else []
 
     def close(self) -> None:
         """Stop the IO thread and remove the block files; the cache is unusable afterwards."""
@@ -494,7 +494,8 @@ def _make_tier(tier: str, offload_dir: str | Path | None, codec: BlockCodec) -> 
 
 def _layers_for(
     config: PretrainedConfig, shared: _Shared, placement: Placement | None
-) -> list[CacheLayerMixin | DummyLayer]:
+) -> tuple[list[CacheLayerMixin | DummyLayer], list[int]]:
+    """The cache's layers, and those of them that hold KV (not a model's dummy layers)."""
     layer_types, layer_kwargs = get_layer_types_and_kwargs(config)
     resident = set(placement.resident_layers) if placement else set()
     in_host_ram = set(placement.host_layers) if placement else set()
@@ -520,4 +521,4 @@ def _layers_for(
             f"the placement covers full-attention layers {list(placement.full_attention_layers)}, but "
             f"{config.model_type} has {list(full)}: plan it from this model's kv_shape"
         )
-    return layers
+    return layers, [i for i, layer_type in enumerate(layer_types) if layer_type != "dummy"]
