@@ -156,3 +156,23 @@ def test_the_circle_finder_finds_a_circle(tmp_path: Path) -> None:
     (tmp_path / "pkg" / "a.py").write_text("from pkg.b import thing\n")
     (tmp_path / "pkg" / "b.py").write_text("def f():\n    from pkg import a\n")
     assert _cycle(_graph(tmp_path, ("pkg",))) == ["pkg.a", "pkg.b", "pkg.a"]
+
+
+CACHE_KINDS = {"Cache", "DynamicCache", "StaticCache", "BudgetedDynamicCache", "PooledCache", "TieredCache",
+               "CacheLayerMixin", "DynamicLayer", "DummyLayer", "GrowingLayer", "PooledLayer", "TieredLayer",
+               "DiskTier", "HostTier"}
+"""The caches, their layers and tiers: what the engine asks by their flags (`takes_chunks`, `pooled`,
+`streamed`, `grows`, transformers' `is_compileable`, ...), never by their type (issue 49)."""
+
+
+def test_the_engine_asks_caches_what_they_can_do_not_what_they_are() -> None:
+    branches = []
+    for module, path in _modules(ROOT, ("runner",)).items():
+        if not _under(module, "runner.engine"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) in ("isinstance", "issubclass"):
+                kinds = {getattr(n, "id", getattr(n, "attr", None)) for n in ast.walk(node.args[1])} & CACHE_KINDS
+                if kinds:
+                    branches.append(f"{module}:{node.lineno} {sorted(kinds)}")
+    assert not branches, "type branches on caches: " + ", ".join(branches)

@@ -29,7 +29,6 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import (
     Cache,
     DynamicCache,
-    DynamicLayer,
     get_layer_types_and_kwargs,
 )
 from transformers.masking_utils import (
@@ -40,7 +39,6 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.modeling_utils import slice_logits_to_keep
 
 from jobs.config import PrefillMode
-from runner.engine.kvcache.tiered import TieredLayer
 
 log = logging.getLogger(__name__)
 
@@ -70,8 +68,8 @@ def unsupported_reason(model: PreTrainedModel, cache: Cache) -> str | None:
     if not callable(getattr(type(model), "_prefill", None)):
         return "this transformers version's generate() has no _prefill step to hand the prefill to"
     for idx, layer in enumerate(cache.layers[: len(layer_types)]):
-        if not isinstance(layer, (DynamicLayer, TieredLayer)):
-            return f"cache layer {idx} is a {type(layer).__name__} (covered: dynamic and tiered layers)"
+        if getattr(layer, "is_compileable", True):  # transformers' flag of a fixed-size (static) or dummy layer
+            return f"cache layer {idx} is a {type(layer).__name__} (covered: layers that grow as they are written)"
     return None
 
 
@@ -89,7 +87,7 @@ def choose_prefill(
         offloads = any(getattr(layer, "streamed", False) for layer in getattr(cache, "layers", ()))
         if not offloads or math.ceil(prompt_tokens / chunk_size) < MIN_CHUNKS:
             return "chunked"
-    if isinstance(cache, Cache):
+    if getattr(cache, "layers", None) is not None:
         reason = unsupported_reason(model, cache)
     else:
         reason = "generate() builds this cache itself (cache_implementation)"
