@@ -93,15 +93,22 @@ def test_padding_rows_take_free_slots_and_leave_the_real_rows_alone(tokenizer, t
     assert step is not None and 4 in step.buckets_run and static == today
 
 
-def test_the_static_step_reads_nothing_back_from_the_device() -> None:
-    """The whole step, model forward and token choice (bans included) on the meta device: it ends with
-    each row's logits and token as (data-less) device tensors; the caller's read is what raises."""
+def _on_the_meta_device() -> tuple[torch.nn.Module, KVPool, list[PooledCache]]:
+    """A tiny model, its KV pool and three rows of 40, 7 and 90 tokens, on the meta device (no data)."""
     model = tiny_model("llama-gqa").to("meta")
-    meta = torch.device("meta")
-    pool = KVPool.for_model(model.config, torch.float32, meta, ResidentMeter(None, "the test's device", ""))
+    pool = KVPool.for_model(model.config, torch.float32, torch.device("meta"),
+                            ResidentMeter(None, "the test's device", ""))
     caches = [PooledCache(pool, 100) for _ in range(3)]
     for cache, length in zip(caches, (40, 7, 90)):
         cache.length = length
+    return model, pool, caches
+
+
+def test_the_static_step_reads_nothing_back_from_the_device() -> None:
+    """The whole step, model forward and token choice (bans included) on the meta device: it ends with
+    each row's logits and token as (data-less) device tensors; the caller's read is what raises."""
+    model, pool, caches = _on_the_meta_device()
+    meta = torch.device("meta")
     step = StaticStep(model, pool, graphs=False, pieces=PIECES)
     assert step.takes(caches)
     # the default config's choice: the summary's n-gram ban, the third row's by the token its input is,
@@ -119,12 +126,8 @@ def test_the_static_step_reads_nothing_back_from_the_device() -> None:
 def test_the_mixed_step_with_a_riding_prompt_reads_nothing_back_from_the_device() -> None:
     """The eager step a riding prompt chunk takes (`mixed_step`: pool rows, a chunk of a joining
     prompt beside them, its last position's logits kept) on the meta device: no read of a value."""
-    model = tiny_model("llama-gqa").to("meta")
+    model, pool, caches = _on_the_meta_device()
     meta = torch.device("meta")
-    pool = KVPool.for_model(model.config, torch.float32, meta, ResidentMeter(None, "the test's device", ""))
-    caches = [PooledCache(pool, 100) for _ in range(3)]
-    for cache, length in zip(caches, (40, 7, 90)):
-        cache.length = length
     joining = PooledCache(pool, 100)
     chunk = PrefillChunk(joining, list(range(1, 20)), 0, wants_logits=True)
     logits, first = mixed_step(model, [5, 6, 7], [40, 7, 90], caches, chunk)
