@@ -12,6 +12,10 @@ device, as when the cache outgrows RAM); a second table sets cold against warm, 
 the process really read from the device per decode step (/proc/self/io). Then the codec alone on
 the real KV: shuffled zstd vs plain zstd, ratio and MB/s.
 
+Other sections (`--sections`): placement (a decode step moves only the KV that does not fit),
+prefill (chunked against layer-major into the disk tier), resident (`dynamic`'s in-place layer against
+transformers' DynamicCache); what each measures is said where it is defined below.
+
 Run: python bench/offload.py [--sections strategies,...] [--device cpu|cuda] [--contexts 2048,4096,8192]
      [--new-tokens 32]
 """
@@ -26,22 +30,443 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse
+import dataclasses
+import math
+import shutil
+import statistics
+import subprocess
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
-from offload_common import MiB, Run, fmt, real_prompt, run_one  # bench/ is on sys.path as a script
-from offload_placement import placement_section
-from offload_prefill import prefill_section
-from offload_resident import resident_section
+from torch.utils.hooks import RemovableHandle
+from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
 
-from jobs.config import ModelConfig
-from jobs.kvplan import kv_bytes
-from runner.engine.kvcache import kv_shape
+from jobs.config import CacheConfig, ModelConfig, PrefillMode, SummarizeConfig
+from jobs.kvplan import KVShape, Placement, kv_bytes, plan_placement
+from jobs.rungs import RUNGS
+from runner.engine.generation import Generation, generate_once
+from runner.engine.kvcache import TieredCache, build_cache, kv_shape
+from runner.engine.kvcache.resident import GrowingLayer
 from runner.engine.model_loader import LoadedModel, load_model
-from storage.kvblocks import BlockCodec
+from storage.kvblocks import BlockCodec, KVBlockError, KVBlockStore
+
+TEXT = Path("/usr/share/common-licenses/GPL-3")
+MiB = 1 << 20
+
+
+@dataclass
+class Run:
+    context: int
+    strategy: str
+    prefill_s: float
+    decode_step_s: float
+    new_tokens: list[int]
+    stats: dict[str, Any]
+    read_pass_s: float | None
+    device_peak_bytes: int | None
+    real_kv: list[tuple[torch.Tensor, torch.Tensor]] | None  # dynamic's KV, for the codec measurement
+    cold: bool = False  # the disk tier's block files were dropped from the page cache after every write and read
+    decode_io: dict[str, float] | None = None  # per decode step: see DecodeIO.per_step
+
+
+def proc_io() -> dict[str, int]:
+    """This process's I/O counters (all threads): rchar = bytes returned by read syscalls (mmap
+    reads are not among them), read_bytes = bytes fetched from the storage device (page cache
+    misses, mapped pages included)."""
+    with open("/proc/self/io") as io:
+        return {key: int(value) for key, value in (line.split(": ") for line in io.read().splitlines())}
+
+
+class DecodeIO:
+    """The process's read counters and the block store's, from the first decode step on.
+
+    A forward pre-hook notes them when generate() first runs the model on one new token (prefill
+    runs it on chunks, or not at all after layer-major prefill). The prefetch of the first decode
+    step's first layer is issued by the prefill and may finish before that; the prefetch issued after
+    the last step for a step that never comes is counted instead: one layer each way."""
+
+    def __init__(self, model: torch.nn.Module, store: KVBlockStore | None) -> None:
+        self.store = store
+        self.start: dict[str, int] | None = None
+        self._hook: RemovableHandle = model.register_forward_pre_hook(self._note, with_kwargs=True)
+
+    def __enter__(self) -> "DecodeIO":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._hook.remove()
+
+    def _counters(self) -> dict[str, int]:
+        counters = proc_io()
+        counters["block_bytes_read"] = self.store.bytes_read if self.store is not None else 0
+        return counters
+
+    def _note(self, module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if self.start is None and ids is not None and ids.shape[-1] == 1:
+            self.start = self._counters()
+
+    def per_step(self, steps: int) -> dict[str, float] | None:
+        """Counter deltas since the first decode step over `steps`; call once the cache has drained."""
+        if self.start is None or steps <= 0:
+            return None
+        end = self._counters()
+        return {key: (end[key] - self.start[key]) / steps for key in ("rchar", "read_bytes", "block_bytes_read")}
+
+
+def real_prompt(loaded: LoadedModel, tokens: int) -> list[int]:
+    text = TEXT.read_text(encoding="utf-8")
+    ids: list[int] = []
+    while len(ids) < tokens:
+        ids += loaded.tokenizer(text, add_special_tokens=False).input_ids
+    return ids[:tokens]
+
+
+def run_one(loaded: LoadedModel, strategy: str, prompt: list[int], args: argparse.Namespace, scratch: Path,
+            device_budget: int | None = None, placement: Placement | None = None, cold: bool = False) -> Run:
+    """One greedy generate() the way a worker runs it; `cold` (tiered-disk only) keeps the block
+    files out of the page cache, so every decode step reads its blocks from the device."""
+    name, _, compression = strategy.partition(":")
+    cache_cfg = CacheConfig(block_tokens=args.block_tokens, compression=compression or "zstd", zstd_level=1)
+    settings = SummarizeConfig(max_new_tokens=args.new_tokens, prefill_chunk_size=args.prefill_chunk)
+    offload_dir = scratch / f"{name}-{compression}-{len(prompt)}{'-cold' if cold else ''}"
+    cuda = loaded.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        baseline = torch.cuda.memory_allocated()
+    with build_cache(name, loaded.model, cache_cfg, offload_dir, device_budget, None, placement,
+                     expected_tokens=len(prompt) + args.new_tokens) as handle:
+        cache = handle.generate_kwargs.get("past_key_values")
+        store = cache.shared.tier.store if isinstance(cache, TieredCache) and name == "tiered-disk" else None
+        if cold:
+            if store is None:
+                raise ValueError(f"a cold page cache is for tiered-disk, not {strategy}")
+            store.keep_page_cache_cold()
+        with DecodeIO(loaded.model, store) as decode_io:
+            out = generate_once(loaded, prompt, args.new_tokens, settings, handle.generate_kwargs)
+        device_peak = torch.cuda.max_memory_allocated() - baseline if cuda else None
+        stats = handle.stats()  # drains the IO thread: its reads are in the counters
+        extra = cache.stats() if cache is not None else {}
+        io_per_step = decode_io.per_step(len(out.tokens) - 1)
+        stats.update({k: extra.get(k) for k in ("bytes_moved_per_decode_step", "read_wait_per_decode_step_s",
+                                                "decode_steps", "host_to_device_bytes")})
+        read_pass = cache.time_read_pass() if isinstance(cache, TieredCache) else None
+        real_kv = [(layer.keys, layer.values) for layer in cache.layers] if name == "dynamic" else None
+    decode_steps = max(len(out.tokens) - 1, 1)
+    return Run(len(prompt), strategy, out.ttft_s, out.decode_s / decode_steps, out.tokens, stats, read_pass,
+               device_peak, real_kv, cold, io_per_step)
+
+
+def fmt(value: float | None, width: int, spec: str) -> str:
+    return ("n/a" if value is None else format(value, spec)).rjust(width)
+
+# -- placement ---------------------------------------------------------------------------------------
+
+# Budget-proportional placement on SmolLM2-135M: a decode step moves only the KV that does not fit.
+#
+# At the largest of --contexts, side by side in one run: everything resident (`dynamic`), everything
+# streamed (a tiered cache without a placement), and device budgets of 25 %, 50 % and 75 % of the
+# cache planned by `jobs.kvplan.plan_placement`, on tiered-host and tiered-disk. For each: bytes
+# moved per decode step as planned (the plan's overflow) and as measured (what the cache's copies
+# wrote, added up at the copy sites in runner/engine/kvcache: tier reads into the layer's buffers,
+# new tokens into the RAM tail) side by side, their ratio, decode tokens/s and its ratio to
+# dynamic's, resident KV peak against the budget, and whether the tokens are dynamic's. Registered
+# in bench/offload.py as the `placement` section:
+#
+#     python bench/offload.py --sections placement --threads 1 --new-tokens 16
+
+SHARES = (0.25, 0.5, 0.75)
+"""Device budgets, as shares of the whole cache (prompt + new tokens)."""
+
+
+@dataclass(frozen=True)
+class Case:
+    strategy: str
+    budget_label: str
+    budget: int | None
+    placement: Placement | None
+
+
+def _cases(shape: KVShape, tokens: int, block_tokens: int, device_is_cpu: bool) -> list[Case]:
+    full = kv_bytes(shape, tokens)
+    cases = [Case("dynamic", "all resident", None, None)]
+    for strategy, tier in ((r.name, r.tier) for r in RUNGS.values() if r.tier):
+        cases.append(Case(strategy, "all streamed", None, None))
+        for share in SHARES:
+            budget = int(full * share)
+            # no host RAM to spare on the disk tier, so its streamed layers are read from files
+            host_budget = full if tier == "host" else 0
+            placement = plan_placement(shape, tokens, tier, budget, host_budget, block_tokens,
+                                       device_is_cpu=device_is_cpu)
+            cases.append(Case(strategy, f"{share:.0%} of KV", budget, placement))
+    return cases
+
+
+def placement_section(loaded: LoadedModel, args: argparse.Namespace) -> None:
+    """Bytes moved per decode step, measured beside planned, speed, resident peak, identity."""
+
+    shape = kv_shape(loaded.model.config, loaded.dtype)
+    window = loaded.model.config.max_position_embeddings
+    context = max(int(c) for c in args.contexts.split(",")) if args.contexts else 4096
+    prompt = real_prompt(loaded, min(context, window - args.new_tokens))
+    cases = _cases(shape, len(prompt) + args.new_tokens, args.block_tokens, loaded.device.type == "cpu")
+    end_kv = kv_bytes(shape, len(prompt) + args.new_tokens - 1)  # the last token is never cached
+    best = {}
+    with tempfile.TemporaryDirectory(dir=args.offload_root, prefix="kvbench-") as scratch:
+        for strategy in ("dynamic", *(r.name for r in RUNGS.values() if r.tier)):  # warm-up: first-call allocations and kernel choices
+            run_one(loaded, strategy, real_prompt(loaded, 256), args, Path(scratch))
+        for attempt in range(args.repeats):  # round robin, so a busy moment hits every case alike
+            for i, case in enumerate(cases):
+                run = run_one(loaded, case.strategy, prompt, args, Path(scratch), case.budget, case.placement)
+                if i not in best or run.decode_step_s < best[i].decode_step_s:
+                    best[i] = run
+                print(f"  {case.strategy}, {case.budget_label}, round {attempt + 1}: "
+                      f"{1 / run.decode_step_s:.2f} tok/s", flush=True)
+
+    dynamic = best[0]
+    print(f"\n{len(prompt)}-token prompt + {args.new_tokens} new tokens: KV {end_kv / MiB:.1f} MiB at the end\n")
+    print(f"{'strategy':<12} {'budget':<12} {'placement':<31} {'tok/s':>6} {'x dyn':>5} {'resident MiB':>12} "
+          f"{'budget MiB':>10} {'streamed':>8} {'planned MiB/step':>16} {'measured MiB/step':>17} "
+          f"{'measured/planned':>16} {'same':>5}")
+    for i, case in enumerate(cases):
+        run = best[i]
+        measured = run.stats.get("bytes_moved_per_decode_step")
+        planned = _planned_per_step(case, shape, len(prompt), len(run.new_tokens) - 1)
+        streamed = case.placement.streamed_share if case.placement else (0.0 if case.strategy == "dynamic" else 1.0)
+        describe = case.placement.describe() if case.placement else case.budget_label
+        print(f"{case.strategy:<12} {case.budget_label:<12} {describe:<31} {1 / run.decode_step_s:>6.2f} "
+              f"{dynamic.decode_step_s / run.decode_step_s:>5.2f} "
+              f"{run.stats['kv_resident_peak_bytes'] / MiB:>12.1f} {fmt(case.budget and case.budget / MiB, 10, '.1f')} "
+              f"{streamed:>8.2f} {planned / MiB:>16.2f} {fmt(measured / MiB if measured is not None else None, 17, '.2f')} "
+              f"{fmt(measured / planned if measured is not None and planned else None, 16, '.4f')} "
+              f"{str(run.new_tokens == dynamic.new_tokens):>5}", flush=True)
+    print("\nstreamed: planned share of the full-attention layers streamed. planned: the plan's bytes per decode "
+          "step (its streamed layers'\nold tokens in, new token out; Placement.moved_per_decode_step, or the whole "
+          "KV when everything is streamed), over the steps\nthis run made. measured: the bytes the cache's copies "
+          "wrote for the decode steps (tier -> layer buffers, new token -> RAM\ntail), added up where they happen; "
+          "n/a for dynamic, which copies nothing off the device. resident: KV peak on the\ndevice, within the budget.")
+
+
+def _planned_per_step(case: Case, shape: KVShape, prompt: int, steps: int) -> float:
+    """What the plan says a decode step moves, averaged over `steps` steps after a `prompt`-token
+    prefill (step s starts with prompt + s - 1 cached tokens)."""
+    if case.strategy == "dynamic" or steps <= 0:
+        return 0.0
+    cached = range(prompt, prompt + steps)
+    if case.placement is None:  # everything streamed: each step brings the whole cache in, the new token out
+        return sum(kv_bytes(shape, tokens + 1) for tokens in cached) / steps
+    return sum(case.placement.moved_per_decode_step(tokens) for tokens in cached) / steps
+
+# -- prefill -----------------------------------------------------------------------------------------
+
+# Prefill into a tiered-disk cache, chunked (token-major, transformers') vs layer-major, side by side.
+#
+# Chunked prefill reads every layer's earlier chunks back from the disk for each new chunk; layer-major
+# (runner/engine/kvcache/layer_major.py) writes each layer once and reads none of it back. Per context and codec, one generate_once() per mode that stops at the first token measures the
+# prefill: time to first token, the compute thread's CPU time, disk bytes read and written. The block
+# files are flushed and dropped from the page cache after every write, so reads come from the disk: the
+# storage-bound case. A second run per mode with --new-tokens checks that both give the same tokens.
+
+MODES: tuple[PrefillMode, ...] = ("chunked", "layer-major")
+CODECS = ("none", "zstd")
+
+
+@dataclass
+class Prefill:
+    ttft_s: float
+    cpu_s: float  # the compute thread's CPU time up to the first token: ttft less waiting (I/O, other processes)
+    read: int
+    written: int
+    read_s: float  # reading and decoding blocks, on the IO thread or the compute thread
+    tokens: list[int]
+
+
+def resident_bytes(paths: list[Path]) -> int | None:
+    """Bytes of these files in the page cache (util-linux fincore), None when it cannot tell."""
+    if not paths or shutil.which("fincore") is None:
+        return None
+    out = subprocess.run(["fincore", "--bytes", "--noheadings", "--output", "RES", *map(str, paths)],
+                         capture_output=True, text=True, check=False)
+    return sum(int(line) for line in out.stdout.split()) if out.returncode == 0 else None
+
+
+def page_cache_check(scratch: Path) -> str:
+    """Whether dropping written blocks from the page cache works here, told by writing one block."""
+    store = KVBlockStore(scratch / "page-cache-check", BlockCodec("none"))
+    try:
+        store.drop_page_cache_after_writes()
+    except KVBlockError as e:
+        store.close()
+        return f"page cache NOT dropped ({e}): reads may come from RAM"
+    try:
+        store.append(0, np.ones(4 * MiB, dtype=np.uint8))
+        left = resident_bytes(store.files())
+    finally:
+        store.close()
+    if left is None:
+        return "page cache dropped after each block write (posix_fadvise applied; fincore missing, not verified)"
+    verdict = "worked: reads come from the disk" if left == 0 else "did NOT work: reads may come from RAM"
+    return f"page cache dropped after each block write: a 4 MiB block left {left} bytes cached, {verdict}"
+
+
+def run(loaded: LoadedModel, prompt: list[int], mode: PrefillMode, codec: str, new_tokens: int,
+        args: argparse.Namespace, scratch: Path) -> Prefill:
+    cache_cfg = CacheConfig(block_tokens=args.block_tokens, compression=codec, zstd_level=1, prefill=mode)
+    settings = SummarizeConfig(max_new_tokens=new_tokens, prefill_chunk_size=args.prefill_chunk)
+    offload_dir = scratch / f"{mode}-{codec}-{len(prompt)}-{new_tokens}"
+    with build_cache("tiered-disk", loaded.model, cache_cfg, offload_dir, None) as handle:
+        store = handle.generate_kwargs["past_key_values"].shared.tier.store
+        store.drop_page_cache_after_writes()
+        cpu_from = time.thread_time()
+        out = generate_once(loaded, prompt, new_tokens, settings, handle.generate_kwargs, cache_cfg.prefill)
+        cpu_s = time.thread_time() - cpu_from
+        stats = handle.stats()
+    return Prefill(out.ttft_s, cpu_s, stats["offload_bytes_read"], stats["offload_bytes_written"], store.read_s,
+                   out.tokens)
+
+
+def prefill_section(loaded: LoadedModel, args: argparse.Namespace) -> None:
+    """Chunked vs layer-major prefill of a tiered-disk cache: time, bytes read and written, tokens."""
+    # bench/ runs as a script, and offload imports this module
+
+    shape = kv_shape(loaded.model.config, loaded.dtype)
+    with tempfile.TemporaryDirectory(dir=args.offload_root, prefix="kvbench-prefill-") as tmp:
+        scratch = Path(tmp)
+        print(page_cache_check(scratch), flush=True)
+        for mode in MODES:  # warm-up: first-call allocations and kernel choices
+            run(loaded, real_prompt(loaded, 4 * args.prefill_chunk), mode, "none", 1, args, scratch)
+        header = (f"{'ctx':>5} {'chunks':>6} {'codec':<5} {'prefill':<11} {'ttft s':>7} {'x chunked':>9} "
+                  f"{'cpu s':>6} {'read MiB':>9} {'read s':>7} {'written MiB':>11} {'read/written':>12} "
+                  f"{'written/KV':>10} {'same':>5}")
+        print("\n" + header)
+        for context in (int(c) for c in args.contexts.split(",")):
+            window = loaded.model.config.max_position_embeddings
+            prompt = real_prompt(loaded, min(context, window - args.new_tokens))
+            raw_kv = kv_bytes(shape, len(prompt))
+            for codec in CODECS:
+                rows: dict[str, Prefill] = {}
+                for mode in MODES:
+                    first = run(loaded, prompt, mode, codec, 1, args, scratch)
+                    full = run(loaded, prompt, mode, codec, args.new_tokens, args, scratch)
+                    rows[mode] = dataclasses.replace(first, tokens=full.tokens)
+                for mode in MODES:
+                    r, base = rows[mode], rows["chunked"]
+                    print(f"{len(prompt):>5} {math.ceil(len(prompt) / args.prefill_chunk):>6} {codec:<5} "
+                          f"{mode:<11} {r.ttft_s:>7.2f} {base.ttft_s / r.ttft_s:>9.2f} {r.cpu_s:>6.2f} "
+                          f"{r.read / MiB:>9.1f} {r.read_s:>7.2f} {r.written / MiB:>11.1f} {r.read / r.written:>12.2f} "
+                          f"{r.written / raw_kv:>10.2f} "
+                          f"{r.tokens == base.tokens!s:>5}", flush=True)
+    print(f"""
+ttft: prefill up to the first token, page cache dropped; x chunked: chunked's ttft over this one's.
+cpu: the compute thread's CPU time up to the first token (ttft less the time it waited for I/O or for a core).
+read s: time spent reading blocks from the disk and decoding them (mostly on the prefetch thread, hidden
+behind compute where a core is free; on a GPU with slow storage it is what prefill waits for).
+read/written: disk bytes read per byte written up to the first token (layer 0, prefetched for the first
+decode step, included); written/KV: bytes written over the prompt's raw KV (the unfilled tail block stays
+in RAM; zstd stores less). same: the {args.new_tokens} generated tokens equal chunked's.""")
+
+# -- resident ----------------------------------------------------------------------------------------
+
+# `dynamic` (GrowingLayer: KV written in place, geometric growth) against transformers' plain DynamicCache.
+#
+# Same model, same prompt, same chunked prefill, run side by side in alternating order each round (the
+# fastest round counts): the difference is only the layer that holds the full-attention KV, whose
+# concatenation copies the whole prefix at every prefill chunk and decode step. Registered in
+# bench/offload.py as the `resident` section:
+#
+#     python bench/offload.py --sections resident --threads 1 --new-tokens 32
+
+VARIANTS = ("DynamicCache", "dynamic")
+
+
+@dataclass
+class Timed:
+    generation: Generation
+    decode_step_s: float  # the median decode step, wall clock
+    decode_cpu_s: float  # the median decode step, CPU time of this process (unmoved by waiting for a core)
+    allocated_bytes: int | None  # GrowingLayer capacity, keys and values of all layers
+
+
+class _StepClock(StoppingCriteria):
+    """generate() asks it once per new token: the gaps are the decode steps (the first follows prefill)."""
+
+    def __init__(self) -> None:
+        self.wall: list[float] = []
+        self.cpu: list[float] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: object) -> torch.BoolTensor:
+        self.wall.append(time.perf_counter())
+        self.cpu.append(time.process_time())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    @staticmethod
+    def median_step_s(times: list[float]) -> float:
+        """The median rather than the mean: a burst of other work on a shared CPU moves it least."""
+        return statistics.median(b - a for a, b in zip(times, times[1:]))
+
+
+def _run(loaded: LoadedModel, variant: str, prompt: list[int], settings: SummarizeConfig) -> Timed:
+    clock = _StepClock()
+    if variant == "DynamicCache":
+        cache = DynamicCache(config=loaded.model.config)
+        kwargs = {"past_key_values": cache, "stopping_criteria": StoppingCriteriaList([clock])}
+        out = generate_once(loaded, prompt, settings.max_new_tokens, settings, kwargs)
+        allocated = None
+    else:
+        # as a worker builds it: the task's length is known, so the buffers are allocated once
+        with build_cache("dynamic", loaded.model, CacheConfig(), None, None,
+                         expected_tokens=len(prompt) + settings.max_new_tokens) as handle:
+            kwargs = {**handle.generate_kwargs, "stopping_criteria": StoppingCriteriaList([clock])}
+            out = generate_once(loaded, prompt, settings.max_new_tokens, settings, kwargs)
+            layers = handle.generate_kwargs["past_key_values"].layers
+            allocated = sum(layer.capacity_bytes for layer in layers if isinstance(layer, GrowingLayer))
+    return Timed(out, clock.median_step_s(clock.wall), clock.median_step_s(clock.cpu), allocated)
+
+
+def resident_section(loaded: LoadedModel, args: argparse.Namespace) -> None:
+    """Decode ms/step and prefill s of both, their ratio, and whether the tokens are identical."""
+
+    settings = SummarizeConfig(max_new_tokens=args.new_tokens, prefill_chunk_size=args.prefill_chunk)
+    for variant in VARIANTS:  # warm-up: first-call allocations and kernel choices
+        _run(loaded, variant, real_prompt(loaded, 256), settings)
+    window = loaded.model.config.max_position_embeddings
+    rows = []
+    for context in (int(c) for c in args.contexts.split(",")):
+        prompt = real_prompt(loaded, min(context, window - args.new_tokens))
+        runs: dict[str, list[Timed]] = {variant: [] for variant in VARIANTS}
+        for attempt in range(args.repeats):
+            order = VARIANTS if attempt % 2 == 0 else VARIANTS[::-1]  # neither always runs first
+            for variant in order:
+                runs[variant].append(_run(loaded, variant, prompt, settings))
+                print(f"  {len(prompt)} tokens, {variant}, round {attempt + 1}: "
+                      f"{runs[variant][-1].decode_step_s * 1e3:.1f} ms/step", flush=True)
+        rows.append((len(prompt), runs["DynamicCache"], runs["dynamic"]))
+
+    shape = kv_shape(loaded.model.config, loaded.dtype)
+    print(f"\n{'ctx':>5} {'DynamicCache ms/step':>20} {'dynamic ms/step':>15} {'x faster':>8} "
+          f"{'CPU ms/step (DC / dyn)':>22} {'x CPU':>5} {'prefill s (DC / dyn)':>20} {'KV MiB':>7} {'alloc MiB':>9} "
+          f"{'same':>5}")
+    for context, plain, mine in rows:
+        step_plain, step_mine = (min(r.decode_step_s for r in variant_runs) for variant_runs in (plain, mine))
+        cpu_plain, cpu_mine = (min(r.decode_cpu_s for r in variant_runs) for variant_runs in (plain, mine))
+        prefill = " / ".join(f"{min(r.generation.ttft_s for r in variant_runs):.2f}" for variant_runs in (plain, mine))
+        same = all(r.generation.tokens == plain[0].generation.tokens for r in plain + mine)
+        kv_mib = kv_bytes(shape, context + len(mine[0].generation.tokens) - 1) / MiB  # the last token is never cached
+        print(f"{context:>5} {step_plain * 1e3:>20.1f} {step_mine * 1e3:>15.1f} {step_plain / step_mine:>8.2f} "
+              f"{f'{cpu_plain * 1e3:.1f} / {cpu_mine * 1e3:.1f}':>22} {cpu_plain / cpu_mine:>5.2f} {prefill:>20} "
+              f"{kv_mib:>7.1f} {(mine[-1].allocated_bytes or 0) / MiB:>9.1f} {str(same):>5}", flush=True)
+    print("\nms/step: a run's median decode step, fastest of the rounds; x faster: DynamicCache's over dynamic's.\n"
+          "CPU ms/step: the same in this process's CPU time (x CPU: the ratio), steadier on a shared machine.\n"
+          "prefill: fastest of the rounds. alloc: GrowingLayer capacity at the end (geometric growth, x1.5),\n"
+          "against the KV it holds. same: every run of both produced identical new tokens.")
+
+# -- strategies, the codec, and the run -----------------------------------------------------------
 
 STRATEGIES = ["dynamic", "tiered-host", "tiered-disk:zstd", "tiered-disk:none"]
 COLD = ["tiered-disk:zstd", "tiered-disk:none"]
