@@ -26,6 +26,8 @@ Sections (all in one run, so the ratios share the machine's state):
   and where the workers' decode time went (prefill, decode steps, rows stalled behind another's
   prefill, mean batch); and ~28 short sequences of step-ops' model through the CLI with the pooled
   path: each one's decode tok/s alone and in one batch.
+- rides (`--sections rides`, by name only): a long prompt joining 4 decoding rows, prefilled whole or
+  riding the decode steps in chunks: the decoders' longest wait, its TTFT, the batch's wall time.
 - device-quant (`--sections device-quant`): decode tok/s and weight memory under each
   `model.quantization` the machine can run, the same random checkpoint loaded through kvbatch's loader.
 - the decode step on a device (the static-cache graph baseline, kvbatch graphed and eager, agreement,
@@ -33,13 +35,14 @@ Sections (all in one run, so the ratios share the machine's state):
 
 Run: python bench/throughput.py [--sections docs,anchors,decode,step-ops] [--sequences 1,2,4,8,16]
      [--layouts 2x1,1x2] [--decode-shapes 500x16,3000x8] [--attention per-row,pooled] [--json]
-     [--set KEY=VALUE ...] [--mix-sequences 1,auto] [--step-rows 28]
+     [--set KEY=VALUE ...] [--mix-sequences 1,auto] [--step-rows 28] [--rides-long 1536]
      [--sections device-quant --device cuda --report quant.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import sys
@@ -778,8 +781,100 @@ def cli_step_section(loaded: LoadedModel | None, args: argparse.Namespace) -> di
     return figures
 
 
+# -- rides: a long prompt joining a decoding batch ----------------------------------------------------
+# Prefilled whole (batch.prefill_chunk_tokens 0) or riding the decode steps chunk by chunk, side by side
+# on the builtin SmolLM2. `--rides-rows` short prompts decode together; once they all do, a long prompt
+# joins. Each row is the worker's own engine (`BatchEngine`, `dynamic` caches, greedy fp32, loop stop
+# off) with one setting of the chunk; the clock is read after every decode step's token choice, where
+# the batch's rows get their tokens. The table gives the decoders' longest wait between two tokens (the
+# stall a whole prefill is), the decode steps they made while the long prompt prefilled, the long
+# prompt's time to its first token, and the wall time of the whole batch; every row's tokens must equal
+# the whole prefill's (the section fails otherwise).
+RIDES_MANIFEST = REPO / "examples" / "licenses.jsonl"
+
+
+def _ride(loaded, chunk: int, short: list[list[int]], long: list[int], new_tokens: int) -> dict:
+    """One row: the short prompts decode, the long one joins; the figures of that batch."""
+    from jobs.config import CacheConfig, SummarizeConfig
+    from runner.engine.batch_engine import BatchEngine, PassRequest
+    from runner.engine.kvcache import build_cache
+    from runner.engine.probes import StageMemory
+    from runner.engine.worker import _is_memory_error
+
+    class StepClock(BatchEngine):
+        """The engine, with the time of each decode step's token choice."""
+
+        def __init__(self, *args, **kwargs) -> None:
+            self.ticks: list[float] = []
+            super().__init__(*args, **kwargs)
+
+        def _choose(self, rows, logits, chosen=None) -> None:
+            super()._choose(rows, logits, chosen)
+            if rows:
+                self.ticks.append(time.perf_counter())
+
+    # every row runs its full length: no loop stop, no early end-of-sequence
+    settings = SummarizeConfig(loop_stop={"enabled": False}, generation={"min_new_tokens": new_tokens})
+    engine = StepClock(loaded, settings, "auto", len(short) + 1, 1 << 50, _is_memory_error,
+                          prefill_chunk_tokens=chunk)
+
+    def request(prompt: list[int], new: int) -> PassRequest:
+        return PassRequest(prompt, new, make_cache=lambda: build_cache("dynamic", loaded.model, CacheConfig(), None, None),
+                           device_bytes=0, memory=StageMemory())
+
+    started = time.perf_counter()
+    futures = [engine.submit(request(p, new_tokens)) for p in short]
+    while engine.most_rows < len(short):  # every short prompt decodes: now the long one joins
+        if any(f.done() for f in futures):
+            raise SystemExit("a short prompt finished before all of them decoded: raise --new-tokens")
+        time.sleep(0.001)
+    joined_at = time.perf_counter()
+    first_step, rode_before = len(engine.ticks), engine.steps_with_prefill
+    long_future = engine.submit(request(long, 16))
+    passes = [f.result().generation for f in futures]
+    long_pass = long_future.result().generation
+    wall = time.perf_counter() - started
+    engine.close()
+    long_first = joined_at + long_pass.ttft_s
+    ticks = engine.ticks[max(first_step - 1, 0) :]
+    gaps = [b - a for a, b in itertools.pairwise(ticks) if a <= long_first]  # until the long prompt decodes too
+    return {
+        "chunk": chunk,
+        "longest_wait_s": max(gaps, default=0.0),
+        "decode_steps_while_prefilling": engine.steps_with_prefill - rode_before,  # nobody joins after it
+        "long_ttft_s": long_pass.ttft_s,
+        "wall_s": wall,
+        "tokens": [p.tokens for p in passes] + [long_pass.tokens],
+    }
+
+
+def rides_section(loaded: LoadedModel | None, args: argparse.Namespace) -> dict:
+    """The long prompt prefilled whole against riding in `--rides-chunk`-token chunks."""
+    assert loaded is not None
+    rows = [json.loads(line) for line in RIDES_MANIFEST.read_text().splitlines() if line.strip()]
+    texts = [r["text"] if "text" in r else Path(r["path"]).read_text(encoding="utf-8", errors="replace") for r in rows]
+    ids = [loaded.tokenizer(text, add_special_tokens=False)["input_ids"] for text in texts]
+    short = [doc[: args.rides_short] for doc in ids[: args.rides_rows]]
+    long = next(doc for doc in sorted(ids, key=len, reverse=True))[: args.rides_long]
+    _ride(loaded, args.rides_chunk, short[:1], long[:64], 4)  # warm-up: the shapes' first calls pay their set-up
+    whole, rides = [_ride(loaded, chunk, short, long, args.rides_new) for chunk in (0, args.rides_chunk)]
+    if rides["tokens"] != whole["tokens"]:
+        raise SystemExit("riding changed a token: a bug (greedy fp32 tokens must be identical)")
+    print(f"{args.rides_rows} rows of {args.rides_short}-token prompts decode, a {len(long)}-token prompt joins "
+          "(greedy fp32 tokens identical in both rows)\n")
+    print("| prefill of the joining prompt | decoders' longest wait (s) | decode steps while it prefilled | "
+          "its TTFT (s) | wall (s) |")
+    print("|---|---|---|---|---|")
+    for r, label in ((whole, "whole (`prefill_chunk_tokens: 0`)"), (rides, f"rides, {args.rides_chunk}-token chunks")):
+        print(f"| {label} | {r['longest_wait_s']:.2f} | {r['decode_steps_while_prefilling']} | "
+              f"{r['long_ttft_s']:.2f} | {r['wall_s']:.2f} |")
+    print(f"\nrides / whole: longest wait {rides['longest_wait_s'] / whole['longest_wait_s']:.2f}x, "
+          f"TTFT {rides['long_ttft_s'] / whole['long_ttft_s']:.2f}x, wall {rides['wall_s'] / whole['wall_s']:.2f}x")
+    return {"rows": [{k: v for k, v in r.items() if k != "tokens"} for r in (whole, rides)]}
+
+
 SECTIONS = {"docs": docs_section, "anchors": anchors_section, "decode": decode_section, "step-ops": step_ops_section}
-CLI_SECTIONS = {"mix": mix_section, "cli-step": cli_step_section}
+CLI_SECTIONS = {"mix": mix_section, "cli-step": cli_step_section, "rides": rides_section}
 """Run by name only (`--sections mix,cli-step`): the issue-21 end-to-end figures, several minutes each."""
 WITHOUT_SMOLLM2 = {"step-ops", "cli-step"}
 
@@ -809,6 +904,11 @@ def main() -> None:
     parser.add_argument("--step-rows", type=int, default=28, help="cli-step: sequences decoding together")
     parser.add_argument("--step-words", type=int, default=48, help="cli-step: words (tokens) per document")
     parser.add_argument("--step-tokens", type=int, default=96, help="cli-step: new tokens per sequence")
+    parser.add_argument("--rides-rows", type=int, default=4, help="rides: short prompts decoding when the long one joins")
+    parser.add_argument("--rides-short", type=int, default=128, help="rides: the short prompts' tokens")
+    parser.add_argument("--rides-long", type=int, default=1536, help="rides: the joining prompt's tokens")
+    parser.add_argument("--rides-new", type=int, default=96, help="rides: the short prompts' new tokens")
+    parser.add_argument("--rides-chunk", type=int, default=256, help="rides: batch.prefill_chunk_tokens of the riding row")
     parser.add_argument("--json", action="store_true", help="end with one JSON line of every section's figures")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="device-quant: where it runs")
     parser.add_argument("--prompt-tokens", type=int, help="device-quant: prompt length (at most 2048)")
