@@ -56,7 +56,7 @@ bench: venv
 	$(PY) bench/checkpoint.py
 	$(PY) bench/offload.py --threads 1
 	$(PY) bench/quantization.py
-	$(PY) bench/decode_revisions.py --rounds 5
+	$(PY) bench/decode_revisions.py --rounds 5 --revision 88824c8
 
 # What bench/device.sh installs on a GPU machine that cannot download (docs/device.md): the engine's
 # imports that machine lacks, at the versions tested here, as Python 3.12 x86-64 wheels (about 28 MB).

@@ -1,5 +1,6 @@
-"""bench/decode_revisions.py: the old revision really runs beside this tree, and the figures it prints
-are the ones its sides measured, with every side's tokens compared."""
+"""bench/decode_revisions.py: an old revision (an option, `--revision`) really runs beside this tree, and
+the figures it prints are the ones its sides measured, with every side's tokens compared; without one,
+this tree's two attention paths alone."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ def test_the_old_revision_and_both_attention_paths_decode_the_same_tokens_side_b
     worktrees_before = subprocess.run(["git", "-C", str(REPO), "worktree", "list"], capture_output=True,
                                       text=True, check=True).stdout
     bench = subprocess.run([sys.executable, str(REPO / "bench" / "decode_revisions.py"), "--shapes", "40x2,mixed:20-60x3",
-                            "--steps", "3", "--rounds", "2", "--threads", "1", "--json"],
+                            "--steps", "3", "--rounds", "2", "--threads", "1", "--revision", BEFORE, "--json"],
                            cwd=REPO, capture_output=True, text=True, timeout=900)
     assert bench.returncode == 0, bench.stdout + bench.stderr
     results = json.loads(bench.stdout.strip().splitlines()[-1])
@@ -41,3 +42,14 @@ def test_the_old_revision_and_both_attention_paths_decode_the_same_tokens_side_b
     assert "choose_tokens" in bench.stdout
     after = subprocess.run(["git", "-C", str(REPO), "worktree", "list"], capture_output=True, text=True, check=True).stdout
     assert after == worktrees_before, "the bench left its checkout of the old revision behind"
+
+
+@pytest.mark.slow
+def test_without_a_revision_this_trees_two_paths_run_side_by_side() -> None:
+    bench = subprocess.run([sys.executable, str(REPO / "bench" / "decode_revisions.py"), "--shapes", "40x2",
+                            "--steps", "2", "--rounds", "1", "--threads", "1", "--json"],
+                           cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert bench.returncode == 0, bench.stdout + bench.stderr
+    (result,) = json.loads(bench.stdout.strip().splitlines()[-1])
+    assert [s["side"] for s in result["sides"]] == ["now per-row", "now pooled"]
+    assert all(side["same_tokens"] == result["rows"] for side in result["sides"])
