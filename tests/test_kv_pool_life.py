@@ -21,7 +21,7 @@ import torch
 from jobs.config import CacheConfig, LoopStopConfig, SummarizeConfig
 from jobs.faults import FAULTS_ENV
 from runner.engine.batch_engine import BatchEngine, PassRequest
-from runner.engine.kvcache import ResidentMeter, build_cache
+from runner.engine.kvcache import KVBudgetExceeded, ResidentMeter, build_cache
 from runner.engine.kvcache.pool import KVPool, PooledCache
 from runner.engine.static_step import StaticStep
 from runner.engine.worker import _is_memory_error
@@ -185,3 +185,16 @@ def test_admission_asks_the_pool_so_sequences_past_its_slots_wait_without_a_memo
     assert engine.plan.splits == 0
     # not asked, the claim's memory error lowered the batch limit and counts against growing it back
     assert (engine.plan.limit.memory_errors == 0) == asks_the_pool, engine.plan.limit.memory_errors
+
+
+def test_a_meter_says_what_a_hold_would_do_without_holding() -> None:
+    """`room_for` (what the pool's admission asks) agrees with `hold`, through a meter's pool too."""
+    batch = ResidentMeter(100, "the batch's device", "cache.device_kv_budget_bytes")
+    cache = ResidentMeter(80, "a cache's device", "cache.device_kv_budget_bytes", batch)
+    batch.hold("pool", 30)
+    cache.hold("layer", 50)
+    assert cache.room_for("layer", 70) and not cache.room_for("layer", 71)  # the batch: 30 + 70
+    assert not cache.room_for("other", 31)  # the cache's own 80
+    assert (batch.total, cache.total) == (80, 50)  # nothing held by asking
+    with pytest.raises(KVBudgetExceeded):
+        cache.hold("layer", 71)

@@ -47,6 +47,7 @@ from jobs.config import PREFILL_CHUNK_TOKENS, PrefillMode, SummarizeConfig
 from jobs.outcome import CacheStats, DecodeSteps, no_steps
 from jobs.stopping import StopReason
 from runner.engine.batch_plan import BatchPlan, BatchSequence, Status
+from runner.engine.batched_logits import Ban
 from runner.engine.generation import Generation, TokenPicker, choose_tokens, generate_once, prefill
 from runner.engine.kvcache import CacheHandle
 from runner.engine.model_loader import LoadedModel
@@ -343,7 +344,7 @@ class BatchEngine:
             with self._changed:
                 self.plan.decoded([rows[row] for row in going_on], beside_prefill=chunk is not None,
                                   eager_because=[eager_because[row] for row in going_on],
-                                  ahead=[rows[row] in plan for row in going_on] if plan is not None else ())
+                                  ahead=[plan[rows[row]][0] is not None for row in going_on] if plan is not None else ())
         if riding is not None and chunk is not None:
             riding.prefilled += len(chunk.tokens)
             if first_logits is not None:
@@ -353,19 +354,23 @@ class BatchEngine:
         else:
             self._choose(rows, logits, chosen)
 
-    def _ahead_plan(self, rows: list[Sequence], ahead: Ahead) -> dict[Sequence, int] | None:
-        """Where each row's input token is in the step ahead's tokens, when the next step can be launched
-        before that one is read: every row on the static step with bans that fit it, the step ahead's
-        rows by their token there, the others (just joined) by their host token. None otherwise."""
+    def _ahead_plan(self, rows: list[Sequence], ahead: Ahead) -> dict[Sequence, tuple[int | None, Ban]] | None:
+        """Each row's input and bans when the next step can be launched before the step ahead is read:
+        every row on the static step with bans that fit it, the step ahead's rows by where their token
+        is in its tokens (their bans by what that token could be), the others (just joined) by their
+        host token (None). None otherwise."""
         if self.static is None:
             return None
         at = {seq: i for i, seq in enumerate(ahead.rows)}
+        plan = {}
         for seq in rows:
             if self.static.why_eager(seq.handle.cache) is not None:
                 return None
-            if not self.static.ban_fits(seq.picker.ban(self.static.vocab, self.static.pieces, ahead=seq in at)):
+            ban = seq.picker.ban(self.static.vocab, self.static.pieces, ahead=seq in at)
+            if ban is None or not self.static.ban_fits(ban):
                 return None
-        return {seq: at[seq] for seq in rows if seq in at}
+            plan[seq] = (at.get(seq), ban)
+        return plan
 
     def _failed(self, everyone: list[Sequence], error: BaseException) -> None:
         """A step raised: a memory error splits the batch; a row's own error fails it and restarts the
@@ -386,7 +391,7 @@ class BatchEngine:
                 self._fail_sequence(seq, error)
 
     def _step(self, rows: list[Sequence], caches: list[Cache], eager_because: list[Eager | None],
-              chunk: PrefillChunk | None, ahead: tuple[torch.Tensor, dict[Sequence, int]] | None = None
+              chunk: PrefillChunk | None, ahead: tuple[torch.Tensor, dict[Sequence, tuple[int | None, Ban]]] | None = None
               ) -> tuple[torch.Tensor, Chosen | None, torch.Tensor | None]:
         """The forward passes of one step: the static step over the rows it takes (`eager_because`
         None), and one eager `mixed_step` over the others with `chunk` beside them, so neither a
@@ -394,16 +399,18 @@ class BatchEngine:
         ([rows, vocab]), the tokens the static step chose on the device (for its rows whose choice is
         greedy over bans: plain greedy, and the default config's n-gram ban), and the chunk's last
         position's logits when it wants them ([1, vocab]). `ahead`: the step ahead's tokens (on the
-        device) and the rows whose input token is among them, by where (`_ahead_plan`). A `RowFailed`
+        device) and every row's input and bans (`_ahead_plan`: all of them on the static step). A `RowFailed`
         numbers the rows as `rows`, the chunk's last."""
         static = [row for row, why in enumerate(eager_because) if why is None]
         eager = [row for row, why in enumerate(eager_because) if why is not None]
         parts, chosen, first_logits = [], None, None
         if static:
             assert self.static is not None
-            at = [ahead[1].get(rows[row]) if ahead is not None else None for row in static]
-            bans = [rows[row].picker.ban(self.static.vocab, self.static.pieces, ahead=where is not None)
-                    for row, where in zip(static, at)]
+            if ahead is not None:  # the plan made them: every row on the static step, its bans fit
+                at, bans = zip(*(ahead[1][rows[row]] for row in static), strict=True)
+            else:
+                at = (None,) * len(static)
+                bans = tuple(rows[row].picker.ban(self.static.vocab, self.static.pieces) for row in static)
             fits = [self.static.ban_fits(ban) for ban in bans]
             device_tokens = (ahead[0], at) if ahead is not None and any(where is not None for where in at) else None
             static_logits, tokens = self.static.run([rows[row].tokens[-1] for row in static],

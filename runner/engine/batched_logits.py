@@ -198,7 +198,11 @@ class NoRepeatNGrams(HostBans):
     def glues(self, vocab: int) -> bool:
         """Whether a token it bans now begins a word (within the scores' `vocab`): then the word before
         it ends there, and a token carrying it on is banned too."""
-        return self.pieces is not None and any(t < vocab and t in self.pieces.starts for t in self.banned())
+        return self.begins_word([t for t in self.banned() if t < vocab])
+
+    def begins_word(self, banned: list[int]) -> bool:
+        """Whether one of these banned tokens begins a word (the glue rule: `glues`)."""
+        return self.pieces is not None and any(t in self.pieces.starts for t in banned)
 
     @classmethod
     def apply(cls, forms: Sequence[BatchedForm], scores: torch.Tensor) -> torch.Tensor:

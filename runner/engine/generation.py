@@ -198,8 +198,7 @@ generate() places them: runner/engine/summary_ngrams.py), then greedy, or sampli
                 return None
             for after, tokens in by_next.items():
                 banned = [token for token in tokens if token < vocab]
-                glued = (isinstance(form, NoRepeatNGrams) and form.pieces is not None
-                         and any(token in form.pieces.starts for token in banned))
+                glued = isinstance(form, NoRepeatNGrams) and form.begins_word(banned)
                 if glued and form.pieces is not pieces:
                     return None
                 if banned:

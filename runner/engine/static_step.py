@@ -44,6 +44,7 @@ The caller reads the step's tokens (or chooses from its logits) after it: one tr
 
 from __future__ import annotations
 
+import bisect
 import functools
 import logging
 import time
@@ -118,7 +119,8 @@ def _runs(spans: tuple[int, ...], most: int) -> Runs:
 def graph_span(tokens: int, room: int) -> int:
     """The span a captured step reads for rows of up to `tokens`: the first of `GRAPH_SPANS` that holds
     them, within the pool's `room` (every slot's tokens), or the room itself."""
-    return min(next((span for span in GRAPH_SPANS if span >= tokens), room), room)
+    at = bisect.bisect_left(GRAPH_SPANS, tokens)
+    return min(GRAPH_SPANS[at] if at < len(GRAPH_SPANS) else room, room)
 
 
 class _StaticRows(PooledStep):
@@ -242,10 +244,12 @@ class StaticStep:
                 ids[slot] = last_tokens[row]
             else:
                 from_device.append((slot, at))
-            for choice, (token, tokens, glues) in enumerate(bans[row] if bans is not None else ()):
+            entries = bans[row] if bans is not None else ()
+            for choice, (token, tokens, glues) in enumerate(entries):
                 entry = slot * BAN_CHOICES + choice
                 after[entry], glued[entry] = token, int(glues)
                 banned[entry * BAN_WIDTH : entry * BAN_WIDTH + len(tokens)] = tokens
+            self.glued_row_steps += any(glues for _, _, glues in entries)
         runs = self._runs(attended)
         inputs = step_inputs(self.pool.device)
         buffers.ids.copy_(inputs.put("ids", ids), non_blocking=True)
@@ -267,7 +271,6 @@ class StaticStep:
             cache.length += 1
         self.steps += 1
         self.banned_steps += bans is not None
-        self.glued_row_steps += sum(any(glued[slot * BAN_CHOICES : (slot + 1) * BAN_CHOICES]) for slot in range(size))
         self.ahead_row_steps += len(from_device)
         self.row_steps += len(caches)
         self.passenger_steps += len(caches) < len(carried)

@@ -98,15 +98,12 @@ class KVPool:
     def fits(self, tokens: int) -> bool:
         """Whether one more sequence of `tokens` can take a slot now: a free one with the room, or new
         buffers within the budget. What admission asks before a pooled sequence joins the batch (the
-        pool owns the device KV; a claim that does not fit would raise mid-batch and split it)."""
+        pool owns the device KV; a claim that does not fit would be a memory error, which lowers the
+        batch limit)."""
         slots = len(self.owners) + 1
         if slots <= self.slots and tokens <= self.tokens:
             return True
-        if self.meter.budget_bytes is None:
-            return True
-        held = self.bytes_for(self.slots, self.tokens)
-        least = self.bytes_for(slots, _granule(max(tokens, self.longest())))  # what `ensure` settles for at least
-        return self.meter.total - held + least <= self.meter.budget_bytes
+        return self.meter.room_for(METER_SLOT, self.bytes_for(*self._least_shape(slots, tokens)))
 
     def claim(self, cache: PooledCache, tokens: int) -> int:
         """A slot for `cache` with room for `tokens`; raises `KVBudgetExceeded` (a memory error: the
@@ -148,7 +145,7 @@ class KVPool:
         geometrically; either while the budget allows, else exactly."""
         if slots <= self.slots and tokens <= self.tokens:
             return
-        exact = (max(slots, len(self.owners)), _granule(max(tokens, self.longest())))
+        exact = self._least_shape(slots, tokens)
         if self.keys is None and self.planned is not None:
             wanted = self._planned_shape(*exact)
         else:
@@ -166,6 +163,11 @@ class KVPool:
         except BaseException:  # a real device OOM: the meter goes back to what the pool still holds
             self.meter.hold(METER_SLOT, self.bytes_for(self.slots, self.tokens))
             raise
+
+    def _least_shape(self, slots: int, tokens: int) -> tuple[int, int]:
+        """The smallest buffers that hold `slots` sequences of `tokens` and every live one: what `ensure`
+        settles for when the budget has no room for more."""
+        return max(slots, len(self.owners)), _granule(max(tokens, self.longest()))
 
     def _planned_shape(self, slots: int, tokens: int) -> tuple[int, int]:
         """The plan's shape, at least (`slots`, `tokens`): its slots cut to what the budget has room
