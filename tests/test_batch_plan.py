@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from concurrent.futures import Future
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from hypothesis import given, settings

@@ -11,7 +11,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from jobs.config import LoopStopConfig, SummarizeConfig
 from runner.engine.batch_engine import BatchEngine
