@@ -5,13 +5,21 @@ with the least expected work in flight (greedy longest-processing-time schedulin
 estimated before it is tokenised, with the planner's characters-per-token (jobs/kvplan.py): the
 tokens it prefills over all its passes (its chunks, then merge rounds of their summaries, as
 jobs/chunking.py cuts and groups them) plus the tokens it decodes, weighted, since a decoded token
-costs one forward step of its own. Once a document is planned, its real chunk prompts count instead
-(runner/coordinator.py `work_of`).
+costs one forward step of its own. Once a document is planned, its passes' real prompts count instead.
+
+The `WorkQueue` deals the work items: documents to plan, the longest first, and the passes of those
+planned, in front of them (a pass goes to the worker that holds its document's other passes when that
+worker may take it, so a document's passes batch together; to any worker with room otherwise).
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Hashable, Mapping
+import heapq
+import itertools
+import threading
+from collections.abc import Callable, Collection, Hashable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Protocol
 
 from jobs.chunking import fewest_chunks, group_for_merge
 from jobs.config import JobConfig
@@ -82,14 +90,116 @@ def expected_work(task: Task, config: JobConfig, context_tokens: int | None = No
                for tokens in expected_passes(task, config, context_tokens))
 
 
-def merge_work(task: Task, config: JobConfig, chunks: int, context_tokens: int) -> float:
-    """The expected work left to a task whose `chunks` ran dealt out: its merge passes."""
-    return sum(pass_work(task, config, tokens + PROMPT_TOKENS)
-               for tokens in merge_counts(chunks, context_tokens, _max_new_tokens(task, config)))
-
-
 def may_take(worker: Hashable, loads: Mapping[Hashable, float], free: Collection[Hashable]) -> bool:
     """Whether `worker` takes the next task now: no other worker that has a free slot has less work in
     flight (a worker with every slot busy, or down, does not hold the task back from the others)."""
     return all(loads.get(worker, 0.0) <= loads.get(other, 0.0) for other in free)
 
+
+
+class Item(Protocol):
+    """A work item: a document to plan or a pass to run (runner/coordinator.py)."""
+
+    @property
+    def doc(self) -> object: ...  # its document: one document's items prefer one worker
+
+    @property
+    def work(self) -> float: ...  # its expected work
+
+
+class WorkQueue:
+    """Work items shared by the workers' feeding threads. Documents wait in `later` (planned once a
+    thread takes one), everything else in front: passes of the documents planned, a document to plan
+    again at a shorter context, work handed back by a lost worker. A worker takes the next item only
+    while no other worker with a free slot has less expected work in flight, so the long documents
+    spread over the workers instead of one worker's queue setting the batch's end. `take` waits while
+    other threads still hold items that may bring work."""
+
+    def __init__(self, later: list[Item], workers: list[Hashable], slots: int,
+                 is_down: Callable[[Hashable], bool]) -> None:
+        self._order = itertools.count()
+        self._later = [self._entry(item) for item in later]
+        heapq.heapify(self._later)
+        self._front: list[tuple[float, int, Item]] = []
+        self._held: dict[Hashable, list[Item]] = {w: [] for w in workers}
+        self._slots = slots
+        self._is_down = is_down
+        self._changed = threading.Condition()
+
+    def _entry(self, item: Item) -> tuple[float, int, Item]:
+        return -item.work, next(self._order), item
+
+    def _load(self, worker: Hashable) -> float:
+        return sum(item.work for item in self._held[worker])
+
+    @contextmanager
+    def taking(self, worker: Hashable, stop: threading.Event) -> Iterator[Item | None]:
+        """The next item for `worker`, held by it until the block ends or it is handed back; None once
+        none is left and none can come (or the batch stops)."""
+        item = self._take(worker, stop)
+        try:
+            yield item
+        finally:
+            if item is not None:
+                self._release(worker, item)
+
+    def _take(self, worker: Hashable, stop: threading.Event) -> Item | None:
+        with self._changed:
+            while not stop.is_set():
+                if self._front or self._later:
+                    free = [w for w, held in self._held.items() if len(held) < self._slots and not self._is_down(w)]
+                    if may_take(worker, {w: self._load(w) for w in self._held}, free):
+                        item = self._pop(worker)
+                        self._held[worker].append(item)
+                        self._changed.notify_all()
+                        return item
+                elif not any(self._held.values()):
+                    return None
+                self._changed.wait(0.2)
+            return None
+
+    def _pop(self, worker: Hashable) -> Item:
+        """In front, the first item whose document this worker holds (among the first `slots`), else the first."""
+        if not self._front:
+            return heapq.heappop(self._later)[-1]
+        mine = {id(item.doc) for item in self._held[worker]}
+        near = heapq.nsmallest(self._slots, self._front)
+        entry = next((e for e in near if id(e[-1].doc) in mine), near[0])
+        self._front.remove(entry)
+        heapq.heapify(self._front)
+        return entry[-1]
+
+    def _release(self, worker: Hashable, item: Item) -> None:
+        with self._changed:
+            if item in self._held[worker]:  # not handed back
+                self._held[worker].remove(item)
+            self._changed.notify_all()
+
+    def put(self, items: list[Item]) -> None:
+        """Items for any worker, in front of the documents not planned yet."""
+        with self._changed:
+            for item in items:
+                heapq.heappush(self._front, self._entry(item))
+            self._changed.notify_all()
+
+    def hand_back(self, worker: Hashable, item: Item) -> None:
+        """Another worker takes `item` on now (in front); `worker` no longer holds it."""
+        with self._changed:
+            heapq.heappush(self._front, self._entry(item))
+            self._held[worker].remove(item)
+            self._changed.notify_all()
+
+    def load(self, worker: Hashable) -> float:
+        """The expected work of the items `worker` holds now."""
+        with self._changed:
+            return self._load(worker)
+
+    def drained(self) -> bool:
+        """Nothing left to run and nothing in flight that could bring more."""
+        with self._changed:
+            return not self._front and not self._later and not any(self._held.values())
+
+    def left(self) -> int:
+        """Documents with work not run (a document counted once, however many of its items wait)."""
+        with self._changed:
+            return len({id(e[-1].doc) for e in self._front + self._later})

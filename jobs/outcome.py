@@ -1,13 +1,19 @@
-"""The contract between a worker and the coordinator: what one attempt at a task returns.
+"""The contract between a worker and the coordinator: what one pass returns, and a document's outcome.
 
-A worker returns a `TaskOutcome`; the coordinator reads it (and builds the result row from it) but
-never changes it. Keys are the result row's columns the worker knows, plus how an attempt failed.
+A worker returns a `CallOutcome` for each pass it runs (its row when it finished); the coordinator
+keeps the row and, once the document ends, folds the rows and outcomes of its passes into the
+document's `TaskOutcome` (`fold_passes`), from which the result row is built. Keys are the result
+row's columns, plus how a call failed.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TypedDict
+from collections.abc import Mapping
+from typing import Any, TypedDict
+
+from jobs.passes import LevelPlan, PassRow
+from jobs.stopping import StopReason
+from jobs.summaries import trim_to_sentence
 
 
 class CacheStats(TypedDict):
@@ -49,7 +55,7 @@ def static_share(steps: DecodeSteps) -> float | None:
 
 
 class TaskOutcome(TypedDict, total=False):
-    """One attempt's outcome. Always: `status`, `worker`, `model`, `fallbacks`, `wall_s`."""
+    """A document's outcome (or one pass's, `CallOutcome`). Always: `status`, `worker`, `model`, `fallbacks`."""
 
     status: str  # "done" | "failed"
     failure_class: str  # jobs.policy.FailureClass, when failed: what the coordinator does next
@@ -58,14 +64,14 @@ class TaskOutcome(TypedDict, total=False):
     worker: str  # "host:pid"
     model: str
     quantization: str  # how the model's weights are quantized: ModelConfig.quantization, or the checkpoint's
-    fallbacks: list[str]  # cache rungs this attempt moved down, as notes (str of a jobs.fallback.Fallback)
+    fallbacks: list[str]  # cache rungs (and contexts) moved down, as notes (str of a jobs.fallback.Fallback)
     summary: str
     summary_tail: str  # what followed the summary's last sentence when its pass ran out of tokens (jobs.summaries)
     input_tokens: int
     output_tokens: int
     chunks: int  # first-level chunks (1: one pass)
     passes: int  # generate passes the summary took: its chunks, then the merges of their summaries
-    passes_reused: int  # of them, finished by an earlier attempt or run and read back (storage/passes.py)
+    passes_reused: int  # of them, kept by an earlier run and read back (storage/passes.py)
     cache_strategy: str  # the rung that ran it
     stop_reason: str  # why the summary's pass ended: jobs.stopping.StopReason
     ttft_s: float
@@ -95,39 +101,62 @@ class TaskOutcome(TypedDict, total=False):
     device_used_fraction: float | None
 
 
-@dataclass(frozen=True)
-class DealtPass:
-    """One pass of a task's first level (a chunk), as the coordinator deals it out to any worker."""
+class CallOutcome(TaskOutcome, total=False):
+    """What one call of a worker returns: a pass's outcome (its row when it finished, its cache and memory
+    figures) or a plan's (the level it planned)."""
 
-    index: int  # its place among the chunks
-    key: str  # its name in the job folder (runner/engine/pass_book.py)
-    prompt: list[int]  # its prompt's token ids
+    row: PassRow
+    plan: LevelPlan
 
 
 _ADDED_UP = ("offload_bytes_written", "offload_bytes_read")
 _MOST = ("kv_bytes", "kv_resident_peak_bytes", "peak_host_rss_bytes", "peak_device_bytes", "prefill_host_rss_bytes",
-         "prefill_device_bytes", "decode_peak_host_rss_bytes", "decode_peak_device_bytes")
+         "prefill_device_bytes", "decode_peak_host_rss_bytes", "decode_peak_device_bytes", "host_used_fraction",
+         "device_used_fraction")
+_ANY = ("worker", "model", "quantization", "load_host_rss_bytes", "load_device_bytes", "kv_placement")
 
 
-def with_dealt_passes(outcome: TaskOutcome, dealt: list[TaskOutcome]) -> TaskOutcome:
-    """The task's outcome with the cache figures of its passes that ran dealt out (each an outcome of its
-    own): the bytes moved add up, a peak is the most any of them reached, their decode row-steps add up
-    (the static step's share is of them all), and their moves down the cache ladder join the task's
-    fallbacks (each note once)."""
-    merged = TaskOutcome(**outcome)
-    every = [outcome, *dealt]
+def fold_passes(tree: list[PassRow], ran: Mapping[str, Mapping[str, Any]], chunks: int, input_tokens: int,
+                worker: Mapping[str, Any], trim: bool) -> TaskOutcome:
+    """A finished document's outcome, folded once from its passes (`tree`, level by level, the last its
+    summary's) and the outcomes of those run in this batch (`ran`, by key; the others were read back):
+    the bytes moved add up, a peak is the most any pass reached, decode row-steps add up, timings are of
+    the passes run. `worker`: what the worker that planned it says of itself, for a document whose
+    every pass was read back. `trim`: a summary whose pass ran out of tokens ends at its last complete
+    sentence, the rest in `summary_tail` (jobs.summaries; the passes merged into it keep every word)."""
+    final = tree[-1]
+    outcomes = [ran[row["key"]] for row in tree if row["key"] in ran]
+    run_rows = [row for row in tree if row["key"] in ran]
+    summary, tail = (trim_to_sentence(final["text"]) if trim and final["stop_reason"] == StopReason.LENGTH
+                     else (final["text"], ""))
+    merged = TaskOutcome(status="done", summary=summary, summary_tail=tail, stop_reason=final["stop_reason"],
+                         chunks=chunks,
+                         input_tokens=input_tokens, output_tokens=len(final["tokens"]), passes=len(tree),
+                         passes_reused=len(tree) - len(run_rows), padding_share=0.0)
+    merged["fallbacks"] = list(dict.fromkeys(note for o in outcomes for note in o.get("fallbacks", [])))
+    for key in _ANY:
+        values = [o[key] for o in outcomes[::-1] if o.get(key) is not None]  # type: ignore[literal-required]
+        merged[key] = values[0] if values else worker.get(key)  # type: ignore[literal-required]
+    final_outcome = ran.get(final["key"])
+    merged["cache_strategy"] = (final_outcome or (outcomes[-1] if outcomes else {})).get("cache_strategy")
     for key in _ADDED_UP:
-        merged[key] = sum(o.get(key) or 0 for o in every)  # type: ignore[literal-required]
+        merged[key] = sum(o.get(key) or 0 for o in outcomes)  # type: ignore[literal-required]
     for key in _MOST:
-        values = [o[key] for o in every if o.get(key) is not None]  # type: ignore[literal-required]
+        values = [o[key] for o in outcomes if o.get(key) is not None]  # type: ignore[literal-required]
         merged[key] = max(values) if values else None  # type: ignore[literal-required]
-    stored = sum(o.get("offload_bytes_written") or 0 for o in every if o.get("compression_ratio"))
-    raw = sum((o.get("offload_bytes_written") or 0) * (o.get("compression_ratio") or 0) for o in every)
+    stored = sum(o.get("offload_bytes_written") or 0 for o in outcomes if o.get("compression_ratio"))
+    raw = sum((o.get("offload_bytes_written") or 0) * (o.get("compression_ratio") or 0) for o in outcomes)
     merged["compression_ratio"] = raw / stored if stored else None
     steps = no_steps()
-    for o in every:
+    for o in outcomes:
         steps = add_steps(steps, o.get("decode_row_steps") or no_steps())
     merged["decode_row_steps"], merged["static_step_share"] = steps, static_share(steps)
-    merged["fallbacks"] = list(dict.fromkeys([*outcome.get("fallbacks", []),
-                                              *(note for o in dealt for note in o.get("fallbacks", []))]))
+    prefill = [row["prefill_s"] or 0.0 for row in run_rows]
+    decode = [row["decode_s"] or 0.0 for row in run_rows]
+    decoded = [max(len(row["tokens"]) - 1, 0) for row in run_rows]
+    merged["ttft_s"] = prefill[0] if prefill else 0.0
+    merged["prefill_s"], merged["decode_s"] = sum(prefill), sum(decode)
+    merged["decode_tokens_per_s"] = sum(decoded) / sum(decode) if sum(decode) > 0 else 0.0
+    weighted = sum((row["batch_size"] or 1.0) * n for row, n in zip(run_rows, decoded))
+    merged["batch_size"] = weighted / sum(decoded) if sum(decoded) else 1.0
     return merged

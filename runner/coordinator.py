@@ -1,17 +1,17 @@
-"""The coordinator: runs a job's open tasks on the worker pool and checkpoints every step.
+"""The coordinator: runs a job's open documents on the worker pool and checkpoints every pass.
 
-Each worker gets `batch.max_sequences` tasks at a time (one feeding thread each; the worker batches
-their sequences), the longest expected task first, to the worker with the least expected work in
-flight (jobs/balance.py: long documents must not straggle at the end, nor pile up on one worker). Each
-task runs under one tenacity policy for transient failures (I/O error, worker died, timeout); a
-task whose worker died or hung goes back to the front of the shared queue, so any worker (on any
-node) takes it while the lost one restarts. A loss while batch-mates shared the worker is not held
-against a task until it has run alone. When a context size keeps failing, or the worker's cache
-ladder is exhausted, the task is tried again with a shorter context. A result row in results/ is
-the only "done" record, so a coordinator killed at any instant loses at most the tasks in flight.
-The coordinator, holding the job's lock, is the only writer of the job folder: the passes a worker
-finishes come back to it and go into the checkpoint log (storage/passes.py), and every attempt at a
-task is handed the passes kept so far, read back from the job folder on a resume.
+Each document is a `DocumentRun` (jobs/document_run.py): planned by a worker (its chunks), its passes
+dealt to any worker through one `WorkQueue` (jobs/balance.py: the longest document first, a pass to
+the worker holding its document's other passes when it may take it, to the least loaded otherwise),
+each pass's row kept in the job folder the moment it comes back (storage/passes.py), before anything
+that depends on it is dealt; the next level is planned from the kept summaries, until one is left. So
+a coordinator killed at any instant loses only the passes in flight, and the result row in results/
+is the only "done" record. Every call runs under one tenacity policy for transient failures (I/O
+error, timeout); a call whose worker died or hung goes back to the front of the queue, for any worker
+(on any node) while the lost one restarts. A loss while batch-mates shared the worker is not held
+against a document until its passes run alone. When a context keeps failing, or a worker's cache
+ladder runs out, the document starts over at a shorter context, keeping every pass kept so far. The
+coordinator, holding the job's lock, is the only writer of the job folder.
 
 Ray lives in the pool (runner/pool.py), the recording of events and results in the recorder
 (runner/recorder.py); this module keeps the work queue and the retry loop.
@@ -19,16 +19,12 @@ Ray lives in the pool (runner/pool.py), the recording of events and results in t
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
-from enum import Enum
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,10 +39,12 @@ from tenacity import (
 )
 from tenacity.stop import stop_base
 
-from jobs.balance import expected_decode_tokens, expected_passes, expected_work, may_take, merge_work, pass_work
+from jobs.balance import WorkQueue, expected_decode_tokens, expected_work, pass_work
 from jobs.config import JobConfig, RetryConfig
+from jobs.document_run import DocumentRun, Stage
 from jobs.faults import FaultRule
-from jobs.outcome import DealtPass, TaskOutcome, with_dealt_passes
+from jobs.outcome import CallOutcome, TaskOutcome, fold_passes
+from jobs.passes import PassSpec
 from jobs.policy import FINAL_CLASSES, FailureClass, context_fallback_note, shorter_context
 from jobs.task import Task
 from runner.node_sweeper import NodeSweeper
@@ -70,7 +68,7 @@ from storage.jobdir import JobDir
 from storage.lease import LeaseLostError
 from storage.location import no_fence
 from storage.lock import HeldLock
-from storage.passes import PassRow, read_passes, remove_passes, tasks_with_passes
+from storage.passes import read_passes, remove_passes, tasks_with_passes
 
 EXIT_OK = 0
 EXIT_FAILED_TASKS = 3
@@ -86,73 +84,43 @@ class Interrupted(Exception):
     """The user asked the batch to stop; the task is left for `resume`."""
 
 
-@dataclass(eq=False)  # a task's record, compared by identity
-class TaskRun:
-    """One task's progress through the batch: attempts, context size, fallbacks so far."""
-
-    task: Task
-    attempt: int = 0
-    context_tokens: int = 0
-    tries_at_context: int = 0  # its own attempts at the current context size, on whichever workers (a
-    # loss while batch-mates shared the worker is not one of them, until it runs alone)
-    fallbacks: list[str] = field(default_factory=list)
-    queue_wait_s: float | None = None
-    slow_alerted: bool = False
-    batch_losses: int = 0  # worker losses while batch-mates were in flight: not counted as its attempts
-    alone: bool = False  # after BATCH_LOSSES_BEFORE_ALONE of those, it runs with no batch-mates
-    passes: dict[str, PassRow] = field(default_factory=dict)  # by key: finished passes, handed to each attempt
-    dealt_at: int = 0  # the context its first level was dealt out at (0: not yet)
-    dealt_chunks: int = 0  # its chunks when they were dealt out (0: not dealt): then only its merges are left
-    passes_out: int = 0  # its passes dealt out and not ended yet: the task waits out of the queue until none is
-    dealt: set[str] = field(default_factory=set)  # keys of the passes dealt out for its next attempt, which
-    # counts them (their timings, from their rows) as its own, not reused
-    dealt_outcomes: list[TaskOutcome] = field(default_factory=list)  # of those passes: their cache figures
+class Unwanted(Exception):
+    """The call's work is no longer wanted: its document moved to a shorter context or ended."""
 
 
 @dataclass(eq=False)
-class PassRun:
-    """One pass of a task's first level, dealt out to whichever worker has room: a long document's chunks
-    run on every worker at once. It runs once, on its worker's cache ladder; a pass that fails or whose
-    worker is lost is left to the task's own attempt, which retries, moves down the ladder and falls back
-    to a shorter context as it does for any pass."""
+class Planning:
+    """A work item: a document whose first level needs a plan."""
 
-    run: TaskRun
-    dealt: DealtPass
+    doc: DocumentRun
+    work: float
 
-
-Work = TaskRun | PassRun
-"""What a feeding thread takes from the queue."""
+    def run(self, coordinator: Coordinator, worker: Worker) -> None:
+        coordinator.plan(worker, self.doc)
 
 
-def work_of(item: Work, config: JobConfig) -> float:
-    """The work `item` is expected to take: a pass's own, a task's at its context (only its merges once
-    its chunks were dealt out)."""
-    if isinstance(item, PassRun):
-        return pass_work(item.run.task, config, len(item.dealt.prompt))
-    if item.dealt_chunks and item.dealt_at == item.context_tokens:
-        return merge_work(item.task, config, item.dealt_chunks, item.context_tokens)
-    return expected_work(item.task, config, item.context_tokens)
+@dataclass(eq=False)
+class Pass:
+    """A work item: one pass of a document."""
 
+    doc: DocumentRun
+    spec: PassSpec
+    work: float
 
-class TaskEnd(Enum):
-    """How `Coordinator._run_task` left a task, which says what its feeding thread does next."""
-
-    FINISHED = "finished"  # its result row is written
-    WORKER_LOST = "worker lost"  # its result row is written, but its worker was lost on the way: the task
-    # holds the batch open until the worker is back (the restart sweeps the dead process's scratch dir)
-    HANDED_BACK = "handed back"  # its worker was lost and the task goes on: back to the queue, for any worker
+    def run(self, coordinator: Coordinator, worker: Worker) -> None:
+        coordinator.run_pass(worker, self)
 
 
 class attempts_at_context_reach(stop_base):  # noqa: N801 - named like tenacity's own stops
-    """Stop once the task has had `limit` attempts at its current context size, on any worker (a task
-    handed to another worker keeps its count; a shorter context starts a new one)."""
+    """Stop once the document's calls have failed `limit` times at its current context size, on any worker
+    (a call handed to another worker keeps its count; a shorter context starts a new one)."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
 
     def __call__(self, retry_state: RetryCallState) -> bool:
-        run: TaskRun = retry_state.args[-1]
-        return run.tries_at_context >= self.limit
+        doc: DocumentRun = retry_state.args[0]
+        return doc.tries_at_context >= self.limit
 
 
 def task_retrying(retry: RetryConfig, before_sleep: Any, sleep: Any) -> Retrying:
@@ -169,109 +137,9 @@ def task_retrying(retry: RetryConfig, before_sleep: Any, sleep: Any) -> Retrying
     )
 
 
-class TaskQueue:
-    """Open tasks, the longest expected first, shared by the feeding threads; a task handed back by a
-    lost worker goes in front, with its work at its (maybe shorter) context, and so do the passes a task
-    deals out (it waits out of the queue until they have ended, then goes in front for its merges). A
-    worker takes the next item only while no other worker with a free slot has less expected work in
-    flight, so the long documents spread over the workers instead of one worker's queue setting the
-    batch's end. `take` waits while other threads still hold items that may bring work back."""
-
-    def __init__(self, runs: list[TaskRun], work_of: Callable[[Work], float], workers: list[Worker],
-                 slots: int, is_down: Callable[[Worker], bool]) -> None:
-        self._order = itertools.count()
-        self._work_of = work_of
-        self._heap = [self._entry(1, run) for run in runs]
-        heapq.heapify(self._heap)
-        self._held: dict[Worker, list[Work]] = {w: [] for w in workers}
-        self._slots = slots
-        self._is_down = is_down
-        self._changed = threading.Condition()
-
-    def _entry(self, priority: int, item: Work) -> tuple[int, float, int, Work]:
-        return priority, -self._work_of(item), next(self._order), item
-
-    def _load(self, worker: Worker) -> float:
-        return sum(self._work_of(run) for run in self._held[worker])
-
-    @contextmanager
-    def taking(self, worker: Worker, stop: threading.Event) -> Iterator[Work | None]:
-        """The next item for `worker`, held by it until the block ends or it is handed back or dealt out;
-        None once none is left and none can come back (or the batch stops)."""
-        run = self._take(worker, stop)
-        try:
-            yield run
-        finally:
-            if run is not None:
-                self._release(worker, run)
-
-    def _take(self, worker: Worker, stop: threading.Event) -> Work | None:
-        with self._changed:
-            while not stop.is_set():
-                if self._heap:
-                    free = [w for w, held in self._held.items() if len(held) < self._slots and not self._is_down(w)]
-                    if may_take(worker, {w: self._load(w) for w in self._held}, free):
-                        run = heapq.heappop(self._heap)[-1]
-                        self._held[worker].append(run)
-                        self._changed.notify_all()
-                        return run
-                elif not any(self._held.values()):
-                    return None
-                self._changed.wait(0.2)
-            return None
-
-    def load(self, worker: Worker) -> float:
-        """The expected work of the tasks `worker` holds now."""
-        with self._changed:
-            return self._load(worker)
-
-    def room(self, worker: Worker) -> int:
-        """How many more items `worker` may hold now."""
-        with self._changed:
-            return self._slots - len(self._held[worker])
-
-    def _release(self, worker: Worker, item: Work) -> None:
-        with self._changed:
-            if item in self._held[worker]:  # not handed back nor dealt out
-                self._held[worker].remove(item)
-            if isinstance(item, PassRun):
-                item.run.passes_out -= 1
-                if not item.run.passes_out:  # its last pass dealt out ended: on to its merges, in front
-                    heapq.heappush(self._heap, self._entry(0, item.run))
-            self._changed.notify_all()
-
-    def deal(self, worker: Worker, run: TaskRun, passes: list[DealtPass], chunks: int) -> None:
-        """`run`'s `passes` (of its `chunks`) go in front of the queue, for any worker; `run` waits until
-        they have ended, then comes back with only its merges' work."""
-        with self._changed:
-            self._held[worker].remove(run)
-            run.dealt_chunks = chunks
-            run.passes_out = len(passes)
-            for dealt in passes:
-                heapq.heappush(self._heap, self._entry(0, PassRun(run, dealt)))
-            self._changed.notify_all()
-
-    def hand_back(self, worker: Worker, run: TaskRun) -> None:
-        """Another worker takes `run` on now (in front of the queue); `worker` no longer holds it."""
-        with self._changed:
-            heapq.heappush(self._heap, self._entry(0, run))
-            self._held[worker].remove(run)
-            self._changed.notify_all()
-
-    def drained(self) -> bool:
-        """Nothing left to run and nothing in flight that could come back."""
-        with self._changed:
-            return not self._heap and not any(self._held.values())
-
-    def left(self) -> int:
-        """Tasks not run (a task whose passes wait in the queue counted once)."""
-        with self._changed:
-            return len({item.run if isinstance(item, PassRun) else item for *_, item in self._heap})
-
-
-def _transient_failure(e: TransientFailure) -> TaskOutcome:
-    """The outcome of a task whose transient failures used up its attempts at a context size."""
-    return TaskOutcome(status="failed", failure_class=FailureClass.TRANSIENT.value, error_type=e.error_type,
+def _transient_failure(e: TransientFailure) -> CallOutcome:
+    """The outcome of a call whose transient failures used up its document's attempts at a context size."""
+    return CallOutcome(status="failed", failure_class=FailureClass.TRANSIENT.value, error_type=e.error_type,
                        error=str(e))
 
 
@@ -296,6 +164,8 @@ class Coordinator:
         self.pool = WorkerPool(config, job_id, offload_root, faults, self.log)
         self.retrying = task_retrying(config.retry, self._before_retry, self._sleep)
         self._queued_at = time.time()
+        self._lock = threading.RLock()  # the documents' states: several feeding threads run one's passes
+        self.work: WorkQueue
 
     def _drop_passes(self, task_ids: list[str]) -> None:
         """A document's passes go once its result is published; if this fails the next run's sweep takes them."""
@@ -304,11 +174,11 @@ class Coordinator:
         except OSError as e:
             self.log.warning("passes_not_removed", tasks=len(task_ids), error=str(e))
 
-    def _read_passes(self, runs: list[TaskRun]) -> None:
-        """The passes kept by an earlier run, for the open tasks' attempts; those of tasks that have
-        ended (a crash came between their result and the passes' removal) go. A folder that cannot
-        be read only costs its passes, which run again."""
-        by_id = {run.task.task_id: run for run in runs}
+    def _read_passes(self, docs: list[DocumentRun]) -> None:
+        """The passes kept by an earlier run, for the open documents; those of documents that have ended
+        (a crash came between their result and the passes' removal) go. A folder that cannot be read
+        only costs its passes, which run again."""
+        by_id = {doc.task.task_id: doc for doc in docs}
         try:
             with_passes = tasks_with_passes(self.job.path)
         except OSError as e:
@@ -316,203 +186,223 @@ class Coordinator:
             return
         self._drop_passes([task_id for task_id in with_passes if task_id not in by_id])
         for task_id in with_passes:
-            if (run := by_id.get(task_id)) is not None:
+            if (doc := by_id.get(task_id)) is not None:
                 try:
-                    run.passes = {row["key"]: row for row in read_passes(self.job.path, task_id)}
+                    doc.kept = {row["key"]: row for row in read_passes(self.job.path, task_id)}
                 except OSError as e:
                     self.log.warning("passes_not_read", task_id=task_id, error=str(e))
 
-    def _passes_back(self, run: TaskRun, rows: list[PassRow]) -> None:
-        """Passes a worker finished for `run`: kept for its next attempt and in the job folder."""
-        if rows:
-            run.passes.update((row["key"], row) for row in rows)
-            self.checkpoint.add_passes(rows)
-        for row in rows:
-            self.log.info("pass_kept", task_id=row["task_id"], doc_id=row["doc_id"], level=row["level"],
-                          index=row["index"], worker=row["worker"], finished_at=row["finished_at"],
-                          prefill_s=row["prefill_s"], decode_s=row["decode_s"], new_tokens=len(row["tokens"]))
+    # -- the work items ---------------------------------------------------------------------------
+    def plan(self, worker: Worker, doc: DocumentRun) -> None:
+        """Plans the document's next level on `worker` and deals its passes (a level whose passes were all
+        kept before goes on to the next at once); a lost worker hands the planning to any other."""
+        while True:
+            with self._lock:
+                if not (doc.stage is Stage.PLANNING and doc.claim()):
+                    return
+                level, parts, context = doc.level, list(doc.parts), doc.context_tokens
+            if level == 0:
+                self.log.info("task_assigned", task_id=doc.task.task_id, doc_id=doc.task.doc_id,
+                              worker=self.pool.slot_name(worker), context_tokens=context,
+                              expected_work=round(expected_work(doc.task, self.cfg, context)),
+                              worker_work=round(self.work.load(worker)))
+                call = lambda: self.pool.plan(worker, doc.task, context, doc.alone)  # noqa: E731
+            else:
+                call = lambda: self.pool.plan_merge(worker, doc.task, level, parts, context, doc.alone)  # noqa: E731
+            outcome = self._call(worker, doc, call, lambda: doc.context_tokens == context,
+                                 Planning(doc, expected_work(doc.task, self.cfg, context)))
+            if outcome is None:  # handed back, or no longer wanted
+                with self._lock:
+                    doc.unclaim()
+                return
+            if outcome["status"] != "done":
+                self._failed(doc, outcome)
+                return
+            with self._lock:
+                if doc.context_tokens != context or doc.ended:
+                    return
+                doc.planned(outcome["plan"])
+                passes = [Pass(doc, spec, pass_work(doc.task, self.cfg, len(spec.prompt))) for spec in doc.next_passes()]
+                done = doc.stage is Stage.DONE and doc.claim()
+            self.work.put(passes)
+            if done:
+                self._finish(doc)
+                return
 
-    # -- one attempt ----------------------------------------------------------------------------
-    def _attempt(self, worker: Worker, run: TaskRun) -> TaskOutcome:
+    def run_pass(self, worker: Worker, item: Pass) -> None:
+        """Runs one pass; its row is kept before anything that depends on it is dealt."""
+        doc, spec = item.doc, item.spec
+        with self._lock:
+            if not doc.wants(spec):
+                return
+        self.log.info("pass_assigned", task_id=spec.task_id, doc_id=spec.doc_id, level=spec.level, index=spec.index,
+                      context_tokens=spec.context_tokens, worker=self.pool.slot_name(worker))
+        outcome = self._call(worker, doc, lambda: self.pool.run_pass(worker, spec, doc.attempt, doc.alone),
+                             lambda: doc.wants(spec), item)
+        if outcome is None:
+            return
+        if outcome["status"] != "done":
+            with self._lock:
+                doc.pass_ended(spec)
+                wanted = doc.wants(spec)
+            if wanted:
+                self._failed(doc, outcome)
+            return
+        row = outcome["row"]
+        if doc.ended:  # its result is the record now
+            return
+        self.checkpoint.add_passes([row])  # durable before anything that depends on it
+        self.log.info("pass_kept", task_id=row["task_id"], doc_id=row["doc_id"], level=row["level"],
+                      index=row["index"], worker=row["worker"], finished_at=row["finished_at"],
+                      prefill_s=row["prefill_s"], decode_s=row["decode_s"], new_tokens=len(row["tokens"]))
+        with self._lock:
+            doc.pass_done(row, outcome)
+            stage = doc.stage
+        if stage is Stage.PLANNING:
+            self.plan(worker, doc)  # the next level, on the worker that ran the level's last pass
+        elif stage is Stage.DONE:
+            with self._lock:
+                done = doc.claim()
+            if done:
+                self._finish(doc)
+
+    # -- one call ---------------------------------------------------------------------------------
+    def _call(self, worker: Worker, doc: DocumentRun, call: Callable[[], CallOutcome], wanted: Callable[[], bool],
+              again: Planning | Pass) -> CallOutcome | None:
+        """The call's outcome after transient failures were retried (a failed one when they used up the
+        document's attempts); None when it was handed back to the queue (`again`: for any worker) or
+        its work is no longer wanted."""
+        try:
+            return self.retrying.copy()(self._attempt, doc, worker, call, wanted)
+        except Unwanted:
+            return None
+        except WorkerLost as e:
+            if doc.tries_at_context < self.cfg.retry.max_attempts:
+                self._note_retry(doc, e, 0.0)
+                self.work.put([again])
+                return None
+            return _transient_failure(e)
+        except TransientFailure as e:
+            return _transient_failure(e)
+
+    def _attempt(self, doc: DocumentRun, worker: Worker, call: Callable[[], CallOutcome],
+                 wanted: Callable[[], bool]) -> CallOutcome:
         if self.stop.is_set():
             raise Interrupted()
-        run.attempt += 1
-        if run.queue_wait_s is None:
-            run.queue_wait_s = time.time() - self._queued_at
+        with self._lock:
+            if not wanted():
+                raise Unwanted()
+            doc.begin()
+            if doc.queue_wait_s is None:
+                doc.queue_wait_s = time.time() - self._queued_at
+            doc.calls += 1
+            first = doc.calls == 1
         slot = self.pool.slot_name(worker)
-        self.recorder.started(run.task, run.attempt, run.context_tokens, slot)
-        own = True  # whether the attempt counts against the task
+        if first:
+            self.recorder.started(doc.task, doc.attempt, doc.context_tokens, slot)
+        failed = own = True
         try:
-            outcome = self.pool.run(worker, run.task, run.attempt, run.context_tokens, run.alone,
-                                    list(run.passes.values()), lambda rows: self._passes_back(run, rows), run.dealt)
+            outcome = call()
+            failed = outcome["status"] != "done"
         except PoolStopped:
             raise Interrupted() from None
         except WorkerLost as lost:
             if self.stop.is_set():
                 raise Interrupted() from None
-            own = self._lost(slot, run, lost)
+            own = self._lost(slot, doc, lost)
             raise
         finally:
-            run.dealt = set()  # the attempt counted them as its own: the next one reuses them
-            run.slow_alerted = self.recorder.stopped(run.task)
-            if own:
-                run.tries_at_context += 1
+            with self._lock:
+                doc.calls -= 1
+                last = doc.calls == 0
+                if failed:
+                    doc.call_failed(own)
+            if last:
+                doc.slow_alerted |= self.recorder.stopped(doc.task)
         if outcome.get("failure_class") == FailureClass.TRANSIENT:
             raise TransientFailure(outcome["error_type"], outcome["error"])
         return outcome
 
-    def _lost(self, slot: str, run: TaskRun, lost: WorkerLost) -> bool:
-        """Records a lost worker; whether the loss is the task's own (not one shared with batch-mates
-        before it ran alone)."""
-        if lost.first_to_see:  # one loss, however many tasks it ended; a document is blamed only when it was alone
-            self.recorder.worker_lost(slot, lost.error_type, None if lost.shared else run.task.doc_id)
-        if not lost.shared or run.alone:
+    def _lost(self, slot: str, doc: DocumentRun, lost: WorkerLost) -> bool:
+        """Records a lost worker; whether the loss is the document's own (not one shared with batch-mates
+        before its passes ran alone)."""
+        if lost.first_to_see:  # one loss, however many calls it ended; a document is blamed only when it was alone
+            self.recorder.worker_lost(slot, lost.error_type, None if lost.shared else doc.task.doc_id)
+        if not lost.shared or doc.alone:
             return True
-        run.batch_losses += 1
-        run.alone = run.batch_losses >= BATCH_LOSSES_BEFORE_ALONE
-        self.log.warning("task_lost_in_batch", task_id=run.task.task_id, doc_id=run.task.doc_id,
-                         losses=run.batch_losses, runs_alone_next=run.alone)
+        with self._lock:
+            doc.batch_losses += 1
+            doc.alone = doc.batch_losses >= BATCH_LOSSES_BEFORE_ALONE
+        self.log.warning("task_lost_in_batch", task_id=doc.task.task_id, doc_id=doc.task.doc_id,
+                         losses=doc.batch_losses, runs_alone_next=doc.alone)
         return False
 
     def _before_retry(self, state: RetryCallState) -> None:
-        run: TaskRun = state.args[-1]
+        doc: DocumentRun = state.args[0]
         err = state.outcome.exception() if state.outcome else None
-        self._note_retry(run, err, state.upcoming_sleep)
+        self._note_retry(doc, err, state.upcoming_sleep)
 
-    def _note_retry(self, run: TaskRun, err: BaseException | None, sleep_s: float) -> None:
+    def _note_retry(self, doc: DocumentRun, err: BaseException | None, sleep_s: float) -> None:
         error_type = getattr(err, "error_type", type(err).__name__)
-        self.recorder.retry(run.task, run.attempt, run.context_tokens, error_type, str(err), sleep_s)
+        self.recorder.retry(doc.task, doc.attempt, doc.context_tokens, error_type, str(err), sleep_s)
 
     def _sleep(self, seconds: float) -> None:
         if self.stop.wait(seconds):
             raise Interrupted()
 
-    # -- one dealt pass -------------------------------------------------------------------------
-    def _deal(self, worker: Worker, run: TaskRun, work: TaskQueue) -> bool:
-        """Deals a task's first level out (once per context, with two workers or more) when more of its
-        chunks are not kept yet than its worker has slots for: they go to the front of the queue, one pass
-        each, for whichever worker has room. Returns whether it did."""
-        if run.dealt_at == run.context_tokens or len(self.pool.workers) < 2:  # one worker batches its chunks anyway
-            return False
-        if len(expected_passes(run.task, self.cfg, run.context_tokens)) == 1:  # no call to plan what fits one pass
-            return False
-        run.dealt_at = run.context_tokens
-        passes = self.pool.first_level(worker, run.task, run.context_tokens)
-        left = [dealt for dealt in passes if dealt.key not in run.passes]
-        if len(left) <= work.room(worker) + 1:  # they fit its worker's batch: the task's own slot and the free ones
-            return False
-        if run.queue_wait_s is None:
-            run.queue_wait_s = time.time() - self._queued_at
-        self.log.info("task_dealt", task_id=run.task.task_id, doc_id=run.task.doc_id, context_tokens=run.context_tokens,
-                      chunks=len(passes), dealt=len(left))
-        work.deal(worker, run, left, len(passes))
-        return True
-
-    def _run_pass(self, worker: Worker, item: PassRun) -> None:
-        """Runs one dealt pass; what it finishes is kept for its task, what stops it is the task's to meet."""
-        if self.stop.is_set():
-            raise Interrupted()
-        run, dealt = item.run, item.dealt
-        self.log.info("pass_assigned", task_id=run.task.task_id, doc_id=run.task.doc_id, index=dealt.index,
-                      worker=self.pool.slot_name(worker))
-        try:
-            outcome = self.pool.run(worker, run.task, run.attempt, run.context_tokens, False, [],
-                                    lambda rows: self._passes_back(run, rows), dealt_pass=dealt)
-        except PoolStopped:
-            raise Interrupted() from None
-        except WorkerLost as lost:
-            if self.stop.is_set():
-                raise Interrupted() from None
-            if lost.first_to_see:
-                self.recorder.worker_lost(self.pool.slot_name(worker), lost.error_type, None)
-            outcome = _transient_failure(lost)
-        if outcome["status"] == "done":
-            run.dealt.add(dealt.key)
-            run.dealt_outcomes.append(outcome)
-        else:
-            self.log.warning("dealt_pass_failed", task_id=run.task.task_id, doc_id=run.task.doc_id, index=dealt.index,
-                             error_type=outcome["error_type"], error=outcome["error"],
-                             hint="the task's own attempt runs it")
-
-    # -- one task -------------------------------------------------------------------------------
-    def _finish(self, run: TaskRun, outcome: TaskOutcome) -> None:
-        run.passes = {}  # its result is the record now
-        if outcome["status"] == "done":
-            outcome = with_dealt_passes(outcome, run.dealt_outcomes)
-        self.recorder.finish(run.task, run.attempt, run.context_tokens, run.fallbacks, run.queue_wait_s,
-                             run.slow_alerted, outcome)
-
-    def _run_task(self, worker: Worker, run: TaskRun) -> TaskEnd:
-        """Runs `run`, at shorter contexts while its ladder fails, until it ends or its worker is lost
-        and another worker must take it on."""
-        while True:
-            lost = False
-            try:
-                outcome = self.retrying.copy()(self._attempt, worker, run)
-            except WorkerLost as e:
-                if run.tries_at_context < self.cfg.retry.max_attempts:
-                    self._note_retry(run, e, 0.0)
-                    return TaskEnd.HANDED_BACK
-                outcome, lost = _transient_failure(e), True
-            except TransientFailure as e:
-                outcome = _transient_failure(e)
-            smaller = self._shorter_context(run, outcome)
+    # -- a document's end -------------------------------------------------------------------------
+    def _failed(self, doc: DocumentRun, outcome: CallOutcome) -> None:
+        """A call failed for good at this context: the document starts over at a shorter one (a new
+        Planning item), or ends failed when it cannot (done, final class, shortest context)."""
+        with self._lock:
+            if doc.ended:
+                return
+            smaller = (None if outcome["failure_class"] in FINAL_CLASSES else
+                       shorter_context(doc.context_tokens, self.cfg.retry.context_shrink,
+                                       self.cfg.summarize.min_context_tokens))
             if smaller is None:
-                self._finish(run, outcome)
-                return TaskEnd.WORKER_LOST if lost else TaskEnd.FINISHED
-            self._fall_back(run, outcome, smaller)
-            if lost:  # the shorter context goes to whichever worker is free
-                return TaskEnd.HANDED_BACK
+                doc.fail()
+            else:
+                before = doc.context_tokens
+                doc.fallbacks.extend(outcome.get("fallbacks", []))
+                doc.fall_back(smaller, context_fallback_note(before, smaller, outcome["error_type"]))
+        if smaller is None:
+            self.recorder.finish(doc.task, doc.attempt, doc.context_tokens, doc.fallbacks, doc.queue_wait_s,
+                                 doc.slow_alerted, outcome)
+            return
+        self.recorder.context_fallback(doc.task, doc.attempt, before, smaller, outcome["error_type"], outcome["error"])
+        self.work.put([Planning(doc, expected_work(doc.task, self.cfg, smaller))])
 
-    def _shorter_context(self, run: TaskRun, outcome: TaskOutcome) -> int | None:
-        """The context to try next, or None when the task ends with `outcome`: it is done, it failed in
-        a way a shorter context cannot fix, or the context is as short as it may be."""
-        if outcome["status"] == "done" or outcome["failure_class"] in FINAL_CLASSES:
-            return None
-        return shorter_context(run.context_tokens, self.cfg.retry.context_shrink, self.cfg.summarize.min_context_tokens)
+    def _finish(self, doc: DocumentRun) -> None:
+        """The document's result row, folded once from its passes."""
+        first = doc.levels[0]
+        outcome: TaskOutcome = fold_passes(doc.tree, doc.ran, len(first.specs), first.input_tokens,
+                                           self.pool.info(self.pool.workers[0]), self.cfg.summarize.trim_to_sentence)
+        outcome["wall_s"] = time.time() - (doc.started_at or time.time())
+        self.recorder.finish(doc.task, doc.attempt, doc.context_tokens, doc.fallbacks, doc.queue_wait_s,
+                             doc.slow_alerted, outcome)
 
-    def _fall_back(self, run: TaskRun, outcome: TaskOutcome, smaller: int) -> None:
-        """The task goes on at `smaller` tokens: the failed attempt's cache moves and this move join its
-        fallbacks, and its attempts at the new size start from none."""
-        run.fallbacks.extend(outcome.get("fallbacks", []))
-        run.fallbacks.append(context_fallback_note(run.context_tokens, smaller, outcome["error_type"]))
-        self.recorder.context_fallback(run.task, run.attempt, run.context_tokens, smaller,
-                                       outcome["error_type"], outcome["error"])
-        run.context_tokens = smaller
-        run.tries_at_context = 0
-
-    def _feed(self, worker: Worker, work: TaskQueue, errors: list[BaseException]) -> None:
-        """One of a worker's feeding threads: takes tasks until none is left (while its worker is down
-        after a loss, it waits for the worker rather than take a task the worker cannot run, and stops
+    def _feed(self, worker: Worker, errors: list[BaseException]) -> None:
+        """One of a worker's feeding threads: takes work items until none is left (while its worker is down
+        after a loss, it waits for the worker rather than take an item the worker cannot run, and stops
         waiting once nothing is left that it could run)."""
         while True:
-            if self.pool.is_down(worker) and not self._await_restart(worker, errors, until_drained=work):
+            if self.pool.is_down(worker) and not self._await_restart(worker, errors, until_drained=self.work):
                 return
-            with work.taking(worker, self.stop) as item:
+            with self.work.taking(worker, self.stop) as item:
                 if item is None:
                     return
                 try:
-                    if isinstance(item, PassRun):
-                        self._run_pass(worker, item)
-                        continue
-                    run = item
-                    if self._deal(worker, run, work):
-                        continue
-                    self.log.info("task_assigned", task_id=run.task.task_id, doc_id=run.task.doc_id,
-                                  worker=self.pool.slot_name(worker), context_tokens=run.context_tokens,
-                                  expected_work=round(work_of(run, self.cfg)), worker_work=round(work.load(worker)))
-                    end = self._run_task(worker, run)
+                    item.run(self, worker)
                 except Interrupted:
                     return
-                except WorkerStartError as e:  # the restart this task's call waited for raised (the pool's own wait)
+                except WorkerStartError as e:  # the restart this call waited for raised (the pool's own wait)
                     self._stop_on_restart_error(worker, e, errors)
                     return
                 except BaseException as e:  # a bug must stop the batch loudly, not hang it
                     errors.append(e)
                     self.stop.set()
                     return
-                if end is TaskEnd.HANDED_BACK:
-                    work.hand_back(worker, run)  # another worker takes it now; this one waits for its restart
 
     def _stop_on_restart_error(self, worker: Worker, e: WorkerStartError, errors: list[BaseException]) -> None:
         """A restarted worker's start raised: the batch stops with that error, whichever thread saw it."""
@@ -521,7 +411,7 @@ class Coordinator:
         self.stop.set()
 
     def _await_restart(self, worker: Worker, errors: list[BaseException],
-                       until_drained: TaskQueue | None = None) -> bool:
+                       until_drained: WorkQueue | None = None) -> bool:
         """Whether the worker is back; a restart whose start raised stops the batch with that error."""
         def give_up() -> bool:
             return self.stop.is_set() or (until_drained is not None and until_drained.drained())
@@ -539,7 +429,7 @@ class Coordinator:
 
     # -- the batch ------------------------------------------------------------------------------
     def run(self, open_tasks: list[Task], already_done: int, total: int) -> int:
-        """Runs the open tasks to an end; returns the exit code (0, 4 or 130)."""
+        """Runs the open documents to an end; returns the exit code (0, 4 or 130)."""
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
             return self._run(open_tasks, already_done, total)
@@ -550,8 +440,8 @@ class Coordinator:
 
     def _run(self, open_tasks: list[Task], already_done: int, total: int) -> int:
         context = self.cfg.summarize.context_tokens
-        runs = [TaskRun(task=task, context_tokens=context) for task in open_tasks]
-        self._read_passes(runs)
+        docs = [DocumentRun(task, context) for task in open_tasks]
+        self._read_passes(docs)
         count = self.pool.worker_count(len(open_tasks))
         self.log.info("batch_start", open_tasks=len(open_tasks), workers=count,
                       sequences_per_worker=self.cfg.batch.sequences)
@@ -569,16 +459,16 @@ class Coordinator:
         self._queued_at = time.time()  # queue wait counts from here: waiting for a free worker
         errors: list[BaseException] = []
         workers = self.pool.workers
-        work = TaskQueue(runs, lambda item: work_of(item, self.cfg), workers, self.cfg.batch.sequences,
-                         self.pool.is_down)
-        budgets = {run.task.task_id: expected_decode_tokens(run.task, self.cfg) for run in runs}
+        work = self.work = WorkQueue([Planning(doc, expected_work(doc.task, self.cfg, context)) for doc in docs],
+                                     workers, self.cfg.batch.sequences, self.pool.is_down)
+        budgets = {doc.task.task_id: expected_decode_tokens(doc.task, self.cfg) for doc in docs}
         with self.alerts.watching(), NodeSweeper(self.offload_root, self.log), \
                 BatchProgress(self.console, total, already_done, len(workers), budgets, self.alerts.busy_workers,
                               self.pool.tokens_decoded, self.log) as progress:
             self.recorder.progress = progress
-            # as many tasks in flight per worker as it batches sequences, so its batch stays full; the
-            # queue deals each task to the least loaded worker, so a short queue is shared out evenly
-            threads = [threading.Thread(target=self._feed, args=(w, work, errors), daemon=True)
+            # as many calls in flight per worker as it batches sequences, so its batch stays full; the
+            # queue deals each item to the least loaded worker, so a short queue is shared out evenly
+            threads = [threading.Thread(target=self._feed, args=(w, errors), daemon=True)
                        for _ in range(self.cfg.batch.sequences) for w in workers]
             for t in threads:
                 t.start()

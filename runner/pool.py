@@ -1,16 +1,15 @@
 """The Ray worker pool: starts the worker actors, calls them, waits for a lost one to come back, kills them.
 
-Everything the batch knows of Ray is here; the coordinator sees workers as opaque handles, outcomes
-as dicts, finished passes as rows handed to a callback, and losses as `WorkerLost`. Ray pickles the
-typed objects (the config, the tasks, the fault rules) across to the workers. Each actor takes `batch.max_sequences` calls at once (one
-thread a task, its sequences batched by the worker's engine), so one lost process ends several
-tasks: the pool counts that loss once, and says for each of its tasks whether batch-mates shared
-the process (then the loss is not the task's own fault, yet). A task suspected of crashing its
-batches runs `alone`: it waits for its worker to be idle and keeps it to itself. A call's
-`retry.task_timeout_s` runs from when its task began to run in the worker, not while it waits
-there behind its batch-mates (`_result`). While a call runs, the pool keeps a question open at its
-worker (`progress`), answered as soon as a pass finishes (or after `PROBE_INTERVAL_S`, with whether
-the task has begun): the coordinator records each pass as it ends, so a kill loses only passes in flight.
+Everything the batch knows of Ray is here; the coordinator sees workers as opaque handles, the
+worker's three calls (`plan`, `plan_merge`, `run_pass`: jobs/passes.py) as methods returning outcomes,
+and losses as `WorkerLost`. Ray pickles the typed objects (the config, the tasks, the specs, the fault
+rules) across to the workers. Each actor takes `batch.max_sequences` calls at once (one thread a
+pass, its sequences batched by the worker's engine), so one lost process ends several calls: the
+pool counts that loss once, and says for each call whether batch-mates shared the process (then the
+loss is not its document's fault, yet). A document suspected of crashing its batches runs `alone`:
+its call waits for its worker to be idle and keeps it to itself. A pass's `retry.task_timeout_s`
+runs from when it began to run in the worker, not while it waits there behind its batch-mates
+(`_result` asks the worker's `progress`).
 """
 
 from __future__ import annotations
@@ -31,21 +30,20 @@ from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError, RayEr
 from jobs.config import ConfigError, JobConfig
 from jobs.faults import FaultRule
 from jobs.node_share import workers_per_node, workers_that_fit
-from jobs.outcome import DealtPass, TaskOutcome
+from jobs.outcome import CallOutcome
+from jobs.passes import PassSpec
 from jobs.task import Task
 from runner.cluster import kill_and_wait
 from runner.observe.joblog import JobLog
 from runner.worker_actor import WorkerActor
-from storage.passes import PassRow
 
 #: How long a restarted worker may take to come back (process start + model load), not task time.
 WORKER_RESTART_TIMEOUT_S = 300.0
 PROBE_GROUP = "probe"
 """The actor's concurrency group for `progress` and `tokens_decoded`: threads of their own (one for each
-call in flight, which waits there for its next pass, and one more), so a worker busy with its batch answers."""
+call in flight and one more), so a worker busy with its batch answers."""
 PROBE_INTERVAL_S = 1.0
-"""How long one `progress` question waits for a pass to finish, so how often a call learns whether its
-task has begun to run (at most a quarter of the timeout)."""
+"""How often a call asks whether its pass has begun to run (at most a quarter of the timeout)."""
 PROBE_TIMEOUT_S = 60.0
 """A worker that does not answer that question within this is hung (a short task timeout does not
 shorten it: a loaded node may answer slowly)."""
@@ -191,6 +189,7 @@ class WorkerPool:
         self.faults = faults
         self.workers: list[Worker] = []
         self._slots: dict[Worker, _Slot] = {}
+        self._infos: dict[Worker, dict[str, Any]] = {}
         self._decoded: dict[str, int] = {}  # a worker process ("host:pid") -> tokens it decoded, last asked
         self._lock = threading.Condition()
         self._killed = False
@@ -230,6 +229,7 @@ class WorkerPool:
             self.kill_all()
             raise
         self._slots = {w: _Slot(f"worker slot {i}", infos[w]["worker"]) for i, w in enumerate(self.workers)}
+        self._infos = infos
         # the slot too: job.log names a slot where work is handed out, a process where it ran
         return [{**infos[w], "slot": self._slots[w].name} for w in self.workers]
 
@@ -284,24 +284,27 @@ class WorkerPool:
                 continue
         return sum(self._decoded.values())
 
-    def first_level(self, worker: Worker, task: Task, context_tokens: int) -> list[DealtPass]:
-        """The task's chunks as passes to deal out; none when the worker cannot say within the task
-        timeout (it is down, died, or hung: the task's own attempt deals with that)."""
-        if self.is_down(worker):
-            return []
-        try:
-            return ray.get(worker.first_level.remote(task, context_tokens), timeout=self.cfg.retry.task_timeout_s)
-        except RayError:
-            return []
+    def info(self, worker: Worker) -> dict[str, Any]:
+        """What the worker said of itself when it started (its model, its quantization)."""
+        return self._infos[worker]
 
-    def run(self, worker: Worker, task: Task, attempt: int, context_tokens: int, alone: bool, kept: list[PassRow],
-            on_passes: Callable[[list[PassRow]], None], dealt: set[str] | None = None,
-            dealt_pass: DealtPass | None = None) -> TaskOutcome:
-        """The worker's outcome for one attempt, handed the passes of the task `kept` before (`dealt`:
-        the keys of those dealt out for it), or for the one pass `dealt_pass`; each pass it finishes
-        goes to `on_passes` while the call runs. Raises `WorkerLost` when its process died or hung.
-        `alone`: wait until nothing else runs on the worker and keep it so, so that a loss now is this
-        task's own."""
+    def plan(self, worker: Worker, task: Task, context_tokens: int, alone: bool) -> CallOutcome:
+        """The document's first level, planned by the worker (its outcome's `plan`)."""
+        return self._call(worker, alone, lambda call_id: worker.plan.remote(task, context_tokens))
+
+    def plan_merge(self, worker: Worker, task: Task, level: int, texts: list[str], context_tokens: int,
+                   alone: bool) -> CallOutcome:
+        """Level `level` of the document, planned from the summaries `texts` of the level before."""
+        return self._call(worker, alone, lambda call_id: worker.plan_merge.remote(task, level, texts, context_tokens))
+
+    def run_pass(self, worker: Worker, spec: PassSpec, attempt: int, alone: bool) -> CallOutcome:
+        """One pass run on the worker's cache ladder (its outcome's `row` when it finished)."""
+        return self._call(worker, alone, lambda call_id: worker.run_pass.remote(spec, attempt, call_id))
+
+    def _call(self, worker: Worker, alone: bool, send: Callable[[str], Any]) -> CallOutcome:
+        """The outcome of the call `send` makes (given its call id). Raises `WorkerLost` when the worker's
+        process died or hung. `alone`: wait until nothing else runs on the worker and keep it so, so
+        that a loss now is this call's document's own."""
         slot = self._slots[worker]
         while True:
             # a call must reach a live incarnation: one sent while Ray restarts the worker fails at once
@@ -318,9 +321,8 @@ class WorkerPool:
                 call = slot.begin(alone)
                 break
         call_id = uuid.uuid4().hex
-        ref = worker.run.remote(task, attempt, context_tokens, kept, call_id, dealt, dealt_pass)
         try:
-            return self._result(worker, ref, call_id, on_passes)
+            return self._result(worker, send(call_id), call_id)
         except _Hung as e:
             ray.kill(worker, no_restart=False)  # a hung worker is restarted, with a fresh model
             raise self._lost(slot, call, "TimeoutError", str(e)) from None
@@ -333,13 +335,12 @@ class WorkerPool:
                 slot.end(call)
                 self._lock.notify_all()
 
-    def _result(self, worker: Worker, ref: Any, call_id: str, on_passes: Callable[[list[PassRow]], None]) -> TaskOutcome:
-        """The call's outcome, its finished passes handed to `on_passes` as they end (the worker's
-        `progress` answers as soon as one has). Its retry.task_timeout_s runs from when the task's first
-        sequence began to run in the worker (the worker says when), not from when the call was sent.
-        Waiting before that has a limit of its own: behind at most batch.max_sequences - 1 batch-mates,
-        each within its timeout, it begins within task_timeout_s × batch.max_sequences, or the worker is
-        stuck. Raises `_Hung` past either, or when the worker does not answer how the task is doing."""
+    def _result(self, worker: Worker, ref: Any, call_id: str) -> CallOutcome:
+        """The call's outcome. A pass's retry.task_timeout_s runs from when it began to run in the worker
+        (the worker's `progress` says when), not from when the call was sent. Waiting before that has a
+        limit of its own: behind at most batch.max_sequences - 1 batch-mates, each within its timeout,
+        it begins within task_timeout_s × batch.max_sequences, or the worker is stuck. Raises `_Hung` past
+        either, or when the worker does not answer how the call is doing."""
         limit = self.cfg.retry.task_timeout_s
         wait_limit = limit * self.cfg.batch.sequences
         sent = time.monotonic()
@@ -350,19 +351,15 @@ class WorkerPool:
                 if running_s >= limit:
                     raise _Hung(f"no result within retry.task_timeout_s={limit:g}s of its first sequence starting")
                 wait_s = min(wait_s, limit - running_s)
-            probe = worker.progress.options(concurrency_group=PROBE_GROUP).remote(call_id, wait_s)
-            try:
-                now_running_s, passes = ray.get(probe, timeout=wait_s + PROBE_TIMEOUT_S)
-            except GetTimeoutError:
-                raise _Hung(f"the worker did not answer within {PROBE_TIMEOUT_S:g}s how the task was doing: "
-                            "it is hung") from None
-            on_passes(passes)
-            # a call the worker does not know (yet, or any more: it ended) answers at once: wait for its result
-            ready, _ = ray.wait([ref], timeout=wait_s if now_running_s is None else 0)
+            ready, _ = ray.wait([ref], timeout=wait_s)
             if ready:
-                outcome, passes = ray.get(ref)
-                on_passes(passes)
-                return outcome
+                return ray.get(ref)
+            probe = worker.progress.options(concurrency_group=PROBE_GROUP).remote(call_id)
+            try:
+                now_running_s = ray.get(probe, timeout=PROBE_TIMEOUT_S)
+            except GetTimeoutError:
+                raise _Hung(f"the worker did not answer within {PROBE_TIMEOUT_S:g}s how the pass was doing: "
+                            "it is hung") from None
             running_s = now_running_s if now_running_s is not None else running_s
             if running_s is None and time.monotonic() - sent > wait_limit:
                 raise _Hung(f"not begun within {wait_limit:g}s of being sent (retry.task_timeout_s × "

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from jobs.outcome import DealtPass, TaskOutcome
+from jobs.outcome import CallOutcome
+from jobs.passes import PassSpec
 from jobs.task import Task
-from storage.passes import PassRow
 
 
 class WorkerActor:
@@ -25,16 +25,17 @@ class WorkerActor:
     def info(self) -> dict[str, Any]:
         return self._worker.info()
 
-    def progress(self, call_id: str, wait_s: float = 0.0) -> tuple[float | None, list[PassRow]]:
-        return self._worker.progress(call_id, wait_s)
+    def progress(self, call_id: str) -> float | None:
+        return self._worker.progress(call_id)
 
     def tokens_decoded(self) -> int:
         return self._worker.tokens_decoded()
 
-    def first_level(self, task: Task, context_tokens: int) -> list[DealtPass]:
-        return self._worker.first_level(task, context_tokens)
+    def plan(self, task: Task, context_tokens: int) -> CallOutcome:
+        return self._worker.plan(task, context_tokens)
 
-    def run(self, task: Task, attempt: int, context_tokens: int, kept: list[PassRow], call_id: str = "",
-            dealt: set[str] | None = None, dealt_pass: DealtPass | None = None,
-            ) -> tuple[TaskOutcome, list[PassRow]]:
-        return self._worker.run(task, attempt, context_tokens, kept, call_id, dealt, dealt_pass)
+    def plan_merge(self, task: Task, level: int, texts: list[str], context_tokens: int) -> CallOutcome:
+        return self._worker.plan_merge(task, level, texts, context_tokens)
+
+    def run_pass(self, spec: PassSpec, attempt: int, call_id: str = "") -> CallOutcome:
+        return self._worker.run_pass(spec, attempt, call_id)

@@ -28,10 +28,11 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from jobs.passes import PassRow
 from jobs.schema import EVENT_SCHEMA, RESULT_SCHEMA, TaskState
 from storage.location import Fence, Location, Where, no_fence
 from storage.parts import CorruptPart, list_temp_files, merge_parts, read_parts, replace_parts, write_part
-from storage.passes import PassRow, write_passes
+from storage.passes import write_passes
 
 logger = logging.getLogger(__name__)
 

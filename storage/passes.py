@@ -1,12 +1,11 @@
 """Finished passes of long documents: `JOB_DIR/passes/<task_id>/part-*.parquet`.
 
 A document longer than its context is summarised in passes (its chunks, then merges of their
-summaries). Workers hand each finished pass back to the coordinator, which alone writes the job
-folder: it publishes them here, fenced by its lease and atomically like every part
-(storage/parts.py), so a crash at any instant leaves each part whole or absent. Any later attempt at
-the document (a resume after a kill, a retry, another cache rung, a shorter context) is handed the
-passes read back from here and reuses every pass whose key matches what it is about to run. A pass's
-key covers everything that decides its tokens, so reusing one never changes a summary. The folder
+summaries; jobs/passes.py). A finished pass is its worker's answer to the coordinator, which alone
+writes the job folder: it publishes each here, fenced by its lease and atomically like every part
+(storage/parts.py), so a crash at any instant leaves each part whole or absent. A resume reads them
+back and runs only the passes whose key is not kept. A pass's key covers everything that decides
+its tokens, so reusing one never changes a summary. The folder
 goes once the document's result has been published; a crash in between leaves it for the next run's
 sweep.
 
@@ -19,37 +18,15 @@ empty and holds no job, storage/jobdir.py; this is the second line of that defen
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TypedDict
-
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from jobs.passes import PassRow
 from jobs.schema import PASS_SCHEMA
 from storage.location import Fence, Location, Where, no_fence
 from storage.parts import is_own_part_name, read_parts, write_part
 
 PASSES_DIR = "passes"
-
-
-class PassRow(TypedDict):
-    """One finished pass, as a worker hands it back and as it is kept (jobs.schema.PASS_SCHEMA)."""
-
-    task_id: str
-    doc_id: str
-    key: str  # hash of the settings fingerprint, the prompt's token ids and the new-token limit
-    fingerprint: str  # the model and the settings that decide a pass's tokens (runner/engine/pass_book.py)
-    level: int  # 0: the chunks; then each merge round
-    index: int  # its place among its level's passes
-    context_tokens: int  # the context its plan was made for
-    prompt_tokens: int
-    tokens: list[int]  # what it generated
-    text: str  # those tokens decoded
-    stop_reason: str  # jobs.stopping.StopReason
-    worker: str  # the "host:pid" that ran it
-    finished_at: float
-    prefill_s: float | None  # how long it took there (None: kept by an older tree), so a timeline can place it
-    decode_s: float | None
-    batch_size: float | None
 
 
 def _task_folder(job_dir: Where, task_id: str) -> Location:

@@ -38,7 +38,7 @@ OWNERLESS_GRACE_S = 300.0
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}")
 #: Task ids are `t` and the manifest row (`jobs.manifest.task_id_for_row`); a folder such as `v1.2` is not a task dir.
 _TASK_ID = re.compile(r"t\d{1,20}")
-_TASK_DIR_NAME = re.compile(r"t\d{1,20}\.\d{1,20}(p\d{1,20})?")
+_TASK_DIR_NAME = re.compile(r"t\d{1,20}\.\d{1,20}(l\d{1,20}p\d{1,20})?")
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
@@ -196,9 +196,9 @@ def _make_task_dir(job_dir: Path, task_dir: Path) -> None:
 
 @contextmanager
 def task_scratch(offload_root: Path, job_id: str, task_id: str, attempt: int, claim_bytes: int = 0,
-                 wait_s: float = 0.0, dealt_pass: int | None = None) -> Iterator[Path]:
-    """A fresh dir for one task attempt (or one pass of it dealt out on its own, `dealt_pass` its
-    index: several run at once), removed when the block ends however it ends.
+                 wait_s: float = 0.0, pass_at: tuple[int, int] | None = None) -> Iterator[Path]:
+    """A fresh dir for one task attempt (or one pass of it, `pass_at` its level and index: several run at
+    once), removed when the block ends however it ends.
 
     `claim_bytes` is what the task will write there: it is claimed on the root's filesystem against
     what the other live task dirs claimed (storage.scratch_space), waiting up to `wait_s` for them
@@ -213,7 +213,7 @@ def task_scratch(offload_root: Path, job_id: str, task_id: str, attempt: int, cl
         raise ScratchError(f"attempt must be >= 0, got {attempt} for task {task_id}")
     root = ensure_offload_root(offload_root)
     job_dir = root / job_id
-    task_dir = job_dir / (f"{task_id}.{attempt}" + (f"p{dealt_pass}" if dealt_pass is not None else ""))
+    task_dir = job_dir / (f"{task_id}.{attempt}" + (f"l{pass_at[0]:d}p{pass_at[1]:d}" if pass_at else ""))
     claimed = (room_claimed(root, root / ROOT_MARKER, claim_bytes, wait_s, lambda: live_claims(root),
                             partial(_no_room, offload_root)) if claim_bytes else nullcontext())
     with claimed:

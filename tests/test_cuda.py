@@ -32,6 +32,7 @@ from runner.engine.step_inputs import StepInputs
 from runner.engine.worker import SummaryWorker, _is_memory_error
 from tests.helpers.batching import PLAIN
 from tests.helpers.cli import TINY_CONFIG
+from tests.helpers.summarize import summarize
 
 
 def indexed(name: str) -> torch.device:
@@ -358,7 +359,7 @@ def test_a_real_oom_moves_the_task_down_the_ladder_and_its_pinned_memory_is_rele
     torch.cuda.reset_peak_host_memory_stats()
     torch.cuda.reset_peak_memory_stats(DEVICE)
     try:
-        outcome = worker.run(task, 1, config.summarize.context_tokens, kept=[])[0]
+        outcome = summarize(worker, task, config.summarize.context_tokens)
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, DEVICE)
         worker.engine.close()
@@ -410,7 +411,7 @@ def test_a_cuda_workers_kv_pool_and_graphs_are_made_at_start_and_kept(faults: st
         else:
             assert graphs["captured"] > 0 and graphs["failed"] == 0, graphs
         captured = static.captures
-        outcome = worker.run(_words_task(300, 3), 1, 1024, kept=[])[0]
+        outcome = summarize(worker, _words_task(300, 3), 1024)
         assert outcome["status"] == "done", outcome
         assert pool.generation == 1 and pool.slots >= 1 and pool.tokens >= 1024  # no growth, never made again
         assert static.captures == captured, "a step was captured mid-batch"

@@ -28,6 +28,7 @@ from tests.helpers.batching import BIG, PLAIN, as_loaded_model, tokens_alone
 from tests.helpers.cli import TINY_CONFIG
 from tests.helpers.models import random_prompt, tiny_model
 from tests.helpers.system import half_available_ram
+from tests.helpers.summarize import summarize
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -99,7 +100,7 @@ def test_a_workers_tasks_share_its_host_budget(tmp_path: Path) -> None:
 
     def run(doc_id: str) -> None:
         task = _task(doc_id, text, max_new_tokens=24)
-        outcomes[doc_id] = worker.run(task, 1, config.summarize.context_tokens, kept=[])[0]
+        outcomes[doc_id] = summarize(worker, task, config.summarize.context_tokens)
 
     threads = [threading.Thread(target=run, args=(f"doc-{i}",)) for i in range(3)]
     try:

@@ -22,6 +22,7 @@ from runner.engine.kvcache import TieredCache, build_cache, kv_shape
 from runner.engine.worker import SummaryWorker
 from tests.helpers.cli import LICENSES, TINY_CONFIG, write_jsonl
 from tests.helpers.models import BLOCK, assert_tokens_of_dynamic, random_prompt, run_generate, small_config
+from tests.helpers.summarize import summarize
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -334,7 +335,7 @@ def test_the_worker_plans_each_pass_and_records_the_placement(tmp_path: Path) ->
         [task], _ = read_manifest(write_jsonl(tmp_path / "m.jsonl", [{"id": "bsd", "path": str(LICENSES / "BSD")}]),
                                   config.input)
         worker = SummaryWorker(config, "placement", str(tmp_path / "offload"), threads=1)
-        rows[strategy] = worker.run(task, attempt=1, context_tokens=config.summarize.context_tokens, kept=[])[0]
+        rows[strategy] = summarize(worker, task, config.summarize.context_tokens)
     assert rows["dynamic"]["kv_placement"] is None
     tiered = rows["tiered-disk"]
     assert tiered["status"] == "done" and tiered["kv_placement"] == "resident 1/4 layers, disk 3"

@@ -23,6 +23,7 @@ from runner.engine.kvcache import KVBudgetExceeded
 from runner.engine.worker import SummaryWorker, _is_memory_error
 from storage.scratch import ScratchSpaceError
 from tests.helpers.cli import TINY_CONFIG
+from tests.helpers.summarize import summarize
 
 # torch's own text for a failed CUDA call (c10/cuda/CUDAException.cpp), here for cudaErrorMemoryAllocation
 _CUDA_CHECK_TAIL = (
@@ -86,7 +87,7 @@ def test_a_task_whose_allocation_really_fails_moves_down_the_ladder(tmp_path: Pa
                 n_bytes=len(text.encode()), sha256=hashlib.sha256(text.encode()).hexdigest(),
                 overrides={"max_new_tokens": 10**15}, meta={})
     try:
-        outcome = worker.run(task, 1, config.summarize.context_tokens, kept=[])[0]
+        outcome = summarize(worker, task, config.summarize.context_tokens)
     finally:
         worker.engine.close()
     # the dynamic rung failed in the CPU allocator (a RuntimeError), and that moved the task on, to

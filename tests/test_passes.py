@@ -1,7 +1,7 @@
 """A long document's finished passes go back from the workers to the coordinator, which alone
-checkpoints them (storage/passes.py) and hands them to every later attempt at it: a resume after
-kill -9, a transient retry, a move down the cache ladder; the summaries stay token for token those of
-an uninterrupted run, and no pass is kept twice."""
+checkpoints them (storage/passes.py) before anything that depends on them is dealt: a resume after
+kill -9 runs only the passes not kept, a transient retry or a move down the cache ladder only the pass
+that failed; the summaries stay token for token those of an uninterrupted run, and no pass is kept twice."""
 
 from __future__ import annotations
 
@@ -20,15 +20,13 @@ import pytest
 
 from jobs.config import JobConfig
 from jobs.faults import FAULTS_ENV
+from jobs.passes import PassRow, pass_key, settings_fingerprint
 from jobs.schema import MANIFEST_SCHEMA, PASS_SCHEMA
-from jobs.stopping import StopReason
-from runner.engine.generation import Generation
-from runner.engine.pass_book import PassBook, settings_fingerprint
 from storage.checkpoint import CheckpointLog, load_state
 from storage.lease import LeaseLostError
 from storage.location import Location
 from storage.parts import TEMP_PREFIX, list_parts, read_parts, write_part
-from storage.passes import PassRow, read_passes, remove_passes, tasks_with_passes, write_passes
+from storage.passes import read_passes, remove_passes, tasks_with_passes, write_passes
 from tests.helpers.cli import (
     LICENSES,
     REPO,
@@ -221,8 +219,8 @@ def test_while_the_coordinator_is_stopped_nothing_writes_the_job_folder(ray_addr
     assert not written, f"written while the coordinator was stopped: {written}"
 
 
-def test_a_retry_and_a_move_down_the_ladder_reuse_the_passes_already_done(uninterrupted, ray_address, tmp_path):
-    # the faults strike after a rung's first level of passes (the chunks), mid-task
+def test_a_retry_and_a_move_down_the_ladder_run_only_the_pass_that_failed(uninterrupted, ray_address, tmp_path):
+    # the faults strike the pass whose summary is the document's, once every pass before it was kept
     faults = json.dumps([{"doc": "gpl-2", "fault": "io", "attempts": [1]},
                          {"doc": "mpl-2.0", "fault": "oom", "rungs": ["dynamic"]}])
     job = tmp_path / "job"
@@ -230,84 +228,29 @@ def test_a_retry_and_a_move_down_the_ladder_reuse_the_passes_already_done(uninte
             "-j", str(job), "--address", ray_address, *SHORT_CONTEXT, "--set", "retry.backoff_initial_s=0",
             env={"KVBATCH_FAULTS": faults}, check=0)
     rows = rows_by_doc(job)
-    retried, moved, plain = rows["gpl-2"], rows["mpl-2.0"], rows["artistic"]
-    assert retried["attempts"] == 2 and retried["passes_reused"] == retried["chunks"]
-    assert moved["attempts"] == 1 and moved["fallbacks"] and moved["cache_strategy"] != "dynamic"
-    assert moved["passes_reused"] == moved["chunks"]
-    assert plain["passes_reused"] == 0
+    retried, moved = rows["gpl-2"], rows["mpl-2.0"]
+    assert retried["attempts"] == 2 and moved["attempts"] == 1
+    assert moved["fallbacks"] and moved["cache_strategy"] != "dynamic"
+    log = [json.loads(line) for line in (job / "job.log").read_text().splitlines()]
+    for doc_id, row in rows.items():
+        kept = [(e["level"], e["index"]) for e in log if e["event"] == "pass_kept" and e["doc_id"] == doc_id]
+        assert len(kept) == len(set(kept)) == row["passes"], doc_id  # every pass ran and was kept once
+        runs = [e for e in log if e["event"] == "pass_assigned" and e["doc_id"] == doc_id]
+        assert len(runs) == row["passes"], doc_id  # a retry runs the failed pass again, not the document
+        assert row["passes_reused"] == 0
     assert {d: r["summary"] for d, r in rows.items()} == {d: uninterrupted[d]["summary"] for d in rows}
 
 
-def generation(tokens: list[int]) -> Generation:
-    return Generation(tokens=tokens, input_tokens=3, ttft_s=0.5, decode_s=1.0, stop_reason=StopReason.EOS)
-
-
-def book(kept: list[PassRow], fingerprint: str, context_tokens: int = 512) -> PassBook:
-    return PassBook(kept, "t00000001", "doc", context_tokens, fingerprint, lambda t: " ".join(map(str, t)), "w")
-
-
-def test_a_pass_is_found_by_what_it_was_given_whatever_the_context_and_lost_with_the_settings():
+def test_a_pass_key_is_the_same_exactly_when_running_it_again_gives_the_same_tokens():
     fingerprint = settings_fingerprint(JobConfig(), "cpu", "torch.float32")
-    first = book([], fingerprint)
-    assert first.find([1, 2, 3], 16) is None
-    first.keep(0, 0, [1, 2, 3], 16, generation([7, 8]))
-    assert first.find([1, 2, 3], 16).tokens == [7, 8]  # another rung of the same attempt finds it
-    kept = first.handed_back()
-    assert [row["tokens"] for row in kept] == [[7, 8]] and first.handed_back() == []  # handed back once
-    assert (kept[0]["prefill_s"], kept[0]["decode_s"]) == (0.5, 1.0)  # what it took, for a timeline
-    # a shorter context's plan that gives this pass the same prompt reuses it; another prompt or limit does not
-    again = book(kept, fingerprint, context_tokens=256)
-    found = again.find([1, 2, 3], 16)
-    assert found is not None and found.tokens == [7, 8] and found.reused and found.stop_reason == StopReason.EOS
-    assert again.find([1, 2, 4], 16) is None and again.find([1, 2, 3], 17) is None
-    assert again.handed_back() == []  # what it was handed is not handed back again
+    key = pass_key(fingerprint, [1, 2, 3], 16)
+    assert pass_key(fingerprint, [1, 2, 3], 16) == key  # a shorter context whose plan gives the same prompt
+    assert pass_key(fingerprint, [1, 2, 4], 16) != key and pass_key(fingerprint, [1, 2, 3], 17) != key
     other = settings_fingerprint(JobConfig(summarize={"seed": 1}), "cpu", "torch.float32")
-    assert other != fingerprint
-    assert book(kept, other).find([1, 2, 3], 16) is None
+    assert other != fingerprint and pass_key(other, [1, 2, 3], 16) != key
     # where the KV lives, the context and the prefill chunking do not decide tokens: same fingerprint
     assert settings_fingerprint(JobConfig(cache={"strategy": "tiered-disk"}, summarize={"context_tokens": 2048}),
                                 "cpu", "torch.float32") == fingerprint
-
-
-def test_a_waiting_question_is_answered_by_the_pass_that_ends_and_by_the_attempts_end():
-    """The coordinator's open question (`progress`) gets each pass the moment it is kept, not at its
-    next poll; the attempt's end answers a question still open, and hands back what is left."""
-    fingerprint = settings_fingerprint(JobConfig(), "cpu", "torch.float32")
-    passes = book([], fingerprint)
-    answers: list[list[PassRow]] = []
-    asked = threading.Event()
-
-    def ask() -> None:
-        asked.set()
-        answers.append(passes.handed_back(wait_s=600))
-
-    question = threading.Thread(target=ask)
-    question.start()
-    asked.wait()
-    passes.keep(0, 0, [1, 2, 3], 16, generation([7, 8]))
-    question.join(timeout=60)
-    assert not question.is_alive() and [[row["tokens"] for row in rows] for rows in answers] == [[[7, 8]]]
-    question = threading.Thread(target=ask)
-    question.start()
-    asked.wait()
-    passes.keep(0, 1, [4, 5], 16, generation([9]))  # kept while a question is open or just before: either way once
-    rest = passes.close()
-    question.join(timeout=60)
-    assert not question.is_alive()
-    assert sorted(row["tokens"] for row in rest + answers[1]) == [[9]]
-    assert passes.handed_back(wait_s=600) == []  # a closed book answers at once
-
-
-def test_a_pass_counts_as_collected_only_once_the_coordinator_asks_again():
-    """An answer taken from the book may still be on its way when the worker dies: only the
-    coordinator's next question says it arrived, so an injected crash waits for that question."""
-    passes = book([], settings_fingerprint(JobConfig(), "cpu", "torch.float32"))
-    passes.keep(0, 0, [1, 2, 3], 16, generation([7, 8]))
-    assert not passes.wait_collected(0.05)  # finished, not handed back
-    assert [row["tokens"] for row in passes.handed_back()] == [[7, 8]]
-    assert not passes.wait_collected(0.05)  # handed back: the answer may not have reached the coordinator
-    assert passes.handed_back() == []  # the next question: the answer arrived
-    assert passes.wait_collected(0.05)
 
 
 def test_the_checkpoint_log_publishes_passes_fenced_as_they_are_added(tmp_path):

@@ -25,6 +25,7 @@ from runner.engine.worker import SummaryWorker, _is_memory_error
 from tests.helpers.batching import BIG, LENGTHS, NEW, PLAIN, as_loaded_model, cpu_kv_pool, run_batch, tokens_alone
 from tests.helpers.cli import LICENSES, TINY_CONFIG
 from tests.helpers.models import random_prompt, tiny_model
+from tests.helpers.summarize import summarize
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -193,7 +194,7 @@ def _task(i: int, name: str) -> Task:
 def _summaries(worker: SummaryWorker, tasks: list[Task]) -> list[dict]:
     """The tasks run at once (as the worker's Ray actor runs them, one thread each)."""
     with ThreadPoolExecutor(len(tasks)) as threads:
-        return list(threads.map(lambda task: worker.run(task, 1, 1024, kept=[])[0], tasks))
+        return list(threads.map(lambda task: summarize(worker, task, 1024), tasks))
 
 
 def test_a_worker_on_the_pooled_path_summarises_as_the_per_row_path_does(tmp_path: Path) -> None:

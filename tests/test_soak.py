@@ -17,6 +17,7 @@ from runner.engine.worker import SummaryWorker
 from storage.scratch import ROOT_MARKER
 from tests.helpers.child_process import Child
 from tests.helpers.cli import LICENSES, TINY_CONFIG, write_jsonl
+from tests.helpers.summarize import summarize
 
 N_TASKS = 100
 RSS_TOLERANCE = 0.02
@@ -68,7 +69,7 @@ def soak(tmp_path: Path, order: str = "longest-first") -> dict:
     context = config.summarize.context_tokens
     snapshots, strategies, outcomes = [], set(), []
     for task in runs:
-        outcome = worker.run(task, attempt=1, context_tokens=context, kept=[])[0]
+        outcome = summarize(worker, task, context)
         outcomes.append([task.doc_id, outcome["status"], outcome.get("error_type")])
         strategies.add(outcome.get("cache_strategy"))
         snapshots.append(_host_snapshot())

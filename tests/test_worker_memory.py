@@ -18,6 +18,7 @@ from jobs.faults import FaultRule
 from jobs.task import Task
 from runner.engine.worker import SummaryWorker
 from tests.helpers.cli import LICENSES, TINY_CONFIG
+from tests.helpers.summarize import summarize
 
 
 def test_the_failed_rungs_cache_is_freed_before_the_next_rung_starts(tmp_path: Path, monkeypatch) -> None:
@@ -40,7 +41,7 @@ def test_the_failed_rungs_cache_is_freed_before_the_next_rung_starts(tmp_path: P
     task = Task(task_id="t000001", doc_id="doc-1", source_type="text", source=text, n_chars=len(text),
                 n_bytes=len(text.encode()), sha256=hashlib.sha256(text.encode()).hexdigest(), overrides={}, meta={})
 
-    outcome = worker.run(task, 1, config.summarize.context_tokens, kept=[])[0]
+    outcome = summarize(worker, task, config.summarize.context_tokens)
 
     assert outcome["status"] == "done" and outcome["cache_strategy"] == "tiered-disk", outcome
     assert outcome["fallbacks"] == ["cache:dynamic->tiered-disk (OutOfMemoryError)"]
@@ -55,7 +56,7 @@ def test_a_ladder_that_runs_out_reports_the_last_error_by_type_and_message(tmp_p
     text = "a short document. " * 50
     task = Task(task_id="t000001", doc_id="doc-1", source_type="text", source=text, n_chars=len(text),
                 n_bytes=len(text.encode()), sha256=hashlib.sha256(text.encode()).hexdigest(), overrides={}, meta={})
-    outcome = worker.run(task, 1, config.summarize.context_tokens, kept=[])[0]
+    outcome = summarize(worker, task, config.summarize.context_tokens)
     assert outcome["status"] == "failed" and outcome["failure_class"] == "memory"
     assert outcome["error_type"] == "OutOfMemoryError"
     assert outcome["error"] == "CUDA out of memory (injected for doc-1 on tiered-disk)"

@@ -45,8 +45,6 @@ class Generation:
     batch_size: float = 1.0
     """Mean sequences that shared this pass's decode steps."""
     stop_reason: StopReason = StopReason.LENGTH
-    reused: bool = False
-    """Finished by an earlier attempt and read back (runner/engine/pass_book.py): no timings of its own."""
 
     @property
     def output_tokens(self) -> int:

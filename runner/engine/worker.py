@@ -1,15 +1,14 @@
-"""The worker: holds one model and summarises several tasks at once (a Ray actor in a batch).
+"""The worker: holds one model, plans documents' passes and runs passes, several at once (a Ray actor).
 
-Each task runs in a thread of its own (the actor takes `batch.max_sequences` calls at a time); its
-passes go to the worker's one `BatchEngine`, which decodes the sequences of every task in flight
-together. A task runs in three stages: build its request (read the document, settings and
-overrides), find the first cache rung that runs it, and produce its outcome. The worker owns the
-cache ladder: a task starts on the first rung the planner says fits, and a device OOM (real, from
-the budget guard, or a full offload disk) moves it to the next rung at once. What is left
+Three calls cross Ray (jobs/passes.py): `plan` tokenises a document once and cuts it into its first
+level of passes, `plan_merge` groups a level's summaries into the next, and `run_pass` runs one pass.
+Each pass runs in a thread of its own (the actor takes `batch.max_sequences` calls at a time) and goes
+to the worker's one `BatchEngine`, which decodes the sequences of every pass in flight together. The
+worker owns the cache ladder: a pass starts on the first rung the planner says fits, and a device OOM
+(real, from the budget guard, or a full offload disk) moves it to the next rung at once. What is left
 (transient errors, shorter contexts) is the coordinator's business, so the worker reports a
-failure's class instead of retrying it. The worker never writes the job folder: the passes an
-earlier attempt finished come in with the call, and those it finishes go back to the coordinator
-(`progress` while the call runs, the rest with its outcome), which records them.
+failure's class instead of retrying it. The worker never writes the job folder: a finished pass is
+the call's result, which the coordinator keeps.
 """
 
 from __future__ import annotations
@@ -21,7 +20,6 @@ import socket
 import threading
 import time
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,9 +31,10 @@ from jobs.chunking import ContextTooSmallError
 from jobs.config import ConfigError, JobConfig
 from jobs.documents import DocumentError, load_task_text
 from jobs.faults import FAULTS_ENV, FaultRule, fault_for
-from jobs.kvplan import estimated_tokens, kv_bytes, plan_rungs
+from jobs.kvplan import kv_bytes, plan_rungs
 from jobs.node_share import workers_per_device
-from jobs.outcome import DealtPass, TaskOutcome, static_share
+from jobs.outcome import CallOutcome, static_share
+from jobs.passes import LevelPlan, PassRow, PassSpec, pass_key, settings_fingerprint
 from jobs.policy import FailureClass, cache_fallback_note
 from jobs.rungs import RUNGS
 from jobs.task import Task
@@ -44,13 +43,11 @@ from runner.engine.cache_recipe import CacheKit
 from runner.engine.kvcache import ResidentMeter, kv_shape, ram_left_by_weights, resolve_budgets
 from runner.engine.kvcache.pool import KVPool
 from runner.engine.model_loader import load_model
-from runner.engine.pass_book import PassBook, pass_key, settings_fingerprint
 from runner.engine.probes import StageMemory, memory_snapshot
-from runner.engine.rung_attempt import CacheTotals, RungAttempt
+from runner.engine.rung_attempt import RungAttempt
 from runner.engine.sdpa import choose_sdpa
 from runner.engine.static_step import StaticStep, bucket
-from runner.engine.summarize import Summarizer, Summary
-from storage.passes import PassRow
+from runner.engine.summarize import Summarizer
 from storage.scratch import (
     ScratchSpaceError,
     ensure_offload_root,
@@ -108,24 +105,6 @@ def _is_setting_error(e: BaseException) -> bool:
     return isinstance(e, (ConfigError, TypeError, ValueError)) and not _is_memory_error(e)
 
 
-@dataclass(frozen=True)
-class TaskRequest:
-    """What one task asks of the model: the first stage of `SummaryWorker.run`."""
-
-    task: Task
-    attempt: int
-    context_tokens: int
-    text: str
-    max_new_tokens: int
-    instruction: str
-    passes: PassBook
-    """Its passes finished before (handed in) and now (handed back)."""
-    dealt_pass: DealtPass | None = None
-    """Set when the call runs one of the task's passes alone, dealt out by the coordinator."""
-    clock: TaskClock = field(default_factory=TaskClock)
-    """Started when the task's first sequence begins to run: what `progress` reports."""
-
-
 class SummaryWorker:
     def __init__(
         self,
@@ -152,8 +131,7 @@ class SummaryWorker:
         self.after_load = memory_snapshot(self.loaded.device)
         self.ram_left = ram_left_by_weights(self.ram_before_load, self.loaded.weight_bytes,
                                             psutil.virtual_memory().available)
-        self.summarizer = Summarizer(self.loaded, self.cfg.summarize.chunk_overlap_tokens,
-                                     self.cfg.summarize.trim_to_sentence)
+        self.summarizer = Summarizer(self.loaded, self.cfg.summarize.chunk_overlap_tokens)
         self.fingerprint = settings_fingerprint(self.cfg, self.loaded.device.type, str(self.loaded.dtype))
         self.kv_shape = kv_shape(self.loaded.model.config, self.loaded.dtype)
         self.node_workers = max(1, node_workers)
@@ -178,7 +156,7 @@ class SummaryWorker:
                                         static=self._static_step())
         self.sdpa = choose_sdpa(self.cfg.batch.sdpa_backend, self.loaded.device)  # before any capture
         self.graphs = self._capture_graphs()
-        self._calls: dict[str, TaskRequest] = {}  # call id -> the task in flight under it
+        self._calls: dict[str, TaskClock] = {}  # call id -> the clock of the pass in flight under it
 
     def _pool_plan(self) -> tuple[int, int] | None:
         """On CUDA the KV pool is sized once, for the batch's most sequences (and a static step's padding
@@ -235,56 +213,73 @@ class SummaryWorker:
             "graphs": self.graphs,
         }
 
-    def progress(self, call_id: str, wait_s: float = 0.0) -> tuple[float | None, list[PassRow]]:
-        """Seconds since call `call_id`'s first sequence began to run (None while it waits, queued
-        behind batch-mates, not yet started or ended), and the passes it finished since the last
-        answer, waiting up to `wait_s` for one (or the call's end). Answered from a thread of its
-        own, so a busy worker answers."""
-        request = self._calls.get(call_id)
-        if request is None:
-            return None, []
-        passes = request.passes.handed_back(wait_s)
-        return request.clock.running_s(), passes
+    def progress(self, call_id: str) -> float | None:
+        """Seconds since call `call_id`'s pass began to run (None while it waits, queued behind
+        batch-mates, not yet started or ended). Answered from a thread of its own, so a busy worker answers."""
+        clock = self._calls.get(call_id)
+        return None if clock is None else clock.running_s()
 
     def tokens_decoded(self) -> int:
         """Tokens this worker's decode steps have made since it started, asked while tasks run (live tok/s)."""
         return self.engine.plan.tokens_decoded
 
-    def first_level(self, task: Task, context_tokens: int) -> list[DealtPass]:
-        """The task's chunks at `context_tokens` as passes the coordinator can deal out to any worker;
-        none for a document that does not load or fit (its own attempt says why)."""
+    # -- planning --------------------------------------------------------------------------------
+    def _max_new_tokens(self, task: Task) -> int:
+        return int(task.overrides.get("max_new_tokens", self.cfg.summarize.max_new_tokens))
+
+    def _instruction(self, task: Task) -> str:
+        return str(task.overrides.get("prompt", self.cfg.summarize.prompt))
+
+    def _outcome(self) -> CallOutcome:
+        return CallOutcome(worker=self.name, model=self.loaded.name, quantization=self.loaded.quantization,
+                           fallbacks=[])
+
+    def _specs(self, task: Task, level: int, context_tokens: int, prompts: list[list[int]],
+               final: bool) -> tuple[PassSpec, ...]:
         max_new_tokens = self._max_new_tokens(task)
+        return tuple(PassSpec(task.task_id, task.doc_id, pass_key(self.fingerprint, ids, max_new_tokens),
+                              self.fingerprint, level, i, context_tokens, tuple(ids), max_new_tokens, final)
+                     for i, ids in enumerate(prompts))
+
+    def plan(self, task: Task, context_tokens: int) -> CallOutcome:
+        """The document's first level at `context_tokens`: read and tokenised once, cut into chunks (one
+        pass when it fits). A document that does not load or fit fails (class input)."""
+        started = time.perf_counter()
         try:
             text = load_task_text(task)
-            first = self.summarizer.first_level(text, self._instruction(task), max_new_tokens, context_tokens)
-        except (DocumentError, ContextTooSmallError):
-            return []
-        return [DealtPass(i, pass_key(self.fingerprint, ids, max_new_tokens), ids)
-                for i, ids in enumerate(first.prompts)]
+            prompts, input_tokens = self.summarizer.chunks(text, self._instruction(task), self._max_new_tokens(task),
+                                                           context_tokens)
+        except (DocumentError, ContextTooSmallError) as e:
+            return self._outcome() | _failure(FailureClass.INPUT, type(e).__name__, str(e), started)
+        plan = LevelPlan(self._specs(task, 0, context_tokens, prompts, len(prompts) == 1), (), input_tokens)
+        return self._outcome() | CallOutcome(status="done", plan=plan)
 
-    def run(self, task: Task, attempt: int, context_tokens: int, kept: list[PassRow], call_id: str = "",
-            dealt: set[str] | None = None, dealt_pass: DealtPass | None = None,
-            ) -> tuple[TaskOutcome, list[PassRow]]:
-        """Summarise one task, reusing the passes in `kept` that it would run again (`dealt`: the
-        keys of those that ran dealt out for this attempt); or with `dealt_pass`, run that one pass of
-        it alone, on this worker's cache ladder. Returns an outcome (never raises for an expected
-        failure) and the passes finished that `progress` has not handed back yet. `call_id` names the
-        call for `progress`."""
+    def plan_merge(self, task: Task, level: int, texts: list[str], context_tokens: int) -> CallOutcome:
+        """Level `level`: the previous level's summaries `texts` grouped into merge passes."""
         started = time.perf_counter()
-        outcome = TaskOutcome(worker=self.name, model=self.loaded.name, quantization=self.loaded.quantization,
-                              fallbacks=[])
         try:
-            request = self._request(task, attempt, context_tokens, kept, dealt, dealt_pass)
-        except DocumentError as e:
-            return outcome | _failure(FailureClass.INPUT, type(e).__name__, str(e), started), []
+            groups, prompts = self.summarizer.merges(texts, self._instruction(task), self._max_new_tokens(task),
+                                                     context_tokens)
+        except ContextTooSmallError as e:
+            return self._outcome() | _failure(FailureClass.INPUT, type(e).__name__, str(e), started)
+        plan = LevelPlan(self._specs(task, level, context_tokens, prompts, len(groups) == 1),
+                         tuple((g.start, g.stop) for g in groups))
+        return self._outcome() | CallOutcome(status="done", plan=plan)
+
+    # -- one pass --------------------------------------------------------------------------------
+    def run_pass(self, spec: PassSpec, attempt: int, call_id: str = "") -> CallOutcome:
+        """Run one pass on this worker's cache ladder; its outcome (never raises for an expected
+        failure) holds its row when it finished. `attempt`: the document's (what a fault rule
+        matches); `call_id` names the call for `progress`."""
+        started = time.perf_counter()
+        outcome = self._outcome()
         memory = StageMemory()
-        self._calls[call_id] = request
+        clock = self._calls[call_id] = TaskClock()
         try:
             with _PeakRss() as rss:
-                outcome |= self._first_rung_that_runs(request, memory, outcome["fallbacks"], started)
+                outcome |= self._first_rung_that_runs(spec, attempt, memory, clock, outcome["fallbacks"], started)
         finally:
             self._calls.pop(call_id, None)
-            rest = request.passes.close()
         outcome.update(
             memory.row_fields(),
             peak_host_rss_bytes=max(rss.peak, memory.decode_peak_host_rss_bytes or 0),
@@ -295,48 +290,26 @@ class SummaryWorker:
             device_used_fraction=memory.device_used_fraction,
             wall_s=time.perf_counter() - started,
         )
-        return outcome, rest
+        return outcome
 
-    # -- stage 1: the request ------------------------------------------------------------------
-    def _max_new_tokens(self, task: Task) -> int:
-        return int(task.overrides.get("max_new_tokens", self.cfg.summarize.max_new_tokens))
-
-    def _instruction(self, task: Task) -> str:
-        return str(task.overrides.get("prompt", self.cfg.summarize.prompt))
-
-    def _request(self, task: Task, attempt: int, context_tokens: int, kept: list[PassRow],
-                 dealt: set[str] | None, dealt_pass: DealtPass | None) -> TaskRequest:
-        return TaskRequest(
-            task=task, attempt=attempt, context_tokens=context_tokens,
-            text="" if dealt_pass is not None else load_task_text(task),
-            max_new_tokens=self._max_new_tokens(task), instruction=self._instruction(task),
-            passes=PassBook(kept, task.task_id, task.doc_id, context_tokens, self.fingerprint,
-                            self.summarizer.decode, self.name, dealt),
-            dealt_pass=dealt_pass,
-        )
-
-    # -- stage 2: the first rung that runs it --------------------------------------------------
-    def _rungs(self, request: TaskRequest) -> list[str]:
+    def _rungs(self, spec: PassSpec) -> list[str]:
         if self.cfg.cache.strategy != "auto":
             return [self.cfg.cache.strategy]
-        tokens = estimated_tokens(request.task.n_chars, request.max_new_tokens, request.context_tokens)
         return plan_rungs(
             self.cfg.cache.ladder,
-            kv_bytes(self.kv_shape, tokens),
+            kv_bytes(self.kv_shape, len(spec.prompt) + spec.max_new_tokens),
             self.device_budget,
             self.host_budget,
             self.loaded.device.type == "cpu",
         )
 
-    def _first_rung_that_runs(self, request: TaskRequest, memory: StageMemory, fallbacks: list[str],
-                              started: float) -> TaskOutcome:
-        rungs = self._rungs(request)
+    def _first_rung_that_runs(self, spec: PassSpec, attempt: int, memory: StageMemory, clock: TaskClock,
+                              fallbacks: list[str], started: float) -> CallOutcome:
+        rungs = self._rungs(spec)
         last_error = ("OutOfMemoryError", "no cache rung fits the budgets")  # when the ladder is empty
         for i, rung in enumerate(rungs):
             try:
-                return self._summarize_on(rung, request, memory)
-            except ContextTooSmallError as e:
-                return _failure(FailureClass.INPUT, type(e).__name__, str(e), started)
+                return self._run_on(rung, spec, attempt, memory, clock)
             except Exception as e:  # noqa: BLE001 - classified below, reported to the coordinator
                 if _is_setting_error(e):
                     return _failure(FailureClass.SETTING, type(e).__name__, str(e), started)
@@ -349,33 +322,38 @@ class SummaryWorker:
             fallbacks.append(cache_fallback_note(rung, rungs[i + 1] if i + 1 < len(rungs) else None, last_error[0]))
         return _failure(FailureClass.MEMORY, *last_error, started)
 
-    def _summarize_on(self, rung: str, request: TaskRequest, memory: StageMemory) -> TaskOutcome:
-        """The task done on `rung` (its passes in the worker's batch); raises what stops it there."""
-        task, dealt_pass = request.task, request.dealt_pass
-        # a fault a test injects strikes the task's own attempt, as in a batch that deals nothing out
-        fault = None if dealt_pass else fault_for(self.faults, task.doc_id, request.attempt, rung, request.context_tokens)
-        with self._scratch_dir(rung, request) as offload_dir:
-            attempt = RungAttempt(rung, self.cache_kit, self.engine, memory, request.clock, offload_dir,
-                                  task.doc_id, fault, request.passes)
-            if dealt_pass is None:
-                summary = self.summarizer.summarize(
-                    request.text, request.instruction, request.max_new_tokens, request.context_tokens, attempt
-                )
-            else:
-                [generation] = attempt([dealt_pass.prompt], request.max_new_tokens, first_index=dealt_pass.index)
-                summary = Summary(self.summarizer.decode(generation.tokens), len(dealt_pass.prompt),
-                                  generation.output_tokens, 1, [generation], str(generation.stop_reason))
-        return _done(rung, summary, attempt.totals)
+    def _run_on(self, rung: str, spec: PassSpec, attempt: int, memory: StageMemory, clock: TaskClock) -> CallOutcome:
+        """The pass done on `rung` (in the worker's batch); raises what stops it there. A fault a test
+        injects strikes the pass whose summary is the document's, once every pass before it was kept."""
+        fault = fault_for(self.faults, spec.doc_id, attempt, rung, spec.context_tokens) if spec.final else None
+        with self._scratch_dir(rung, spec, attempt) as offload_dir:
+            run = RungAttempt(rung, self.cache_kit, self.engine, memory, clock, offload_dir, spec.doc_id, fault)
+            generation = run.run(list(spec.prompt), spec.max_new_tokens)
+        stats = run.cache_stats or {}
+        row = PassRow(task_id=spec.task_id, doc_id=spec.doc_id, key=spec.key, fingerprint=spec.fingerprint,
+                      level=spec.level, index=spec.index, context_tokens=spec.context_tokens,
+                      prompt_tokens=len(spec.prompt), tokens=generation.tokens,
+                      text=self.summarizer.decode(generation.tokens), stop_reason=str(generation.stop_reason),
+                      worker=self.name, finished_at=time.time(), prefill_s=generation.ttft_s,
+                      decode_s=generation.decode_s, batch_size=generation.batch_size)
+        return CallOutcome(
+            status="done", row=row, cache_strategy=rung,
+            decode_row_steps=run.decode_steps, static_step_share=static_share(run.decode_steps),
+            kv_bytes=stats.get("kv_bytes") or 0, kv_resident_peak_bytes=stats.get("kv_resident_peak_bytes") or 0,
+            offload_bytes_written=stats.get("offload_bytes_written") or 0,
+            offload_bytes_read=stats.get("offload_bytes_read") or 0,
+            compression_ratio=stats.get("compression_ratio") if stats.get("offload_bytes_written") else None,
+            kv_placement=run.placement.describe() if run.placement else None,
+        )
 
-    def _scratch_dir(self, rung: str, request: TaskRequest) -> AbstractContextManager[Path | None]:
-        """The task's scratch dir on a rung that offloads to disk, with its KV's bytes claimed on the
-        disk (waiting for running tasks that hold the room, as long as one may run); none on the others."""
+    def _scratch_dir(self, rung: str, spec: PassSpec, attempt: int) -> AbstractContextManager[Path | None]:
+        """The pass's scratch dir on a rung that offloads to disk, with its KV's bytes claimed on the
+        disk (waiting for running passes that hold the room, as long as one may run); none on the others."""
         if not RUNGS[rung].needs_offload_dir:
             return nullcontext(None)
-        return task_scratch(self.offload_root, self.job_id, request.task.task_id, request.attempt,
-                            claim_bytes=kv_bytes(self.kv_shape, request.context_tokens),
-                            wait_s=self.cfg.retry.task_timeout_s,
-                            dealt_pass=request.dealt_pass.index if request.dealt_pass else None)
+        return task_scratch(self.offload_root, self.job_id, spec.task_id, attempt,
+                            claim_bytes=kv_bytes(self.kv_shape, len(spec.prompt) + spec.max_new_tokens),
+                            wait_s=self.cfg.retry.task_timeout_s, pass_at=(spec.level, spec.index))
 
     def _release_memory(self) -> None:
         gc.collect()
@@ -383,37 +361,7 @@ class SummaryWorker:
             torch.cuda.empty_cache()
 
 
-# -- stage 3: the outcome ------------------------------------------------------------------------
-def _done(rung: str, summary: Summary, totals: CacheTotals) -> TaskOutcome:
-    return {
-        "status": "done",
-        "summary": summary.text,
-        "summary_tail": summary.tail,
-        "input_tokens": summary.input_tokens,
-        "output_tokens": summary.output_tokens,
-        "chunks": summary.chunks,
-        "cache_strategy": rung,
-        "stop_reason": summary.stop_reason,
-        "ttft_s": summary.ttft_s,
-        "decode_tokens_per_s": summary.decode_tokens_per_s,
-        "prefill_s": sum(p.ttft_s for p in summary.run_passes),
-        "decode_s": sum(p.decode_s for p in summary.run_passes),
-        "passes": len(summary.passes),
-        "passes_reused": summary.reused_passes,
-        "batch_size": summary.batch_size,
-        "padding_share": 0.0,  # ragged decode steps: every row attends to its own length, nothing is padded
-        "decode_row_steps": totals.decode_steps,
-        "static_step_share": static_share(totals.decode_steps),
-        "kv_bytes": totals.kv_bytes,
-        "kv_resident_peak_bytes": totals.kv_resident_peak_bytes,
-        "offload_bytes_written": totals.offload_bytes_written,
-        "offload_bytes_read": totals.offload_bytes_read,
-        "compression_ratio": totals.compression_ratio,
-        "kv_placement": totals.placement.describe() if totals.placement else None,
-    }
-
-
-def _failure(cls: FailureClass, error_type: str, error: str, started: float) -> TaskOutcome:
+def _failure(cls: FailureClass, error_type: str, error: str, started: float) -> CallOutcome:
     return {
         "status": "failed",
         "failure_class": cls.value,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from jobs.schema import RESULT_SCHEMA, TaskState, empty_row
-from storage.passes import PassRow
+from jobs.passes import PassRow
 
 
 def done_row(doc: str) -> dict:
