@@ -426,18 +426,18 @@ def test_the_summary_row_is_refused_before_done():
     doc = Doc("d", tuple(range(8)))
     run = DocumentRun(_task(doc), 4)
     with pytest.raises(ValueError, match="planning"):
-        run.summary_row
+        _ = run.summary_row
     run, worker = _planned(doc, 4)
     with pytest.raises(ValueError, match="mapping"):
-        run.summary_row
+        _ = run.summary_row
     for spec in run.next_passes():
         run.pass_done(worker.run(spec))
     run.planned(worker.plan_merge(list(run.parts), 1, 4))
     with pytest.raises(ValueError, match="merging"):
-        run.summary_row
+        _ = run.summary_row
     run.fail()
     with pytest.raises(ValueError, match="failed"):
-        run.summary_row
+        _ = run.summary_row
 
 
 def test_the_tree_lists_the_kept_passes_of_the_levels_at_the_current_context():

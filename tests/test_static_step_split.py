@@ -15,7 +15,7 @@ import torch
 from transformers import PreTrainedModel
 
 from jobs.config import LoopStopConfig, SummarizeConfig
-from jobs.outcome import TaskOutcome, static_share, with_dealt_passes
+from jobs.outcome import CallOutcome, fold_passes, static_share
 from runner.engine.batch_engine import BatchEngine
 from runner.engine.kvcache import ResidentMeter
 from runner.engine.kvcache.pool import KVPool
@@ -24,6 +24,7 @@ from runner.engine.static_step import Eager, StaticStep
 from runner.engine.worker import _is_memory_error
 from tests.helpers.batching import BIG, PLAIN, run_batch, tokens_alone
 from tests.helpers.models import random_prompt, tiny_model
+from tests.helpers.results import kept_pass
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -81,11 +82,21 @@ def test_tiered_rows_run_beside_the_static_step_and_the_pool_rows_stay_on_it(tok
     assert engine.most_rows == 5 and step is not None and step.steps >= max(pooled)
 
 
-def test_a_tasks_dealt_passes_add_their_row_steps_and_the_share_is_of_them_all() -> None:
-    own: TaskOutcome = {"status": "done", "decode_row_steps": {"static": 30, "eager": {}, "ahead": 25},
-                        "static_step_share": 1.0}
-    dealt: TaskOutcome = {"status": "done", "decode_row_steps": {"static": 50, "eager": {Eager.NOT_POOL: 20}}}  # no ahead: an older line
-    merged = with_dealt_passes(own, [dealt, {"status": "done"}])  # an outcome from before the count: none
-    assert merged["decode_row_steps"] == {"static": 80, "eager": {"not pool": 20}, "ahead": 25}
-    assert merged["static_step_share"] == 0.8 and own["static_step_share"] == 1.0
+def test_a_documents_passes_fold_into_one_outcome_their_row_steps_added_and_the_share_of_them_all() -> None:
+    chunk, merge, read_back = kept_pass("t1", "a"), kept_pass("t1", "b"), kept_pass("t1", "c")
+    merge.update(level=1, text="One sentence. And a cut", stop_reason="length", tokens=[1, 2, 3], decode_s=2.0)
+    ran: dict[str, CallOutcome] = {
+        "a": {"status": "done", "decode_row_steps": {"static": 50, "eager": {Eager.NOT_POOL: 20}},  # an older line
+              "offload_bytes_written": 10, "kv_bytes": 5, "fallbacks": ["cache x"]},
+        "b": {"status": "done", "decode_row_steps": {"static": 30, "eager": {}, "ahead": 25}, "static_step_share": 1.0,
+              "offload_bytes_written": 4, "kv_bytes": 9, "cache_strategy": "dynamic", "fallbacks": ["cache x"]},
+    }
+    folded = fold_passes([read_back, chunk, merge], ran, chunks=2, input_tokens=900, worker={"model": "m"}, trim=True)
+    assert folded["decode_row_steps"] == {"static": 80, "eager": {"not pool": 20}, "ahead": 25}
+    assert folded["static_step_share"] == 0.8 and ran["b"]["static_step_share"] == 1.0
+    assert (folded["summary"], folded["summary_tail"]) == ("One sentence.", " And a cut")
+    assert (folded["passes"], folded["passes_reused"], folded["chunks"]) == (3, 1, 2)
+    assert folded["offload_bytes_written"] == 14 and folded["kv_bytes"] == 9 and folded["fallbacks"] == ["cache x"]
+    assert folded["cache_strategy"] == "dynamic" and folded["model"] == "m" and folded["ttft_s"] == 0.5
+    assert folded["decode_s"] == 3.0 and folded["decode_tokens_per_s"] == 2 / 3.0  # the passes run, not the one read back
     assert static_share({"static": 0, "eager": {}, "ahead": 0}) is None

@@ -1,66 +1,49 @@
-"""The summary a document's result gets (runner/engine/summarize.py): one that ran out of tokens ends at
-its last complete sentence, the cut words kept in `tail`; the passes keep every word they wrote."""
+"""The summary a document's result gets (jobs/outcome.py `fold_passes`): one that ran out of tokens ends at
+its last complete sentence, the cut words kept in `summary_tail`; the passes keep every word they wrote."""
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 import pytest
-import torch
 
-from jobs.config import CacheConfig, ModelConfig, load_config
+from jobs.config import load_config
+from jobs.outcome import TaskOutcome
 from jobs.stopping import StopReason
 from jobs.summaries import last_sentence_end, trim_to_sentence
-from runner.engine.batch_engine import BatchEngine, PassRequest
-from runner.engine.generation import Generation
-from runner.engine.kvcache import build_cache
-from runner.engine.model_loader import LoadedModel, load_model
-from runner.engine.probes import StageMemory
-from runner.engine.summarize import Summary, Summarizer
-from runner.engine.worker import _is_memory_error
+from jobs.task import Task
+from runner.engine.worker import SummaryWorker
 from tests.helpers.cli import TINY_CONFIG, export_rows, kvbatch, write_jsonl
+from tests.helpers.summarize import summarize
 
 REPO = Path(__file__).resolve().parents[1]
 DOCUMENT = Path("/usr/share/common-licenses/CC0-1.0")
 NEW_TOKENS = 40  # the demo's summaries of this document run past it: stopped by length, mid-sentence
 
 
-@pytest.fixture(scope="module")
-def smollm2() -> LoadedModel:
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield load_model(ModelConfig(name="builtin:smollm2-135m", device="cpu"))
-    torch.set_num_threads(before)
-
-
-def _summary(loaded: LoadedModel, scratch: Path, trim: bool) -> Summary:
-    """The document summarised in one pass through the worker's engine, with the demo's settings."""
-    settings = load_config(REPO / "configs" / "default.yaml").summarize
-    engine = BatchEngine(loaded, settings, "auto", 1, 1 << 50, _is_memory_error)
-
-    def generate(prompts: list[list[int]], max_new_tokens: int) -> list[Generation]:
-        requests = [PassRequest(p, max_new_tokens, device_bytes=0, memory=StageMemory(),
-                                make_cache=lambda: build_cache("dynamic", loaded.model, CacheConfig(), scratch, None))
-                    for p in prompts]
-        return [engine.submit(r).result(timeout=600).generation for r in requests]
-
+def _summary(tmp_path: Path, trim: bool) -> TaskOutcome:
+    """The document summarised in one pass by a worker with the demo's settings (the builtin model)."""
+    config = load_config(REPO / "configs" / "default.yaml", [
+        "model.name=builtin:smollm2-135m", "model.device=cpu", f"summarize.max_new_tokens={NEW_TOKENS}",
+        f"summarize.trim_to_sentence={str(trim).lower()}"])
+    worker = SummaryWorker(config, "job", str(tmp_path / "kv"), threads=2)
+    text = DOCUMENT.read_text()
+    task = Task("t00000001", "cc0", "path", str(DOCUMENT), len(text), len(text.encode()),
+                hashlib.sha256(text.encode()).hexdigest(), {}, {})
     try:
-        return Summarizer(loaded, 0, trim_to_sentence=trim).summarize(
-            DOCUMENT.read_text(), settings.prompt, NEW_TOKENS, settings.context_tokens, generate)
+        return summarize(worker, task, config.summarize.context_tokens)
     finally:
-        engine.close()
+        worker.engine.close()
 
 
 @pytest.mark.slow
-def test_a_summary_stopped_by_length_ends_at_its_last_sentence_and_keeps_the_cut_words_apart(
-        smollm2: LoadedModel, tmp_path: Path) -> None:
-    summary = _summary(smollm2, tmp_path, trim=True)
-    written = Summarizer(smollm2, 0).decode(summary.passes[-1].tokens)  # every word the pass wrote
-    assert summary.stop_reason == StopReason.LENGTH and summary.tail.strip(), written  # cut mid-sentence
-    assert summary.text + summary.tail == written
-    assert last_sentence_end(summary.text) == len(summary.text), summary.text
-    untrimmed = _summary(smollm2, tmp_path, trim=False)
-    assert (untrimmed.text, untrimmed.tail) == (written, "")
+def test_a_summary_stopped_by_length_ends_at_its_last_sentence_and_keeps_the_cut_words_apart(tmp_path: Path) -> None:
+    summary = _summary(tmp_path, trim=True)
+    assert summary["stop_reason"] == StopReason.LENGTH and summary["summary_tail"].strip()  # cut mid-sentence
+    assert last_sentence_end(summary["summary"]) == len(summary["summary"]), summary["summary"]
+    untrimmed = _summary(tmp_path, trim=False)  # every word the pass wrote
+    assert (untrimmed["summary"], untrimmed["summary_tail"]) == (summary["summary"] + summary["summary_tail"], "")
 
 
 def test_the_cut_words_reach_the_exported_result_row(ray_address: str, tmp_path: Path) -> None:
