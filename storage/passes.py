@@ -18,6 +18,7 @@ empty and holds no job, storage/jobdir.py; this is the second line of that defen
 from __future__ import annotations
 
 from collections.abc import Iterable
+
 import pyarrow as pa
 import pyarrow.parquet as pq
 

@@ -5,19 +5,17 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from contextlib import ExitStack
+from dataclasses import dataclass
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jobs.balance import expected_work, may_take, merge_work, pass_counts
+from jobs.balance import WorkQueue, expected_passes, expected_work, may_take, pass_counts
 from jobs.config import load_config
 from jobs.kvplan import CHARS_PER_TOKEN
-from jobs.outcome import DealtPass
 from jobs.task import Task
-from runner.coordinator import PassRun, TaskQueue, TaskRun, work_of
 from tests.helpers.cli import LICENSES, TINY_CONFIG, export_rows, kvbatch, write_jsonl
 
 CONFIG = load_config(TINY_CONFIG)
@@ -92,16 +90,24 @@ def test_a_busy_or_down_worker_does_not_hold_the_task_back():
     assert may_take("b", loads, ["a", "b"])
 
 
-# -- the coordinator's queue, real threads ----------------------------------------------------------
-def _queue(sizes: dict[str, int], down: set[str] = frozenset(), slots: int = 2) -> TaskQueue:
-    runs = [TaskRun(task=_task(doc, n), context_tokens=1024) for doc, n in sizes.items()]
-    return TaskQueue(runs, lambda item: work_of(item, CONFIG), ["w0", "w1"], slots, lambda w: w in down)
+# -- the work queue, real threads -------------------------------------------------------------------
+@dataclass(eq=False)
+class _Item:
+    """A work item as the queue sees one (runner's `Planning` or `Pass`): its document and expected work."""
+
+    doc: str
+    work: float
 
 
-def _take_soon(queue: TaskQueue, worker: str, held: ExitStack, wait_s: float = 0.5) -> TaskRun | None:
-    """What `taking` gives within `wait_s` (None when it is still waiting then), held until `held` closes."""
+def _queue(later: list[_Item], slots: int = 2, down: frozenset[str] = frozenset()) -> WorkQueue:
+    return WorkQueue(later, ["w0", "w1"], slots, lambda w: w in down)
+
+
+def _take(queue: WorkQueue, worker: str, held: ExitStack) -> _Item | None:
+    """What `taking` gives `worker`, held until `held` closes; it must come at once (a take that waits
+    instead gives None after 5 s, and the test's assertion fails rather than hangs)."""
     stop = threading.Event()
-    timer = threading.Timer(wait_s, stop.set)
+    timer = threading.Timer(5.0, stop.set)
     timer.start()
     try:
         return held.enter_context(queue.taking(worker, stop))
@@ -109,75 +115,170 @@ def _take_soon(queue: TaskQueue, worker: str, held: ExitStack, wait_s: float = 0
         timer.cancel()
 
 
-def test_the_queue_deals_the_longest_to_the_least_loaded_worker():
-    queue = _queue({"huge": 30_000, "mid1": 15_000, "mid2": 14_000, "tiny": 300})
+class _Taker:
+    """A worker's feeding thread taking one item (or None) and holding it until `release` is set, each step
+    written to `order`, so a test shows what came before what without sleeping."""
+
+    def __init__(self, queue: WorkQueue, worker: str, order: list[str]) -> None:
+        self.queue, self.worker, self.order = queue, worker, order
+        self.asking, self.took, self.release, self.stop = (threading.Event() for _ in range(4))
+        self.item: _Item | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        self.asking.set()
+        with self.queue.taking(self.worker, self.stop) as item:
+            self.item = item
+            self.order.append(f"{self.worker} takes {item.doc if item else None}")
+            self.took.set()
+            self.release.wait(10)
+
+    def end(self) -> None:
+        self.stop.set()
+        self.release.set()
+        self.thread.join(10)
+        assert not self.thread.is_alive()
+
+
+def test_the_queue_gives_the_longest_to_the_least_loaded_worker():
+    queue = _queue([_Item("tiny", 300), _Item("mid2", 14_000), _Item("huge", 30_000), _Item("mid1", 15_000)])
+    order: list[str] = []
     with ExitStack() as held:
-        assert _take_soon(queue, "w0", held).task.doc_id == "huge"
-        assert _take_soon(queue, "w1", held).task.doc_id == "mid1"
-        started = time.monotonic()
-        assert _take_soon(queue, "w0", held, wait_s=0.3) is None  # w1, with a free slot, has less work in flight
-        assert time.monotonic() - started >= 0.3
-        assert _take_soon(queue, "w1", held).task.doc_id == "mid2"
-        assert _take_soon(queue, "w0", held).task.doc_id == "tiny"  # w1's slots are full now
+        assert _take(queue, "w0", held).doc == "huge"
+        assert _take(queue, "w1", held).doc == "mid1"
+        w0 = _Taker(queue, "w0", order)  # w1, with a free slot, has less work in flight: w0 waits
+        held.callback(w0.end)
+        assert w0.asking.wait(5)
+        order.append("w1 takes mid2")
+        assert _take(queue, "w1", held).doc == "mid2"  # w1 may: its 15,000 are less than w0's 30,000
+        assert w0.took.wait(5)  # w1's slots are full now: it no longer holds w0 back
+        assert order == ["w1 takes mid2", "w0 takes tiny"]
+        assert queue.load("w0") == 30_300 and queue.load("w1") == 29_000
 
 
 def test_a_down_worker_does_not_hold_the_queue_back():
-    queue = _queue({"huge": 30_000, "mid": 15_000}, down={"w1"})
+    down = {"w1"}
+    queue = WorkQueue([_Item("huge", 30_000), _Item("mid", 15_000), _Item("tiny", 300)], ["w0", "w1"], 2,
+                      lambda w: w in down)
     with ExitStack() as held:
-        assert _take_soon(queue, "w0", held).task.doc_id == "huge"
-        assert _take_soon(queue, "w0", held).task.doc_id == "mid"
+        assert _take(queue, "w0", held).doc == "huge"
+        assert _take(queue, "w0", held).doc == "mid"  # w1 holds nothing, but it is down
+        down.clear()  # back: asked at every take
+        assert _take(queue, "w1", held).doc == "tiny"
 
 
-def test_a_task_handed_back_at_a_shorter_context_goes_first_with_its_new_work():
-    queue = _queue({"huge": 30_000, "mid": 15_000}, slots=1)
+def test_a_take_gives_none_once_the_batch_stops_while_it_waits():
+    queue = _queue([_Item("huge", 30_000), _Item("mid", 15_000)])
+    order: list[str] = []
     with ExitStack() as held:
-        huge = _take_soon(queue, "w0", held)
-        before = queue.load("w0")
-        huge.context_tokens = 512
-        assert queue.load("w0") > before  # the work in flight follows the task's context
-        queue.hand_back("w0", huge)
-        assert queue.load("w0") == 0
-        with ExitStack() as on_w1:
-            assert _take_soon(queue, "w1", on_w1) is huge
-        assert queue.load("w1") == 0  # its block ended: w1 no longer holds it
-        assert _take_soon(queue, "w1", held).task.doc_id == "mid"
-        assert not queue.drained()
-    assert queue.drained()  # w0's block ending after its hand-back released nothing twice
+        assert _take(queue, "w0", held).doc == "huge"
+        w0 = _Taker(queue, "w0", order)  # waits: w1 has a free slot and nothing in flight
+        assert w0.asking.wait(5)
+        order.append("stop")
+        w0.stop.set()
+        assert w0.took.wait(5)
+        w0.end()
+        assert order == ["stop", "w0 takes None"] and queue.left() == 1
 
 
-def test_a_task_is_held_while_its_block_runs_and_released_however_the_block_ends():
-    queue = _queue({"huge": 30_000}, slots=1)
-    with pytest.raises(RuntimeError, match="a bug in the task loop"), ExitStack() as held:
-        run = _take_soon(queue, "w0", held)
-        assert queue.load("w0") == expected_work(run.task, CONFIG, run.context_tokens) > 0 and not queue.drained()
-        raise RuntimeError("a bug in the task loop")
+def test_items_put_go_in_front_of_the_documents_not_planned_yet():
+    queue = _queue([_Item("huge", 30_000), _Item("mid", 15_000)], slots=4)
+    with ExitStack() as held:
+        huge = _take(queue, "w0", held)
+        assert huge.doc == "huge"
+        queue.put([_Item("huge", 500), _Item("huge", 900)])  # its passes, once it is planned
+        assert [_take(queue, "w1", held).work for _ in range(2)] == [900, 500]  # the longest of them first
+        assert _take(queue, "w1", held).doc == "mid"  # only then the documents that wait
+        queue.put([_Item("mid", 200)])
+        assert _take(queue, "w1", held).work == 200
+
+
+def test_an_item_is_held_while_its_block_runs_and_released_however_the_block_ends():
+    queue = _queue([_Item("huge", 30_000)], slots=1)
+    with pytest.raises(RuntimeError, match="a bug in the feeding loop"), ExitStack() as held:
+        item = _take(queue, "w0", held)
+        assert queue.load("w0") == item.work == 30_000 and not queue.drained()
+        raise RuntimeError("a bug in the feeding loop")
     assert queue.load("w0") == 0 and queue.drained()
     with ExitStack() as held:
-        assert _take_soon(queue, "w1", held) is None  # nothing left and nothing in flight
+        assert _take(queue, "w1", held) is None  # at once: nothing left and nothing in flight
 
 
-def test_a_task_dealt_out_waits_for_its_passes_then_goes_first():
-    queue = _queue({"huge": 30_000, "mid": 15_000})
-    passes = [DealtPass(i, f"key-{i}", [1] * 900) for i in range(3)]
+def test_a_take_waits_while_another_worker_holds_an_item_that_may_bring_more():
+    queue = _queue([_Item("doc", 5_000)], slots=1)
+    order: list[str] = []
+    first = second = None
+    try:
+        with ExitStack() as held:
+            planning = _take(queue, "w0", held)  # the document's planning: nothing else is left
+            assert planning.doc == "doc" and queue.left() == 0 and not queue.drained()
+            first = _Taker(queue, "w1", order)  # waits for what w0's planning brings
+            assert first.asking.wait(5)
+            order.append("w0 puts a pass")
+            queue.put([_Item("doc", 900)])  # the plan's passes
+            assert first.took.wait(5) and first.item.work == 900
+            first.release.set()
+            first.thread.join(5)
+            second = _Taker(queue, "w1", order)  # its pass ended, w0 still holds the planning: w1 waits
+            assert second.asking.wait(5)
+            order.append("w0's block ends")
+        assert second.took.wait(5)  # only now is nothing left and nothing in flight
+    finally:
+        for taker in (first, second):
+            if taker is not None:
+                taker.end()
+    assert order == ["w0 puts a pass", "w1 takes doc", "w0's block ends", "w1 takes None"]
+    assert queue.drained()
+
+
+def test_a_worker_takes_its_own_documents_next_pass_before_a_larger_one_among_the_first_slots():
+    queue = _queue([_Item("E", 100), _Item("D", 50)], slots=2)
     with ExitStack() as held:
-        huge = _take_soon(queue, "w0", held)
-        huge.dealt_at = huge.context_tokens
-        whole = queue.load("w0")
-        assert queue.room("w0") == 1
-        queue.deal("w0", huge, passes, 4)  # one of its 4 chunks was kept before
-        assert queue.load("w0") == 0 and queue.left() == 2  # its passes count as the task's, once
-        on_w0, on_w1 = ExitStack(), ExitStack()
-        first = _take_soon(queue, "w0", on_w0)
-        second = _take_soon(queue, "w1", on_w1)  # the other worker, while the first pass runs
-        assert isinstance(first, PassRun) and isinstance(second, PassRun) and first.run is second.run is huge
-        third = _take_soon(queue, "w1", on_w1)
-        assert isinstance(third, PassRun) and {p.dealt.index for p in (first, second, third)} == {0, 1, 2}
-        on_w0.close()
-        on_w1.close()  # its last pass ended: the task is back, in front of the longest task left
-        assert _take_soon(queue, "w0", held) is huge
-        merges = merge_work(huge.task, CONFIG, 4, huge.context_tokens)
-        assert queue.load("w0") == merges and 0 < merges < whole / 4  # what is left of it: its merges
-        assert _take_soon(queue, "w1", held).task.doc_id == "mid"
+        assert _take(queue, "w1", held).doc == "E"
+        assert _take(queue, "w0", held).doc == "D"  # w0 holds D's planning (less work than w1's E)
+        e40, d5 = _Item("E", 40), _Item("D", 5)
+        queue.put([e40, d5])
+        with ExitStack() as step:
+            assert _take(queue, "w0", step) is d5  # D's: among the first 2, before E's larger pass
+        e30, d4 = _Item("E", 30), _Item("D", 4)
+        queue.put([e30, d4])  # in front now: e40, e30, d4
+        with ExitStack() as step:
+            assert _take(queue, "w0", step) is e40  # D's pass is not among the first 2: the first goes
+        with ExitStack() as step:
+            assert _take(queue, "w0", step) is d4  # e30, d4 are the first 2 now
+        assert queue.left() == 1
+
+
+def test_left_counts_each_document_once_and_drained_waits_for_the_items_in_flight():
+    queue = _queue([_Item("A", 10), _Item("B", 20)], slots=8)
+    assert queue.left() == 2 and not queue.drained()
+    with ExitStack() as held:
+        assert _take(queue, "w0", held).doc == "B"
+        assert queue.left() == 1 and not queue.drained()  # B is planned, A waits
+        queue.put([_Item("B", 5), _Item("B", 6), _Item("B", 7)])
+        assert queue.left() == 2  # B once, however many of its passes wait
+        queue.put([_Item("A", 1)])
+        assert queue.left() == 2  # A once, in front and waiting to be planned
+        for _ in range(5):
+            _take(queue, "w1", held)
+        assert queue.left() == 0 and not queue.drained()  # nothing waits, but 6 items are in flight
+    assert queue.drained()
+
+
+def test_an_item_handed_back_goes_to_another_worker_and_is_released_once():
+    queue = _queue([_Item("huge", 30_000), _Item("mid", 15_000)], slots=1)
+    with ExitStack() as on_w0:
+        huge = _take(queue, "w0", on_w0)
+        queue.hand_back("w0", huge)  # its worker was lost
+        assert queue.load("w0") == 0 and queue.left() == 2
+        with ExitStack() as on_w1:
+            assert _take(queue, "w1", on_w1) is huge
+            on_w0.close()  # w0's block ends after its hand-back: it releases nothing w1 holds
+            assert queue.load("w1") == 30_000 and queue.load("w0") == 0
+        assert queue.load("w1") == 0
+        assert _take(queue, "w0", on_w0).doc == "mid"
+        assert not queue.drained()
     assert queue.drained()
 
 

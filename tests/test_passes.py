@@ -9,7 +9,6 @@ import json
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -20,7 +19,7 @@ import pytest
 
 from jobs.config import JobConfig
 from jobs.faults import FAULTS_ENV
-from jobs.passes import PassRow, pass_key, settings_fingerprint
+from jobs.passes import pass_key, settings_fingerprint
 from jobs.schema import MANIFEST_SCHEMA, PASS_SCHEMA
 from storage.checkpoint import CheckpointLog, load_state
 from storage.lease import LeaseLostError

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from jobs.schema import RESULT_SCHEMA, TaskState, empty_row
 from jobs.passes import PassRow
+from jobs.schema import RESULT_SCHEMA, TaskState, empty_row
 
 
 def done_row(doc: str) -> dict:
