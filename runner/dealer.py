@@ -140,9 +140,10 @@ class Dealer:
                 call = lambda: self.pool.plan_merge(worker, doc.task, level, parts, context, doc.alone)  # noqa: E731
             outcome = self._call(worker, doc, call, lambda: doc.context_tokens == context,
                                  Planning(doc, expected_work(doc.task, self.cfg, context)))
-            if outcome is None:  # handed back, or no longer wanted
+            if outcome is None:  # handed back (a Planning item, for any worker), or no longer wanted
                 with self._lock:
-                    doc.unclaim()
+                    if (doc.stage, doc.level, doc.context_tokens) == (Stage.PLANNING, level, context):
+                        doc.unclaim()
                 return
             if outcome["status"] != "done":
                 self._failed(doc, outcome)
@@ -154,6 +155,9 @@ class Dealer:
                 passes = [Pass(doc, spec, pass_work(doc.task, self.cfg, len(spec.prompt)))
                           for spec in doc.next_passes()]
                 done = doc.stage is Stage.DONE and doc.claim()
+            self.log.info("level_planned", task_id=doc.task.task_id, doc_id=doc.task.doc_id, level=level,
+                          context_tokens=context, passes=len(outcome["plan"].specs), to_run=len(passes),
+                          worker=self.pool.slot_name(worker))
             self.work.put(passes)
             if done:
                 self._finish(doc)

@@ -49,6 +49,7 @@ def test_a_map_reduced_document_counts_every_chunk_and_merge_pass():
 def test_a_shorter_context_is_more_passes_and_more_work():
     task = _task("long", 30_000)
     assert expected_work(task, CONFIG, 512) > expected_work(task, CONFIG, 1024)
+    assert len(expected_passes(task, CONFIG, 512)) > len(expected_passes(task, CONFIG, 1024))
     assert expected_work(task, CONFIG) == expected_work(task, CONFIG, CONFIG.summarize.context_tokens)
     assert expected_work(_task("x", 100 * CHARS_PER_TOKEN), CONFIG) > 0
 

@@ -17,10 +17,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from jobs.config import JobConfig
+from jobs.config import JobConfig, load_config
 from jobs.faults import FAULTS_ENV
 from jobs.passes import pass_key, settings_fingerprint
 from jobs.schema import MANIFEST_SCHEMA, PASS_SCHEMA
+from jobs.task import Task
 from storage.checkpoint import CheckpointLog, load_state
 from storage.lease import LeaseLostError
 from storage.location import Location
@@ -99,10 +100,16 @@ def rows_by_doc(job: Path) -> dict[str, dict]:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(ray_address, tmp_path_factory) -> dict[str, dict]:
+def uninterrupted_job(ray_address, tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("uninterrupted")
     kvbatch("submit", str(license_manifest(tmp, LONG_DOCS)), "-c", str(TINY_CONFIG), "-j", str(tmp / "job"),
             "--address", ray_address, *SHORT_CONTEXT, check=0)
+    return tmp / "job"
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(uninterrupted_job) -> dict[str, dict]:
+    tmp = uninterrupted_job.parent
     rows = rows_by_doc(tmp / "job")
     assert all(row["passes"] > row["chunks"] > 3 for row in rows.values()), rows  # chunks and merges
     assert not (tmp / "job" / "passes").exists() or not any((tmp / "job" / "passes").iterdir())
@@ -380,3 +387,56 @@ def test_what_job_log_calls_kept_or_done_is_on_disk_when_the_coordinator_is_kill
             and c["task_id"] not in state.done_task_ids and (c["task_id"], c["level"], c["index"]) not in on_disk]
     assert not lost, f"said kept, not in the job folder: {lost}"
     assert any(c["event"] == "pass_kept" and c["task_id"] not in state.done_task_ids for c in claims)
+
+
+class CountingTokenizer:
+    """The worker's tokenizer, counting what it is asked to tokenise (encoding and chat templates)."""
+
+    def __init__(self, tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self.encoded: list[str] = []
+
+    def __call__(self, text, *args, **kwargs):
+        self.encoded.append(text)
+        return self._tokenizer(text, *args, **kwargs)
+
+    def apply_chat_template(self, messages, *args, **kwargs):
+        self.encoded.append(messages[0]["content"])
+        return self._tokenizer.apply_chat_template(messages, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+
+def test_a_long_document_is_tokenised_once_by_its_plan_and_its_passes_tokenise_nothing(tmp_path):
+    from runner.engine.worker import SummaryWorker
+
+    config = load_config(TINY_CONFIG, ["summarize.context_tokens=512", "summarize.min_context_tokens=256"])
+    worker = SummaryWorker(config, "job", str(tmp_path / "kv"), threads=1)
+    counting = worker.summarizer.tokenizer = CountingTokenizer(worker.summarizer.tokenizer)
+    text = LONG.read_text()
+    task = Task("t00000001", "gpl-2", "text", text, len(text), len(text.encode()), "", {}, {})
+    try:
+        plan = worker.plan(task, 512)["plan"]
+        assert len(plan.specs) > 3 and sum(t == text for t in counting.encoded) == 1  # the document, once
+        planned = len(counting.encoded)
+        assert planned == 1 + 1 + len(plan.specs)  # the document, the bare prompt's size, each chunk's prompt
+        rows = [worker.run_pass(spec, 1)["row"] for spec in plan.specs]
+        assert len(counting.encoded) == planned  # a pass runs the prompt its spec carries
+        merge = worker.plan_merge(task, 1, [row["text"] for row in rows], 512)["plan"]
+        assert not any(text in t for t in counting.encoded[planned:])  # merges tokenise summaries only
+        assert merge.specs and all(spec.level == 1 and spec.context_tokens == 512 for spec in merge.specs)
+    finally:
+        worker.engine.close()
+
+
+def test_each_level_of_a_long_document_is_planned_once_and_each_pass_dealt_once(uninterrupted_job):
+    """The context crosses Ray once per level (the plan call out, its specs back); a pass is dealt once."""
+    log = [json.loads(line) for line in (uninterrupted_job / "job.log").read_text().splitlines()]
+    rows = rows_by_doc(uninterrupted_job)
+    for doc_id, row in rows.items():
+        planned = [(e["level"], e["context_tokens"]) for e in log if e["event"] == "level_planned" and e["doc_id"] == doc_id]
+        levels = {e["level"] for e in log if e["event"] == "pass_kept" and e["doc_id"] == doc_id}
+        assert sorted(planned) == [(level, 512) for level in sorted(levels)], doc_id
+        dealt = [(e["level"], e["index"]) for e in log if e["event"] == "pass_assigned" and e["doc_id"] == doc_id]
+        assert len(dealt) == len(set(dealt)) == row["passes"], doc_id
