@@ -435,7 +435,8 @@ def test_each_level_of_a_long_document_is_planned_once_and_each_pass_dealt_once(
     log = [json.loads(line) for line in (uninterrupted_job / "job.log").read_text().splitlines()]
     rows = rows_by_doc(uninterrupted_job)
     for doc_id, row in rows.items():
-        planned = [(e["level"], e["context_tokens"]) for e in log if e["event"] == "level_planned" and e["doc_id"] == doc_id]
+        planned = [(e["level"], e["context_tokens"]) for e in log
+                   if e["event"] == "level_planned" and e["doc_id"] == doc_id]
         levels = {e["level"] for e in log if e["event"] == "pass_kept" and e["doc_id"] == doc_id}
         assert sorted(planned) == [(level, 512) for level in sorted(levels)], doc_id
         dealt = [(e["level"], e["index"]) for e in log if e["event"] == "pass_assigned" and e["doc_id"] == doc_id]
