@@ -113,7 +113,7 @@ class WorkQueue:
     again at a shorter context, work handed back by a lost worker. A worker takes the next item only
     while no other worker with a free slot has less expected work in flight, so the long documents
     spread over the workers instead of one worker's queue setting the batch's end. `take` waits while
-    other threads still hold items that may bring work."""
+    other threads still hold items that may bring work; an item a lost worker held is `put` back."""
 
     def __init__(self, later: list[Item], workers: list[Hashable], slots: int,
                  is_down: Callable[[Hashable], bool]) -> None:
@@ -171,8 +171,7 @@ class WorkQueue:
 
     def _release(self, worker: Hashable, item: Item) -> None:
         with self._changed:
-            if item in self._held[worker]:  # not handed back
-                self._held[worker].remove(item)
+            self._held[worker].remove(item)
             self._changed.notify_all()
 
     def put(self, items: list[Item]) -> None:
@@ -180,13 +179,6 @@ class WorkQueue:
         with self._changed:
             for item in items:
                 heapq.heappush(self._front, self._entry(item))
-            self._changed.notify_all()
-
-    def hand_back(self, worker: Hashable, item: Item) -> None:
-        """Another worker takes `item` on now (in front); `worker` no longer holds it."""
-        with self._changed:
-            heapq.heappush(self._front, self._entry(item))
-            self._held[worker].remove(item)
             self._changed.notify_all()
 
     def load(self, worker: Hashable) -> float:

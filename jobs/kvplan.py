@@ -60,11 +60,6 @@ PROMPT_TOKENS = 64
 """Room for the instruction and chat template around the document."""
 
 
-def estimated_tokens(n_chars: int, max_new_tokens: int, context_tokens: int) -> int:
-    """A pass's length (prompt + new tokens) from the document's size, before it is tokenised."""
-    return min(context_tokens, n_chars // CHARS_PER_TOKEN + max_new_tokens + PROMPT_TOKENS)
-
-
 def check_strategy(name: str, key: str = "cache.strategy") -> None:
     """A clear error for a cache strategy this tool does not know (`auto` is not a rung)."""
     if name not in STRATEGIES:

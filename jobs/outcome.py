@@ -121,8 +121,8 @@ def fold_passes(tree: list[PassRow], ran: Mapping[str, Mapping[str, Any]], chunk
     """A finished document's outcome, folded once from its passes (`tree`, level by level, the last its
     summary's) and the outcomes of those run in this batch (`ran`, by key; the others were read back):
     the bytes moved add up, a peak is the most any pass reached, decode row-steps add up, timings are of
-    the passes run. `worker`: what the worker that planned it says of itself, for a document whose
-    every pass was read back. `trim`: a summary whose pass ran out of tokens ends at its last complete
+    the passes run. `worker`: what a worker of the batch says of itself (its model, its quantization),
+    for a document whose every pass was read back. `trim`: a summary whose pass ran out of tokens ends at its last complete
     sentence, the rest in `summary_tail` (jobs.summaries; the passes merged into it keep every word)."""
     final = tree[-1]
     outcomes = [ran[row["key"]] for row in tree if row["key"] in ran]

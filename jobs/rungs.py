@@ -27,11 +27,6 @@ class Rung:
         """Its blocks live in the task's own scratch dir, so the worker makes one and checks free space."""
         return self.home == "disk"
 
-    @property
-    def is_tiered(self) -> bool:
-        """One of ours: placement decides which of its layers stay on the device."""
-        return self.tier is not None
-
     def fits(self, kv_bytes: int, device_budget: int, host_budget: int) -> bool:
         """Whether a task's KV fits the budget this rung draws on; disk space is checked by the worker
         against the offload root before the task starts."""

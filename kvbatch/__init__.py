@@ -9,6 +9,7 @@ it stops cleanly on Ctrl-C and SIGTERM, and Python only lets the main thread set
     job = kvbatch.submit([{"id": "memo", "text": "The board approved ..."}], job_dir="runs/memos")
     for row in kvbatch.results(job.job_dir):
         print(row["doc_id"], row["status"], row["summary"])
+    print(kvbatch.status(job.job_dir)["counts"])  # what `kvbatch status --json` prints
 
 Bad input raises what the CLI reports in one line (ConfigError and ManifestError are ValueErrors,
 JobDirError a RuntimeError, StorageError an OSError): rows are read in memory by the manifest's own
@@ -29,11 +30,12 @@ from jobs.config import ConfigError, JobConfig, apply_settings, config_from_dict
 from jobs.manifest import ManifestError
 from runner import __version__
 from runner import submit as runner_submit
+from runner.observe.status import JobStatus, job_status
 from storage.export import result_rows
 from storage.jobdir import DEFAULT_JOBS_DIR, new_job_id
 
-__all__ = ["BudgetedDynamicCache", "GrowingLayer", "Job", "JobConfig", "KVBudgetExceeded", "TieredCache", "__version__",
-           "read_config", "results", "resume", "submit"]
+__all__ = ["BudgetedDynamicCache", "GrowingLayer", "Job", "JobConfig", "JobStatus", "KVBudgetExceeded", "TieredCache",
+           "__version__", "read_config", "results", "resume", "status", "submit"]
 
 _CACHES = ("BudgetedDynamicCache", "GrowingLayer", "KVBudgetExceeded", "TieredCache")
 """The caches for code that calls transformers itself (`kvbatch.TieredCache`), from runner/engine/kvcache:
@@ -98,6 +100,12 @@ def results(job_dir: str | os.PathLike[str], *, errors_only: bool = False,
             with_text: bool = False) -> list[dict[str, Any]]:
     """One row per document, in the order they were given, as `kvbatch results` writes them (docs/results.md)."""
     return result_rows(str(job_dir), errors_only, with_text)
+
+
+def status(job_dir: str | os.PathLike[str]) -> JobStatus:
+    """Where a job stands, running or not, as `kvbatch status --json` prints it: counts by state, pace, ETA,
+    the documents running now, fallbacks, alerts (runner/observe/status.py `JobStatus`)."""
+    return job_status(str(job_dir))
 
 
 def _rows(documents: Any) -> list[Any]:

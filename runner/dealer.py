@@ -139,11 +139,8 @@ class Dealer:
             else:
                 call = lambda: self.pool.plan_merge(worker, doc.task, level, parts, context, doc.alone)  # noqa: E731
             outcome = self._call(worker, doc, call, lambda: doc.context_tokens == context,
-                                 Planning(doc, expected_work(doc.task, self.cfg, context)))
-            if outcome is None:  # handed back (a Planning item, for any worker), or no longer wanted
-                with self._lock:
-                    if (doc.stage, doc.level, doc.context_tokens) == (Stage.PLANNING, level, context):
-                        doc.unclaim()
+                                 lambda: self._plan_elsewhere(doc))
+            if outcome is None:  # handed back, or no longer wanted
                 return
             if outcome["status"] != "done":
                 self._failed(doc, outcome)
@@ -163,6 +160,12 @@ class Dealer:
                 self._finish(doc)
                 return
 
+    def _plan_elsewhere(self, doc: DocumentRun) -> None:
+        """The planning goes back in front, for any worker (this one was lost)."""
+        with self._lock:
+            doc.unclaim()
+        self.work.put([Planning(doc, expected_work(doc.task, self.cfg, doc.context_tokens))])
+
     def run_pass(self, worker: Worker, item: Pass) -> None:
         """Runs one pass; its row is kept before anything that depends on it is dealt."""
         doc, spec = item.doc, item.spec
@@ -172,7 +175,7 @@ class Dealer:
         self.log.info("pass_assigned", task_id=spec.task_id, doc_id=spec.doc_id, level=spec.level, index=spec.index,
                       context_tokens=spec.context_tokens, worker=self.pool.slot_name(worker))
         outcome = self._call(worker, doc, lambda: self.pool.run_pass(worker, spec, doc.attempt, doc.alone),
-                             lambda: doc.wants(spec), item)
+                             lambda: doc.wants(spec), lambda: self.work.put([item]))
         if outcome is None:
             return
         if outcome["status"] != "done":
@@ -202,9 +205,9 @@ class Dealer:
 
     # -- one call ---------------------------------------------------------------------------------
     def _call(self, worker: Worker, doc: DocumentRun, call: Callable[[], CallOutcome], wanted: Callable[[], bool],
-              again: Planning | Pass) -> CallOutcome | None:
+              hand_back: Callable[[], None]) -> CallOutcome | None:
         """The call's outcome after transient failures were retried (a failed one when they used up the
-        document's attempts); None when it was handed back to the queue (`again`: for any worker) or
+        document's attempts); None when it was handed back to the queue (`hand_back`: for any worker) or
         its work is no longer wanted."""
         try:
             return self.retrying.copy()(self._attempt, doc, worker, call, wanted)
@@ -213,7 +216,7 @@ class Dealer:
         except WorkerLost as e:
             if doc.tries_at_context < self.cfg.retry.max_attempts:
                 self._note_retry(doc, e, 0.0)
-                self.work.put([again])
+                hand_back()
                 return None
             return _transient_failure(e)
         except TransientFailure as e:

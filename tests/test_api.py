@@ -32,7 +32,8 @@ job = kvbatch.submit(docs, job_dir="job", config=config, address=address, quiet=
                      settings={"summarize.max_new_tokens": 12, "workers.count": 1})
 again = kvbatch.resume("job", address=address, quiet=True)
 print(json.dumps({"job": [job.job_dir, job.exit_code, job.finished], "again": [again.exit_code, again.finished],
-                  "rows": kvbatch.results("job"), "errors": kvbatch.results("job", errors_only=True)}))
+                  "rows": kvbatch.results("job"), "errors": kvbatch.results("job", errors_only=True),
+                  "status": kvbatch.status("job")}))
 """
 
 
@@ -52,6 +53,10 @@ def test_a_batch_from_python_returns_rows_in_input_order(ray_address, tmp_path: 
     assert [r["doc_id"] for r in out["errors"]] == ["nothing"]
     exported = [json.loads(line) for line in cli("results", str(tmp_path / "job"), check=0).stdout.splitlines()]
     assert exported == rows  # the CLI reads the same job folder, the same rows
+    assert out["status"]["counts"] == {"pending": 0, "running": 0, "done": 2, "failed": 0, "rejected": 1}
+    watched = json.loads(cli("status", str(tmp_path / "job"), "--json", check=0).stdout)
+    same = ("job_id", "total", "counts")
+    assert {k: watched[k] for k in same} == {k: out["status"][k] for k in same}
 
 
 def test_the_example_script_runs(ray_address, tmp_path: Path) -> None:

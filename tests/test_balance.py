@@ -1,5 +1,5 @@
 """Balanced workers: a task's expected work (its passes' prefill and decode), the longest-first,
-least-loaded rule on its own, in the coordinator's queue with real threads, and through the CLI."""
+least-loaded rule on its own, in the work queue with real threads, and through the CLI."""
 
 from __future__ import annotations
 
@@ -57,16 +57,14 @@ def test_a_shorter_context_is_more_passes_and_more_work():
 # -- the rule ---------------------------------------------------------------------------------------
 def _assign(works: list[float], workers: int, asking: list[int]) -> dict[int, list[int]]:
     """Every worker free at once, asking in the order `asking` cycles through: the rule deals the
-    tasks, longest first, as the coordinator's queue does."""
+    tasks, longest first, as the work queue does."""
     loads = dict.fromkeys(range(workers), 0.0)
     got: dict[int, list[int]] = {w: [] for w in range(workers)}
     order = sorted(range(len(works)), key=lambda i: -works[i])
-    turn = 0
-    for i in order:
+    for turn, i in enumerate(order):
         takers = [w for w in asking if may_take(w, loads, list(range(workers)))]
         assert takers, "no worker may take the next task: the queue would hang"
         w = takers[turn % len(takers)]
-        turn += 1
         got[w].append(i)
         loads[w] += works[i]
     return got
@@ -100,8 +98,8 @@ class _Item:
     work: float
 
 
-def _queue(later: list[_Item], slots: int = 2, down: frozenset[str] = frozenset()) -> WorkQueue:
-    return WorkQueue(later, ["w0", "w1"], slots, lambda w: w in down)
+def _queue(later: list[_Item], slots: int = 2) -> WorkQueue:
+    return WorkQueue(later, ["w0", "w1"], slots, lambda w: False)
 
 
 def _take(queue: WorkQueue, worker: str, held: ExitStack) -> _Item | None:
@@ -267,15 +265,15 @@ def test_left_counts_each_document_once_and_drained_waits_for_the_items_in_fligh
     assert queue.drained()
 
 
-def test_an_item_handed_back_goes_to_another_worker_and_is_released_once():
+def test_an_item_put_back_by_a_lost_worker_goes_to_another_worker_and_is_released_once():
     queue = _queue([_Item("huge", 30_000), _Item("mid", 15_000)], slots=1)
     with ExitStack() as on_w0:
         huge = _take(queue, "w0", on_w0)
-        queue.hand_back("w0", huge)  # its worker was lost
-        assert queue.load("w0") == 0 and queue.left() == 2
+        queue.put([huge])  # its worker was lost: in front, for any worker, while w0's block still runs
+        assert queue.left() == 2
         with ExitStack() as on_w1:
             assert _take(queue, "w1", on_w1) is huge
-            on_w0.close()  # w0's block ends after its hand-back: it releases nothing w1 holds
+            on_w0.close()  # w0's block ends after the put: it releases its own hold, not w1's
             assert queue.load("w1") == 30_000 and queue.load("w0") == 0
         assert queue.load("w1") == 0
         assert _take(queue, "w0", on_w0).doc == "mid"
@@ -288,56 +286,90 @@ LONG = {"gpl-3": "GPL-3", "gpl-2": "GPL-2", "mpl-2.0": "MPL-2.0"}
 SHORT = {"short-1": "A short note on licensing. " * 20, "short-2": "Another short document. " * 25}
 
 
+def _events(log: list[dict], event: str, **fields: object) -> list[dict]:
+    return [e for e in log if e["event"] == event and all(e.get(k) == v for k, v in fields.items())]
+
+
+def _every_pass_assigned_once_and_kept_where_it_ran(log: list[dict], rows: dict[str, dict]) -> None:
+    """Each pass goes through the queue once (no worker was lost) and is kept once, by the worker of the
+    slot it was assigned to; a merge level is assigned only once every pass of the level before was kept."""
+    assigned, kept = _events(log, "pass_assigned"), _events(log, "pass_kept")
+    places = [(e["doc_id"], e["level"], e["index"]) for e in kept]
+    assert len(places) == len(set(places)) == sum(r["passes"] for r in rows.values())  # each pass kept once
+    assert sorted((e["doc_id"], e["level"], e["index"]) for e in assigned) == sorted(places)
+    host_of = {e["slot"]: e["worker"] for e in _events(log, "worker_ready")}
+    slot_of = {(e["doc_id"], e["level"], e["index"]): e["worker"] for e in assigned}
+    assert all(e["worker"] == host_of[slot_of[e["doc_id"], e["level"], e["index"]]] for e in kept)
+    for doc in rows:
+        lines = [(i, e) for i, e in enumerate(log) if e.get("doc_id") == doc]
+        for level in range(1, 1 + max(e["level"] for e in kept if e["doc_id"] == doc)):
+            first_merge = min(i for i, e in lines if e["event"] == "pass_assigned" and e["level"] == level)
+            below = [i for i, e in lines if e["event"] == "pass_kept" and e["level"] == level - 1]
+            assert below and max(below) < first_merge, (doc, level)
+
+
 def test_a_long_documents_chunks_run_on_both_workers_from_the_start(ray_address, tmp_path):
-    """The coordinator deals each document's chunks out as passes of their own, the longest document's
-    first: its chunks run on both workers at once, each is kept once, and the summaries are token for
-    token those of one worker running each document alone."""
-    settings = ("--set", "workers.count=2", "--set", "batch.max_sequences=2")
+    """Every pass goes through the queue, the longest document first: with two workers free when it is
+    planned, its chunks start on both at once; its merges only once every chunk was kept; each pass is
+    kept once, and the summaries are token for token those of one worker running each document alone."""
+    two = ("--set", "workers.count=2", "--set", "batch.max_sequences=2")
     rows = [{"id": doc, "path": str(LICENSES / file)} for doc, file in LONG.items()]
     rows += [{"id": doc, "text": text} for doc, text in SHORT.items()]
-    manifest = write_jsonl(tmp_path / "manifest.jsonl", rows)
     results, logs = {}, {}
-    for name, extra in (("dealt", settings), ("alone", ("--set", "workers.count=1", "--set", "batch.max_sequences=1")),
-                        ("roomy", ("--set", "workers.count=2", "--set", "batch.max_sequences=16"))):
+    for name, manifest_rows, extra in (
+            ("shared", rows, two), ("alone", rows, ("--set", "workers.count=1", "--set", "batch.max_sequences=1")),
+            ("roomy", rows, ("--set", "workers.count=2", "--set", "batch.max_sequences=16")),
+            # the longest document and a short one: the short one's worker is free when the long one's
+            # chunks come, so they start on both workers
+            ("pair", [rows[0], rows[len(LONG)]], two)):
         job = tmp_path / name
+        manifest = write_jsonl(tmp_path / f"{name}.jsonl", manifest_rows)
         kvbatch("submit", str(manifest), "-c", str(TINY_CONFIG), "-j", str(job), "--address", ray_address, *extra,
                 check=0)
         results[name] = {r["doc_id"]: r for r in export_rows(job)}
         logs[name] = [json.loads(line) for line in (job / "job.log").read_text().splitlines()]
-    dealt, log = results["dealt"], logs["dealt"]
-    assert {doc: r["status"] for doc, r in dealt.items()} == dict.fromkeys([*LONG, *SHORT], "done")
-    assert {doc: r["summary"] for doc, r in dealt.items()} == {doc: r["summary"] for doc, r in results["alone"].items()}
+    alone = {doc: r["summary"] for doc, r in results["alone"].items()}
+    for name, rows_of in results.items():
+        assert {doc: r["status"] for doc, r in rows_of.items()} == dict.fromkeys(rows_of, "done"), name
+        assert {doc: r["summary"] for doc, r in rows_of.items()} == {doc: alone[doc] for doc in rows_of}, name
+        _every_pass_assigned_once_and_kept_where_it_ran(logs[name], rows_of)
+    shared, log = results["shared"], logs["shared"]
+    assert set(shared) == {*LONG, *SHORT} and all(shared[doc]["chunks"] > 2 for doc in LONG)
+    assert all(shared[doc]["chunks"] == 1 for doc in SHORT)  # the shorts fit one pass
 
-    deals = [e for e in log if e["event"] == "task_dealt"]
-    assert sorted(e["doc_id"] for e in deals) == sorted(LONG)  # the shorts fit one pass
-    assert all(e["dealt"] == e["chunks"] == dealt[e["doc_id"]]["chunks"] > 2 for e in deals)
-    kept = [e for e in log if e["event"] == "pass_kept"]
-    places = [(e["doc_id"], e["level"], e["index"]) for e in kept]
-    assert len(places) == len(set(places)) == sum(r["passes"] for r in dealt.values())  # each pass kept once
-    workers = {r["worker"] for r in dealt.values()}
-    assert len(workers) == 2
-    taken = [(e["doc_id"], e["index"], e["worker"]) for e in log if e["event"] == "pass_assigned"]
-    assert sorted(place[:2] for place in taken) == sorted((e["doc_id"], i) for e in deals for i in range(e["dealt"]))
-    assert len({slot for doc, _, slot in taken if doc == "gpl-3"}) == 2, taken  # each dealt pass taken once, by a slot
-    assert {e["worker"] for e in kept if e["doc_id"] == "gpl-3" and e["level"] == 0} == workers  # its chunks on both
-    # dealt the moment a worker first took it, and its own attempt (the merges) only once every chunk was kept
-    steps = [e for e in log
-             if e.get("doc_id") == "gpl-3" and e["event"] in ("task_dealt", "task_assigned", "pass_kept")]
-    assert steps[0]["event"] == "task_dealt", steps[:2]
-    merges = next(i for i, e in enumerate(steps) if e["event"] == "task_assigned")
-    assert all(e["event"] == "pass_kept" and e["level"] == 0 for e in steps[1:merges])
-    assert merges == 1 + dealt["gpl-3"]["chunks"], steps
-    # every pass the task ran counts as its own: none reused, and its timings include the dealt ones
-    assert all(r["passes_reused"] == 0 and r["prefill_s"] > 0 for r in dealt.values())
+    # the longest two documents are planned first, one on each worker, each the first work of its worker
+    for name in ("shared", "roomy"):
+        planned = {e["doc_id"]: e for e in _events(logs[name], "task_assigned")}
+        assert set(planned) == set(results[name])  # each document planned once (its first level)
+        assert all(e["worker_work"] >= e["expected_work"] > 0 for e in planned.values())  # its own work counts
+        assert planned["gpl-3"]["worker"] != planned["gpl-2"]["worker"], name
+        assert all(planned[doc]["worker_work"] == planned[doc]["expected_work"] for doc in ("gpl-3", "gpl-2")), name
+    assert {e["worker"] for e in _events(log, "pass_kept")} == {e["worker"] for e in _events(log, "worker_ready")}
+
+    # two workers free when the long document is planned: its chunks run on both from the start, before
+    # any of them is kept (its planner's worker holds the planning's work while the passes come, so the
+    # other worker takes the first ones, and the planner's once the other's slots are full)
+    pair = logs["pair"]
+    assert len(_events(pair, "worker_ready")) == 2
+    steps = [e for e in pair if e.get("doc_id") == "gpl-3" and e["event"] in ("pass_assigned", "pass_kept")
+             and e["level"] == 0]
+    first_kept = next(i for i, e in enumerate(steps) if e["event"] == "pass_kept")
+    slots = {e["slot"] for e in _events(pair, "worker_ready")}
+    assert {e["worker"] for e in steps[:first_kept]} == slots, steps
+    assert len(steps) == 2 * results["pair"]["gpl-3"]["chunks"]
+
+    # every pass the task ran counts as its own: none reused, and its timings include every pass's
+    assert all(r["passes_reused"] == 0 and r["prefill_s"] > 0 for r in shared.values())
     # each kept pass says what it took on the worker that ran it, so a timeline can place every pass
     # there; a document's passes add up to its row
-    for doc, row in dealt.items():
+    kept = _events(log, "pass_kept")
+    for doc, row in shared.items():
         own = [e for e in kept if e["doc_id"] == doc]
         assert all(e["prefill_s"] > 0 and e["decode_s"] >= 0 and e["new_tokens"] > 0 for e in own), own
         assert sum(e["prefill_s"] for e in own) == pytest.approx(row["prefill_s"]), doc
         assert sum(e["decode_s"] for e in own) == pytest.approx(row["decode_s"]), doc
-    # with a slot free for each of its chunks, a document's worker decodes them side by side: none is dealt
+    # with a slot free for each of its chunks, every pass still goes through the queue (none runs inside
+    # another's call), and the summaries are the same
     roomy = results["roomy"]
-    assert max(roomy[doc]["chunks"] for doc in LONG) <= 16 and {r["summary"] for r in roomy.values()} == {
-        r["summary"] for r in dealt.values()}
-    assert [e["event"] for e in logs["roomy"] if e["event"] in ("task_dealt", "pass_assigned")] == []
+    assert max(roomy[doc]["chunks"] for doc in LONG) <= 16
+    assert len(_events(logs["roomy"], "pass_assigned")) == sum(r["passes"] for r in roomy.values())

@@ -24,8 +24,9 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
                       "runner.recorder", "runner.cluster", "runner.dealer", "runner.scratch_cleanup"),
     "runner.observe": ("runner.engine", "runner.coordinator", "runner.submit", "runner.cli", "runner.pool"),
 }
-ALLOWED: dict[str, tuple[str, ...]] = {"kvbatch": ("runner.engine.kvcache",)}
-"""What an importer may import under a prefix FORBIDDEN to it: the Python API's caches (`kvbatch.TieredCache`)."""
+ALLOWED: dict[str, tuple[str, ...]] = {"kvbatch": ("runner.engine.kvcache", "runner.observe.status")}
+"""What an importer may import under a prefix FORBIDDEN to it: the Python API's caches (`kvbatch.TieredCache`)
+and a job's status (`kvbatch.status`, what `kvbatch status --json` prints)."""
 NO_RAY = ("jobs", "storage", "runner.coordinator")
 """What a batch is, where bytes live, and the coordinator's queue and retries: none of them talk to Ray."""
 NO_TORCH = ("jobs", "storage")
