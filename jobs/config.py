@@ -267,8 +267,9 @@ class RetryConfig(_Section):
     context_shrink: float = Field(0.5, gt=0, lt=1, description=(
         "factor (0-1) on `context_tokens` for a document that keeps failing, down to `min_context_tokens`"))
     task_timeout_s: float = Field(3600.0, gt=0, le=MAX_SECONDS, description=(
-        "seconds a task may run once its first sequence begins before its worker is restarted; waiting "
-        "behind batch-mates has its own limit, this x `batch.max_sequences`"))
+        "seconds a pass (a whole short document, a chunk or a merge of a long one) may run once its "
+        "sequence begins before its worker is restarted; waiting behind batch-mates has its own limit, "
+        "this x `batch.max_sequences`"))
 
 
 class WorkersConfig(_Section):
