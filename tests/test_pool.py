@@ -64,7 +64,7 @@ def test_the_interrupted_batch_waits_for_its_killed_workers_before_the_last_swee
 
 
 def test_a_call_waiting_to_run_alone_reaches_the_worker_that_replaces_the_one_lost_before_it(ray_address, tmp_path):
-    """Two tasks that must run alone on one worker: the first hangs and its worker is killed and
+    """Two passes that must run alone on one worker: the first hangs and its worker is killed and
     restarted. The second, which waited behind it, runs on the new process; it is not sent to the
     restarting one, whose loss would be charged to it (a batch-mate of a crashing document failed so)."""
     import threading
@@ -86,10 +86,12 @@ def test_a_call_waiting_to_run_alone_reaches_the_worker_that_replaces_the_one_lo
         [info] = pool.start(1, give_up=lambda: False)
         worker = pool.workers[0]
         ended: dict[str, float] = {}
+        [hangs], [waits] = (pool.plan(worker, task(doc_id), 1024, alone=False)["plan"].specs
+                            for doc_id in ("hangs", "waits"))
 
         def hanging() -> None:
             try:
-                pool.run(worker, task("hangs"), 1, 1024, alone=True, kept=[], on_passes=print)
+                pool.run_pass(worker, hangs, 1, alone=True)
             except WorkerLost:
                 ended["hangs"] = time.monotonic()
 
@@ -98,7 +100,7 @@ def test_a_call_waiting_to_run_alone_reaches_the_worker_that_replaces_the_one_lo
         time.sleep(2.0)  # the first call is in the worker, hanging: the second must wait for it
         assert first.is_alive()
         sent = time.monotonic()
-        outcome = pool.run(worker, task("waits"), 1, 1024, alone=True, kept=[], on_passes=print)
+        outcome = pool.run_pass(worker, waits, 1, alone=True)
         first.join()
     finally:
         pool.kill_all()

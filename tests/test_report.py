@@ -166,14 +166,11 @@ def test_every_plot_starts_its_quantities_at_zero(job):
 def test_rows_carry_memory_per_stage_and_the_latency_split(job):
     done = [r for r in job["rows"].values() if r["status"] == "done"]
     assert {r["doc_id"] for r in done} == {"bsd", "cc0", "apache", "memo"}
-    # memo's one pass ended before each crash and was kept: its last attempt read it back and ran nothing,
-    # and the row's timings are of what that attempt ran
+    # memo's one pass was lost with each crash (it strikes before the pass leaves its worker): the third
+    # attempt ran it, and the row's timings are of that run
     memo = job["rows"]["memo"]
-    assert memo["attempts"] == 3 and memo["passes"] == memo["passes_reused"] == 1
-    assert memo["prefill_s"] == memo["decode_s"] == memo["ttft_s"] == 0
+    assert memo["attempts"] == 3 and memo["passes"] == 1 and memo["passes_reused"] == 0
     for r in done:
-        if r is memo:
-            continue
         assert r["queue_wait_s"] >= 0 and r["prefill_s"] > 0 and r["decode_s"] > 0
         assert r["prefill_s"] >= r["ttft_s"]
         if r["chunks"] == 1:  # a map-reduced document's passes may run side by side: their times overlap
