@@ -140,14 +140,16 @@ class Dealer:
                 call = lambda: self.pool.plan_merge(worker, doc.task, level, parts, context, doc.alone)  # noqa: E731
             outcome = self._call(worker, doc, call, lambda: doc.context_tokens == context,
                                  lambda: self._plan_elsewhere(doc))
-            if outcome is None:  # handed back, or no longer wanted
+            with self._lock:
+                current = outcome is not None and doc.context_tokens == context and not doc.ended
+            if not current:  # handed back, or no longer wanted: the document moved on meanwhile
                 return
             if outcome["status"] != "done":
-                self._failed(doc, outcome)
+                self._failed(doc, outcome, context)
                 return
             with self._lock:
-                if doc.context_tokens != context or doc.ended:
-                    return
+                if (doc.stage, doc.level, doc.context_tokens) != (Stage.PLANNING, level, context):
+                    return  # it fell back to a shorter context meanwhile
                 doc.planned(outcome["plan"])
                 passes = [Pass(doc, spec, pass_work(doc.task, self.cfg, len(spec.prompt)))
                           for spec in doc.next_passes()]
@@ -181,12 +183,12 @@ class Dealer:
         if outcome["status"] != "done":
             with self._lock:
                 doc.pass_ended(spec)
-                wanted = doc.wants(spec)
-            if wanted:
-                self._failed(doc, outcome)
+            self._failed(doc, outcome, spec.context_tokens)
             return
         row = outcome["row"]
-        if doc.ended:  # its result is the record now
+        with self._lock:
+            wanted = doc.wants(spec)
+        if not wanted:  # of a context given up, or the document ended: nothing will depend on it
             return
         self.checkpoint.add_passes([row])  # durable before anything that depends on it
         self.log.info("pass_kept", task_id=row["task_id"], doc_id=row["doc_id"], level=row["level"],
@@ -288,11 +290,12 @@ class Dealer:
             raise Interrupted()
 
     # -- a document's end -------------------------------------------------------------------------
-    def _failed(self, doc: DocumentRun, outcome: CallOutcome) -> None:
-        """A call failed for good at this context: the document starts over at a shorter one (a new
-        Planning item), or ends failed when it cannot (done, final class, shortest context)."""
+    def _failed(self, doc: DocumentRun, outcome: CallOutcome, context: int) -> None:
+        """A call at `context` failed for good: the document starts over at a shorter one (a new Planning
+        item), or ends failed when it cannot (final class, shortest context); nothing when it ended or
+        moved to a shorter context meanwhile (another of its calls failed first)."""
         with self._lock:
-            if doc.ended:
+            if doc.ended or doc.context_tokens != context:
                 return
             smaller = (None if outcome["failure_class"] in FINAL_CLASSES else
                        shorter_context(doc.context_tokens, self.cfg.retry.context_shrink,
