@@ -16,7 +16,7 @@ context, keeping every pass kept so far (a pass whose prompt comes out the same 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -63,6 +63,7 @@ class DocumentRun:
     slow_alerted: bool = False
     _claimed: tuple[Stage, int, int] | None = None  # the stage a caller took charge of (`claim`)
     _failed: bool = False  # a call failed since the last one began: the next is a new attempt
+    _losses: set[Hashable] = field(default_factory=set)  # the worker losses that ended calls of its
 
     def planned(self, plan: LevelPlan) -> None:
         """The current level's plan came back: its passes may be dealt (those kept already count at once)."""
@@ -143,6 +144,15 @@ class DocumentRun:
             self.started_at = time.time()
         if self._failed:
             self.attempt, self._failed = self.attempt + 1, False
+
+    def first_loss(self, event: Hashable | None) -> bool:
+        """Whether a worker loss is new to this document: one loss that ends several of its calls at once
+        is one failure (None: a loss nothing else can have seen)."""
+        if event is None:
+            return True
+        first = event not in self._losses
+        self._losses.add(event)
+        return first
 
     def call_failed(self, own: bool) -> None:
         """A call for it failed; `own`: the failure counts against its tries at this context (a worker lost

@@ -248,7 +248,10 @@ class Dealer:
         except WorkerLost as lost:
             if self.stop.is_set():
                 raise Interrupted() from None
-            own = self._lost(slot, doc, lost)
+            with self._lock:
+                failed = doc.first_loss(lost.event)  # a loss that ended several of its calls counts once
+            if failed:
+                own = self._lost(slot, doc, lost)
             raise
         finally:
             with self._lock:

@@ -61,13 +61,16 @@ class TransientFailure(Exception):
 
 
 class WorkerLost(TransientFailure):
-    """The worker died or hung: the task can run on any other worker while this one restarts.
-    `shared`: other tasks were in flight on it; `first_to_see`: this task is the one to report the loss."""
+    """The worker died or hung: the call can run on any other worker while this one restarts.
+    `shared`: other calls were in flight on it; `first_to_see`: this call is the one to report the loss;
+    `event`: which loss (the slot and the incarnation lost), the same for every call it ended."""
 
-    def __init__(self, error_type: str, message: str, shared: bool, first_to_see: bool) -> None:
+    def __init__(self, error_type: str, message: str, shared: bool, first_to_see: bool,
+                 event: tuple[str, int] | None = None) -> None:
         super().__init__(error_type, message)
         self.shared = shared
         self.first_to_see = first_to_see
+        self.event = event
 
 
 class _Hung(Exception):
@@ -176,7 +179,7 @@ class _Slot:
             self.losses += 1
             self.down = True
             self.dead.add(self.process)
-        return WorkerLost(error_type, message, call.shared, first_to_see)
+        return WorkerLost(error_type, message, call.shared, first_to_see, (self.name, call.losses_before))
 
 
 class WorkerPool:

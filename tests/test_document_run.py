@@ -508,3 +508,16 @@ def test_a_late_pass_of_a_context_given_up_is_kept_but_moves_nothing():
     for spec in new:
         run.pass_done(worker.run(spec))
     assert run.stage is Stage.PLANNING and run.level == 1 and late not in run.tree
+
+
+def test_one_worker_loss_that_ends_several_of_its_calls_is_one_failed_attempt() -> None:
+    run = DocumentRun(_task(Doc("d", (1, 2, 3))), 8)
+    run.begin()
+    assert run.first_loss(("worker slot 0", 0)) and not run.first_loss(("worker slot 0", 0))  # two calls, one loss
+    run.call_failed(own=True)
+    run.begin()  # the call handed back begins again: attempt 2
+    assert (run.attempt, run.tries_at_context) == (2, 1)
+    assert run.first_loss(("worker slot 0", 1)) and run.first_loss(None)  # the restarted one lost too: new
+    run.call_failed(own=False)  # shared with batch-mates: not held against it
+    run.begin()
+    assert (run.attempt, run.tries_at_context) == (3, 1)
