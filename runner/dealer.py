@@ -156,7 +156,7 @@ class Dealer:
                 done = doc.stage is Stage.DONE and doc.claim()
             self.log.info("level_planned", task_id=doc.task.task_id, doc_id=doc.task.doc_id, level=level,
                           context_tokens=context, passes=len(outcome["plan"].specs), to_run=len(passes),
-                          worker=self.pool.slot_name(worker))
+                          final=any(spec.final for spec in outcome["plan"].specs), worker=self.pool.slot_name(worker))
             self.work.put(passes)
             if done:
                 self._finish(doc)

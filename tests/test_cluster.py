@@ -154,8 +154,10 @@ def result_docs(job: Path) -> set[str]:
 
 
 def _hung_attempt(job: Path) -> list[dict]:
-    """The `task_assigned` lines of Apache-2.0's own attempts (its chunks may go out as passes first)."""
-    return [e for e in log_events(job, "task_assigned") if e["doc_id"] == "apache-2.0"]
+    """The `pass_assigned` lines of Apache-2.0's final pass (its summary's, which the fault hangs; a level
+    `level_planned` calls `final`)."""
+    final = {e["level"] for e in log_events(job, "level_planned") if e["doc_id"] == "apache-2.0" and e["final"]}
+    return [e for e in log_events(job, "pass_assigned") if e["doc_id"] == "apache-2.0" and e["level"] in final]
 
 
 @pytest.fixture(scope="module")
@@ -201,8 +203,8 @@ def _lose_the_node_of_a_hung_task(cluster: LocalCluster, tmp_path: Path, *settin
         ready = log_events(job, "worker_ready")
         assert len(ready) == workers
         nodes = {cluster.node_of(e["worker"]) for e in ready}  # while the workers live
-        # the process of the slot that took the attempt: not "the worker with no result", since a worker
-        # may have run only dealt chunks (no result row), and the one pinned may have published before
+        # the process of the slot that took the hung pass: not "the worker with no result", since any
+        # worker runs any document's passes, and the one pinned may have published before
         [slot] = {e["worker"] for e in _hung_attempt(job)}
         [pinned] = [e["worker"] for e in ready if e["slot"] == slot]
         while_pinned(job, proc)
