@@ -9,41 +9,40 @@ from pathlib import Path
 import pytest
 
 from jobs.config import load_config
-from jobs.outcome import TaskOutcome
+from jobs.outcome import fold_passes
 from jobs.stopping import StopReason
 from jobs.summaries import last_sentence_end, trim_to_sentence
 from jobs.task import Task
 from runner.engine.worker import SummaryWorker
 from tests.helpers.cli import TINY_CONFIG, export_rows, kvbatch, write_jsonl
-from tests.helpers.summarize import summarize
 
 REPO = Path(__file__).resolve().parents[1]
 DOCUMENT = Path("/usr/share/common-licenses/CC0-1.0")
 NEW_TOKENS = 40  # the demo's summaries of this document run past it: stopped by length, mid-sentence
 
 
-def _summary(tmp_path: Path, trim: bool) -> TaskOutcome:
-    """The document summarised in one pass by a worker with the demo's settings (the builtin model)."""
+@pytest.mark.slow
+def test_a_summary_stopped_by_length_ends_at_its_last_sentence_and_keeps_the_cut_words_apart(tmp_path: Path) -> None:
+    """The document summarised in one pass by a worker with the demo's settings (the builtin model), its
+    result folded with and without the trim."""
     config = load_config(REPO / "configs" / "default.yaml", [
-        "model.name=builtin:smollm2-135m", "model.device=cpu", f"summarize.max_new_tokens={NEW_TOKENS}",
-        f"summarize.trim_to_sentence={str(trim).lower()}"])
+        "model.name=builtin:smollm2-135m", "model.device=cpu", f"summarize.max_new_tokens={NEW_TOKENS}"])
     worker = SummaryWorker(config, "job", str(tmp_path / "kv"), threads=2)
     text = DOCUMENT.read_text()
     task = Task("t00000001", "cc0", "path", str(DOCUMENT), len(text), len(text.encode()),
                 hashlib.sha256(text.encode()).hexdigest(), {}, {})
     try:
-        return summarize(worker, task, config.summarize.context_tokens)
+        [spec] = worker.plan(task, config.summarize.context_tokens)["plan"].specs
+        outcome = worker.run_pass(spec, 1)
     finally:
         worker.engine.close()
-
-
-@pytest.mark.slow
-def test_a_summary_stopped_by_length_ends_at_its_last_sentence_and_keeps_the_cut_words_apart(tmp_path: Path) -> None:
-    summary = _summary(tmp_path, trim=True)
+    tree, ran = [outcome["row"]], {spec.key: outcome}
+    summary = fold_passes(tree, ran, 1, 0, {}, trim=True)
     assert summary["stop_reason"] == StopReason.LENGTH and summary["summary_tail"].strip()  # cut mid-sentence
     assert last_sentence_end(summary["summary"]) == len(summary["summary"]), summary["summary"]
-    untrimmed = _summary(tmp_path, trim=False)  # every word the pass wrote
+    untrimmed = fold_passes(tree, ran, 1, 0, {}, trim=False)  # every word the pass wrote
     assert (untrimmed["summary"], untrimmed["summary_tail"]) == (summary["summary"] + summary["summary_tail"], "")
+    assert untrimmed["summary"] == outcome["row"]["text"]
 
 
 def test_the_cut_words_reach_the_exported_result_row(ray_address: str, tmp_path: Path) -> None:
