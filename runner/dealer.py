@@ -55,7 +55,7 @@ class Unwanted(Exception):
 
 @dataclass(eq=False)
 class Planning:
-    """A work item: a document whose first level needs a plan."""
+    """A work item: a document whose next level needs a plan (its first, or one handed back by a lost worker)."""
 
     doc: DocumentRun
     work: float
@@ -107,7 +107,10 @@ def _transient_failure(e: TransientFailure) -> CallOutcome:
     return CallOutcome(status="failed", failure_class=FailureClass.TRANSIENT.value, error_type=e.error_type,
                        error=str(e))
 
+
 class Dealer:
+    """Runs the work items of a batch's documents, one call at a time, and keeps what comes back."""
+
     def __init__(self, config: JobConfig, pool: WorkerPool, work: WorkQueue, recorder: TaskRecorder,
                  checkpoint: CheckpointLog, log: JobLog, stop: threading.Event) -> None:
         self.cfg = config
@@ -133,8 +136,7 @@ class Dealer:
             if level == 0:
                 self.log.info("task_assigned", task_id=doc.task.task_id, doc_id=doc.task.doc_id,
                               worker=self.pool.slot_name(worker), context_tokens=context,
-                              expected_work=round(expected_work(doc.task, self.cfg, context)),
-                              worker_work=round(self.work.load(worker)))
+                              expected_work=round(self._planning(doc).work), worker_work=round(self.work.load(worker)))
                 call = lambda: self.pool.plan(worker, doc.task, context, doc.alone)  # noqa: E731
             else:
                 call = lambda: self.pool.plan_merge(worker, doc.task, level, parts, context, doc.alone)  # noqa: E731
@@ -166,7 +168,11 @@ class Dealer:
         """The planning goes back in front, for any worker (this one was lost)."""
         with self._lock:
             doc.unclaim()
-        self.work.put([Planning(doc, expected_work(doc.task, self.cfg, doc.context_tokens))])
+        self.work.put([self._planning(doc)])
+
+    def _planning(self, doc: DocumentRun) -> Planning:
+        """The work item that plans `doc`'s next level, with the document's expected work at its context."""
+        return Planning(doc, expected_work(doc.task, self.cfg, doc.context_tokens))
 
     def run_pass(self, worker: Worker, item: Pass) -> None:
         """Runs one pass; its row is kept before anything that depends on it is dealt."""
@@ -314,7 +320,7 @@ class Dealer:
                                  doc.slow_alerted, outcome)
             return
         self.recorder.context_fallback(doc.task, doc.attempt, before, smaller, outcome["error_type"], outcome["error"])
-        self.work.put([Planning(doc, expected_work(doc.task, self.cfg, smaller))])
+        self.work.put([self._planning(doc)])
 
     def _finish(self, doc: DocumentRun) -> None:
         """The document's result row, folded once from its passes."""
