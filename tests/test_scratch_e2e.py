@@ -21,6 +21,7 @@ from pathlib import Path
 
 import psutil
 
+from runner.observe.joblog import read_log
 from runner.pool import PROBE_INTERVAL_S
 from storage.scratch import OWNER_FILE, ROOT_MARKER
 from tests.helpers.child_process import Child
@@ -203,7 +204,8 @@ def test_a_worker_killed_mid_task_leaves_its_dir_and_the_restarted_worker_sweeps
     rows = rows_by_doc(job)
     killed_task = left.name.rsplit(".", 1)[0]
     [killed] = [r for r in rows.values() if r["task_id"] == killed_task]
-    assert killed["status"] == "done" and killed["attempts"] == 2
+    log = [e for e in read_log(job / "job.log") if e.get("task_id") == killed_task or e["event"] == "worker_lost"]
+    assert killed["status"] == "done" and killed["attempts"] == 2, (killed, log)
     assert not left.exists()  # swept by the worker Ray restarted in place of the killed one
     assert task_dirs(root) == []
 
