@@ -275,10 +275,10 @@ class _Validator:
     max_bytes: int
     documents_root: Path | None
     row_unit: str  # "line", "row" or "item", as messages call a row of this manifest
-    seen_ids: dict[str, tuple[int, str]]  # NFC-normalised id -> (row, id as given)
-    uri_base: str | None = None  # the folder URI of a manifest read from shared storage
-    context_tokens: int | None = None  # summarize.context_tokens, which bounds a row's max_new_tokens and prompt
-    prompt_measure: PromptMeasure | None = None  # how a row's prompt is measured (None: not checked)
+    uri_base: str | None  # the folder URI of a manifest read from shared storage
+    context_tokens: int | None  # summarize.context_tokens, which bounds a row's max_new_tokens and prompt
+    prompt_measure: PromptMeasure | None  # how a row's prompt is measured (None: not checked)
+    seen_ids: dict[str, tuple[int, str]] = field(default_factory=dict)  # NFC-normalised id -> (row, id as given)
 
     def task(self, record: _Record) -> Task:
         if record.fields is None:
@@ -357,22 +357,19 @@ def _open_binary(path: Path) -> BinaryIO:
     return gzip.open(path, "rb") if path.name.endswith(".gz") else path.open("rb")
 
 
-def _loads_object(line: str) -> dict[str, Any]:
-    def no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-        obj = dict(pairs)
-        if len(obj) != len(pairs):
-            raise ValueError(f"key {_first_duplicate([k for k, _ in pairs])!r} appears twice in one object")
-        return obj
-
-    value = json.loads(line, object_pairs_hook=no_duplicate_keys)
-    if not isinstance(value, dict):
-        raise ValueError(f"expected a JSON object {{...}}, got {type(value).__name__}")
-    return value
+def _no_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        raise ValueError(f"key {_first_duplicate([k for k, _ in pairs])!r} appears twice in one object")
+    return obj
 
 
 def _json_record(row: int, line: str) -> _Record:
     try:
-        return _Record(row, _loads_object(line))
+        value = json.loads(line, object_pairs_hook=_no_duplicate_keys)
+        if not isinstance(value, dict):
+            raise ValueError(f"expected a JSON object {{...}}, got {type(value).__name__}")
+        return _Record(row, value)
     except RecursionError:
         return _Record(row, None, "is not valid JSON (nested too deeply): give one flat JSON object")
     except ValueError as e:
@@ -571,21 +568,11 @@ def read_manifest(
     path = Path(path)
     if not path.is_file():
         raise ManifestError(f"manifest {path} does not exist or is not a file: check the path")
-    tasks: list[Task] = []
-    rejections: list[Rejection] = []
     try:
         fmt = _format(path)
-        validator = _Validator(
-            manifest_dir=path.resolve().parent,
-            max_bytes=input_cfg.max_document_bytes,
-            documents_root=_documents_root(input_cfg),
-            row_unit=_ROW_UNITS[fmt],
-            seen_ids={},
-            uri_base=uri_base,
-            context_tokens=context_tokens,
-            prompt_measure=prompt_measure,
-        )
-        _validate(validator, _records(path, fmt, input_cfg.max_document_bytes), path.name, tasks, rejections)
+        validator = _Validator(path.resolve().parent, input_cfg.max_document_bytes, _documents_root(input_cfg),
+                               _ROW_UNITS[fmt], uri_base, context_tokens, prompt_measure)
+        tasks, rejections = _validate(validator, _records(path, fmt, input_cfg.max_document_bytes), path.name)
     except ManifestError as e:
         raise ManifestError(f"manifest {path} {e}") from None
     except (OSError, EOFError, zlib.error) as e:
@@ -595,9 +582,10 @@ def read_manifest(
     return tasks, rejections
 
 
-def _validate(validator: _Validator, records: Iterator[_Record], name: str, tasks: list[Task],
-              rejections: list[Rejection]) -> None:
+def _validate(validator: _Validator, records: Iterator[_Record], name: str) -> tuple[list[Task], list[Rejection]]:
     """Each record becomes a task, or a rejection whose reason names `name`, the row and its id."""
+    tasks: list[Task] = []
+    rejections: list[Rejection] = []
     for record in records:
         try:
             tasks.append(validator.task(record))
@@ -606,6 +594,7 @@ def _validate(validator: _Validator, records: Iterator[_Record], name: str, task
             where += f" (id {e.doc_id!r})" if e.doc_id is not None else ""
             meta = _repaired(_metadata(record.fields)) if record.fields is not None else {}
             rejections.append(Rejection(record.row, e.doc_id, f"{where}: {e.problem}", meta))
+    return tasks, rejections
 
 
 def _row_record(row: int, value: Any) -> _Record:
@@ -625,18 +614,9 @@ def read_rows(
     """The documents a program gives as rows (`kvbatch.submit`), read as a manifest's are, without a file:
     a bad row is rejected alone, named "documents row N" (from 1); a relative `path` is read from `base_dir`.
     Python values no JSON line holds (bytes, dates) follow the rules of a Parquet manifest's."""
-    validator = _Validator(
-        manifest_dir=base_dir,
-        max_bytes=input_cfg.max_document_bytes,
-        documents_root=_documents_root(input_cfg),
-        row_unit="row",
-        seen_ids={},
-        context_tokens=context_tokens,
-        prompt_measure=prompt_measure,
-    )
-    tasks: list[Task] = []
-    rejections: list[Rejection] = []
-    _validate(validator, (_row_record(n, row) for n, row in enumerate(rows, start=1)), "documents", tasks, rejections)
+    validator = _Validator(base_dir, input_cfg.max_document_bytes, _documents_root(input_cfg), "row", None,
+                           context_tokens, prompt_measure)
+    tasks, rejections = _validate(validator, (_row_record(n, row) for n, row in enumerate(rows, start=1)), "documents")
     if not tasks and not rejections:
         raise ManifestError("the documents given are an empty list: give one row per document")
     return tasks, rejections
@@ -647,25 +627,8 @@ def read_rows(
 
 def tasks_to_table(tasks: list[Task]) -> pa.Table:
     """The normalised manifest stored in the job folder (overrides and meta as JSON text)."""
-    return pa.Table.from_pylist(
-        [
-            {
-                "task_id": t.task_id,
-                "doc_id": t.doc_id,
-                "source_type": t.source_type,
-                "source": t.source,
-                "n_chars": t.n_chars,
-                "n_bytes": t.n_bytes,
-                "sha256": t.sha256,
-                "overrides": table_json(t.overrides),
-                "meta": table_json(t.meta),
-                "source_format": t.source_format,
-                "encoding": t.encoding,
-            }
-            for t in tasks
-        ],
-        schema=MANIFEST_SCHEMA,
-    )
+    rows = [{**vars(t), "overrides": table_json(t.overrides), "meta": table_json(t.meta)} for t in tasks]
+    return pa.Table.from_pylist(rows, schema=MANIFEST_SCHEMA)
 
 
 def tasks_from_table(table: pa.Table) -> list[Task]:
