@@ -141,7 +141,9 @@ class WorkQueue:
             yield item
         finally:
             if item is not None:
-                self._release(worker, item)
+                with self._changed:
+                    self._held[worker].remove(item)
+                    self._changed.notify_all()
 
     def _take(self, worker: Hashable, stop: threading.Event) -> Item | None:
         with self._changed:
@@ -168,11 +170,6 @@ class WorkQueue:
         self._front.remove(entry)
         heapq.heapify(self._front)
         return entry[-1]
-
-    def _release(self, worker: Hashable, item: Item) -> None:
-        with self._changed:
-            self._held[worker].remove(item)
-            self._changed.notify_all()
 
     def put(self, items: list[Item]) -> None:
         """Items for any worker, in front of the documents not planned yet."""

@@ -241,7 +241,6 @@ class CacheConfig(_Section):
     @field_validator("strategy")
     @classmethod
     def _known_strategy(cls, v: str) -> str:
-
         if v != "auto" and v not in STRATEGIES:
             raise ValueError(f"unknown cache strategy; choose auto or one of {sorted(STRATEGIES)}")
         return v
@@ -249,11 +248,9 @@ class CacheConfig(_Section):
     @field_validator("ladder")
     @classmethod
     def _known_ladder(cls, v: list[str]) -> list[str]:
-
         if not v:
             raise ValueError("needs at least one cache strategy")
-        unknown = [name for name in v if name not in STRATEGIES]
-        if unknown:
+        if unknown := [name for name in v if name not in STRATEGIES]:
             raise ValueError(f"unknown cache strategy {unknown}; choose from {sorted(STRATEGIES)}")
         return v
 
@@ -455,23 +452,21 @@ def _describe(err: ValidationError, source: str) -> str:
     return "\n".join(lines)
 
 
-def parse_override(item: str) -> tuple[list[str], Any]:
-    """`a.b=value` -> (['a', 'b'], value), the value read as YAML so numbers and lists work."""
-    key, sep, raw = item.partition("=")
-    if not sep or not key.strip():
-        raise ConfigError(f"--set '{item}': expected key=value, e.g. --set cache.strategy=tiered-disk")
-    path = key.strip().split(".")
-    try:
-        _check_unique_keys(yaml.compose(raw, Loader=_Yaml12Loader), f"--set '{item}'", ".".join(path))
-        value = yaml.load(raw, Loader=_Yaml12Loader) if raw.strip() else ""
-    except yaml.YAMLError:
-        value = raw
-    return path, value
-
-
 def parse_overrides(overrides: list[str]) -> dict[str, Any]:
-    """The CLI's `--set a.b=value` items as settings (`apply_settings`): each value read as YAML 1.2."""
-    return {".".join(path): value for path, value in map(parse_override, overrides)}
+    """The CLI's `--set a.b=value` items as settings (`apply_settings`): each value read as YAML 1.2, so
+    numbers and lists work."""
+    settings: dict[str, Any] = {}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set '{item}': expected key=value, e.g. --set cache.strategy=tiered-disk")
+        dotted = key.strip()
+        try:
+            _check_unique_keys(yaml.compose(raw, Loader=_Yaml12Loader), f"--set '{item}'", dotted)
+            settings[dotted] = yaml.load(raw, Loader=_Yaml12Loader) if raw.strip() else ""
+        except yaml.YAMLError:
+            settings[dotted] = raw
+    return settings
 
 
 def apply_settings(data: dict[str, Any], settings: Mapping[str, Any], how: str = "--set") -> dict[str, Any]:

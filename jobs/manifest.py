@@ -237,7 +237,8 @@ def _check_surrogates(fields: dict[str, Any]) -> None:
             field = f"'{key}'" if key in RESERVED_FIELDS else f"metadata {_shown(key)}"
             raise _RowRejected(
                 f"{field} contains a lone UTF-16 surrogate ({found!r}, an invalid \\u escape, common in "
-                "scraped text) that UTF-8 cannot store: fix the escape or replace it with U+FFFD"
+                "scraped text) that UTF-8 cannot store: fix the escape or replace it with U+FFFD",
+                _id_or_none(_repaired(fields.get("id"))),
             )
 
 
@@ -284,10 +285,7 @@ class _Validator:
         if record.fields is None:
             raise _RowRejected(record.problem or "cannot be parsed")
         fields = record.fields
-        try:
-            _check_surrogates(fields)
-        except _RowRejected as e:
-            raise _RowRejected(e.problem, _id_or_none(_repaired(fields.get("id")))) from None
+        _check_surrogates(fields)
         doc_id = _doc_id(fields.get("id"))
         try:
             self._claim_id(doc_id, record.row)

@@ -16,9 +16,6 @@ class TaskState(StrEnum):
     REJECTED = "rejected"
 
 
-#: States that end a task: a result row with one of these is the task's final record.
-FINAL_STATES = frozenset({TaskState.DONE, TaskState.FAILED, TaskState.REJECTED})
-
 MANIFEST_SCHEMA = pa.schema(
     [
         ("task_id", pa.string()),

@@ -189,7 +189,7 @@ import kvbatch
 def no_text(*args, **kwargs):
     raise AssertionError("the API parsed --set text")
 
-jobs.config.parse_override = jobs.config.parse_overrides = no_text
+jobs.config.parse_overrides = no_text
 config = kvbatch.read_config(sys.argv[1], {"workers.count": 1})
 assert isinstance(config, kvbatch.JobConfig)
 job = kvbatch.submit(sys.argv[2], job_dir=sys.argv[3], config=config, address=sys.argv[4], quiet=True,
