@@ -39,19 +39,13 @@ def pass_counts(doc_tokens: int, context_tokens: int, max_new_tokens: int, overl
     budget = _pass_budget(context_tokens, max_new_tokens)
     if doc_tokens <= budget:
         return [doc_tokens]
-    chunks = fewest_chunks(doc_tokens, budget, overlap_tokens)
-    return [budget] * chunks + merge_counts(chunks, context_tokens, max_new_tokens)
-
-
-def merge_counts(chunks: int, context_tokens: int, max_new_tokens: int) -> list[int]:
-    """Document tokens of each merge pass that `chunks` summaries of `max_new_tokens` take, round by round
-    as runner/engine/summarize.py merges them: a group of one is carried over, the others merge."""
+    summaries = fewest_chunks(doc_tokens, budget, overlap_tokens)
+    passes = [budget] * summaries
+    # merge rounds as runner/engine/summarize.py runs them: a group of one is carried over, the others merge;
     # never too small for two: preflight checked that two summaries merge at every context the job uses
-    budget = max(_pass_budget(context_tokens, max_new_tokens), 2 * max_new_tokens + SEPARATOR_TOKENS)
-    passes: list[int] = []
-    summaries = chunks
+    merge_budget = max(budget, 2 * max_new_tokens + SEPARATOR_TOKENS)
     while summaries > 1:
-        groups = group_for_merge([max_new_tokens] * summaries, budget, SEPARATOR_TOKENS)
+        groups = group_for_merge([max_new_tokens] * summaries, merge_budget, SEPARATOR_TOKENS)
         passes += [len(g) * (max_new_tokens + SEPARATOR_TOKENS) - SEPARATOR_TOKENS for g in groups if len(g) > 1]
         summaries = len(groups)
     return passes

@@ -61,16 +61,20 @@ def check_size(what: str, size: int, max_bytes: int) -> None:
         )
 
 
-def _kind_problem(mode: int) -> str | None:
-    if stat.S_ISREG(mode):
-        return None
-    if stat.S_ISDIR(mode):
-        return "is a directory, not a file: give the path of a document inside it"
-    if stat.S_ISFIFO(mode):
-        return "is a FIFO (named pipe), not a regular file: write the document to a file first"
-    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
-        return "is a device, not a regular file: give the path of a text file"
-    return "is not a regular file (socket or other special file): give the path of a text file"
+def _refuse_special(resolved: Path, st: os.stat_result) -> None:
+    """Only a regular file, on a file system that holds files people wrote, is a document."""
+    if stat.S_ISDIR(st.st_mode):
+        problem = "is a directory, not a file: give the path of a document inside it"
+    elif stat.S_ISFIFO(st.st_mode):
+        problem = "is a FIFO (named pipe), not a regular file: write the document to a file first"
+    elif stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode):
+        problem = "is a device, not a regular file: give the path of a text file"
+    elif not stat.S_ISREG(st.st_mode):
+        problem = "is not a regular file (socket or other special file): give the path of a text file"
+    else:
+        _refuse_pseudo(resolved, st.st_dev)
+        return
+    raise DocumentError(f"{resolved} {problem}")
 
 
 #: File systems whose files the kernel makes up as they are read (a process's environment or memory, kernel
@@ -160,9 +164,7 @@ def read_document(path: Path, max_bytes: int, documents_root: Path | None, rerea
         raise DocumentError(f"file {resolved} does not exist: fix the path or add the file") from None
     except OSError as e:
         raise DocumentError(f"file {resolved} cannot be read ({e.strerror or e}): check the path") from None
-    if problem := _kind_problem(st.st_mode):
-        raise DocumentError(f"{resolved} {problem}")
-    _refuse_pseudo(resolved, st.st_dev)
+    _refuse_special(resolved, st)
     check_size_before_reading(resolved, st.st_size, max_bytes)
     try:
         # O_NONBLOCK: if the file was swapped for a FIFO since stat(), opening must not hang.
@@ -173,10 +175,8 @@ def read_document(path: Path, max_bytes: int, documents_root: Path | None, rerea
         ) from None
     try:
         with open(fd, "rb") as raw:
-            opened = os.fstat(fd)  # what was opened, should the path have been swapped since stat()
-            if problem := _kind_problem(opened.st_mode):
-                raise DocumentError(f"{resolved} {problem}")
-            _refuse_pseudo(resolved, opened.st_dev)
+            # what was opened, should the path have been swapped since stat()
+            _refuse_special(resolved, os.fstat(fd))
             return _text_of(raw, resolved, max_bytes, None if rereading else max_bytes)
     except OSError as e:
         raise DocumentError(f"file {resolved} cannot be read ({e.strerror or e}): check the disk and the file") from None

@@ -63,7 +63,5 @@ def parse_faults(text: str | None) -> list[FaultRule]:
 def fault_for(
     rules: list[FaultRule], doc_id: str, attempt: int, rung: str, context_tokens: int
 ) -> FaultKind | None:
-    for rule in rules:
-        if rule.matches(doc_id, attempt, rung, context_tokens):
-            return rule.fault
-    return None
+    """The fault of the first rule that matches this pass, if any."""
+    return next((rule.fault for rule in rules if rule.matches(doc_id, attempt, rung, context_tokens)), None)

@@ -152,10 +152,7 @@ def host_kv_bytes(shape: KVShape, rung: str, tokens: int, placement: Placement |
     if tier is None:
         return kv_bytes(shape, tokens) if home == "host" else 0
     streamed = placement.streamed_layers if placement else shape.full_attention_layers
-    if placement is not None:
-        in_ram = len(placement.host_layers)
-    else:
-        in_ram = len(streamed) if tier == "host" else 0
+    in_ram = len(placement.host_layers) if placement else len(streamed) if tier == "host" else 0
     block = block_tokens * shape.layer_token_bytes()
     return in_ram * -(-tokens // block_tokens) * block + (len(streamed) - in_ram) * block
 
@@ -201,9 +198,7 @@ def plan_placement(
     def device_need(resident: int) -> int:
         return (resident + min(len(full) - resident, 2)) * tokens * token_bytes + windowed
 
-    resident = len(full)
-    while resident > 0 and device_need(resident) > device_budget:
-        resident -= 1
+    resident = next((n for n in range(len(full), 0, -1) if device_need(n) <= device_budget), 0)
     kept = _spread(full, resident)
     streamed = tuple(i for i in full if i not in kept)
     if tier == "host":

@@ -31,14 +31,10 @@ def workers_per_node(count: int, nodes: list[Mapping[str, float]], cpus_per_work
     """The most of `count` workers that one node gets when they are spread one per node in turn over
     the nodes with room; at least 1 (a worker that fits nowhere shares with nobody it can see)."""
     room = [node_capacity(n, cpus_per_worker, gpus_per_worker) for n in nodes]
-    placed = [0] * len(room)
-    left = count
-    while left > 0 and any(p < r for p, r in zip(placed, room)):
-        for i, r in enumerate(room):
-            if left > 0 and placed[i] < r:
-                placed[i] += 1
-                left -= 1
-    return max([1, *placed])
+    rounds = 0  # after k rounds a node holds min(its room, k): the last round begun is the most on one node
+    while rounds < max(room, default=0) and sum(min(r, rounds) for r in room) < count:
+        rounds += 1
+    return max(rounds, 1)
 
 
 def workers_per_device(node_workers: int, gpus_per_worker: float) -> int:

@@ -130,20 +130,18 @@ def fold_passes(tree: list[PassRow], ran: Mapping[str, Mapping[str, Any]], chunk
     summary, tail = (trim_to_sentence(final["text"]) if trim and final["stop_reason"] == StopReason.LENGTH
                      else (final["text"], ""))
     merged = TaskOutcome(status="done", summary=summary, summary_tail=tail, stop_reason=final["stop_reason"],
-                         chunks=chunks,
-                         input_tokens=input_tokens, output_tokens=len(final["tokens"]), passes=len(tree),
-                         passes_reused=len(tree) - len(run_rows), padding_share=0.0)
+                         chunks=chunks, input_tokens=input_tokens, output_tokens=len(final["tokens"]),
+                         passes=len(tree), passes_reused=len(tree) - len(run_rows), padding_share=0.0)
     merged["fallbacks"] = list(dict.fromkeys(note for o in outcomes for note in o.get("fallbacks", [])))
     for key in _ANY:
-        values = [o[key] for o in outcomes[::-1] if o.get(key) is not None]  # type: ignore[literal-required]
-        merged[key] = values[0] if values else worker.get(key)  # type: ignore[literal-required]
-    final_outcome = ran.get(final["key"])
-    merged["cache_strategy"] = (final_outcome or (outcomes[-1] if outcomes else {})).get("cache_strategy")
+        found = (o[key] for o in reversed(outcomes) if o.get(key) is not None)  # type: ignore[literal-required]
+        merged[key] = next(found, worker.get(key))  # type: ignore[literal-required]
+    merged["cache_strategy"] = (ran.get(final["key"]) or (outcomes[-1] if outcomes else {})).get("cache_strategy")
     for key in _ADDED_UP:
         merged[key] = sum(o.get(key) or 0 for o in outcomes)  # type: ignore[literal-required]
     for key in _MOST:
-        values = [o[key] for o in outcomes if o.get(key) is not None]  # type: ignore[literal-required]
-        merged[key] = max(values) if values else None  # type: ignore[literal-required]
+        found = (o[key] for o in outcomes if o.get(key) is not None)  # type: ignore[literal-required]
+        merged[key] = max(found, default=None)  # type: ignore[literal-required]
     stored = sum(o.get("offload_bytes_written") or 0 for o in outcomes if o.get("compression_ratio"))
     raw = sum((o.get("offload_bytes_written") or 0) * (o.get("compression_ratio") or 0) for o in outcomes)
     merged["compression_ratio"] = raw / stored if stored else None

@@ -47,12 +47,7 @@ def repeated_ngram_share(tokens: Sequence[int], n: int = 4) -> float:
     """Share of a text's `n`-grams that already occurred earlier in it: 0 for text that never
     repeats itself, near 1 for a loop. What the bench reports to show how much of a summary loops."""
     grams = [tuple(tokens[i : i + n]) for i in range(len(tokens) - n + 1)]
-    seen: set[tuple[int, ...]] = set()
-    repeated = 0
-    for gram in grams:
-        repeated += gram in seen
-        seen.add(gram)
-    return repeated / len(grams) if grams else 0.0
+    return (len(grams) - len(set(grams))) / len(grams) if grams else 0.0  # every occurrence but a gram's first
 
 
 class LoopWatch:
