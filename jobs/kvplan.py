@@ -77,10 +77,8 @@ def plan_rungs(
     for rung in ladder:
         check_strategy(rung, "cache.ladder")
     usable = [r for r in ladder if not (device_is_cpu and RUNGS[r].home == "host")]
-    for i, rung in enumerate(usable):
-        if RUNGS[rung].fits(kv_bytes, device_budget, host_budget):
-            return usable[i:]
-    return []
+    fits = [RUNGS[rung].fits(kv_bytes, device_budget, host_budget) for rung in usable]
+    return usable[fits.index(True):] if True in fits else []
 
 
 @dataclass(frozen=True)

@@ -375,9 +375,7 @@ def _json_record(row: int, line: str) -> _Record:
 
 
 def _jsonl_records(stream: BinaryIO, max_line_bytes: int) -> Iterator[_Record]:
-    row = 0
-    while line := stream.readline(max_line_bytes + 1):
-        row += 1
+    for row, line in enumerate(iter(lambda: stream.readline(max_line_bytes + 1), b""), start=1):
         if len(line) > max_line_bytes and not line.endswith(b"\n"):
             while (rest := stream.readline(1 << 20)) and not rest.endswith(b"\n"):
                 pass
@@ -424,9 +422,9 @@ def _first_duplicate(names: list[str]) -> str | None:
 
 
 def _check_columns(names: list[str]) -> None:
-    for i, name in enumerate(names, start=1):
-        if not name:
-            raise ManifestError(f"column {i} of the header has no name: name it or remove it (pandas: index=False)")
+    if "" in names:
+        raise ManifestError(f"column {names.index('') + 1} of the header has no name: name it or remove it "
+                            "(pandas: index=False)")
     if (dup := _first_duplicate(names)) is not None:
         raise ManifestError(f"column {dup!r} appears twice in the header: rename one")
     if "id" not in names:
@@ -631,8 +629,7 @@ def tasks_to_table(tasks: list[Task]) -> pa.Table:
 
 def tasks_from_table(table: pa.Table) -> list[Task]:
     optional = ("source_format", "encoding")  # absent from manifests written before document formats
-    missing = [name for name in MANIFEST_SCHEMA.names if name not in table.column_names and name not in optional]
-    if missing:
+    if missing := [name for name in MANIFEST_SCHEMA.names if name not in table.column_names and name not in optional]:
         raise ManifestError(
             f"normalised manifest lacks column(s) {', '.join(missing)}: the job folder is damaged, submit the job again"
         )

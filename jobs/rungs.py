@@ -30,11 +30,8 @@ class Rung:
     def fits(self, kv_bytes: int, device_budget: int, host_budget: int) -> bool:
         """Whether a task's KV fits the budget this rung draws on; disk space is checked by the worker
         against the offload root before the task starts."""
-        if self.home == "device":
-            return kv_bytes <= device_budget
-        if self.home == "host":
-            return kv_bytes <= host_budget
-        return True
+        budget = {"device": device_budget, "host": host_budget}.get(self.home)
+        return budget is None or kv_bytes <= budget
 
 
 RUNGS: dict[str, Rung] = {
