@@ -1,13 +1,10 @@
 """Which decode-step attention a worker runs (`batch.attention`, `batch.static_step`), as plain functions.
 
 `auto` follows the measured tables in docs/benchmarks.md ("Pooled or per-row attention on the CPU",
-"Step ops"): the pooled step on CUDA, whose kernel launches per step do not grow with the batch, and
-on the CPU, where it decodes faster than the per-row step at every shape measured
-(bench/decode_revisions.py, SmolLM2-135M, 2 threads): 1.22x at 16 x 500 tokens, 1.34x at 8 x 3,000,
-and 1.18x on a mixed batch of 16 rows of 300-3,000 tokens, which it attends in runs of like lengths
-(runner/engine/pooled_attention.py; with one call a layer, padding every row to the longest, it was
-0.96-0.98x). A device that has not been measured (not in `AUTO`) runs per row. The pool only holds
-full-attention layers, so a model with sliding-window layers runs per row whatever the setting.
+"Step ops"): pooled on CUDA, whose kernel launches per step do not grow with the batch, and on the CPU,
+where it decoded 1.18-1.34x faster than per-row at every shape measured. A device not measured (not in
+`AUTO`) runs per row. The pool only holds full-attention layers, so a model with sliding-window layers
+runs per row whatever the setting.
 """
 
 from __future__ import annotations

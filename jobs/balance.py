@@ -1,15 +1,10 @@
 """Balancing the workers: tasks go out by the work they are expected to take, not by arrival order.
 
 A batch ends when its busiest worker does, so the longest expected task goes first, to the worker
-with the least expected work in flight (greedy longest-processing-time scheduling). A task's work is
-estimated before it is tokenised, with the planner's characters-per-token (jobs/kvplan.py): the
-tokens it prefills over all its passes (its chunks, then merge rounds of their summaries, as
-jobs/chunking.py cuts and groups them) plus the tokens it decodes, weighted, since a decoded token
-costs one forward step of its own. Once a document is planned, its passes' real prompts count instead.
-
-The `WorkQueue` deals the work items: documents to plan, the longest first, and the passes of those
-planned, in front of them (a pass goes to the worker that holds its document's other passes when that
-worker may take it, so a document's passes batch together; to any worker with room otherwise).
+with the least expected work in flight (greedy longest-processing-time scheduling). Before a document
+is tokenised its work is estimated from its characters (jobs/kvplan.py's characters-per-token): the
+tokens its passes prefill plus the tokens they decode, weighted; once it is planned, its passes' real
+prompts count instead.
 """
 
 from __future__ import annotations
@@ -102,12 +97,11 @@ class Item(Protocol):
 
 
 class WorkQueue:
-    """Work items shared by the workers' feeding threads. Documents wait in `later` (planned once a
-    thread takes one), everything else in front: passes of the documents planned, a document to plan
-    again at a shorter context, work handed back by a lost worker. A worker takes the next item only
-    while no other worker with a free slot has less expected work in flight, so the long documents
-    spread over the workers instead of one worker's queue setting the batch's end. `take` waits while
-    other threads still hold items that may bring work; an item a lost worker held is `put` back."""
+    """Work items shared by the workers' feeding threads. Documents wait in `later`, the longest first;
+    everything else goes in front: passes of planned documents (to the worker that holds the document's
+    other passes when it may take them, so they batch together), a document to plan again at a shorter
+    context, work a lost worker held. A worker takes the next item only while no other worker with a free
+    slot has less expected work in flight, so long documents spread over the workers."""
 
     def __init__(self, later: list[Item], workers: list[Hashable], slots: int,
                  is_down: Callable[[Hashable], bool]) -> None:

@@ -1,11 +1,8 @@
 """How many sequences a worker lets decode together: lowered by a memory error, grown back when calm.
 
-A memory error in a batch halves the limit (the batch engine restarts the batch smaller). Memory is
-often short only for a while (a long document's passes, another process on the GPU), so the limit
-does not stay low for the worker's life: after `GROW_BACK_STEPS` decode steps without a memory
-error it doubles, up to the configured `batch.max_sequences`. Each memory error doubles that wait
-(up to `MAX_GROW_BACK_STEPS`), so a worker whose memory really is too small for the configured
-batch settles at what fits instead of splitting again every few steps.
+Memory is often short only for a while (a long document's passes, another process on the GPU), so a
+lowered limit doubles back after `GROW_BACK_STEPS` calm decode steps, up to `batch.max_sequences`. Each
+memory error doubles that wait, so a worker whose memory really is too small settles at what fits.
 """
 
 from __future__ import annotations

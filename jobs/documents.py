@@ -4,11 +4,9 @@ Documents come from user manifests, so every path is hostile until proven otherw
 limit is checked before a byte is read, only regular files are opened (a FIFO would block
 forever, a device would never end), never a file of a pseudo file system (`/proc/self/environ` is
 "regular", 0 bytes by its size, and reads as the process's environment, credentials included), and
-`documents_root` is enforced on the path *after* symlinks and `..` are resolved, so neither can be
-used to escape it. A document named by a storage
-URI (s3://, file://; gs:// is refused) is read through pyarrow's filesystems under the same size and text rules.
-The size limit applies to the file as read (decompressed for `.gz`; for a DOCX, also to what its ZIP
-expands to, checked from its directory before expanding), not to the text extracted from it.
+`documents_root` is enforced on the path *after* symlinks and `..` are resolved. A storage URI
+(s3://, file://) is read through pyarrow's filesystems under the same rules. The size limit applies
+to the file as read (decompressed for `.gz`, expanded for a DOCX), not to the extracted text.
 """
 
 from __future__ import annotations
@@ -153,10 +151,7 @@ def _read_limited(stream: BinaryIO, path: Path | str, max_bytes: int, compressed
 
 def read_document(path: Path, max_bytes: int, documents_root: Path | None, rereading: bool = False) -> Extracted:
     """The text of the document at `path` (absolute; `.gz` decompressed), or DocumentError saying why not.
-
-    `documents_root` must already be resolved (no symlinks) when given. `rereading`: a document
-    validated at submit, whose exact size `max_bytes` is; a DOCX's expansion was checked then.
-    """
+    `documents_root` must be resolved already. `rereading`: validated at submit, `max_bytes` is its size."""
     resolved = resolve_document_path(path, documents_root)
     try:
         st = resolved.stat()

@@ -1,15 +1,12 @@
 """From a document file's bytes to the text a model reads: PDF, HTML, DOCX, or text in any common encoding.
 
-Pure (bytes in, text out, no I/O) and deterministic, so the text extracted at submit time and the
-text a worker extracts again later have the same fingerprint. Each format goes through a well-kept
-library (pypdf, trafilatura, python-docx, charset-normalizer), imported only when a file of its
-format is met, so importing this module stays cheap.
+Pure and deterministic, so the text extracted at submit time and the text a worker extracts again
+later have the same fingerprint. Each format's library is imported only when a file of it is met.
 
-Binary is told from text by the share of control bytes, as `file` and git do (git: any NUL; `file`:
-any byte outside its text set). Both are stricter than real collections allow: GNU info manuals
-hold a few NULs and \\x1f node markers (up to 3 % of the bytes), while binary formats and compressed
-data hold 10 % or more. So a file under MAX_CONTROL_SHARE is text whose stray control characters
-are removed, and a file over it is refused as binary.
+Binary is told from text by the share of control bytes. `file` and git refuse any (git: any NUL),
+stricter than real collections allow: GNU info manuals hold a few NULs and \\x1f node markers (up to
+3 % of the bytes), while binary and compressed data hold 10 % or more. So a file under
+MAX_CONTROL_SHARE is text whose stray control characters are removed; one over it is binary.
 """
 
 from __future__ import annotations
@@ -131,13 +128,9 @@ def decode(data: bytes) -> tuple[str, str]:
 
 
 def _western_first(matches: CharsetMatches) -> CharsetMatch | None:
-    """charset-normalizer's pick, but Windows-1252 wherever it reads the bytes at least as well.
-
-    Western text is mostly letters that Windows-1250 has at the same bytes (é, ä, ü, ß), so both
-    often read it alike and charset-normalizer names the first, cp1250; where they differ (å, ï, è)
-    and no language tells them apart, a legacy file is far more often Western. Text whose language
-    is Central European (Czech ť, Polish ł) still reads best as cp1250.
-    """
+    """charset-normalizer's pick, but Windows-1252 wherever it reads the bytes at least as well: Western
+    text is mostly letters Windows-1250 has at the same bytes, which charset-normalizer then names first,
+    though a legacy file is far more often Western (Czech or Polish text still reads best as cp1250)."""
     best = matches.best()
     western = next((m for m in matches if WESTERN in m.could_be_from_charset), None)
     if best is not None and western is not None and (
@@ -201,11 +194,8 @@ def _pdf_text(data: bytes) -> str:
 
 
 def _check_expanded_size(data: bytes, max_bytes: int) -> None:
-    """Refuse a ZIP whose members add up to more than `max_bytes` (a zip bomb), from its directory alone.
-
-    The sizes a ZIP declares bound what Python's zipfile expands: a member whose data runs past its
-    declared size fails its CRC check instead of growing.
-    """
+    """Refuse a ZIP whose members add up to more than `max_bytes` (a zip bomb), from its directory alone:
+    zipfile fails a member whose data runs past its declared size instead of growing it."""
     with zipfile.ZipFile(io.BytesIO(data)) as archive:
         expanded = sum(member.file_size for member in archive.infolist())
     if expanded > max_bytes:

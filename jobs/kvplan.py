@@ -1,10 +1,8 @@
 """Which KV cache rung a task should start on, and where a tiered rung keeps each layer.
 
-Pure policy: the worker describes the model as a `KVShape`, resolves the budgets to numbers and
-asks `plan_rungs` for the rungs to try in order. A later OOM (or the budget guard) moves the task
-to the next rung of that list; an empty list means the context has to shrink. On a tiered rung,
-`plan_placement` keeps on the device as many full-attention layers as the budget holds, so a
-decode step moves only the KV that does not fit.
+`plan_rungs` gives the rungs to try in order: a later OOM moves the task to the next one, an empty
+list means the context has to shrink. On a tiered rung, `plan_placement` keeps on the device as many
+full-attention layers as the budget holds, so a decode step moves only the KV that does not fit.
 """
 
 from __future__ import annotations
@@ -69,11 +67,8 @@ def check_strategy(name: str, key: str = "cache.strategy") -> None:
 def plan_rungs(
     ladder: list[str], kv_bytes: int, device_budget: int, host_budget: int, device_is_cpu: bool
 ) -> list[str]:
-    """The rungs to try, in order: from the first that fits the budgets onwards.
-
-    On a CPU device the host RAM is the device itself, so host-backed rungs (ours and
-    transformers' CUDA-only offloading) are left out.
-    """
+    """The rungs to try, in order: from the first that fits the budgets onwards. On a CPU device the host
+    RAM is the device itself, so host-backed rungs are left out."""
     for rung in ladder:
         check_strategy(rung, "cache.ladder")
     usable = [r for r in ladder if not (device_is_cpu and RUNGS[r].home == "host")]
@@ -143,9 +138,8 @@ def device_kv_bytes(shape: KVShape, rung: str, tokens: int, placement: Placement
 
 def host_kv_bytes(shape: KVShape, rung: str, tokens: int, placement: Placement | None, block_tokens: int) -> int:
     """Host RAM one sequence's KV takes at its full length (`tokens`) on `rung`, as the worker's host
-    meter counts it: whole blocks of each streamed layer kept in RAM, one block (the unfilled tail)
-    of each layer streamed from disk, nothing on a device rung. What batch admission adds up against
-    the host budget."""
+    meter counts it: whole blocks of each layer kept in RAM, the unfilled tail block of each layer
+    streamed from disk. What batch admission adds up against the host budget."""
     home, tier = RUNGS[rung].home, RUNGS[rung].tier
     if tier is None:
         return kv_bytes(shape, tokens) if home == "host" else 0
@@ -175,16 +169,11 @@ def plan_placement(
     the device and the tier.
 
     The device holds the sliding-window layers, the streaming working set (the layer computing and
-    the next one being prefetched, each as long as the document) and as many resident layers (each
-    reserving the whole document up front) as the rest of `device_budget` takes. When not even the
-    working set fits, every layer is streamed and the cache's budget guard raises the OOM that
-    moves the task on. Resident layers are spread evenly among the streamed ones, so each prefetch
-    hides behind the compute of the resident layers before its turn rather than behind one layer.
-    The host tier keeps every streamed layer in RAM (`plan_rungs` checked that it fits).
-
-    On the disk tier, streamed layers whose whole KV fits `host_budget` (after every disk layer's
-    one-block RAM tail) keep their blocks in host RAM instead of files. On a CPU device host RAM is
-    the device: a layer that fits there is resident, and none is kept as a second, host copy.
+    the one being prefetched) and as many resident layers as the rest of `device_budget` takes; when
+    not even the working set fits, the cache's budget guard raises the OOM that moves the task on.
+    Resident layers are spread evenly among the streamed ones, so each prefetch hides behind the
+    compute of several layers. On the disk tier, streamed layers that fit `host_budget` keep their
+    blocks in host RAM instead of files, except on a CPU device, where host RAM is the device.
     """
     if tokens < 0 or batch <= 0 or block_tokens <= 0:
         raise ValueError(f"plan_placement needs tokens >= 0, batch > 0, block_tokens > 0; "

@@ -1,10 +1,8 @@
 """How many workers share one node's RAM and one GPU, so that `auto` KV budgets are split among them.
 
-A worker sizes an `auto` budget from what its machine has free when it starts; several workers on
-one node (and actors sharing a GPU through a fractional `workers.gpus_per_worker`) would each claim
-all of it. The pool works out where Ray's SPREAD strategy puts the workers (one per node, in turn,
-on every node with room left) from the cluster's per-node resources, and gives each worker the most
-that land on one node: on one node that is exact, across uneven nodes it errs on the small side.
+A worker sizes an `auto` budget from what its machine has free when it starts, so workers sharing a
+node or a GPU would each claim all of it. The pool works out where Ray's SPREAD strategy puts them and
+gives each the most that land on one node: exact on one node, on the small side across uneven ones.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """The contract between a worker and the coordinator: what one pass returns, and a document's outcome.
 
-A worker returns a `CallOutcome` for each pass it runs (its row when it finished); the coordinator
-keeps the row and, once the document ends, folds the rows and outcomes of its passes into the
-document's `TaskOutcome` (`fold_passes`), from which the result row is built. Keys are the result
-row's columns, plus how a call failed.
+Once a document ends, the rows and `CallOutcome`s of its passes fold into its `TaskOutcome`
+(`fold_passes`), whose keys are the result row's columns, plus how a call failed.
 """
 
 from __future__ import annotations
@@ -118,12 +116,10 @@ _ANY = ("worker", "model", "quantization", "load_host_rss_bytes", "load_device_b
 
 def fold_passes(tree: list[PassRow], ran: Mapping[str, Mapping[str, Any]], chunks: int, input_tokens: int,
                 worker: Mapping[str, Any], trim: bool) -> TaskOutcome:
-    """A finished document's outcome, folded once from its passes (`tree`, level by level, the last its
-    summary's) and the outcomes of those run in this batch (`ran`, by key; the others were read back):
-    the bytes moved add up, a peak is the most any pass reached, decode row-steps add up, timings are of
-    the passes run. `worker`: what a worker of the batch says of itself (its model, its quantization),
-    for a document whose every pass was read back. `trim`: a summary whose pass ran out of tokens ends at its last complete
-    sentence, the rest in `summary_tail` (jobs.summaries; the passes merged into it keep every word)."""
+    """A finished document's outcome, folded from its passes (`tree`, level by level, the last its
+    summary's) and the outcomes of those run in this batch (`ran`, by key; the others were read back).
+    `worker`: what a worker says of itself, for a document whose every pass was read back. `trim`: a
+    summary whose pass ran out of tokens ends at its last complete sentence (jobs.summaries)."""
     final = tree[-1]
     outcomes = [ran[row["key"]] for row in tree if row["key"] in ran]
     run_rows = [row for row in tree if row["key"] in ran]

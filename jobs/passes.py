@@ -1,12 +1,9 @@
 """The pass: the unit of work that crosses Ray, and what a finished one is.
 
-A document is summarised in passes, level by level (its chunks, then merges of their summaries;
-jobs/document_run.py). A worker plans a level (`LevelPlan`: one `PassSpec` a pass, its prompt
-tokenised once there), any worker runs a spec, and the finished pass comes back as a `PassRow`,
-which the coordinator keeps in the job folder (storage/passes.py) before anything that depends on it
-is dealt. A pass's key is a hash of everything that decides its tokens (the settings fingerprint,
-its prompt's token ids and the new-token limit) and nothing that only decides where its KV lives, so
-a kept pass is reused exactly when running it again would give the same tokens.
+A worker plans a level (`LevelPlan`: one `PassSpec` a pass), any worker runs a spec, and the finished
+pass comes back as a `PassRow`, kept in the job folder before anything that depends on it is dealt. A
+pass's key hashes everything that decides its tokens and nothing that only decides where its KV lives,
+so a kept pass is reused exactly when running it again would give the same tokens.
 """
 
 from __future__ import annotations

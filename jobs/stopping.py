@@ -1,12 +1,9 @@
 """Why a generated sequence ended, and the loop stop: a sequence whose tail repeats itself ends there.
 
-Greedy decoding of a small model often falls into a loop (the same sentence again and again until
-`max_new_tokens`). Most such loops are exact: once the model emits the same block of tokens `repeats`
-times back to back, it keeps doing so; `repeated_tail` spots that. Some are near-copies (a paragraph
-again with one word or line break changed), which no fixed period matches; `LoopWatch` spots those by
-the share of recent n-grams that already occurred. Either way the sequence stops at the step it
-happens, so it stops paying decode steps for text a reader throws away, and the summary keeps the
-looped text once. Pure: no torch, run once per decode step per sequence.
+Greedy decoding of a small model often falls into a loop until `max_new_tokens`. Most loops are exact
+(`repeated_tail`: the same block `repeats` times back to back); some are near-copies with a word
+changed, which `LoopWatch` spots by the share of recent n-grams that already occurred. The sequence
+stops where it loops, so it stops paying decode steps for text a reader throws away.
 """
 
 from __future__ import annotations
@@ -26,12 +23,8 @@ class StopReason(StrEnum):
 
 def repeated_tail(tokens: Sequence[int], rule: LoopStopConfig) -> int:
     """Tokens to cut from the end of `tokens` when they end in `rule.repeats` back-to-back copies of
-    one block of `rule.ngram` to `rule.max_period` tokens (all copies but the first); 0 when they do
-    not, or the rule is off.
-
-    The shortest such block wins. A loop of a shorter block (a word repeated) is caught too, as soon
-    as it spans `repeats` copies of `ngram` tokens.
-    """
+    one block of `rule.ngram` to `rule.max_period` tokens (all copies but the first; the shortest block
+    wins); 0 when they do not, or the rule is off."""
     if not rule.enabled:
         return 0
     n, repeats = len(tokens), rule.repeats
@@ -95,9 +88,8 @@ class LoopWatch:
         return flags[-1]
 
     def _near_copy(self) -> int:
-        if not self.rule.window or len(self._repeated) < self._span:
-            return 0
-        if self._recent_repeated < self.rule.window_share * self._span:
+        if (not self.rule.window or len(self._repeated) < self._span
+                or self._recent_repeated < self.rule.window_share * self._span):
             return 0
         return len(self.tokens) - self._copy_start()
 
@@ -128,5 +120,4 @@ def loop_stopped(tokens: Sequence[int], rule: LoopStopConfig) -> tuple[list[int]
     """What a sequence keeps when the loop stop watches it token by token (as the batched decode does),
     and whether it stopped: for tokens generated without it, e.g. by a plain generate() call."""
     watch = LoopWatch(rule)
-    kept = watch.kept(tokens)
-    return kept, bool(watch.cut)
+    return watch.kept(tokens), bool(watch.cut)

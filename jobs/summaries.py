@@ -1,10 +1,7 @@
 """A summary stopped by `max_new_tokens` ends where its last complete sentence ends.
 
-A pass that runs out of tokens stops mid-sentence ("The licence grants the right to use, copy and");
-a reader is better served by the summary up to its last full stop, with the cut words kept apart (the
-result's `summary_tail`, so nothing the model wrote is lost). Pure text policy: no tokenizer.
-
-A sentence ends at `.`, `!` or `?` (with any closing quotes or brackets after it) that is followed by
+A reader is better served by the summary up to its last full stop than by one cut mid-sentence; the
+cut words are kept apart (the result's `summary_tail`). A sentence ends at `.`, `!` or `?` (with any closing quotes or brackets after it) that is followed by
 the end of the text, or by whitespace and then a capital letter, a digit or an opening quote or bracket:
 so "e.g. the" and "3.5" are no ends, while "Dr. Smith" is (the rule is kept simple on purpose). CJK
 `。`, `！`, `？` end a sentence wherever they stand (no space follows them in CJK text).
