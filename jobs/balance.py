@@ -85,7 +85,6 @@ def may_take(worker: Hashable, loads: Mapping[Hashable, float], free: Collection
     return all(loads.get(worker, 0.0) <= loads.get(other, 0.0) for other in free)
 
 
-
 class Item(Protocol):
     """A work item: a document to plan or a pass to run (runner/coordinator.py)."""
 

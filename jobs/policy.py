@@ -25,9 +25,7 @@ class FailureClass(StrEnum):
 
 def shorter_context(current: int, shrink: float, minimum: int) -> int | None:
     """The next context size to try, or None when it would fall below `minimum`."""
-    if current <= minimum:
-        return None
-    return max(int(current * shrink), minimum)
+    return None if current <= minimum else max(int(current * shrink), minimum)
 
 
 def cache_fallback_note(from_rung: str, to_rung: str | None, reason: str) -> str:

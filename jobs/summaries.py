@@ -40,6 +40,4 @@ def trim_to_sentence(text: str) -> tuple[str, str]:
     """`(summary, tail)` with `summary + tail == text`: the summary ends at the last complete sentence and the
     tail holds what follows it; a text with no sentence end is kept whole (`tail` empty)."""
     end = last_sentence_end(text)
-    if end is None:
-        return text, ""
-    return text[:end], text[end:]
+    return (text, "") if end is None else (text[:end], text[end:])
