@@ -570,9 +570,8 @@ def read_config(path: str | os.PathLike[str] | None = None, settings: Mapping[st
     """Read a YAML config (defaults when `path` is None) and set `settings` in it (dotted key -> value,
     as given: what `load_config` parses the CLI's text into, or the API's `settings`, named by `how`)."""
     data: dict[str, Any] = {}
-    source = "defaults"
+    source = "defaults" if path is None else str(path)
     if path is not None:
-        source = str(path)
         try:
             text = _read_config_file(path).decode("utf-8")
         except UnicodeDecodeError as e:

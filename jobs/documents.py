@@ -228,13 +228,13 @@ def load_task_text(task: Task) -> str:
     """The text a task summarises; a file is re-read and must be the one validated at submit time."""
     if task.source_type == "text":
         return task.source
-    path = task.source if is_uri(task.source) else Path(task.source)
+    path = task.source
     try:
         # The path was resolved and checked against documents_root at submit; its exact size is known.
-        text = (
-            read_uri_document(path, max_bytes=task.n_bytes, rereading=True) if isinstance(path, str)
-            else read_document(path, max_bytes=task.n_bytes, documents_root=None, rereading=True)
-        ).text
+        if is_uri(path):
+            text = read_uri_document(path, max_bytes=task.n_bytes, rereading=True).text
+        else:
+            text = read_document(Path(path), max_bytes=task.n_bytes, documents_root=None, rereading=True).text
     except DocumentTooLarge:
         raise DocumentError(
             f"document {task.doc_id!r} ({path}) changed since the job was submitted (it is now larger "

@@ -36,9 +36,8 @@ class KVShape:
     @property
     def full_attention_layers(self) -> tuple[int, ...]:
         """The layers whose KV grows with the document: the ones placement decides about."""
-        if not self.layer_windows:
-            return tuple(range(self.num_layers))
-        return tuple(i for i, window in enumerate(self.layer_windows) if window is None)
+        windows = self.layer_windows or (None,) * self.num_layers
+        return tuple(i for i, window in enumerate(windows) if window is None)
 
     def layer_token_bytes(self, batch: int = 1) -> int:
         """Keys and values of one token of one layer, every batch row."""
