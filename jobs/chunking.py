@@ -1,10 +1,8 @@
 """Planning how a document too long for one pass is cut into chunks, and how their summaries merge.
 
-Chunks end at the most natural boundary available (paragraph, then sentence, then line, then
-word, and only as a last resort between two tokens) so that each chunk reads as a coherent
-piece of text; consecutive chunks overlap so a thought cut at a boundary keeps its context.
-Everything is planned on the token offsets of one tokenisation of the whole document, so the
-budgets are exact: slice the document's token ids with `start_token:end_token`.
+Chunks end at the most natural boundary available (paragraph, sentence, line, word, else between two
+tokens) so each reads as a coherent piece, and overlap so a thought cut at a boundary keeps its context.
+Planned on the token offsets of one tokenisation of the whole document, so the budgets are exact.
 """
 
 from __future__ import annotations

@@ -58,25 +58,20 @@ _DEVICE = re.compile(rf"({'|'.join(TORCH_DEVICE_TYPES)})(?::(0|[1-9][0-9]*))?")
 _MAX_DEVICE_INDEX = 127  # torch keeps a device index in an int8
 
 
-def _yes_or_no(value: Any) -> bool:
-    """true/false, or a word YAML 1.1 read as one (YAML 1.2, which configs are read as, keeps it a string)."""
-    return isinstance(value, bool) or (isinstance(value, str) and value.lower() in ("yes", "no", "on", "off"))
-
-
-def _numeric(annotation: Any) -> bool:
-    """A key that takes a number and not a yes/no (`int`, `float`, `int | Literal["auto"]`...)."""
-    kinds = get_args(annotation) if get_origin(annotation) in (Union, UnionType) else (annotation,)
-    return bool({int, float} & set(kinds)) and bool not in kinds
-
-
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
     @field_validator("*", mode="before")
     @classmethod
     def _no_bool_for_a_number(cls, value: Any, info: ValidationInfo) -> Any:
-        """pydantic reads true as 1 (and YAML reads yes/on as true): a number key refuses it, as a manifest row does."""
-        if _yes_or_no(value) and _numeric(cls.model_fields[info.field_name].annotation):
+        """pydantic reads true as 1: a number key (`int`, `float`, `int | Literal["auto"]`...) refuses true/false,
+        and the YAML 1.1 words for them (YAML 1.2, which configs are read as, keeps them strings), as a manifest
+        row does."""
+        if not (isinstance(value, bool) or (isinstance(value, str) and value.lower() in ("yes", "no", "on", "off"))):
+            return value
+        annotation = cls.model_fields[info.field_name].annotation
+        kinds = get_args(annotation) if get_origin(annotation) in (Union, UnionType) else (annotation,)
+        if {int, float} & set(kinds) and bool not in kinds:
             raise ValueError("must be a number, not true/false (nor yes, no, on, off)")
         return value
 

@@ -1,12 +1,9 @@
 """One document's way through a batch, as a state machine: no Ray, no torch, no threads.
 
-A document is planned (a worker tokenises it once and cuts it into chunks: level 0), its passes run
-on any worker, and once every pass of a level is kept the summaries of that level are planned into
-merges (the next level), until one summary is left. A pass is dealt only once the passes it depends on
-are kept (storage/passes.py), so a kill at any instant loses only the passes in flight: a
-`DocumentRun` made again from the kept rows takes up where the last one stopped. When its context
-fails (a cache ladder run out, transient failures used up), `fall_back` starts it over at a shorter
-context, keeping every pass kept so far (a pass whose prompt comes out the same is reused).
+A document's chunks (level 0), then merges of each level's summaries, run as passes on any worker until
+one summary is left. A pass is dealt only once the passes it depends on are kept (storage/passes.py),
+so a kill loses only the passes in flight: a `DocumentRun` made again from the kept rows takes up where
+the last one stopped. `fall_back` starts it over at a shorter context, reusing every pass kept so far.
 
     PLANNING --planned--> MAPPING (level 0) / MERGING (level > 0) --level kept--> PLANNING (next level)
                                                                    \\--one summary left--> DONE

@@ -406,12 +406,6 @@ def _json_array_records(stream: BinaryIO) -> Iterator[_Record]:
             yield _Record(row, None, f"is not a JSON object (got {type(item).__name__}): give objects with an 'id'")
 
 
-def _starts_with_bracket(path: Path) -> bool:
-    with _open_binary(path) as stream:
-        head = stream.read(4096).removeprefix(b"\xef\xbb\xbf").lstrip()
-    return head.startswith(b"[")
-
-
 def _first_duplicate(names: list[str]) -> str | None:
     seen: set[str] = set()
     for name in names:
@@ -519,8 +513,10 @@ def _format(path: Path) -> str:
         return "parquet"
     if base.endswith(".csv"):
         return "csv"
-    if base.endswith(".json") and _starts_with_bracket(path):
-        return "json-array"
+    if base.endswith(".json"):
+        with _open_binary(path) as stream:
+            if stream.read(4096).removeprefix(b"\xef\xbb\xbf").lstrip().startswith(b"["):
+                return "json-array"
     if base.endswith(_JSONL_SUFFIXES):
         return "jsonl"
     raise ManifestError(f"has an unknown extension: use {_SUFFIXES_HELP}")
@@ -556,11 +552,9 @@ def read_manifest(
 ) -> tuple[list[Task], list[Rejection]]:
     """Every runnable task of the manifest, and every row that will not run with its reason.
 
-    `uri_base`: the manifest is a local copy of one on shared storage, in that folder; relative
-    document paths are read from there. `context_tokens`: summarize.context_tokens, of which a row's
-    `max_new_tokens` may take at most half (None: not checked), and in which a row's `prompt` must leave
-    room, measured by `prompt_measure` (None: not checked).
-    """
+    `uri_base`: the folder on shared storage the manifest was copied from; relative document paths are
+    read from there. `context_tokens` bounds a row's `max_new_tokens` and, measured by `prompt_measure`,
+    its `prompt` (None: not checked)."""
     path = Path(path)
     if not path.is_file():
         raise ManifestError(f"manifest {path} does not exist or is not a file: check the path")
