@@ -68,12 +68,9 @@ def _check_spans(text: str, token_spans: Sequence[tuple[int, int]]) -> None:
 
 
 def _boundaries(text: str, token_spans: Sequence[tuple[int, int]]) -> list[list[int]]:
-    """Per break level (strongest first): sorted token indices i where a chunk may end before token i.
-
-    A whitespace run [a, b) allows a cut before the first token starting at or after a, provided
-    the token before it ends within the run (works whether tokenizers keep whitespace as tokens,
-    glue it to the next word, or drop it).
-    """
+    """Per break level (strongest first): sorted token indices i where a chunk may end before token i: a
+    whitespace run allows a cut before the first token starting in it when the token before ends in it
+    (whether tokenizers keep whitespace as tokens, glue it to the next word, or drop it)."""
     starts = [start for start, _ in token_spans]
     n = len(token_spans)
     levels = []
@@ -101,11 +98,9 @@ def plan_chunks(
 ) -> list[Chunk]:
     """Cut a tokenised text into chunks of at most `budget_tokens` tokens that cover every token.
 
-    `token_spans` are the (start_char, end_char) offsets of each token of `text`. A chunk fills
-    at least half the budget before a cut is looked for. Consecutive chunks share between
-    `overlap` and 2 × `overlap` tokens, where `overlap` is `overlap_tokens` capped at a quarter
-    of the budget (so every chunk still brings mostly new text); the next chunk starts at the
-    strongest boundary in that range.
+    `token_spans` are the (start_char, end_char) offsets of each token of `text`. A chunk fills at least
+    half the budget before a cut is looked for. Consecutive chunks share `overlap` to 2 × `overlap` tokens
+    (`overlap_tokens` capped at a quarter of the budget, so each chunk brings mostly new text).
     """
     if budget_tokens <= 0:
         raise ValueError(f"budget_tokens must be positive, got {budget_tokens}")
@@ -147,9 +142,8 @@ def fewest_chunks(n_tokens: int, budget_tokens: int, overlap_tokens: int) -> int
 def group_for_merge(token_counts: Sequence[int], budget_tokens: int, separator_tokens: int) -> list[range]:
     """Pack consecutive summaries into groups that each fit one pass when joined with SUMMARY_SEPARATOR.
 
-    One merge round summarises each group of two or more (a group of one can be carried over as
-    it is), so every round leaves fewer summaries and the recursion ends with one. Raises
-    ContextTooSmallError when no two neighbours fit together, since merging could then never end.
+    A group of one is carried over as it is; ContextTooSmallError when no two neighbours fit together,
+    since merging could then never end.
     """
     groups: list[range] = []
     first, used = 0, 0

@@ -578,11 +578,9 @@ def read_config(path: str | os.PathLike[str] | None = None, settings: Mapping[st
             loaded = yaml.load(text, Loader=_Yaml12Loader)
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {path} is not valid YAML: {e}") from None
-        if loaded is None:
-            loaded = {}
-        if not isinstance(loaded, dict):
+        data = {} if loaded is None else loaded
+        if not isinstance(data, dict):
             raise ConfigError(f"config file {path} must be a mapping of sections (model:, cache:, ...)")
-        data = loaded
     if settings:
         data = apply_settings(data, settings, how)
         source += f" with {how} " + " ".join(f"{key}={value!r}" for key, value in settings.items())
