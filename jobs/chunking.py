@@ -51,8 +51,7 @@ def summary_budget(context_tokens: int, prompt_tokens: int, max_new_tokens: int)
 
 def merge_room(context_tokens: int, prompt_tokens: int, max_new_tokens: int, separator_tokens: int) -> int:
     """Tokens a merge pass of `context_tokens` has to spare once it holds the prompt, its answer and two
-    partial summaries of `max_new_tokens` each; negative: no two summaries ever merge at that context, so
-    a document longer than one pass could never end (ContextTooSmallError after all its chunk passes)."""
+    partial summaries of `max_new_tokens` each; negative: a document longer than one pass could never end."""
     return context_tokens - prompt_tokens - max_new_tokens - (2 * max_new_tokens + separator_tokens)
 
 
@@ -130,9 +129,8 @@ def plan_chunks(
 
 
 def fewest_chunks(n_tokens: int, budget_tokens: int, overlap_tokens: int) -> int:
-    """How many chunks `plan_chunks` cuts `n_tokens` into where a cut may fall anywhere: each chunk but the
-    last fills its budget and shares the least overlap with the next. A text with fewer places to cut
-    takes more: this is what a document is expected to take before it is tokenised (jobs/balance.py)."""
+    """How many chunks `plan_chunks` cuts `n_tokens` into where a cut may fall anywhere (a text with fewer
+    places to cut takes more): what a document is expected to take before it is tokenised (jobs/balance.py)."""
     if n_tokens <= budget_tokens:
         return 1
     overlap = min(overlap_tokens, budget_tokens // 4)

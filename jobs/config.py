@@ -531,9 +531,8 @@ def _check_unique_keys(node: yaml.Node | None, source: str, key: str = "",
 
 
 def _read_config_file(path: str | Path) -> bytes:
-    """The bytes of config file `path`: a regular file of at most MAX_CONFIG_BYTES, checked on the open
-    file (a FIFO opened without blocking), and read with a bound, so a device, a FIFO or a file swapped
-    after the check is refused at once instead of read without end."""
+    """The bytes of config file `path`, a regular file of at most MAX_CONFIG_BYTES, checked on the file opened
+    without blocking and read with a bound, so a device, a FIFO or a swapped file is refused at once."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as e:
