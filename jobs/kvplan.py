@@ -71,8 +71,10 @@ def plan_rungs(
     for rung in ladder:
         check_strategy(rung, "cache.ladder")
     usable = [r for r in ladder if not (device_is_cpu and RUNGS[r].home == "host")]
-    fits = [RUNGS[rung].fits(kv_bytes, device_budget, host_budget) for rung in usable]
-    return usable[fits.index(True):] if True in fits else []
+    for i, rung in enumerate(usable):
+        if RUNGS[rung].fits(kv_bytes, device_budget, host_budget):
+            return usable[i:]
+    return []
 
 
 @dataclass(frozen=True)
@@ -143,7 +145,10 @@ def host_kv_bytes(shape: KVShape, rung: str, tokens: int, placement: Placement |
     if tier is None:
         return kv_bytes(shape, tokens) if home == "host" else 0
     streamed = placement.streamed_layers if placement else shape.full_attention_layers
-    in_ram = len(placement.host_layers) if placement else len(streamed) if tier == "host" else 0
+    if placement is not None:
+        in_ram = len(placement.host_layers)
+    else:
+        in_ram = len(streamed) if tier == "host" else 0
     block = block_tokens * shape.layer_token_bytes()
     return in_ram * -(-tokens // block_tokens) * block + (len(streamed) - in_ram) * block
 

@@ -39,7 +39,9 @@ def no_steps() -> DecodeSteps:
 
 def add_steps(total: DecodeSteps, more: DecodeSteps) -> DecodeSteps:
     """Both tallies together (a job.log line written before `ahead` was counted has none)."""
-    eager = {why: total["eager"].get(why, 0) + more["eager"].get(why, 0) for why in {**total["eager"], **more["eager"]}}
+    eager = dict(total["eager"])
+    for why, count in more["eager"].items():
+        eager[why] = eager.get(why, 0) + count
     return {"static": total["static"] + more["static"], "eager": eager,
             "ahead": total.get("ahead", 0) + more.get("ahead", 0)}
 
