@@ -60,7 +60,7 @@ def _run(model, tokenizer, dtype: torch.dtype, max_sequences: int, settings: dic
         got = [g.tokens for g in run_batch(engine, model, "dynamic", tmp_path, prompts, NEW[:count], kv_pool=pool)]
     finally:
         engine.close()
-    assert engine.most_rows == max_sequences
+    assert engine.plan.most_rows == max_sequences
     return got, step
 
 

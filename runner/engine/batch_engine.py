@@ -136,42 +136,16 @@ class BatchEngine:
         self._thread = threading.Thread(target=self._loop, name="kvbatch-engine", daemon=True)
         self._thread.start()
 
-    @property
-    def max_sequences(self) -> int:
-        """The most sequences that run together now: `batch.max_sequences` unless a memory error
-        lowered it and it has not grown back yet."""
-        return self.plan.limit.current
-
-    @property
-    def splits(self) -> int:
-        """How often a memory error split a batch."""
-        return self.plan.splits
-
-    @property
-    def most_rows(self) -> int:
-        """The largest batch a decode step has run: what a test asks to know batching happened."""
-        return self.plan.most_rows
-
-    @property
-    def steps_with_prefill(self) -> int:
-        """Decode steps whose forward pass carried a joining prompt's chunk too."""
-        return self.plan.steps_with_prefill
-
     # -- the task side ---------------------------------------------------------------------------
     def submit(self, request: PassRequest) -> Future[PassResult]:
-        return self.submit_all([request])[0]
-
-    def submit_all(self, requests: list[PassRequest]) -> list[Future[PassResult]]:
-        """Queue them in one moment: the loop sees all or none of them, so one task's passes (its map
-        chunks) stand together in the queue, in their order, with no other task's pass between them."""
-        futures: list[Future[PassResult]] = [Future() for _ in requests]
+        """Queue one sequence; its future holds its result."""
+        future: Future[PassResult] = Future()
         with self._changed:
             if self._closed:
                 raise RuntimeError("the worker's engine is closed")
-            for request, future in zip(requests, futures, strict=True):
-                self.plan.add(BatchSequence(request, future, self.settings.loop_stop))
+            self.plan.add(BatchSequence(request, future, self.settings.loop_stop))
             self._changed.notify_all()
-        return futures
+        return future
 
     def close(self) -> None:
         with self._changed:
@@ -203,9 +177,9 @@ class BatchEngine:
                     self._changed.wait()
                 if self._closed:
                     return False
-                step = self.plan.schedule()
-            if step.prefill is not None and step.prefill.handle is None:
-                self._start(step.prefill)
+                prefill = self.plan.schedule()
+            if prefill is not None and prefill.handle is None:
+                self._start(prefill)
             rows, riding = self.plan.decoding, self.plan.prefilling
             if rows or riding is not None:
                 self._decode(rows, riding)
@@ -381,7 +355,7 @@ class BatchEngine:
             error = error.__cause__ or error
         everyone = [seq for seq in everyone if seq.status in (Status.DECODING, Status.PREFILLING)]
         if self.is_memory_error(error) and len(everyone) > 1:
-            self._split(everyone)
+            self._restart(everyone, split=True)
         elif failing is not None:
             if failing in everyone:
                 self._fail_sequence(failing, error)
@@ -457,18 +431,12 @@ class BatchEngine:
             except Exception as e:  # noqa: BLE001 - this sequence's own (e.g. a setting its token choice trips on)
                 self._fail_sequence(seq, e)
 
-    def _split(self, rows: list[Sequence]) -> None:
-        """Too many sequences for the memory: all of them start again, at most half as many at a time."""
+    def _restart(self, rows: list[Sequence], split: bool = False) -> None:
+        """`rows` start again; `split`: too many sequences for the memory, at most half as many at a time."""
         for seq in rows:
             seq.handle.close()
         with self._changed:
-            self.plan.split(rows)
-
-    def _restart(self, rows: list[Sequence]) -> None:
-        for seq in rows:
-            seq.handle.close()
-        with self._changed:
-            self.plan.requeue(rows)
+            (self.plan.split if split else self.plan.requeue)(rows)
 
     def _leave(self, seq: Sequence, status: Status) -> None:
         with self._changed:

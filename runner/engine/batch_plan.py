@@ -65,7 +65,6 @@ class BatchSequence(Generic[R]):
     request: R
     future: Future[Any]
     loop_stop: LoopStopConfig
-    submitted: float = field(default_factory=time.perf_counter)
     status: Status = Status.WAITING
     handle: Any = None  # its cache (a CacheHandle), while PREFILLING or DECODING
     picker: Picker | None = None
@@ -79,9 +78,6 @@ class BatchSequence(Generic[R]):
     ahead_steps: int = 0  # of those, launched before the step before was read (its input from the device)
     eager_steps: Counter[str] = field(default_factory=Counter)  # the others, by why they ran eagerly
     rows_seen: int = 0  # sum over its decode steps of the decode rows in the step
-    began_at_step: int = 0  # the plan's decode steps when this attempt began
-    decode_steps_during_prefill: int = 0
-    """Decode steps the batch ran while this sequence prefilled: 0 when its whole prefill stalled them."""
     watch: LoopWatch = field(init=False)
 
     def __post_init__(self) -> None:
@@ -126,14 +122,6 @@ class BatchSequence(Generic[R]):
         return self.rows_seen / self.steps if self.steps else 1.0
 
 
-@dataclass(frozen=True)
-class Step(Generic[R]):
-    """What one turn runs: the sequence to prefill (admitted now or still prefilling), and the rows to decode."""
-
-    prefill: BatchSequence[R] | None
-    decode: list[BatchSequence[R]]
-
-
 class BatchPlan(Generic[R]):
     """The worker's sequences and the rules that say which run; not thread-safe (its owner locks)."""
 
@@ -150,8 +138,6 @@ class BatchPlan(Generic[R]):
         """How often a memory error split a batch (each split halves the limit)."""
         self.most_rows = 0
         """The most rows one decode step has run: what a test asks to know batching happened."""
-        self.decode_steps = 0
-        """Decode steps run."""
         self.tokens_decoded = 0
         """Tokens its decode steps have made (one a row a step): the progress line's live tok/s."""
         self.steps_with_prefill = 0
@@ -173,16 +159,14 @@ class BatchPlan(Generic[R]):
         seq.status = Status.WAITING
         self.waiting.append(seq)
 
-    def schedule(self) -> Step[R]:
-        """The next step: the sequence prefilling, else the next one admissible now (it begins), and
-        the decoding rows."""
+    def schedule(self) -> BatchSequence[R] | None:
+        """The sequence to prefill next: the one prefilling, else the next one admissible now (it begins)."""
         prefill = self.prefilling
         if prefill is None and self.waiting and self._admissible(self.waiting[0].request):
             prefill = self.waiting.popleft()
             prefill.begin()
-            prefill.began_at_step = self.decode_steps
             self.running.append(prefill)
-        return Step(prefill, self.decoding)
+        return prefill
 
     def _admissible(self, head: R) -> bool:
         if not self.running:  # alone, a sequence always runs: its own memory error moves its task down the ladder
@@ -205,7 +189,6 @@ class BatchPlan(Generic[R]):
     def joined(self, seq: BatchSequence[R]) -> None:
         """Its prompt is in its cache and its first token chosen: it decodes from the next step on."""
         seq.status = Status.DECODING
-        seq.decode_steps_during_prefill = self.decode_steps - seq.began_at_step
 
     def decoded(self, rows: list[BatchSequence[R]], beside_prefill: bool = False,
                 eager_because: Sequence[str | None] = (), ahead: Sequence[bool] = ()) -> None:
@@ -214,7 +197,6 @@ class BatchPlan(Generic[R]):
         for the eager step, None for a row the static step ran (not given: no path counted); `ahead`:
         whether each row's input came from the device (the step launched before the last was read)."""
         self.limit.step()
-        self.decode_steps += 1
         self.tokens_decoded += len(rows)
         self.steps_with_prefill += beside_prefill
         self.most_rows = max(self.most_rows, len(rows))
