@@ -1,32 +1,24 @@
 """Continuous batching inside one worker: the sequences of every task in flight share each decode step.
 
 One thread owns the model and runs turns of schedule -> run -> postprocess: the worker's `BatchPlan`
-(runner/engine/batch_plan.py, no model in it) says which sequence prefills and which rows decode;
-this module runs them (prefill, the batched forward pass, token choice) and hands the outcome back.
-Each sequence (a single-pass document, a map chunk, a merge pass) is prefilled on its own, into its
-own cache, and then joins the decoding batch; every decode step runs all joined sequences in one
-forward pass (runner/engine/ragged.py: shared weight matmuls, attention per sequence, no padding;
-the sequences whose caches are slots of the worker's KV pool attend as one group), and a finished
-sequence leaves at once, freeing its slot for the next. A sequence that joins while others decode
-rides their steps instead of stalling them (`batch.prefill_chunk_tokens`): each forward pass carries
-its next prompt chunk beside the decode rows, and it decodes from the step after its last chunk (a
-prompt prefilled whole goes in chunks of the same size, so its tokens are the same either way);
-caches that cannot take a chunk as a row (tiered rungs, transformers' own cache_implementation,
-layer-major prefill, sliding-window models) are prefilled whole, alone, as before. With the static
-step on (`batch.static_step`, runner/engine/static_step.py) a step's pool rows run through it, and its
-other rows (tiered, per-row) with the riding chunk as one eager forward pass beside it (`_step`): neither
-takes the pool rows off the static step, and each sequence counts its row-steps on and off it.
+(runner/engine/batch_plan.py, no model in it) says which sequence prefills and which rows decode; this
+module runs them and hands the outcome back. Each sequence is prefilled into its own cache, then joins
+the decoding batch; every decode step runs all joined sequences in one forward pass (runner/engine/ragged.py:
+shared weight matmuls, attention per sequence, no padding), and a finished sequence leaves at once. A
+sequence that joins while others decode rides their steps instead of stalling them
+(`batch.prefill_chunk_tokens`): each step carries its next prompt chunk beside the decode rows (a prompt
+prefilled whole goes in chunks of the same size, so its tokens are the same either way); caches that
+cannot take a chunk as a row (tiered rungs, transformers' own cache_implementation, layer-major prefill,
+sliding-window models) are prefilled whole, alone. With the static step on (`batch.static_step`,
+runner/engine/static_step.py) a step's pool rows run through it and its other rows eagerly beside it.
 
-Admission (the plan's) keeps the batch within `batch.max_sequences` and the worker's budgets: the
-sum of the running sequences' device KV, and of their host KV (tiered rungs), each at its full
-length (prompt + new tokens), must fit. A memory error in a step with several sequences splits the
-batch (every sequence of it starts again, at most half as many at a time) before any task is told,
-so only a sequence that runs out of memory alone moves its task down the cache ladder; a cache that
-cannot be made beside the batch for lack of memory (a full KV pool) waits for a smaller batch the
-same way; after enough calm decode steps the limit grows back (jobs.batch_limit). Any other error in
-one sequence's cache, token choice or finish fails that sequence only, at once; an error the loop
-cannot pin on one sequence fails every sequence waiting or running with it, and the loop goes on.
-No future is left unresolved.
+Admission keeps the batch within `batch.max_sequences` and the worker's device and host KV budgets, each
+sequence counted at its full length. A memory error in a step with several sequences splits the batch
+(each starts again, at most half as many at a time) before any task is told, so only a sequence that
+runs out of memory alone moves its task down the cache ladder; after enough calm steps the limit grows
+back (jobs.batch_limit). Any other error in one sequence fails that sequence only; an error the loop
+cannot pin on one sequence fails every sequence waiting or running with it, and the loop goes on. No
+future is left unresolved.
 """
 
 from __future__ import annotations
