@@ -27,7 +27,7 @@ class _Request:
     fits: Callable[[], bool] | None = None
 
 
-def _seq(device_bytes: int = 0, host_bytes: int = 0, prompt: int = 4) -> BatchSequence[_Request]:
+def _seq(device_bytes: int = 0, host_bytes: int = 0, prompt: int = 4) -> BatchSequence:
     return BatchSequence(_Request(list(range(prompt)), device_bytes, host_bytes), Future(), LoopStopConfig())
 
 

@@ -95,9 +95,6 @@ class PassResult:
     """Its decode steps by path (static, or eager and why); none for a pass generate() ran whole."""
 
 
-Sequence = BatchSequence[PassRequest]
-
-
 class BatchEngine:
     """Runs every sequence submitted to it, batching decode steps; `submit` from any thread."""
 
@@ -117,7 +114,7 @@ class BatchEngine:
         # then the riding chunks' computation): its tokens do not depend on whether others were decoding
         self.prefill_settings = (settings.model_copy(update={"prefill_chunk_size": self.prefill_chunk_tokens})
                                  if self.prefill_chunk_tokens else settings)
-        self.plan: BatchPlan[PassRequest] = BatchPlan(max_sequences, device_budget, host_budget, grow_back_steps)
+        self.plan = BatchPlan(max_sequences, device_budget, host_budget, grow_back_steps)
         self.is_memory_error = is_memory_error
         self.static = static
         self._ahead: Ahead | None = None
@@ -190,7 +187,7 @@ class BatchEngine:
         for seq in everyone:
             self._fail(seq, error)
 
-    def _start(self, seq: Sequence) -> None:
+    def _start(self, seq: BatchSequence) -> None:
         """Make its cache and token picker; then its prompt rides the next steps chunk by chunk, or is
         prefilled alone now and the sequence joins the batch (or finishes at once)."""
         request = seq.request
@@ -225,7 +222,7 @@ class BatchEngine:
         return (self.prefill_chunk_tokens > 0 and bool(self.plan.decoding) and self.prefill_mode != "layer-major"
                 and getattr(cache, "takes_chunks", False))
 
-    def _first_token(self, seq: Sequence, logits: torch.Tensor) -> None:
+    def _first_token(self, seq: BatchSequence, logits: torch.Tensor) -> None:
         """Its prompt is in its cache: the first token from the last position's logits ([1, vocab]),
         then it joins the batch, or finishes at once."""
         try:
@@ -240,7 +237,7 @@ class BatchEngine:
         with self._changed:
             self.plan.joined(seq)
 
-    def _wait_or_fail(self, seq: Sequence, error: BaseException) -> None:
+    def _wait_or_fail(self, seq: BatchSequence, error: BaseException) -> None:
         """A memory error beside the batch waits for a smaller one; any other error is the task's."""
         with self._changed:
             waits = self.is_memory_error(error) and self.plan.wait_for_room(seq)
@@ -248,7 +245,7 @@ class BatchEngine:
             self._leave(seq, Status.FAILED)
             self._fail(seq, error)
 
-    def _run_whole(self, seq: Sequence) -> None:
+    def _run_whole(self, seq: BatchSequence) -> None:
         request = seq.request
         try:
             generation = generate_once(self.loaded, request.prompt_ids, request.max_new_tokens, self.settings,
@@ -264,7 +261,7 @@ class BatchEngine:
         request.memory.decode_done(memory_snapshot(self.loaded.device))
         seq.future.set_result(PassResult(generation, stats))
 
-    def _decode(self, rows: list[Sequence], riding: Sequence | None) -> None:
+    def _decode(self, rows: list[BatchSequence], riding: BatchSequence | None) -> None:
         """One decode step over `rows` (every decoding sequence) with the next chunk of `riding`'s prompt
         beside them; then each row's token, and `riding`'s first once its prompt is in.
 
@@ -320,7 +317,8 @@ class BatchEngine:
         else:
             self._choose(rows, logits, chosen)
 
-    def _ahead_plan(self, rows: list[Sequence], ahead: Ahead) -> dict[Sequence, tuple[int | None, Ban]] | None:
+    def _ahead_plan(self, rows: list[BatchSequence], ahead: Ahead
+                    ) -> dict[BatchSequence, tuple[int | None, Ban]] | None:
         """Each row's input and bans when the next step can be launched before the step ahead is read:
         every row on the static step with bans that fit it, the step ahead's rows by where their token
         is in its tokens (their bans by what that token could be), the others (just joined) by their
@@ -338,7 +336,7 @@ class BatchEngine:
             plan[seq] = (at.get(seq), ban)
         return plan
 
-    def _failed(self, everyone: list[Sequence], error: BaseException) -> None:
+    def _failed(self, everyone: list[BatchSequence], error: BaseException) -> None:
         """A step raised: a memory error splits the batch; a row's own error fails it and restarts the
         others (their caches took part of the step); any other error fails them all. Rows that ended
         meanwhile (the step ahead read) are left as they are."""
@@ -356,8 +354,8 @@ class BatchEngine:
             for seq in everyone:
                 self._fail_sequence(seq, error)
 
-    def _step(self, rows: list[Sequence], caches: list[Cache], eager_because: list[Eager | None],
-              chunk: PrefillChunk | None, ahead: tuple[torch.Tensor, dict[Sequence, tuple[int | None, Ban]]] | None = None
+    def _step(self, rows: list[BatchSequence], caches: list[Cache], eager_because: list[Eager | None],
+              chunk: PrefillChunk | None, ahead: tuple[torch.Tensor, dict[BatchSequence, tuple[int | None, Ban]]] | None = None
               ) -> tuple[torch.Tensor, Chosen | None, torch.Tensor | None]:
         """The forward passes of one step: the static step over the rows it takes (`eager_because`
         None), and one eager `mixed_step` over the others with `chunk` beside them, so neither a
@@ -398,7 +396,7 @@ class BatchEngine:
         back = step_inputs(parts[0].device).put("rows order", static + eager).argsort()  # row i's place in the parts
         return torch.cat(parts)[back], chosen, first_logits
 
-    def _choose(self, rows: list[Sequence], logits: torch.Tensor | None, chosen: Chosen | None = None) -> None:
+    def _choose(self, rows: list[BatchSequence], logits: torch.Tensor | None, chosen: Chosen | None = None) -> None:
         """Each row's next token: the static step's choice where it made one, else from the step's
         logits ([rows, vocab]) on the host; a row that ends leaves. A row no longer decoding (it ended
         with the step before: this one ran ahead of that being read) drops its token."""
@@ -423,18 +421,18 @@ class BatchEngine:
             except Exception as e:  # noqa: BLE001 - this sequence's own (e.g. a setting its token choice trips on)
                 self._fail_sequence(seq, e)
 
-    def _restart(self, rows: list[Sequence], split: bool = False) -> None:
+    def _restart(self, rows: list[BatchSequence], split: bool = False) -> None:
         """`rows` start again; `split`: too many sequences for the memory, at most half as many at a time."""
         for seq in rows:
             seq.handle.close()
         with self._changed:
             (self.plan.split if split else self.plan.requeue)(rows)
 
-    def _leave(self, seq: Sequence, status: Status) -> None:
+    def _leave(self, seq: BatchSequence, status: Status) -> None:
         with self._changed:
             self.plan.leave(seq, status)
 
-    def _finish(self, seq: Sequence) -> None:
+    def _finish(self, seq: BatchSequence) -> None:
         self._leave(seq, Status.FINISHED)
         try:
             stats = seq.handle.stats()
@@ -454,13 +452,13 @@ class BatchEngine:
                               "ahead": seq.ahead_steps}
         seq.future.set_result(PassResult(generation, stats, steps))
 
-    def _fail_sequence(self, seq: Sequence, error: BaseException) -> None:
+    def _fail_sequence(self, seq: BatchSequence, error: BaseException) -> None:
         self._leave(seq, Status.FAILED)
         _close_quietly(seq.handle)
         self._fail(seq, error)
 
     @staticmethod
-    def _fail(seq: Sequence, error: BaseException) -> None:
+    def _fail(seq: BatchSequence, error: BaseException) -> None:
         # without its traceback: the frames would keep the failed cache (and activations) alive
         if not seq.future.done():
             seq.future.set_exception(error.with_traceback(None))
@@ -494,10 +492,10 @@ class Chosen:
 class Ahead:
     """A step launched and not read yet: its rows and the tokens the static step chose for them all."""
 
-    rows: list[Sequence]
+    rows: list[BatchSequence]
     chosen: Chosen
 
-    def ends(self, seq: Sequence) -> bool:
+    def ends(self, seq: BatchSequence) -> bool:
         """Whether the token ahead is `seq`'s last by count (so it takes no step after it)."""
         return seq in self.rows and seq.picker.ends_after(1)
 

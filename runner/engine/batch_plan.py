@@ -17,33 +17,15 @@ from __future__ import annotations
 
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any
 
 from jobs.batch_limit import GROW_BACK_STEPS, BatchLimit
 from jobs.config import LoopStopConfig
 from jobs.stopping import LoopWatch, StopReason
-
-
-class Request(Protocol):
-    """What admission reads of a sequence's request."""
-
-    prompt_ids: list[int]
-    device_bytes: int
-    host_bytes: int
-    fits: Callable[[], bool] | None
-    """Whether the KV pool has room for it now (None: its KV is not the pool's)."""
-
-
-class Picker(Protocol):
-    """What finishing reads of a sequence's token picker (runner/engine/generation.py TokenPicker)."""
-
-    done: bool
-
-    def stop_reason(self, tokens: list[int]) -> StopReason: ...
 
 
 class Status(Enum):
@@ -54,20 +36,17 @@ class Status(Enum):
     FAILED = "failed"
 
 
-R = TypeVar("R", bound=Request)
-
-
 @dataclass(eq=False)
-class BatchSequence(Generic[R]):
+class BatchSequence:
     """One sequence of the batch: its request and future, and the state of its current attempt (a
     split sends it back to WAITING, and its next attempt starts from its prompt again)."""
 
-    request: R
+    request: Any  # the engine's PassRequest: admission reads its prompt_ids, device_bytes, host_bytes, fits
     future: Future[Any]
     loop_stop: LoopStopConfig
     status: Status = Status.WAITING
     handle: Any = None  # its cache (a CacheHandle), while PREFILLING or DECODING
-    picker: Picker | None = None
+    picker: Any = None  # its TokenPicker (runner/engine/generation.py), while PREFILLING or DECODING
     tokens: list[int] = field(default_factory=list)
     prefilled: int = 0  # prompt tokens in its cache
     chunk_tokens: int = 0  # its prompt rides the decode steps this many tokens at a time (0: prefilled whole)
@@ -122,7 +101,7 @@ class BatchSequence(Generic[R]):
         return self.rows_seen / self.steps if self.steps else 1.0
 
 
-class BatchPlan(Generic[R]):
+class BatchPlan:
     """The worker's sequences and the rules that say which run; not thread-safe (its owner locks)."""
 
     def __init__(self, max_sequences: int, device_budget: int, host_budget: int | None = None,
@@ -132,8 +111,8 @@ class BatchPlan(Generic[R]):
         self.limit = BatchLimit(max_sequences, grow_back_steps)
         self.device_budget = device_budget
         self.host_budget = host_budget
-        self.waiting: deque[BatchSequence[R]] = deque()
-        self.running: list[BatchSequence[R]] = []  # PREFILLING and DECODING, in the order they joined
+        self.waiting: deque[BatchSequence] = deque()
+        self.running: list[BatchSequence] = []  # PREFILLING and DECODING, in the order they joined
         self.splits = 0
         """How often a memory error split a batch (each split halves the limit)."""
         self.most_rows = 0
@@ -148,18 +127,18 @@ class BatchPlan(Generic[R]):
         """The other row-steps, by why they ran eagerly."""
 
     @property
-    def decoding(self) -> list[BatchSequence[R]]:
+    def decoding(self) -> list[BatchSequence]:
         return [seq for seq in self.running if seq.status is Status.DECODING]
 
     @property
-    def prefilling(self) -> BatchSequence[R] | None:
+    def prefilling(self) -> BatchSequence | None:
         return next((seq for seq in self.running if seq.status is Status.PREFILLING), None)
 
-    def add(self, seq: BatchSequence[R]) -> None:
+    def add(self, seq: BatchSequence) -> None:
         seq.status = Status.WAITING
         self.waiting.append(seq)
 
-    def schedule(self) -> BatchSequence[R] | None:
+    def schedule(self) -> BatchSequence | None:
         """The sequence to prefill next: the one prefilling, else the next one admissible now (it begins)."""
         prefill = self.prefilling
         if prefill is None and self.waiting and self._admissible(self.waiting[0].request):
@@ -168,7 +147,7 @@ class BatchPlan(Generic[R]):
             self.running.append(prefill)
         return prefill
 
-    def _admissible(self, head: R) -> bool:
+    def _admissible(self, head: Any) -> bool:
         if not self.running:  # alone, a sequence always runs: its own memory error moves its task down the ladder
             return True
         if len(self.running) >= self.limit.current:
@@ -181,16 +160,16 @@ class BatchPlan(Generic[R]):
                 or sum(seq.request.host_bytes for seq in self.running) + head.host_bytes <= self.host_budget)
 
     @staticmethod
-    def next_chunk(seq: BatchSequence[R]) -> tuple[int, int]:
+    def next_chunk(seq: BatchSequence) -> tuple[int, int]:
         """The prompt tokens [start, end) that ride the next step of a sequence prefilling in chunks."""
         assert seq.chunk_tokens > 0, "a sequence prefilled whole has no chunks"
         return seq.prefilled, min(seq.prefilled + seq.chunk_tokens, len(seq.request.prompt_ids))
 
-    def joined(self, seq: BatchSequence[R]) -> None:
+    def joined(self, seq: BatchSequence) -> None:
         """Its prompt is in its cache and its first token chosen: it decodes from the next step on."""
         seq.status = Status.DECODING
 
-    def decoded(self, rows: list[BatchSequence[R]], beside_prefill: bool = False,
+    def decoded(self, rows: list[BatchSequence], beside_prefill: bool = False,
                 eager_because: Sequence[str | None] = (), ahead: Sequence[bool] = ()) -> None:
         """A decode step over `rows` ran without a memory error (with a prefill chunk beside them when
         `beside_prefill`): each took one step; the limit may grow. `eager_because`: each row's reason
@@ -213,14 +192,14 @@ class BatchPlan(Generic[R]):
         for seq, went_ahead in zip(rows, ahead, strict=False):
             seq.ahead_steps += went_ahead
 
-    def leave(self, seq: BatchSequence[R], status: Status) -> None:
+    def leave(self, seq: BatchSequence, status: Status) -> None:
         """`seq` is FINISHED or FAILED: out of the batch."""
         if seq in self.running:
             self.running.remove(seq)
         assert status in (Status.FINISHED, Status.FAILED), f"a sequence leaves finished or failed, not {status}"
         seq.status = status
 
-    def wait_for_room(self, seq: BatchSequence[R]) -> bool:
+    def wait_for_room(self, seq: BatchSequence) -> bool:
         """A memory error starting `seq` (its cache, its prefill): with others running it waits for a
         smaller batch (the limit drops to those others) and True; alone it is its task's error: False."""
         others = [s for s in self.running if s is not seq]
@@ -230,13 +209,13 @@ class BatchPlan(Generic[R]):
         self.requeue([seq])
         return True
 
-    def split(self, rows: list[BatchSequence[R]]) -> None:
+    def split(self, rows: list[BatchSequence]) -> None:
         """Too many sequences for the memory: all of `rows` start again, at most half as many at a time."""
         self.splits += 1
         self.limit.lower_to(len(rows) // 2)
         self.requeue(rows)
 
-    def requeue(self, rows: list[BatchSequence[R]]) -> None:
+    def requeue(self, rows: list[BatchSequence]) -> None:
         """Back to the front of the queue, in their order (their caches are the caller's to close)."""
         for seq in rows:
             if seq in self.running:
@@ -244,7 +223,7 @@ class BatchPlan(Generic[R]):
             seq.status, seq.handle = Status.WAITING, None
         self.waiting.extendleft(reversed(rows))
 
-    def drain(self) -> list[BatchSequence[R]]:
+    def drain(self) -> list[BatchSequence]:
         """Every sequence, waiting or running, taken out (they are failed together)."""
         everyone = [*self.running, *self.waiting]
         self.running, self.waiting = [], deque()
