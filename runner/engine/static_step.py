@@ -187,10 +187,6 @@ class StaticStep:
             return Eager.OVER_SLOTS
         return None
 
-    def takes(self, caches: Sequence[Any]) -> bool:
-        """Whether every one of these rows runs in a static step."""
-        return bool(caches) and all(self.why_eager(cache) is None for cache in caches)
-
     def ban_fits(self, ban: Ban | None) -> bool:
         """Whether a row's bans (`TokenPicker.ban`; None: its choice is the host's) go into the step."""
         return ban is not None and len(ban) <= BAN_CHOICES and all(
@@ -198,7 +194,7 @@ class StaticStep:
 
     def run(self, last_tokens: Sequence[int], caches: Sequence[PooledCache], bans: Sequence[Ban] | None = None,
             ahead: tuple[torch.Tensor, Sequence[int | None]] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """One decode step of `caches` (their last tokens in the same order; `takes` them): each row's
+        """One decode step of `caches` (their last tokens in the same order; each `why_eager` None): each row's
         logits ([rows, vocab] float32) and greedy token ([rows]) over its `bans` (each `ban_fits`; None: no
         bans), on the device, in the order of `caches`. `ahead`: a device tensor of tokens and, for each
         row, where its input token is in it (None: `last_tokens`'). A live slot among theirs that is no
