@@ -84,17 +84,16 @@ class PrefillChunk:
         return self.mask
 
 
+@dataclass(eq=False)
 class SequenceBatch:
     """The `past_key_values` of a ragged step: the first `pooled.count` tokens are the pool's rows, the
     next `tiered.count` the tiered step's, the next ones go to `caches[i]` one token each, and a
     chunk's tokens, last, to `chunk.cache`."""
 
-    def __init__(self, caches: Sequence[Cache], pooled: PooledStep | None = None,
-                 tiered: TieredStep | None = None, chunk: PrefillChunk | None = None) -> None:
-        self.caches = list(caches)
-        self.pooled = pooled
-        self.tiered = tiered
-        self.chunk = chunk
+    caches: list[Cache]
+    pooled: PooledStep | None = None
+    tiered: TieredStep | None = None
+    chunk: PrefillChunk | None = None
 
     def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
                ) -> tuple[RowGroups, RowGroups]:
