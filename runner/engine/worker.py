@@ -318,7 +318,9 @@ class SummaryWorker:
                 # only what the result needs: the exception's frames would keep the failed cache alive
                 last_error = (type(e).__name__, str(e))
             # out of the handler, so the failed rung's exception and everything it held are gone
-            self._release_memory()
+            gc.collect()
+            if self.loaded.device.type == "cuda":
+                torch.cuda.empty_cache()
             fallbacks.append(cache_fallback_note(rung, rungs[i + 1] if i + 1 < len(rungs) else None, last_error[0]))
         return _failure(FailureClass.MEMORY, *last_error, started)
 
@@ -355,17 +357,7 @@ class SummaryWorker:
                             claim_bytes=kv_bytes(self.kv_shape, len(spec.prompt) + spec.max_new_tokens),
                             wait_s=self.cfg.retry.task_timeout_s, pass_at=(spec.level, spec.index))
 
-    def _release_memory(self) -> None:
-        gc.collect()
-        if self.loaded.device.type == "cuda":
-            torch.cuda.empty_cache()
-
 
 def _failure(cls: FailureClass, error_type: str, error: str, started: float) -> CallOutcome:
-    return {
-        "status": "failed",
-        "failure_class": cls.value,
-        "error_type": error_type,
-        "error": error,
-        "wall_s": time.perf_counter() - started,
-    }
+    return CallOutcome(status="failed", failure_class=cls.value, error_type=error_type, error=error,
+                       wall_s=time.perf_counter() - started)
