@@ -34,7 +34,6 @@ import psutil
 import torch
 from transformers.cache_utils import Cache, get_layer_types_and_kwargs
 
-from jobs.batch_limit import GROW_BACK_STEPS
 from jobs.config import PREFILL_CHUNK_TOKENS, PrefillMode, SummarizeConfig
 from jobs.outcome import CacheStats, DecodeSteps, no_steps
 from jobs.stopping import StopReason
@@ -100,10 +99,9 @@ class BatchEngine:
 
     def __init__(self, loaded: LoadedModel, settings: SummarizeConfig, prefill_mode: PrefillMode,
                  max_sequences: int, device_budget: int, is_memory_error: MemoryErrorTest,
-                 host_budget: int | None = None, grow_back_steps: int = GROW_BACK_STEPS,
-                 prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS, static: StaticStep | None = None) -> None:
-        """`host_budget`: the worker's host RAM for KV (None: not limited here); `grow_back_steps`:
-        calm decode steps before a limit a memory error lowered doubles back (jobs.batch_limit);
+                 host_budget: int | None = None, prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS,
+                 static: StaticStep | None = None) -> None:
+        """`host_budget`: the worker's host RAM for KV (None: not limited here);
         `prefill_chunk_tokens`: a joining prompt's tokens a step beside the decode rows (0: whole);
         `static`: runs the steps whose rows are all its KV pool's (`batch.static_step`)."""
         self.loaded = loaded
@@ -114,7 +112,7 @@ class BatchEngine:
         # then the riding chunks' computation): its tokens do not depend on whether others were decoding
         self.prefill_settings = (settings.model_copy(update={"prefill_chunk_size": self.prefill_chunk_tokens})
                                  if self.prefill_chunk_tokens else settings)
-        self.plan = BatchPlan(max_sequences, device_budget, host_budget, grow_back_steps)
+        self.plan = BatchPlan(max_sequences, device_budget, host_budget)
         self.is_memory_error = is_memory_error
         self.static = static
         self._ahead: Ahead | None = None
