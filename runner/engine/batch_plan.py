@@ -57,10 +57,7 @@ class BatchSequence:
     ahead_steps: int = 0  # of those, launched before the step before was read (its input from the device)
     eager_steps: Counter[str] = field(default_factory=Counter)  # the others, by why they ran eagerly
     rows_seen: int = 0  # sum over its decode steps of the decode rows in the step
-    watch: LoopWatch = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.watch = LoopWatch(self.loop_stop)
+    watch: LoopWatch = field(init=False, repr=False)  # made by `begin`, before its first token
 
     @property
     def position(self) -> int:
