@@ -59,15 +59,14 @@ from storage.scratch import (
 class _PeakRss:
     """Samples this process's RSS in the background: a task's peak, not the process's lifetime peak."""
 
-    def __init__(self, interval_s: float = 0.05) -> None:
+    def __init__(self) -> None:
         self._proc = psutil.Process()
-        self._interval_s = interval_s
         self._stop = threading.Event()
         self.peak = self._proc.memory_info().rss
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
-        while not self._stop.wait(self._interval_s):
+        while not self._stop.wait(0.05):
             self.peak = max(self.peak, self._proc.memory_info().rss)
 
     def __enter__(self) -> "_PeakRss":
