@@ -46,10 +46,6 @@ class Generation:
     """Mean sequences that shared this pass's decode steps."""
     stop_reason: StopReason = StopReason.LENGTH
 
-    @property
-    def output_tokens(self) -> int:
-        return len(self.tokens)
-
 
 class TokenClock(BaseStreamer):
     """generate() calls put() once with the prompt, then once per new token."""
