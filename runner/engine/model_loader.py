@@ -273,19 +273,20 @@ def _from_pretrained(
     local = not hub_downloads_allowed()
     try:
         tokenizer = AutoTokenizer.from_pretrained(location, local_files_only=local)
+        placed: dict[str, Any] = {}
         checkpoint = checkpoint_quantization(AutoConfig.from_pretrained(location, local_files_only=local))
         if checkpoint is not None and quantized is not None:
             raise ModelLoadError(
                 f"model '{name}' is quantized already ({checkpoint}): set model.quantization to none"
             )
-        placed = {"device_map": {"": str(device)}} if quantized is not None or checkpoint is not None else {}
+        if quantized is not None or checkpoint is not None:
+            placed = {"quantization_config": quantized, "device_map": {"": str(device)}}
         model = AutoModelForCausalLM.from_pretrained(
             location,
             dtype=dtype,
             attn_implementation=attn_implementation,
             local_files_only=local,
-            quantization_config=quantized,
-            **placed,
+            **{k: v for k, v in placed.items() if v is not None},
         )
     except (OSError, ValueError, ImportError, SafetensorError) as err:  # the last: a damaged weights file
         raise ModelLoadError(f"cannot load model '{name}': {fix}. ({type(err).__name__}: {err})") from err
