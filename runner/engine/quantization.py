@@ -76,14 +76,8 @@ def quantization_config(cfg: ModelConfig, dtype: torch.dtype) -> Any | None:
 def weight_bytes(model: PreTrainedModel) -> int:
     """The bytes the model's parameters and buffers really take: a quantized tensor subclass (torchao)
     counts its packed data and scales, not the full-precision size it reports; tied weights count once."""
-    seen: set[int] = set()
-    total = 0
-    for tensor in [*model.parameters(), *model.buffers()]:
-        if id(tensor) in seen:
-            continue
-        seen.add(id(tensor))
-        total += _tensor_bytes(tensor)
-    return total
+    unique = {id(tensor): tensor for tensor in [*model.parameters(), *model.buffers()]}
+    return sum(_tensor_bytes(tensor) for tensor in unique.values())
 
 
 def _tensor_bytes(tensor: torch.Tensor) -> int:
