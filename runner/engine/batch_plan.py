@@ -1,16 +1,13 @@
 """What the worker's batch runs next, with no model in it: sequences, their status, admission, splitting.
 
-The step runner (runner/engine/batch_engine.py) asks `schedule()` for a step, runs its forward pass and
-hands the outcome back (`decoded`, `split`, `wait_for_room`, `leave`): nano-vllm's schedule -> run ->
-postprocess. Here only plain Python: a sequence's cache and token picker are opaque handles, so every
-rule below is tested without a model (tests/test_batch_plan.py).
+The engine (runner/engine/batch_engine.py) asks `schedule()` whom to prefill, runs the step and hands
+the outcome back (`decoded`, `split`, `wait_for_room`, `leave`): nano-vllm's schedule -> run ->
+postprocess. Plain Python, so every rule is tested without a model (tests/test_batch_plan.py).
 
-A sequence is WAITING (queued, or sent back by a split), PREFILLING (admitted: its prompt goes into
-its cache, whole or chunk by chunk beside the decode rows: one chunk a step, `next_chunk`), DECODING
-(one token a step), then FINISHED or FAILED. Admission lets the head of the queue in while the running sequences (prefilling
-and decoding) are fewer than the batch limit and their device and host KV at full length, with its
-own, fit the worker's budgets; one sequence prefills at a time. A decode step that ran counts towards
-growing a lowered limit back (jobs.batch_limit); a memory error lowers it.
+A sequence is WAITING, PREFILLING (its prompt goes into its cache, whole or one chunk a step beside the
+decode rows), DECODING, then FINISHED or FAILED. Admission lets the head of the queue in while the
+running sequences are fewer than the batch limit and their device and host KV at full length, with its
+own, fit the worker's budgets; one sequence prefills at a time.
 """
 
 from __future__ import annotations
