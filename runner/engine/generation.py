@@ -1,12 +1,10 @@
 """Generation stages: prefill one prompt into its cache, choose each next token, and (for benches and
 tests) one whole `model.generate` call, timed.
 
-The prompt is prefilled in chunks of `summarize.prefill_chunk_size`, token-major (transformers') or,
-for tiered caches, layer-major first (`cache.prefill`, runner/engine/kvcache/layer_major.py): same tokens.
-The worker's engine decodes (runner/engine/batch_engine.py); a sequence's next token is chosen by its
-own `TokenPicker` exactly as generate() chooses it, so batching never changes a sequence's tokens;
-a step's rows are chosen together (`choose_tokens`): rows with the same settings have their logits
-processors applied in one batched call each, and every row's token reaches the host in one transfer.
+The prompt is prefilled in chunks of `summarize.prefill_chunk_size`, token-major or, for tiered caches,
+layer-major (runner/engine/kvcache/layer_major.py): same tokens. A sequence's next token is chosen by its
+own `TokenPicker` exactly as generate() chooses it, so batching never changes a sequence's tokens; a
+step's rows are chosen together (`choose_tokens`), with one transfer to the host.
 """
 
 from __future__ import annotations

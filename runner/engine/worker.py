@@ -1,14 +1,11 @@
 """The worker: holds one model, plans documents' passes and runs passes, several at once (a Ray actor).
 
 Three calls cross Ray (jobs/passes.py): `plan` tokenises a document once and cuts it into its first
-level of passes, `plan_merge` groups a level's summaries into the next, and `run_pass` runs one pass.
-Each pass runs in a thread of its own (the actor takes `batch.max_sequences` calls at a time) and goes
-to the worker's one `BatchEngine`, which decodes the sequences of every pass in flight together. The
-worker owns the cache ladder: a pass starts on the first rung the planner says fits, and a device OOM
-(real, from the budget guard, or a full offload disk) moves it to the next rung at once. What is left
-(transient errors, shorter contexts) is the coordinator's business, so the worker reports a
-failure's class instead of retrying it. The worker never writes the job folder: a finished pass is
-the call's result, which the coordinator keeps.
+level of passes, `plan_merge` groups a level's summaries into the next, and `run_pass` runs one pass in
+the worker's one `BatchEngine`, beside every pass in flight. The worker owns the cache ladder: a device
+OOM (real, from the budget guard, or a full offload disk) moves a pass to the next rung at once. Other
+failures are the coordinator's business: the worker reports their class instead of retrying. It never
+writes the job folder: a finished pass is the call's result.
 """
 
 from __future__ import annotations
