@@ -111,6 +111,8 @@ class BatchPlan:
         """How often a memory error split a batch (each split halves the limit)."""
         self.most_rows = 0
         """The most rows one decode step has run: what a test asks to know batching happened."""
+        self.decode_steps = 0
+        """Decode steps run."""
         self.tokens_decoded = 0
         """Tokens its decode steps have made (one a row a step): the progress line's live tok/s."""
         self.steps_with_prefill = 0
@@ -170,6 +172,7 @@ class BatchPlan:
         for the eager step, None for a row the static step ran (not given: no path counted); `ahead`:
         whether each row's input came from the device (the step launched before the last was read)."""
         self.limit.step()
+        self.decode_steps += 1
         self.tokens_decoded += len(rows)
         self.steps_with_prefill += beside_prefill
         self.most_rows = max(self.most_rows, len(rows))
