@@ -469,7 +469,7 @@ def real_job(loaded: LoadedModel, spec: str, read_gbs: float, seconds: float) ->
         engine.close()
     job_s = time.perf_counter() - started
     plan = engine.plan
-    new = sum(r.generation.output_tokens for r in done)
+    new = sum(len(r.generation.tokens) for r in done)
     shares = [share for r in done if (share := static_share(r.decode_steps)) is not None]
     mean_rows = plan.tokens_decoded / plan.decode_steps if plan.decode_steps else 0.0
     decode_tok_s = plan.tokens_decoded / engine.decode_s if engine.decode_s else 0.0

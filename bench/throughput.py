@@ -824,12 +824,12 @@ def _ride(loaded, chunk: int, short: list[list[int]], long: list[int], new_token
 
     started = time.perf_counter()
     futures = [engine.submit(request(p, new_tokens)) for p in short]
-    while engine.most_rows < len(short):  # every short prompt decodes: now the long one joins
+    while engine.plan.most_rows < len(short):  # every short prompt decodes: now the long one joins
         if any(f.done() for f in futures):
             raise SystemExit("a short prompt finished before all of them decoded: raise --new-tokens")
         time.sleep(0.001)
     joined_at = time.perf_counter()
-    first_step, rode_before = len(engine.ticks), engine.steps_with_prefill
+    first_step, rode_before = len(engine.ticks), engine.plan.steps_with_prefill
     long_future = engine.submit(request(long, 16))
     passes = [f.result().generation for f in futures]
     long_pass = long_future.result().generation
@@ -841,7 +841,7 @@ def _ride(loaded, chunk: int, short: list[list[int]], long: list[int], new_token
     return {
         "chunk": chunk,
         "longest_wait_s": max(gaps, default=0.0),
-        "decode_steps_while_prefilling": engine.steps_with_prefill - rode_before,  # nobody joins after it
+        "decode_steps_while_prefilling": engine.plan.steps_with_prefill - rode_before,  # nobody joins after it
         "long_ttft_s": long_pass.ttft_s,
         "wall_s": wall,
         "tokens": [p.tokens for p in passes] + [long_pass.tokens],

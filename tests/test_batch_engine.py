@@ -61,7 +61,7 @@ def test_an_error_choosing_one_sequences_token_fails_that_sequence_at_once(token
         engine.close()
     assert got[0] == plain[: plain.index(stop) + 1] == again
     assert isinstance(got[1], IndexError) and str(OUT_OF_VOCAB) in str(got[1]), got[1]
-    assert engine.most_rows == 2  # it failed inside a batched step, beside sequence 0
+    assert engine.plan.most_rows == 2  # it failed inside a batched step, beside sequence 0
     with pytest.raises(IndexError, match=str(OUT_OF_VOCAB)), torch.no_grad():  # generate() alone fails too
         model.generate(torch.tensor([prompts[1]]), max_new_tokens=new, do_sample=False,
                        forced_eos_token_id=OUT_OF_VOCAB, eos_token_id=stop)
@@ -76,13 +76,13 @@ def test_an_error_the_loop_cannot_pin_on_a_sequence_fails_every_waiting_future_a
     engine = BatchEngine(as_loaded_model(model, tokenizer), SummarizeConfig(**PLAIN), "auto", 4, BIG, _is_memory_error)
     try:
         long = engine.submit(dynamic_request(model, random_prompt(20)[0].tolist(), 200))
-        while engine.most_rows < 1:  # it decodes: admission of the next request sums device bytes
+        while engine.plan.most_rows < 1:  # it decodes: admission of the next request sums device bytes
             time.sleep(0.001)
-        # in one moment of the loop's: submitted one by one, the loop could turn between them, fail
+        # in one moment of the loop's (its lock held): else the loop could turn between them, fail
         # `broken` alone and then serve `queued` (CI saw it), and nothing would have been queued behind it
-        broken, queued = engine.submit_all([
-            dynamic_request(model, random_prompt(9)[0].tolist(), 8, device_bytes=None),
-            dynamic_request(model, random_prompt(11)[0].tolist(), 8)])
+        with engine._changed:
+            broken = engine.submit(dynamic_request(model, random_prompt(9)[0].tolist(), 8, device_bytes=None))
+            queued = engine.submit(dynamic_request(model, random_prompt(11)[0].tolist(), 8))
         outcomes = [_outcome(f) for f in (long, broken, queued)]
         after = _outcome(engine.submit(dynamic_request(model, random_prompt(9)[0].tolist(), 8)))
     finally:

@@ -53,9 +53,9 @@ def _tokens(loaded: LoadedModel, prompts: list[list[int]], strategy: str, max_se
     finally:
         engine.close()
     # prompts ride the steps in chunks, so the longest join as the first leave: several rows, not all eight
-    assert (engine.most_rows >= 4) if max_sequences > 1 else engine.most_rows == 1, "no batch ran"
+    assert (engine.plan.most_rows >= 4) if max_sequences > 1 else engine.plan.most_rows == 1, "no batch ran"
     if pool is not None and strategy == "dynamic":
-        assert pool.most_rows == engine.most_rows, "the pooled step never attended the batch in one call"
+        assert pool.most_rows == engine.plan.most_rows, "the pooled step never attended the batch in one call"
     return got
 
 

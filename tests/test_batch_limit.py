@@ -79,9 +79,9 @@ def test_a_split_batch_grows_back_when_memory_is_there_again(tokenizer, tmp_path
 
     def memory_comes_back() -> None:
         deadline = time.monotonic() + 60
-        while engine.splits == 0 and time.monotonic() < deadline:
+        while engine.plan.splits == 0 and time.monotonic() < deadline:
             time.sleep(0.001)
-        limit_after_split.append(engine.max_sequences)
+        limit_after_split.append(engine.plan.limit.current)
         pool.budget_bytes = BIG
 
     watcher = threading.Thread(target=memory_comes_back, daemon=True)
@@ -91,8 +91,8 @@ def test_a_split_batch_grows_back_when_memory_is_there_again(tokenizer, tmp_path
     finally:
         engine.close()
     watcher.join(timeout=10)
-    assert limit_after_split == [2] and engine.splits == 1
-    assert engine.max_sequences == 4
+    assert limit_after_split == [2] and engine.plan.splits == 1
+    assert engine.plan.limit.current == 4
     # the two that waited for room joined the first two once the limit was back at 4
     assert min(g.batch_size for g in got[2:]) > 2, [g.batch_size for g in got]
     assert [g.tokens for g in got] == [tokens_alone(model, p, n, no_loop_stop) for p, n in zip(prompts, new)]

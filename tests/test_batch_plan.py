@@ -27,14 +27,14 @@ class _Request:
     fits: Callable[[], bool] | None = None
 
 
-def _seq(device_bytes: int = 0, host_bytes: int = 0, prompt: int = 4) -> BatchSequence[_Request]:
+def _seq(device_bytes: int = 0, host_bytes: int = 0, prompt: int = 4) -> BatchSequence:
     return BatchSequence(_Request(list(range(prompt)), device_bytes, host_bytes), Future(), LoopStopConfig())
 
 
 def _join_all(plan: BatchPlan) -> list[BatchSequence]:
     """Schedule and join until nothing more is admitted: the sequences that joined."""
     joined = []
-    while (seq := plan.schedule().prefill) is not None:
+    while (seq := plan.schedule()) is not None:
         plan.joined(seq)
         joined.append(seq)
     return joined
@@ -51,16 +51,14 @@ def test_admission_stops_at_the_limit_and_one_sequence_prefills_at_a_time() -> N
     seqs = [_seq() for _ in range(5)]
     for seq in seqs:
         plan.add(seq)
-    first = plan.schedule()
-    assert first.prefill is seqs[0] and first.decode == [] and seqs[0].status is Status.PREFILLING
-    again = plan.schedule()  # not joined yet: it still prefills, nobody else is admitted
-    assert again.prefill is seqs[0] and list(plan.waiting) == seqs[1:]
+    assert plan.schedule() is seqs[0] and plan.decoding == [] and seqs[0].status is Status.PREFILLING
+    # not joined yet: it still prefills, nobody else is admitted
+    assert plan.schedule() is seqs[0] and list(plan.waiting) == seqs[1:]
     plan.joined(seqs[0])
     assert _join_all(plan) == seqs[1:3]
     assert plan.decoding == seqs[:3] and list(plan.waiting) == seqs[3:]
     plan.leave(seqs[1], Status.FINISHED)
-    step = plan.schedule()
-    assert step.prefill is seqs[3] and step.decode == [seqs[0], seqs[2]]
+    assert plan.schedule() is seqs[3] and plan.decoding == [seqs[0], seqs[2]]
 
 
 def test_admission_sums_device_and_host_bytes_but_a_sequence_alone_always_runs() -> None:
@@ -103,15 +101,15 @@ def test_a_memory_error_starting_a_sequence_waits_beside_others_and_fails_alone(
     a, b, c = _seq(), _seq(), _seq()
     for seq in (a, b, c):
         plan.add(seq)
-    plan.joined(plan.schedule().prefill)
-    plan.joined(plan.schedule().prefill)
-    starting = plan.schedule().prefill
+    plan.joined(plan.schedule())
+    plan.joined(plan.schedule())
+    starting = plan.schedule()
     assert starting is c and plan.wait_for_room(c)
     assert plan.limit.current == 2 and list(plan.waiting) == [c] and c.status is Status.WAITING
-    assert plan.schedule().prefill is None  # two run: the limit
+    assert plan.schedule() is None  # two run: the limit
     plan.leave(a, Status.FINISHED)
     plan.leave(b, Status.FAILED)
-    assert plan.schedule().prefill is c and not plan.wait_for_room(c)  # alone: the task's own error
+    assert plan.schedule() is c and not plan.wait_for_room(c)  # alone: the task's own error
 
 
 def test_a_sequence_starts_again_from_its_prompt_after_a_split() -> None:
@@ -124,7 +122,7 @@ def test_a_sequence_starts_again_from_its_prompt_after_a_split() -> None:
     assert seq.position == 11 and seq.first_token_at > 0
     plan.joined(seq)
     plan.split([seq])
-    assert plan.schedule().prefill is seq and seq.tokens == [] and seq.prefilled == 0
+    assert plan.schedule() is seq and seq.tokens == [] and seq.prefilled == 0
 
 
 OPS = st.lists(st.tuples(st.sampled_from(["add", "schedule", "join", "decode", "leave", "split", "wait"]),
@@ -144,12 +142,11 @@ def test_no_sequence_is_lost_and_admission_keeps_its_rules(limit: int, device_bu
             plan.add(everyone[-1])
         elif op == "schedule":
             before = list(plan.running)
-            step = plan.schedule()
-            if step.prefill is not None and step.prefill not in before and before:
+            prefill = plan.schedule()
+            if prefill is not None and prefill not in before and before:
                 assert len(plan.running) <= plan.limit.current
                 assert sum(s.request.device_bytes for s in plan.running) <= device_budget
                 assert sum(s.request.host_bytes for s in plan.running) <= host_budget
-            assert step.decode == plan.decoding
         elif op == "join" and plan.prefilling is not None:
             plan.joined(plan.prefilling)
         elif op == "decode" and plan.decoding:
@@ -172,18 +169,17 @@ def test_no_sequence_is_lost_and_admission_keeps_its_rules(limit: int, device_bu
     assert set(map(id, plan.drain())) == {id(s) for s in everyone} - {id(s) for s in left}
 
 
-def test_a_prompt_in_chunks_counts_the_decode_steps_the_batch_made_meanwhile() -> None:
-    """A sequence prefilled whole joins with 0 such steps (it stalled the batch); one riding the
-    steps in chunks of 4 takes three chunks for 10 tokens, and the batch decoded through them."""
+def test_a_prompt_in_chunks_rides_the_decode_steps_the_batch_made_meanwhile() -> None:
+    """One riding the steps in chunks of 4 takes three chunks for 10 tokens, and the batch decoded
+    through them."""
     plan = BatchPlan(3, device_budget=1 << 30)
     decoder, whole, rides = _seq(), _seq(prompt=10), _seq(prompt=10)
     for seq in (decoder, whole, rides):
         plan.add(seq)
-    plan.joined(plan.schedule().prefill)
-    assert plan.schedule().prefill is whole
+    plan.joined(plan.schedule())
+    assert plan.schedule() is whole
     plan.joined(whole)
-    assert whole.decode_steps_during_prefill == 0
-    assert plan.schedule().prefill is rides
+    assert plan.schedule() is rides
     rides.chunk_tokens = 4
     chunks = []
     while rides.prefilled < 10:
@@ -192,5 +188,5 @@ def test_a_prompt_in_chunks_counts_the_decode_steps_the_batch_made_meanwhile() -
         plan.decoded(plan.decoding, beside_prefill=True)
     plan.joined(rides)
     assert chunks == [(0, 4), (4, 8), (8, 10)]
-    assert rides.decode_steps_during_prefill == 3 == plan.steps_with_prefill
+    assert plan.steps_with_prefill == 3
     assert plan.decoding == [decoder, whole, rides] and decoder.steps == 3

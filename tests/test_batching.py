@@ -40,7 +40,7 @@ def test_batched_tokens_equal_tokens_alone(arch: str, strategy: str, tokenizer, 
     finally:
         engine.close()
     assert [g.tokens for g in got] == expected
-    assert engine.most_rows == 4  # at most 4 at once, and 4 did decode together
+    assert engine.plan.most_rows == 4  # at most 4 at once, and 4 did decode together
     assert max(g.batch_size for g in got) > 2
 
 
@@ -55,7 +55,7 @@ def test_sampling_with_a_seed_does_not_depend_on_the_batch(tokenizer, tmp_path: 
             runs[width] = [g.tokens for g in run_batch(engine, model, "dynamic", tmp_path, prompts, NEW)]
         finally:
             engine.close()
-        assert engine.most_rows == width
+        assert engine.plan.most_rows == width
     assert runs[1] == runs[4]
     assert runs[1] != [tokens_alone(model, p, n) for p, n in zip(prompts, NEW)]  # it did sample
 
@@ -74,7 +74,7 @@ def test_generation_settings_choose_the_tokens_as_generate_does(tokenizer, tmp_p
     with torch.no_grad():
         expected = [model.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False, **extra)[0, len(p):].tolist()
                     for p, n in zip(prompts, NEW)]
-    assert got == expected and engine.most_rows == 4
+    assert got == expected and engine.plan.most_rows == 4
     assert expected != [tokens_alone(model, p, n) for p, n in zip(prompts, NEW)]  # the settings changed the tokens
 
 
@@ -91,7 +91,7 @@ def test_a_batch_that_runs_out_of_memory_splits_and_every_sequence_finishes(toke
         got = run_batch(engine, model, "dynamic", tmp_path, prompts, new, pool=pool)
     finally:
         engine.close()
-    assert engine.splits >= 1 and engine.max_sequences <= 2
+    assert engine.plan.splits >= 1 and engine.plan.limit.current <= 2
     assert [g.tokens for g in got] == [tokens_alone(model, p, n) for p, n in zip(prompts, new)]
     assert pool.total == 0  # every cache gave its room back
 
@@ -106,7 +106,7 @@ def test_admission_keeps_the_batch_within_the_device_budget(tokenizer, tmp_path:
         got = run_batch(engine, model, "dynamic", tmp_path, prompts, NEW[:4])
     finally:
         engine.close()
-    assert engine.most_rows == 2 and engine.splits == 0
+    assert engine.plan.most_rows == 2 and engine.plan.splits == 0
     assert [g.tokens for g in got] == [tokens_alone(model, p, n) for p, n in zip(prompts, NEW[:4])]
 
 
@@ -131,7 +131,7 @@ def test_a_sequence_whose_cache_fails_fails_alone(tokenizer, tmp_path: Path) -> 
         requests = [PassRequest(p, n, make_cache=lambda i=i: make_cache(i), device_bytes=0)
                     for i, (p, n) in enumerate(zip(prompts, new))]
         futures = [engine.submit(r) for r in requests]
-        while engine.most_rows < 3:  # all three decode together: now take the disk away
+        while engine.plan.most_rows < 3:  # all three decode together: now take the disk away
             time.sleep(0.001)
         for block in (tmp_path / "seq-1").rglob("*"):
             if block.is_file():

@@ -120,7 +120,7 @@ def run_scheduled(loaded: LoadedModel, strategy: str, max_sequences: int, tmp_pa
         engine.close()
     if step is not None:
         assert_static_step_ran(step, graphed=static == "graphed" and ON_CUDA)
-    return got, engine.most_rows
+    return got, engine.plan.most_rows
 
 
 def assert_static_step_ran(step: StaticStep, graphed: bool) -> None:

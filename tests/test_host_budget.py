@@ -84,7 +84,7 @@ def test_admission_keeps_the_batchs_host_kv_within_the_host_budget(tokenizer, tm
         got = [f.result(timeout=120).generation.tokens for f in futures]
     finally:
         engine.close()
-    assert engine.most_rows == 2 and engine.splits == 0
+    assert engine.plan.most_rows == 2 and engine.plan.splits == 0
     assert 2 * min(host) <= pool.peak <= 2 * max(host)  # two did hold host KV together, never three
     assert got == [tokens_alone(model, p, new) for p in prompts]
     assert pool.total == 0
@@ -115,7 +115,7 @@ def test_a_workers_tasks_share_its_host_budget(tmp_path: Path) -> None:
         one = host_kv_bytes(worker.kv_shape, "tiered-host", o["input_tokens"] + 24, None, 64)
         assert one <= 200_000 < 2 * one, (o["input_tokens"], one)
     assert [o["batch_size"] for o in outcomes.values()] == [1.0] * 3  # one at a time: admission held them
-    assert worker.engine.splits == 0  # ... before the pool's budget had to stop one
+    assert worker.engine.plan.splits == 0  # ... before the pool's budget had to stop one
     assert 0 < worker.host_meter.peak <= 200_000 and worker.host_meter.total == 0
 
 

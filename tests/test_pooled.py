@@ -43,7 +43,7 @@ def test_batched_tokens_equal_tokens_alone_on_both_paths(path: str, tokenizer, t
     finally:
         engine.close()
     assert got == [tokens_alone(model, p, n) for p, n in zip(prompts, NEW)]
-    assert engine.most_rows == 4
+    assert engine.plan.most_rows == 4
     if pool is not None:
         assert pool.most_rows == 4 and pool.steps >= max(NEW) - 1  # every step attended the pool in one call
         assert pool.owners == [] and pool.keys is None and pool.meter.total == 0  # every slot given back
@@ -63,7 +63,7 @@ def test_a_step_with_pooled_and_tiered_rows_gives_each_its_tokens_alone(tokenize
     finally:
         engine.close()
     assert got == [tokens_alone(model, p, n) for p, n in zip(prompts, NEW)]
-    assert engine.most_rows == 5 and pool.most_rows == 3 and pool.meter.total == 0
+    assert engine.plan.most_rows == 5 and pool.most_rows == 3 and pool.meter.total == 0
     tiered = [made[i] for i, strategy in enumerate(strategies) if strategy.startswith("tiered")]
     assert [(c.most_batched_rows, c.batched_layers > 0) for c in tiered] == [(2, True), (2, True)]
 
@@ -91,7 +91,7 @@ def test_a_full_pool_makes_a_sequence_wait_for_room(tokenizer, tmp_path: Path) -
     slot = pool.bytes_for(1, 64)  # every sequence here fits one 64-token granule
     pool.meter.budget_bytes = 2 * slot
     engine = _four_dynamic_rows_match_generate(model, tokenizer, tmp_path, prompts, new, pool)
-    assert pool.most_rows == 2 and engine.max_sequences == 2 and engine.splits == 0
+    assert pool.most_rows == 2 and engine.plan.limit.current == 2 and engine.plan.splits == 0
     assert pool.meter.peak <= 2 * slot and pool.meter.total == 0
 
 
@@ -130,7 +130,7 @@ def test_a_pool_that_cannot_grow_mid_step_splits_the_batch(tokenizer, tmp_path: 
                                            expected=False)]
     finally:
         engine.close()
-    assert engine.splits >= 1 and engine.max_sequences <= 2 and pool.most_rows == 4
+    assert engine.plan.splits >= 1 and engine.plan.limit.current <= 2 and pool.most_rows == 4
     assert got == [tokens_alone(model, p, n) for p, n in zip(prompts, new)]
     assert pool.meter.total == 0
 

@@ -55,8 +55,8 @@ def test_long_prompts_ride_the_decode_steps_and_every_sequence_keeps_its_tokens_
     finally:
         engine.close()
     assert got == [tokens_alone(model, p, n, NO_LOOP_STOP) for p, n in zip(prompts, new)]
-    assert engine.steps_with_prefill == _chunks(100, 75)  # the moment: a chunk and decode rows in one forward
-    assert engine.most_rows == 3
+    assert engine.plan.steps_with_prefill == _chunks(100, 75)  # the moment: a chunk and decode rows in one forward
+    assert engine.plan.most_rows == 3
     if pool is not None:
         assert pool.most_rows == 3 and pool.owners == [] and pool.meter.total == 0
 
@@ -73,7 +73,7 @@ def test_a_prompt_keeps_riding_when_its_batch_mates_finish_mid_prefill(tokenizer
     finally:
         engine.close()
     assert got == [tokens_alone(model, p, n, NO_LOOP_STOP) for p, n in zip(prompts, new)]
-    assert 0 < engine.steps_with_prefill < _chunks(120)
+    assert 0 < engine.plan.steps_with_prefill < _chunks(120)
 
 
 def test_without_chunks_a_joining_prompt_stalls_the_batch(tokenizer, tmp_path: Path) -> None:
@@ -88,7 +88,7 @@ def test_without_chunks_a_joining_prompt_stalls_the_batch(tokenizer, tmp_path: P
     finally:
         engine.close()
     assert got == [tokens_alone(model, p, n, NO_LOOP_STOP) for p, n in zip(prompts, new)]
-    assert engine.steps_with_prefill == 0 and engine.most_rows == 2
+    assert engine.plan.steps_with_prefill == 0 and engine.plan.most_rows == 2
 
 
 def test_tiered_rows_and_sliding_windows_keep_the_whole_prefill(tokenizer, tmp_path: Path) -> None:
@@ -103,7 +103,7 @@ def test_tiered_rows_and_sliding_windows_keep_the_whole_prefill(tokenizer, tmp_p
     finally:
         engine.close()
     assert got == [tokens_alone(model, p, n, NO_LOOP_STOP) for p, n in zip(prompts, new)]
-    assert engine.steps_with_prefill == _chunks(70)  # the dynamic one's chunks only
+    assert engine.plan.steps_with_prefill == _chunks(70)  # the dynamic one's chunks only
     sliding = _engine(tiny_model("mistral-sliding"), tokenizer, 2)
     sliding.close()
     assert sliding.prefill_chunk_tokens == 0

@@ -76,7 +76,7 @@ def _scheduled(loaded, strategy: str, width: int, prompts: list[list[int]], fold
         got = [f.result(timeout=300).generation.tokens for f in futures]
     finally:
         engine.close()
-    assert engine.most_rows == width
+    assert engine.plan.most_rows == width
     return got
 
 

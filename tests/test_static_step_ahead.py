@@ -69,4 +69,4 @@ def test_a_memory_error_in_a_step_launched_ahead_splits_the_batch_and_keeps_ever
     got, engine, step = _run(model, tokenizer, tmp_path, PLAIN, static=True, budget=budget, expected=False)
     assert got == [tokens_alone(model, random_prompt(n)[0].tolist(), NEW, LoopStopConfig(enabled=False))
                    for n in LENGTHS]
-    assert engine.splits > 0 and step is not None and step.ahead_row_steps > 0
+    assert engine.plan.splits > 0 and step is not None and step.ahead_row_steps > 0

@@ -60,7 +60,7 @@ def test_riding_prompts_leave_the_decode_rows_on_the_static_step(dtype: torch.dt
     assert got == today
     if dtype == torch.float32:
         assert got == [tokens_alone(model, p, n, NO_LOOP_STOP) for p, n in zip(prompts, new)]
-    assert engine.steps_with_prefill == eager_engine.steps_with_prefill > 0  # the chunks rode the steps
+    assert engine.plan.steps_with_prefill == eager_engine.plan.steps_with_prefill > 0  # the chunks rode the steps
     assert step is not None and step.passenger_steps > 0  # a riding prompt's slot, no row of the step
     assert engine.plan.eager_row_steps == {} and engine.plan.static_row_steps == sum(len(t) - 1 for t in got)
     assert eager_engine.plan.eager_row_steps == {Eager.OFF: sum(len(t) - 1 for t in got)}
@@ -79,7 +79,7 @@ def test_tiered_rows_run_beside_the_static_step_and_the_pool_rows_stay_on_it(tok
     pooled = [len(t) - 1 for t, s in zip(got, strategies) if s == "dynamic"]
     tiered = [len(t) - 1 for t, s in zip(got, strategies) if s != "dynamic"]
     assert engine.plan.static_row_steps == sum(pooled) and engine.plan.eager_row_steps == {Eager.NOT_POOL: sum(tiered)}
-    assert engine.most_rows == 5 and step is not None and step.steps >= max(pooled)
+    assert engine.plan.most_rows == 5 and step is not None and step.steps >= max(pooled)
 
 
 def test_a_documents_passes_fold_into_one_outcome_their_row_steps_added_and_the_share_of_them_all() -> None:

@@ -99,11 +99,11 @@ def test_the_engines_step_of_plain_greedy_rows_makes_one_transfer_to_the_host(to
     prompts = [random_prompt(8 + row)[0].tolist() for row in range(ROWS)]
     for prompt in prompts:
         engine.plan.add(BatchSequence(dynamic_request(model, prompt, NEW), Future(), engine.settings.loop_stop))
-        engine._start(engine.plan.schedule().prefill)
+        engine._start(engine.plan.schedule())
     rows = engine.plan.decoding
     with HostTransfers() as step:
         engine._decode(rows, None)
-    assert engine.most_rows == ROWS and engine.plan.decoding == rows  # one batched step, none ended
+    assert engine.plan.most_rows == ROWS and engine.plan.decoding == rows  # one batched step, none ended
     assert step.count == 1
     with torch.no_grad():
         alone = [model.generate(torch.tensor([p]), max_new_tokens=2, do_sample=False)[0, len(p):].tolist()
@@ -214,7 +214,7 @@ def test_the_engines_summaries_without_a_repeated_ngram_are_generate_onces(token
         batched = [future.result(timeout=300).generation.tokens for future in futures]
     finally:
         engine.close()
-    assert engine.most_rows > 1  # decoded in one batch
+    assert engine.plan.most_rows > 1  # decoded in one batch
     assert batched == [_alone(loaded, settings, prompt) for prompt in prompts]
     assert not any(_repeats_a_2gram(t) for t in batched)
     plain = [_alone(loaded, GREEDY, prompt) for prompt in prompts]

@@ -1,32 +1,24 @@
 """Continuous batching inside one worker: the sequences of every task in flight share each decode step.
 
 One thread owns the model and runs turns of schedule -> run -> postprocess: the worker's `BatchPlan`
-(runner/engine/batch_plan.py, no model in it) says which sequence prefills and which rows decode;
-this module runs them (prefill, the batched forward pass, token choice) and hands the outcome back.
-Each sequence (a single-pass document, a map chunk, a merge pass) is prefilled on its own, into its
-own cache, and then joins the decoding batch; every decode step runs all joined sequences in one
-forward pass (runner/engine/ragged.py: shared weight matmuls, attention per sequence, no padding;
-the sequences whose caches are slots of the worker's KV pool attend as one group), and a finished
-sequence leaves at once, freeing its slot for the next. A sequence that joins while others decode
-rides their steps instead of stalling them (`batch.prefill_chunk_tokens`): each forward pass carries
-its next prompt chunk beside the decode rows, and it decodes from the step after its last chunk (a
-prompt prefilled whole goes in chunks of the same size, so its tokens are the same either way);
-caches that cannot take a chunk as a row (tiered rungs, transformers' own cache_implementation,
-layer-major prefill, sliding-window models) are prefilled whole, alone, as before. With the static
-step on (`batch.static_step`, runner/engine/static_step.py) a step's pool rows run through it, and its
-other rows (tiered, per-row) with the riding chunk as one eager forward pass beside it (`_step`): neither
-takes the pool rows off the static step, and each sequence counts its row-steps on and off it.
+(runner/engine/batch_plan.py, no model in it) says which sequence prefills and which rows decode; this
+module runs them and hands the outcome back. Each sequence is prefilled into its own cache, then joins
+the decoding batch; every decode step runs all joined sequences in one forward pass (runner/engine/ragged.py:
+shared weight matmuls, attention per sequence, no padding), and a finished sequence leaves at once. A
+sequence that joins while others decode rides their steps instead of stalling them
+(`batch.prefill_chunk_tokens`): each step carries its next prompt chunk beside the decode rows (a prompt
+prefilled whole goes in chunks of the same size, so its tokens are the same either way); caches that
+cannot take a chunk as a row (tiered rungs, transformers' own cache_implementation, layer-major prefill,
+sliding-window models) are prefilled whole, alone. With the static step on (`batch.static_step`,
+runner/engine/static_step.py) a step's pool rows run through it and its other rows eagerly beside it.
 
-Admission (the plan's) keeps the batch within `batch.max_sequences` and the worker's budgets: the
-sum of the running sequences' device KV, and of their host KV (tiered rungs), each at its full
-length (prompt + new tokens), must fit. A memory error in a step with several sequences splits the
-batch (every sequence of it starts again, at most half as many at a time) before any task is told,
-so only a sequence that runs out of memory alone moves its task down the cache ladder; a cache that
-cannot be made beside the batch for lack of memory (a full KV pool) waits for a smaller batch the
-same way; after enough calm decode steps the limit grows back (jobs.batch_limit). Any other error in
-one sequence's cache, token choice or finish fails that sequence only, at once; an error the loop
-cannot pin on one sequence fails every sequence waiting or running with it, and the loop goes on.
-No future is left unresolved.
+Admission keeps the batch within `batch.max_sequences` and the worker's device and host KV budgets, each
+sequence counted at its full length. A memory error in a step with several sequences splits the batch
+(each starts again, at most half as many at a time) before any task is told, so only a sequence that
+runs out of memory alone moves its task down the cache ladder; after enough calm steps the limit grows
+back (jobs.batch_limit). Any other error in one sequence fails that sequence only; an error the loop
+cannot pin on one sequence fails every sequence waiting or running with it, and the loop goes on. No
+future is left unresolved.
 """
 
 from __future__ import annotations
@@ -42,7 +34,6 @@ import psutil
 import torch
 from transformers.cache_utils import Cache, get_layer_types_and_kwargs
 
-from jobs.batch_limit import GROW_BACK_STEPS
 from jobs.config import PREFILL_CHUNK_TOKENS, PrefillMode, SummarizeConfig
 from jobs.outcome import CacheStats, DecodeSteps, no_steps
 from jobs.stopping import StopReason
@@ -103,18 +94,14 @@ class PassResult:
     """Its decode steps by path (static, or eager and why); none for a pass generate() ran whole."""
 
 
-Sequence = BatchSequence[PassRequest]
-
-
 class BatchEngine:
     """Runs every sequence submitted to it, batching decode steps; `submit` from any thread."""
 
     def __init__(self, loaded: LoadedModel, settings: SummarizeConfig, prefill_mode: PrefillMode,
                  max_sequences: int, device_budget: int, is_memory_error: MemoryErrorTest,
-                 host_budget: int | None = None, grow_back_steps: int = GROW_BACK_STEPS,
-                 prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS, static: StaticStep | None = None) -> None:
-        """`host_budget`: the worker's host RAM for KV (None: not limited here); `grow_back_steps`:
-        calm decode steps before a limit a memory error lowered doubles back (jobs.batch_limit);
+                 host_budget: int | None = None, prefill_chunk_tokens: int = PREFILL_CHUNK_TOKENS,
+                 static: StaticStep | None = None) -> None:
+        """`host_budget`: the worker's host RAM for KV (None: not limited here);
         `prefill_chunk_tokens`: a joining prompt's tokens a step beside the decode rows (0: whole);
         `static`: runs the steps whose rows are all its KV pool's (`batch.static_step`)."""
         self.loaded = loaded
@@ -125,7 +112,7 @@ class BatchEngine:
         # then the riding chunks' computation): its tokens do not depend on whether others were decoding
         self.prefill_settings = (settings.model_copy(update={"prefill_chunk_size": self.prefill_chunk_tokens})
                                  if self.prefill_chunk_tokens else settings)
-        self.plan: BatchPlan[PassRequest] = BatchPlan(max_sequences, device_budget, host_budget, grow_back_steps)
+        self.plan = BatchPlan(max_sequences, device_budget, host_budget)
         self.is_memory_error = is_memory_error
         self.static = static
         self._ahead: Ahead | None = None
@@ -136,42 +123,16 @@ class BatchEngine:
         self._thread = threading.Thread(target=self._loop, name="kvbatch-engine", daemon=True)
         self._thread.start()
 
-    @property
-    def max_sequences(self) -> int:
-        """The most sequences that run together now: `batch.max_sequences` unless a memory error
-        lowered it and it has not grown back yet."""
-        return self.plan.limit.current
-
-    @property
-    def splits(self) -> int:
-        """How often a memory error split a batch."""
-        return self.plan.splits
-
-    @property
-    def most_rows(self) -> int:
-        """The largest batch a decode step has run: what a test asks to know batching happened."""
-        return self.plan.most_rows
-
-    @property
-    def steps_with_prefill(self) -> int:
-        """Decode steps whose forward pass carried a joining prompt's chunk too."""
-        return self.plan.steps_with_prefill
-
     # -- the task side ---------------------------------------------------------------------------
     def submit(self, request: PassRequest) -> Future[PassResult]:
-        return self.submit_all([request])[0]
-
-    def submit_all(self, requests: list[PassRequest]) -> list[Future[PassResult]]:
-        """Queue them in one moment: the loop sees all or none of them, so one task's passes (its map
-        chunks) stand together in the queue, in their order, with no other task's pass between them."""
-        futures: list[Future[PassResult]] = [Future() for _ in requests]
+        """Queue one sequence; its future holds its result."""
+        future: Future[PassResult] = Future()
         with self._changed:
             if self._closed:
                 raise RuntimeError("the worker's engine is closed")
-            for request, future in zip(requests, futures, strict=True):
-                self.plan.add(BatchSequence(request, future, self.settings.loop_stop))
+            self.plan.add(BatchSequence(request, future, self.settings.loop_stop))
             self._changed.notify_all()
-        return futures
+        return future
 
     def close(self) -> None:
         with self._changed:
@@ -203,9 +164,9 @@ class BatchEngine:
                     self._changed.wait()
                 if self._closed:
                     return False
-                step = self.plan.schedule()
-            if step.prefill is not None and step.prefill.handle is None:
-                self._start(step.prefill)
+                prefill = self.plan.schedule()
+            if prefill is not None and prefill.handle is None:
+                self._start(prefill)
             rows, riding = self.plan.decoding, self.plan.prefilling
             if rows or riding is not None:
                 self._decode(rows, riding)
@@ -224,7 +185,7 @@ class BatchEngine:
         for seq in everyone:
             self._fail(seq, error)
 
-    def _start(self, seq: Sequence) -> None:
+    def _start(self, seq: BatchSequence) -> None:
         """Make its cache and token picker; then its prompt rides the next steps chunk by chunk, or is
         prefilled alone now and the sequence joins the batch (or finishes at once)."""
         request = seq.request
@@ -259,7 +220,7 @@ class BatchEngine:
         return (self.prefill_chunk_tokens > 0 and bool(self.plan.decoding) and self.prefill_mode != "layer-major"
                 and getattr(cache, "takes_chunks", False))
 
-    def _first_token(self, seq: Sequence, logits: torch.Tensor) -> None:
+    def _first_token(self, seq: BatchSequence, logits: torch.Tensor) -> None:
         """Its prompt is in its cache: the first token from the last position's logits ([1, vocab]),
         then it joins the batch, or finishes at once."""
         try:
@@ -274,7 +235,7 @@ class BatchEngine:
         with self._changed:
             self.plan.joined(seq)
 
-    def _wait_or_fail(self, seq: Sequence, error: BaseException) -> None:
+    def _wait_or_fail(self, seq: BatchSequence, error: BaseException) -> None:
         """A memory error beside the batch waits for a smaller one; any other error is the task's."""
         with self._changed:
             waits = self.is_memory_error(error) and self.plan.wait_for_room(seq)
@@ -282,7 +243,7 @@ class BatchEngine:
             self._leave(seq, Status.FAILED)
             self._fail(seq, error)
 
-    def _run_whole(self, seq: Sequence) -> None:
+    def _run_whole(self, seq: BatchSequence) -> None:
         request = seq.request
         try:
             generation = generate_once(self.loaded, request.prompt_ids, request.max_new_tokens, self.settings,
@@ -298,7 +259,7 @@ class BatchEngine:
         request.memory.decode_done(memory_snapshot(self.loaded.device))
         seq.future.set_result(PassResult(generation, stats))
 
-    def _decode(self, rows: list[Sequence], riding: Sequence | None) -> None:
+    def _decode(self, rows: list[BatchSequence], riding: BatchSequence | None) -> None:
         """One decode step over `rows` (every decoding sequence) with the next chunk of `riding`'s prompt
         beside them; then each row's token, and `riding`'s first once its prompt is in.
 
@@ -354,7 +315,8 @@ class BatchEngine:
         else:
             self._choose(rows, logits, chosen)
 
-    def _ahead_plan(self, rows: list[Sequence], ahead: Ahead) -> dict[Sequence, tuple[int | None, Ban]] | None:
+    def _ahead_plan(self, rows: list[BatchSequence], ahead: Ahead
+                    ) -> dict[BatchSequence, tuple[int | None, Ban]] | None:
         """Each row's input and bans when the next step can be launched before the step ahead is read:
         every row on the static step with bans that fit it, the step ahead's rows by where their token
         is in its tokens (their bans by what that token could be), the others (just joined) by their
@@ -372,7 +334,7 @@ class BatchEngine:
             plan[seq] = (at.get(seq), ban)
         return plan
 
-    def _failed(self, everyone: list[Sequence], error: BaseException) -> None:
+    def _failed(self, everyone: list[BatchSequence], error: BaseException) -> None:
         """A step raised: a memory error splits the batch; a row's own error fails it and restarts the
         others (their caches took part of the step); any other error fails them all. Rows that ended
         meanwhile (the step ahead read) are left as they are."""
@@ -381,7 +343,7 @@ class BatchEngine:
             error = error.__cause__ or error
         everyone = [seq for seq in everyone if seq.status in (Status.DECODING, Status.PREFILLING)]
         if self.is_memory_error(error) and len(everyone) > 1:
-            self._split(everyone)
+            self._restart(everyone, split=True)
         elif failing is not None:
             if failing in everyone:
                 self._fail_sequence(failing, error)
@@ -390,8 +352,8 @@ class BatchEngine:
             for seq in everyone:
                 self._fail_sequence(seq, error)
 
-    def _step(self, rows: list[Sequence], caches: list[Cache], eager_because: list[Eager | None],
-              chunk: PrefillChunk | None, ahead: tuple[torch.Tensor, dict[Sequence, tuple[int | None, Ban]]] | None = None
+    def _step(self, rows: list[BatchSequence], caches: list[Cache], eager_because: list[Eager | None],
+              chunk: PrefillChunk | None, ahead: tuple[torch.Tensor, dict[BatchSequence, tuple[int | None, Ban]]] | None = None
               ) -> tuple[torch.Tensor, Chosen | None, torch.Tensor | None]:
         """The forward passes of one step: the static step over the rows it takes (`eager_because`
         None), and one eager `mixed_step` over the others with `chunk` beside them, so neither a
@@ -432,7 +394,7 @@ class BatchEngine:
         back = step_inputs(parts[0].device).put("rows order", static + eager).argsort()  # row i's place in the parts
         return torch.cat(parts)[back], chosen, first_logits
 
-    def _choose(self, rows: list[Sequence], logits: torch.Tensor | None, chosen: Chosen | None = None) -> None:
+    def _choose(self, rows: list[BatchSequence], logits: torch.Tensor | None, chosen: Chosen | None = None) -> None:
         """Each row's next token: the static step's choice where it made one, else from the step's
         logits ([rows, vocab]) on the host; a row that ends leaves. A row no longer decoding (it ended
         with the step before: this one ran ahead of that being read) drops its token."""
@@ -457,24 +419,18 @@ class BatchEngine:
             except Exception as e:  # noqa: BLE001 - this sequence's own (e.g. a setting its token choice trips on)
                 self._fail_sequence(seq, e)
 
-    def _split(self, rows: list[Sequence]) -> None:
-        """Too many sequences for the memory: all of them start again, at most half as many at a time."""
+    def _restart(self, rows: list[BatchSequence], split: bool = False) -> None:
+        """`rows` start again; `split`: too many sequences for the memory, at most half as many at a time."""
         for seq in rows:
             seq.handle.close()
         with self._changed:
-            self.plan.split(rows)
+            (self.plan.split if split else self.plan.requeue)(rows)
 
-    def _restart(self, rows: list[Sequence]) -> None:
-        for seq in rows:
-            seq.handle.close()
-        with self._changed:
-            self.plan.requeue(rows)
-
-    def _leave(self, seq: Sequence, status: Status) -> None:
+    def _leave(self, seq: BatchSequence, status: Status) -> None:
         with self._changed:
             self.plan.leave(seq, status)
 
-    def _finish(self, seq: Sequence) -> None:
+    def _finish(self, seq: BatchSequence) -> None:
         self._leave(seq, Status.FINISHED)
         try:
             stats = seq.handle.stats()
@@ -494,13 +450,13 @@ class BatchEngine:
                               "ahead": seq.ahead_steps}
         seq.future.set_result(PassResult(generation, stats, steps))
 
-    def _fail_sequence(self, seq: Sequence, error: BaseException) -> None:
+    def _fail_sequence(self, seq: BatchSequence, error: BaseException) -> None:
         self._leave(seq, Status.FAILED)
         _close_quietly(seq.handle)
         self._fail(seq, error)
 
     @staticmethod
-    def _fail(seq: Sequence, error: BaseException) -> None:
+    def _fail(seq: BatchSequence, error: BaseException) -> None:
         # without its traceback: the frames would keep the failed cache (and activations) alive
         if not seq.future.done():
             seq.future.set_exception(error.with_traceback(None))
@@ -534,10 +490,10 @@ class Chosen:
 class Ahead:
     """A step launched and not read yet: its rows and the tokens the static step chose for them all."""
 
-    rows: list[Sequence]
+    rows: list[BatchSequence]
     chosen: Chosen
 
-    def ends(self, seq: Sequence) -> bool:
+    def ends(self, seq: BatchSequence) -> bool:
         """Whether the token ahead is `seq`'s last by count (so it takes no step after it)."""
         return seq in self.rows and seq.picker.ends_after(1)
 

@@ -1,49 +1,28 @@
 """What the worker's batch runs next, with no model in it: sequences, their status, admission, splitting.
 
-The step runner (runner/engine/batch_engine.py) asks `schedule()` for a step, runs its forward pass and
-hands the outcome back (`decoded`, `split`, `wait_for_room`, `leave`): nano-vllm's schedule -> run ->
-postprocess. Here only plain Python: a sequence's cache and token picker are opaque handles, so every
-rule below is tested without a model (tests/test_batch_plan.py).
+The engine (runner/engine/batch_engine.py) asks `schedule()` whom to prefill, runs the step and hands
+the outcome back (`decoded`, `split`, `wait_for_room`, `leave`): nano-vllm's schedule -> run ->
+postprocess. Plain Python, so every rule is tested without a model (tests/test_batch_plan.py).
 
-A sequence is WAITING (queued, or sent back by a split), PREFILLING (admitted: its prompt goes into
-its cache, whole or chunk by chunk beside the decode rows: one chunk a step, `next_chunk`), DECODING
-(one token a step), then FINISHED or FAILED. Admission lets the head of the queue in while the running sequences (prefilling
-and decoding) are fewer than the batch limit and their device and host KV at full length, with its
-own, fit the worker's budgets; one sequence prefills at a time. A decode step that ran counts towards
-growing a lowered limit back (jobs.batch_limit); a memory error lowers it.
+A sequence is WAITING, PREFILLING (its prompt goes into its cache, whole or one chunk a step beside the
+decode rows), DECODING, then FINISHED or FAILED. Admission lets the head of the queue in while the
+running sequences are fewer than the batch limit and their device and host KV at full length, with its
+own, fit the worker's budgets; one sequence prefills at a time.
 """
 
 from __future__ import annotations
 
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any
 
 from jobs.batch_limit import GROW_BACK_STEPS, BatchLimit
 from jobs.config import LoopStopConfig
 from jobs.stopping import LoopWatch, StopReason
-
-
-class Request(Protocol):
-    """What admission reads of a sequence's request."""
-
-    prompt_ids: list[int]
-    device_bytes: int
-    host_bytes: int
-    fits: Callable[[], bool] | None
-    """Whether the KV pool has room for it now (None: its KV is not the pool's)."""
-
-
-class Picker(Protocol):
-    """What finishing reads of a sequence's token picker (runner/engine/generation.py TokenPicker)."""
-
-    done: bool
-
-    def stop_reason(self, tokens: list[int]) -> StopReason: ...
 
 
 class Status(Enum):
@@ -54,21 +33,17 @@ class Status(Enum):
     FAILED = "failed"
 
 
-R = TypeVar("R", bound=Request)
-
-
 @dataclass(eq=False)
-class BatchSequence(Generic[R]):
+class BatchSequence:
     """One sequence of the batch: its request and future, and the state of its current attempt (a
     split sends it back to WAITING, and its next attempt starts from its prompt again)."""
 
-    request: R
+    request: Any  # the engine's PassRequest: admission reads its prompt_ids, device_bytes, host_bytes, fits
     future: Future[Any]
     loop_stop: LoopStopConfig
-    submitted: float = field(default_factory=time.perf_counter)
     status: Status = Status.WAITING
     handle: Any = None  # its cache (a CacheHandle), while PREFILLING or DECODING
-    picker: Picker | None = None
+    picker: Any = None  # its TokenPicker (runner/engine/generation.py), while PREFILLING or DECODING
     tokens: list[int] = field(default_factory=list)
     prefilled: int = 0  # prompt tokens in its cache
     chunk_tokens: int = 0  # its prompt rides the decode steps this many tokens at a time (0: prefilled whole)
@@ -79,13 +54,7 @@ class BatchSequence(Generic[R]):
     ahead_steps: int = 0  # of those, launched before the step before was read (its input from the device)
     eager_steps: Counter[str] = field(default_factory=Counter)  # the others, by why they ran eagerly
     rows_seen: int = 0  # sum over its decode steps of the decode rows in the step
-    began_at_step: int = 0  # the plan's decode steps when this attempt began
-    decode_steps_during_prefill: int = 0
-    """Decode steps the batch ran while this sequence prefilled: 0 when its whole prefill stalled them."""
-    watch: LoopWatch = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.watch = LoopWatch(self.loop_stop)
+    watch: LoopWatch = field(init=False, repr=False)  # made by `begin`, before its first token
 
     @property
     def position(self) -> int:
@@ -126,15 +95,7 @@ class BatchSequence(Generic[R]):
         return self.rows_seen / self.steps if self.steps else 1.0
 
 
-@dataclass(frozen=True)
-class Step(Generic[R]):
-    """What one turn runs: the sequence to prefill (admitted now or still prefilling), and the rows to decode."""
-
-    prefill: BatchSequence[R] | None
-    decode: list[BatchSequence[R]]
-
-
-class BatchPlan(Generic[R]):
+class BatchPlan:
     """The worker's sequences and the rules that say which run; not thread-safe (its owner locks)."""
 
     def __init__(self, max_sequences: int, device_budget: int, host_budget: int | None = None,
@@ -144,8 +105,8 @@ class BatchPlan(Generic[R]):
         self.limit = BatchLimit(max_sequences, grow_back_steps)
         self.device_budget = device_budget
         self.host_budget = host_budget
-        self.waiting: deque[BatchSequence[R]] = deque()
-        self.running: list[BatchSequence[R]] = []  # PREFILLING and DECODING, in the order they joined
+        self.waiting: deque[BatchSequence] = deque()
+        self.running: list[BatchSequence] = []  # PREFILLING and DECODING, in the order they joined
         self.splits = 0
         """How often a memory error split a batch (each split halves the limit)."""
         self.most_rows = 0
@@ -162,29 +123,27 @@ class BatchPlan(Generic[R]):
         """The other row-steps, by why they ran eagerly."""
 
     @property
-    def decoding(self) -> list[BatchSequence[R]]:
+    def decoding(self) -> list[BatchSequence]:
         return [seq for seq in self.running if seq.status is Status.DECODING]
 
     @property
-    def prefilling(self) -> BatchSequence[R] | None:
+    def prefilling(self) -> BatchSequence | None:
         return next((seq for seq in self.running if seq.status is Status.PREFILLING), None)
 
-    def add(self, seq: BatchSequence[R]) -> None:
+    def add(self, seq: BatchSequence) -> None:
         seq.status = Status.WAITING
         self.waiting.append(seq)
 
-    def schedule(self) -> Step[R]:
-        """The next step: the sequence prefilling, else the next one admissible now (it begins), and
-        the decoding rows."""
+    def schedule(self) -> BatchSequence | None:
+        """The sequence to prefill next: the one prefilling, else the next one admissible now (it begins)."""
         prefill = self.prefilling
         if prefill is None and self.waiting and self._admissible(self.waiting[0].request):
             prefill = self.waiting.popleft()
             prefill.begin()
-            prefill.began_at_step = self.decode_steps
             self.running.append(prefill)
-        return Step(prefill, self.decoding)
+        return prefill
 
-    def _admissible(self, head: R) -> bool:
+    def _admissible(self, head: Any) -> bool:
         if not self.running:  # alone, a sequence always runs: its own memory error moves its task down the ladder
             return True
         if len(self.running) >= self.limit.current:
@@ -197,17 +156,16 @@ class BatchPlan(Generic[R]):
                 or sum(seq.request.host_bytes for seq in self.running) + head.host_bytes <= self.host_budget)
 
     @staticmethod
-    def next_chunk(seq: BatchSequence[R]) -> tuple[int, int]:
+    def next_chunk(seq: BatchSequence) -> tuple[int, int]:
         """The prompt tokens [start, end) that ride the next step of a sequence prefilling in chunks."""
         assert seq.chunk_tokens > 0, "a sequence prefilled whole has no chunks"
         return seq.prefilled, min(seq.prefilled + seq.chunk_tokens, len(seq.request.prompt_ids))
 
-    def joined(self, seq: BatchSequence[R]) -> None:
+    def joined(self, seq: BatchSequence) -> None:
         """Its prompt is in its cache and its first token chosen: it decodes from the next step on."""
         seq.status = Status.DECODING
-        seq.decode_steps_during_prefill = self.decode_steps - seq.began_at_step
 
-    def decoded(self, rows: list[BatchSequence[R]], beside_prefill: bool = False,
+    def decoded(self, rows: list[BatchSequence], beside_prefill: bool = False,
                 eager_because: Sequence[str | None] = (), ahead: Sequence[bool] = ()) -> None:
         """A decode step over `rows` ran without a memory error (with a prefill chunk beside them when
         `beside_prefill`): each took one step; the limit may grow. `eager_because`: each row's reason
@@ -231,14 +189,14 @@ class BatchPlan(Generic[R]):
         for seq, went_ahead in zip(rows, ahead, strict=False):
             seq.ahead_steps += went_ahead
 
-    def leave(self, seq: BatchSequence[R], status: Status) -> None:
+    def leave(self, seq: BatchSequence, status: Status) -> None:
         """`seq` is FINISHED or FAILED: out of the batch."""
         if seq in self.running:
             self.running.remove(seq)
         assert status in (Status.FINISHED, Status.FAILED), f"a sequence leaves finished or failed, not {status}"
         seq.status = status
 
-    def wait_for_room(self, seq: BatchSequence[R]) -> bool:
+    def wait_for_room(self, seq: BatchSequence) -> bool:
         """A memory error starting `seq` (its cache, its prefill): with others running it waits for a
         smaller batch (the limit drops to those others) and True; alone it is its task's error: False."""
         others = [s for s in self.running if s is not seq]
@@ -248,13 +206,13 @@ class BatchPlan(Generic[R]):
         self.requeue([seq])
         return True
 
-    def split(self, rows: list[BatchSequence[R]]) -> None:
+    def split(self, rows: list[BatchSequence]) -> None:
         """Too many sequences for the memory: all of `rows` start again, at most half as many at a time."""
         self.splits += 1
         self.limit.lower_to(len(rows) // 2)
         self.requeue(rows)
 
-    def requeue(self, rows: list[BatchSequence[R]]) -> None:
+    def requeue(self, rows: list[BatchSequence]) -> None:
         """Back to the front of the queue, in their order (their caches are the caller's to close)."""
         for seq in rows:
             if seq in self.running:
@@ -262,7 +220,7 @@ class BatchPlan(Generic[R]):
             seq.status, seq.handle = Status.WAITING, None
         self.waiting.extendleft(reversed(rows))
 
-    def drain(self) -> list[BatchSequence[R]]:
+    def drain(self) -> list[BatchSequence]:
         """Every sequence, waiting or running, taken out (they are failed together)."""
         everyone = [*self.running, *self.waiting]
         self.running, self.waiting = [], deque()

@@ -3,13 +3,10 @@ length, and gives every row exactly the scores the processor gives it alone.
 
 A processor takes `[rows, tokens so far]` input ids, so rows of different lengths could only share a
 call through padding, which would change what repetition penalties and n-gram bans see. Instead each
-row keeps what its processor reads, up to date as its tokens are chosen (`note`): the set of tokens
-seen (repetition penalty, on the device), the n-grams so far or the length (no-repeat n-grams and
-minimum lengths, on the host, where the tokens already are). `apply` then changes a step's `[rows,
-vocab]` scores with a fixed number of ops, whatever the rows, by the same elementwise operations the
-processor uses, so every value is bit for bit the one it computes for the row alone. Processors that
-read only the scores (temperature, top-k/p, min-p, ...) run as they are over the rows' scores. A
-processor without such a form keeps the row on transformers' own call (`batched_form` says None).
+row keeps what its processor reads, up to date as its tokens are chosen (`note`), and `apply` changes
+a step's `[rows, vocab]` scores by the same elementwise operations the processor uses, so every value
+is bit for bit the one it computes for the row alone. A processor without such a form keeps the row
+on transformers' own call (`batched_form` says None).
 """
 
 from __future__ import annotations
@@ -108,11 +105,9 @@ ANY = -1
 """A ban's `after` that holds whatever the row's previous token (no token id is negative)."""
 Ban = list[tuple[int, list[int], bool]]
 """What `HostBans` forms do to a row's scores, as entries (after, banned, glued): after the row's
-previous token `after` (ANY: any), its `banned` next tokens (under the vocabulary's width) may not be
-taken, and with `glued` neither may its word-continuing tokens (`NoRepeatNGrams.glues`). A step that
-knows the previous token applies the entries whose `after` it matches: the host's bans when the host
-has read it, and, when it comes from the device (the step before, not read yet), each bans' choice
-for every token it could be (`HostBans.banned_after_next`)."""
+previous token `after` (ANY: any), its `banned` next tokens may not be taken, nor, with `glued`, its
+word-continuing tokens. A step whose previous token is still on the device applies the entries that
+token matches (`HostBans.banned_after_next`)."""
 
 
 class HostBans(BatchedForm):

@@ -1,12 +1,10 @@
 """Generation stages: prefill one prompt into its cache, choose each next token, and (for benches and
 tests) one whole `model.generate` call, timed.
 
-The prompt is prefilled in chunks of `summarize.prefill_chunk_size`, token-major (transformers') or,
-for tiered caches, layer-major first (`cache.prefill`, runner/engine/kvcache/layer_major.py): same tokens.
-The worker's engine decodes (runner/engine/batch_engine.py); a sequence's next token is chosen by its
-own `TokenPicker` exactly as generate() chooses it, so batching never changes a sequence's tokens;
-a step's rows are chosen together (`choose_tokens`): rows with the same settings have their logits
-processors applied in one batched call each, and every row's token reaches the host in one transfer.
+The prompt is prefilled in chunks of `summarize.prefill_chunk_size`, token-major or, for tiered caches,
+layer-major (runner/engine/kvcache/layer_major.py): same tokens. A sequence's next token is chosen by its
+own `TokenPicker` exactly as generate() chooses it, so batching never changes a sequence's tokens; a
+step's rows are chosen together (`choose_tokens`), with one transfer to the host.
 """
 
 from __future__ import annotations
@@ -46,10 +44,6 @@ class Generation:
     """Mean sequences that shared this pass's decode steps."""
     stop_reason: StopReason = StopReason.LENGTH
 
-    @property
-    def output_tokens(self) -> int:
-        return len(self.tokens)
-
 
 class TokenClock(BaseStreamer):
     """generate() calls put() once with the prompt, then once per new token."""
@@ -77,33 +71,21 @@ def generate_once(
     prefill: PrefillMode = "auto",
 ) -> Generation:
     """Greedy or seeded-sampling generation of one prompt with the cache the caller chose."""
-    input_ids = torch.tensor([prompt_ids], device=loaded.device)
-    attention_mask = torch.ones_like(input_ids)
-    chunk_size = settings.prefill_chunk_size
-    cache = cache_kwargs.get("past_key_values")
-    layer_major = choose_prefill(prefill, loaded.model, cache, len(prompt_ids), chunk_size) == "layer-major"
     if settings.do_sample:
         torch.manual_seed(settings.seed)
     clock = TokenClock()
-    with torch.inference_mode(), ExitStack() as stack:
-        if layer_major:  # generate() takes the filled cache and the last token's logits, and decodes
-            output = layer_major_prefill(loaded.model, input_ids, attention_mask, cache, chunk_size)
-            stack.enter_context(prefilled(loaded.model, output))
-        out = loaded.model.generate(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            max_new_tokens=max_new_tokens,
-            do_sample=settings.do_sample,
-            prefill_chunk_size=chunk_size or None,
-            pad_token_id=loaded.tokenizer.pad_token_id,
-            tokenizer=loaded.tokenizer,  # for stop_strings
-            streamer=clock,
-            logits_processor=summary_processors(settings, len(prompt_ids), loaded),
-            **settings.generation,  # GenerationConfig fields checked at submit (runner/preflight.py)
-            **cache_kwargs,
-        )
+    out = _generate(
+        loaded, prompt_ids, settings.prefill_chunk_size, prefill, cache_kwargs.get("past_key_values"),
+        max_new_tokens=max_new_tokens,
+        do_sample=settings.do_sample,
+        tokenizer=loaded.tokenizer,  # for stop_strings
+        streamer=clock,
+        logits_processor=summary_processors(settings, len(prompt_ids), loaded),
+        **settings.generation,  # GenerationConfig fields checked at submit (runner/preflight.py)
+        **cache_kwargs,
+    )
     end = time.perf_counter()
-    new_tokens = out[0, input_ids.shape[1] :].tolist()
+    new_tokens = out[0, len(prompt_ids) :].tolist()
     first = clock.first_token_at or end
     return Generation(
         tokens=new_tokens,
@@ -120,20 +102,25 @@ def prefill(
     """Fill `cache` with the prompt's K/V and return the last position's logits ([1, vocab], float32),
     through generate()'s own prefill (chunked, or layer-major on tiered caches) so the cache ends exactly
     as generate() leaves it before its first decode step."""
+    out = _generate(loaded, prompt_ids, settings.prefill_chunk_size, mode, cache, max_new_tokens=1, do_sample=False,
+                    past_key_values=cache, output_logits=True, return_dict_in_generate=True)
+    return out.logits[0].float()
+
+
+def _generate(loaded: LoadedModel, prompt_ids: list[int], chunk_size: int, mode: PrefillMode, cache: Cache | None,
+              **kwargs: Any) -> Any:
+    """generate() over one prompt, its prefill in chunks of `chunk_size`, or layer-major into `cache`
+    when `mode` picks that (generate() then takes the filled cache and the last token's logits)."""
     input_ids = torch.tensor([prompt_ids], device=loaded.device)
     attention_mask = torch.ones_like(input_ids)
-    chunk_size = settings.prefill_chunk_size
     layer_major = choose_prefill(mode, loaded.model, cache, len(prompt_ids), chunk_size) == "layer-major"
     with torch.inference_mode(), ExitStack() as stack:
         if layer_major:
             output = layer_major_prefill(loaded.model, input_ids, attention_mask, cache, chunk_size)
             stack.enter_context(prefilled(loaded.model, output))
-        out = loaded.model.generate(
-            input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=1, do_sample=False,
-            prefill_chunk_size=chunk_size or None, pad_token_id=loaded.tokenizer.pad_token_id,
-            past_key_values=cache, output_logits=True, return_dict_in_generate=True,
-        )
-    return out.logits[0].float()
+        return loaded.model.generate(input_ids=input_ids, attention_mask=attention_mask,
+                                     prefill_chunk_size=chunk_size or None,
+                                     pad_token_id=loaded.tokenizer.pad_token_id, **kwargs)
 
 
 class TokenPicker:

@@ -142,17 +142,12 @@ def _load_builtin(
     """SmolLM2 from its converted folder; tiny-random made in code, or from its saved folder when a
     quantizer must load it."""
     builtin = name[len(BUILTIN_PREFIX):]
-    if builtin == SMOLLM2:
-        converted = smollm2_model_dir()
-        return _from_pretrained(
-            converted, name, attn_implementation, dtype,
-            fix=f"delete {converted} so it is converted again", quantized=quantized, device=device,
-        )
-    if builtin == TINY_RANDOM and quantized is not None:
-        folder = tiny_random_dir()
+    if builtin == SMOLLM2 or (builtin == TINY_RANDOM and quantized is not None):
+        folder = smollm2_model_dir() if builtin == SMOLLM2 else tiny_random_dir()
         return _from_pretrained(
             folder, name, attn_implementation, dtype,
-            fix=f"delete {folder} so it is saved again", quantized=quantized, device=device,
+            fix=f"delete {folder} so it is {'converted' if builtin == SMOLLM2 else 'saved'} again",
+            quantized=quantized, device=device,
         )
     if builtin == TINY_RANDOM:
         tokenizer = smollm2_tokenizer(name)
@@ -195,48 +190,40 @@ def check_model_name(name: str) -> None:
 
 def model_max_positions(cfg: ModelConfig) -> int | None:
     """The model's max_position_embeddings, read from its config alone (no weights); None when unknown."""
-    if cfg.name == BUILTIN_PREFIX + TINY_RANDOM:
-        return TINY_RANDOM_MAX_POSITIONS
-    limit = getattr(_text_config(cfg), "max_position_embeddings", None)
-    return limit if isinstance(limit, int) else None
+    return _text_config_int(cfg, "max_position_embeddings", TINY_RANDOM_MAX_POSITIONS)
 
 
 def model_vocab_size(cfg: ModelConfig) -> int | None:
     """How many token ids the model has, from its config alone (no weights); None when unknown."""
-    if cfg.name == BUILTIN_PREFIX + TINY_RANDOM:
-        return TINY_RANDOM_VOCAB
-    size = getattr(_text_config(cfg), "vocab_size", None)
-    return size if isinstance(size, int) else None
+    return _text_config_int(cfg, "vocab_size", TINY_RANDOM_VOCAB)
 
 
-def _text_config(cfg: ModelConfig) -> Any | None:
-    """The model's text config, read without its weights; None when it cannot be read here (a model
-    whose config cannot be read is left to the workers, which report why it does not load)."""
-    from transformers import AutoConfig
-
+def _text_config_int(cfg: ModelConfig, field: str, tiny_random: int) -> int | None:
+    """`field` of the model's text config, read without its weights; None when it cannot be read here (a
+    model whose config cannot be read is left to the workers, which report why it does not load)."""
     name = cfg.name
+    if name == BUILTIN_PREFIX + TINY_RANDOM:
+        return tiny_random
     try:
         if name == BUILTIN_PREFIX + SMOLLM2:
             config = smollm2_config()
         elif name.startswith(BUILTIN_PREFIX):
             return None
         else:
-            config = AutoConfig.from_pretrained(_location(name), local_files_only=not hub_downloads_allowed())
+            config = _config(name)
     except (OSError, ValueError, ModelLoadError):
         return None
-    return config.get_text_config()
+    value = getattr(config.get_text_config(), field, None)
+    return value if isinstance(value, int) else None
 
 
 def model_quantization(cfg: ModelConfig) -> str | None:
     """``checkpoint:<method>`` when `cfg.name` is a checkpoint quantized already, from its config alone;
     None for the builtins (never quantized on disk) and a config that cannot be read here."""
-    from transformers import AutoConfig
-
     if cfg.name.startswith(BUILTIN_PREFIX):
         return None
     try:
-        return checkpoint_quantization(
-            AutoConfig.from_pretrained(_location(cfg.name), local_files_only=not hub_downloads_allowed()))
+        return checkpoint_quantization(_config(cfg.name))
     except (OSError, ValueError):
         return None
 
@@ -306,8 +293,11 @@ def _from_pretrained(
     return model, tokenizer
 
 
-def _location(name: str) -> str:
-    """What transformers is given for a model name: a folder, user-expanded, or a hub id."""
-    return str(Path(name).expanduser()) if looks_like_path(name) else name
+def _config(name: str) -> Any:
+    """The config of a model named by a folder (user-expanded) or a hub id, without its weights."""
+    from transformers import AutoConfig
+
+    location = str(Path(name).expanduser()) if looks_like_path(name) else name
+    return AutoConfig.from_pretrained(location, local_files_only=not hub_downloads_allowed())
 
 

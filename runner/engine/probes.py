@@ -7,7 +7,7 @@ so it records them for every task whose sequences it runs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import psutil
@@ -75,10 +75,5 @@ class StageMemory:
         return _max(self.prefill_device_bytes, self.decode_peak_device_bytes)
 
     def row_fields(self) -> dict[str, Any]:
-        """The result row's per-stage memory columns."""
-        return {
-            "prefill_host_rss_bytes": self.prefill_host_rss_bytes,
-            "prefill_device_bytes": self.prefill_device_bytes,
-            "decode_peak_host_rss_bytes": self.decode_peak_host_rss_bytes,
-            "decode_peak_device_bytes": self.decode_peak_device_bytes,
-        }
+        """The result row's per-stage memory columns: every figure but the used fractions."""
+        return {name: value for name, value in asdict(self).items() if not name.endswith("used_fraction")}

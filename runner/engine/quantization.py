@@ -20,29 +20,19 @@ if TYPE_CHECKING:
     from jobs.config import ModelConfig
 
 NONE = "none"
-CHECKPOINT_PREFIX = "checkpoint:"
-INSTALL_HINT = "install them with `pip install 'kvbatch[quant]'`"
-
-#: The packages each method loads through (accelerate: transformers places quantized weights with it).
-REQUIRED_PACKAGES = {
-    "bnb-8bit": ("bitsandbytes", "accelerate"),
-    "bnb-4bit": ("bitsandbytes", "accelerate"),
-    "torchao-int8": ("torchao", "accelerate"),
-    "torchao-int4": ("torchao", "accelerate"),
-}
-#: Methods whose kernels exist only for CUDA, and what to use on a CPU instead.
-CUDA_ONLY = {"torchao-int4": "torchao's int4 weight-only matmul is a CUDA kernel: use bnb-4bit on a CPU"}
 
 
 def unavailable(method: str, device_type: str) -> str | None:
     """Why `method` cannot run here on a `device_type` device ("cpu", "cuda"), in words; None when it can."""
     if method == NONE:
         return None
-    missing = [p for p in REQUIRED_PACKAGES[method] if importlib.util.find_spec(p) is None]
+    # each method's library, and accelerate: transformers places quantized weights with it
+    packages = ("bitsandbytes" if method.startswith("bnb-") else "torchao", "accelerate")
+    missing = [p for p in packages if importlib.util.find_spec(p) is None]
     if missing:
-        return f"needs the package(s) {', '.join(missing)}: {INSTALL_HINT}"
-    if method in CUDA_ONLY and device_type != "cuda":
-        return f"runs on CUDA only ({CUDA_ONLY[method]})"
+        return f"needs the package(s) {', '.join(missing)}: install them with `pip install 'kvbatch[quant]'`"
+    if method == "torchao-int4" and device_type != "cuda":
+        return "runs on CUDA only (torchao's int4 weight-only matmul is a CUDA kernel: use bnb-4bit on a CPU)"
     return None
 
 
@@ -52,7 +42,7 @@ def checkpoint_quantization(config: PretrainedConfig) -> str | None:
     if found is None:
         return None
     method = found.get("quant_method") if isinstance(found, dict) else getattr(found, "quant_method", None)
-    return f"{CHECKPOINT_PREFIX}{getattr(method, 'value', method) or 'unknown'}"
+    return f"checkpoint:{getattr(method, 'value', method) or 'unknown'}"
 
 
 def quantization_config(cfg: ModelConfig, dtype: torch.dtype) -> Any | None:
@@ -86,14 +76,8 @@ def quantization_config(cfg: ModelConfig, dtype: torch.dtype) -> Any | None:
 def weight_bytes(model: PreTrainedModel) -> int:
     """The bytes the model's parameters and buffers really take: a quantized tensor subclass (torchao)
     counts its packed data and scales, not the full-precision size it reports; tied weights count once."""
-    seen: set[int] = set()
-    total = 0
-    for tensor in [*model.parameters(), *model.buffers()]:
-        if id(tensor) in seen:
-            continue
-        seen.add(id(tensor))
-        total += _tensor_bytes(tensor)
-    return total
+    unique = {id(tensor): tensor for tensor in [*model.parameters(), *model.buffers()]}
+    return sum(_tensor_bytes(tensor) for tensor in unique.values())
 
 
 def _tensor_bytes(tensor: torch.Tensor) -> int:

@@ -1,27 +1,18 @@
 """One forward pass over several sequences of different lengths, each with its own KV cache.
 
-A decode step's weight matmuls (projections, MLP, head) cost the same for one row as for many, so
-the sequences of a worker share them; attention is each sequence's own (its own cache, its own
-length), so nothing is padded and any cache works, tiered ones included. The trick: a
-`SequenceBatch` is passed to the model as its `past_key_values`; its `update` hands each row's new
-K/V to that row's cache and returns them as `RowGroups`, which the attention function registered
-here ("kvbatch-ragged") attends row by row with the model's own attention function. transformers
-builds no mask for an attention implementation it has no mask function for, and a decode row needs none.
+A decode step's weight matmuls cost the same for one row as for many, so the sequences of a worker share
+them; attention is each sequence's own, so nothing is padded and any cache works, tiered ones included.
+A `SequenceBatch` is passed to the model as its `past_key_values`; its `update` hands each row's new K/V
+to that row's cache and returns them as `RowGroups`, which the attention function registered here
+("kvbatch-ragged") attends row by row with the model's own attention function (transformers builds no
+mask for it, and a decode row needs none).
 
-Rows whose cache is a slot of the worker's KV pool (runner/engine/kvcache/pool.py) go first, in slot
-order, as one group: one write and one attention call per layer for all of them (a few calls where
-their lengths differ widely, so short rows do not read a long one's padding:
-runner/engine/pooled_attention.py). Tiered rows whose attention is batched (`batch.attention:
-pooled`) go next, as a second group: one write and one attention call per streamed layer over
-staging slots their layers are read into (runner/engine/tiered_attention.py). The other rows of the
-same step stay per row.
-
-A step may also carry one prefill chunk of a joining sequence (`PrefillChunk`, vLLM's chunked
-prefill): its tokens go last, their own row of several tokens, attended per row against that
-sequence's cache with the causal mask generate()'s own chunked prefill builds (none for a first
-chunk under SDPA, which is causal by itself), so the joining prompt shares the decode rows' weight
-matmuls instead of stalling them. The step's tokens are packed into one row of the model's input
-([1, tokens]): every row is a span of it, a decode row one token.
+Rows whose cache is a slot of the worker's KV pool go first, in slot order, as one group: one write and
+a few attention calls per layer for all of them (runner/engine/pooled_attention.py). Tiered rows with
+batched attention go next, as a second group (runner/engine/tiered_attention.py); the others stay per
+row. A step may also carry one prefill chunk of a joining sequence (`PrefillChunk`, vLLM's chunked
+prefill), last, attended against its cache with the causal mask generate()'s chunked prefill builds.
+The step's tokens are packed into one row of the model's input ([1, tokens]).
 """
 
 from __future__ import annotations
@@ -93,17 +84,16 @@ class PrefillChunk:
         return self.mask
 
 
+@dataclass(eq=False)
 class SequenceBatch:
     """The `past_key_values` of a ragged step: the first `pooled.count` tokens are the pool's rows, the
     next `tiered.count` the tiered step's, the next ones go to `caches[i]` one token each, and a
     chunk's tokens, last, to `chunk.cache`."""
 
-    def __init__(self, caches: Sequence[Cache], pooled: PooledStep | None = None,
-                 tiered: TieredStep | None = None, chunk: PrefillChunk | None = None) -> None:
-        self.caches = list(caches)
-        self.pooled = pooled
-        self.tiered = tiered
-        self.chunk = chunk
+    caches: list[Cache]
+    pooled: PooledStep | None = None
+    tiered: TieredStep | None = None
+    chunk: PrefillChunk | None = None
 
     def update(self, keys: torch.Tensor, values: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
                ) -> tuple[RowGroups, RowGroups]:

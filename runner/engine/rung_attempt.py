@@ -11,6 +11,7 @@ from __future__ import annotations
 import errno
 import os
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -24,50 +25,48 @@ from runner.engine.generation import Generation
 from runner.engine.probes import StageMemory
 
 
+@dataclass
 class RungAttempt:
-    """One pass on one rung, and its cache figures once it ran."""
+    """One pass on one rung, and its cache figures once it ran. `offload_dir`: the pass's scratch dir on
+    a rung that offloads to disk; `fault`: what a test injected for this document on this rung
+    (jobs.faults), None for a real run."""
 
-    def __init__(self, rung: str, kit: CacheKit, engine: BatchEngine, memory: StageMemory, clock: TaskClock,
-                 offload_dir: Path | None, doc_id: str, fault: FaultKind | None) -> None:
-        """`offload_dir`: the pass's scratch dir on a rung that offloads to disk; `fault`: what a test
-        injected for this document on this rung (jobs.faults), None for a real run."""
-        self.rung = rung
-        self.cache_stats: CacheStats | None = None
-        self.decode_steps: DecodeSteps = no_steps()
-        self.placement: Placement | None = None
-        self._kit = kit
-        self._engine = engine
-        self._memory = memory
-        self._clock = clock
-        self._offload_dir = offload_dir
-        self._doc_id = doc_id
-        self._fault = fault
+    rung: str
+    kit: CacheKit
+    engine: BatchEngine
+    memory: StageMemory
+    clock: TaskClock
+    offload_dir: Path | None
+    doc_id: str
+    fault: FaultKind | None
+    cache_stats: CacheStats | None = field(default=None, init=False)
+    decode_steps: DecodeSteps = field(default_factory=no_steps, init=False)
+    placement: Placement | None = field(default=None, init=False)
 
     def run(self, prompt_ids: list[int], max_new_tokens: int) -> Generation:
         """The pass's generation, decoded in the worker's batch; raises what stopped it (or was injected)."""
-        recipe = self._kit.recipe(self.rung, len(prompt_ids) + max_new_tokens,
-                                  self._offload_dir / "pass" if self._offload_dir else None)
+        recipe = self.kit.recipe(self.rung, len(prompt_ids) + max_new_tokens,
+                                 self.offload_dir / "pass" if self.offload_dir else None)
         self.placement = recipe.placement
         request = PassRequest(prompt_ids, max_new_tokens, make_cache=recipe, device_bytes=recipe.device_bytes,
-                              host_bytes=recipe.host_bytes, fits=recipe.fits, memory=self._memory, clock=self._clock)
-        future = self._engine.submit(request)
-        result = future.result()
+                              host_bytes=recipe.host_bytes, fits=recipe.fits, memory=self.memory, clock=self.clock)
+        result = self.engine.submit(request).result()
         self.cache_stats, self.decode_steps = result.cache_stats, result.decode_steps
         self._strike_injected_fault()
         return result.generation
 
     def _strike_injected_fault(self) -> None:
         """Raise what the real failure raises, where it would raise it."""
-        if self._fault is None:
+        if self.fault is None:
             return
-        where = f"injected for {self._doc_id} on {self.rung}"
-        if self._fault == "oom":
+        where = f"injected for {self.doc_id} on {self.rung}"
+        if self.fault == "oom":
             raise torch.OutOfMemoryError(f"CUDA out of memory ({where})")
-        if self._fault == "crash":
+        if self.fault == "crash":
             os._exit(17)
-        if self._fault == "io":
+        if self.fault == "io":
             raise OSError(errno.EIO, f"Input/output error ({where})")
-        if self._fault == "hang":
+        if self.fault == "hang":
             while True:
                 time.sleep(1)
         raise RuntimeError(f"injected error ({where})")

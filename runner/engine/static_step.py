@@ -1,45 +1,28 @@
 """The pooled decode step with its inputs in static buffers: the form a CUDA graph captures and replays.
 
-A decode step costs the host about 40 eager ops per layer (rotary, norms, the KV write, the mask);
-on a GPU the host, not the device, then sets the pace (issue 36: 10 % of the memory-bandwidth bound).
-The peers (nano-vllm's and transformers' continuous-batching model runners, vLLM, gpt-fast) pad every
-decode step to a batch-size bucket, keep its inputs in static device buffers, capture one CUDA graph
-per bucket and replay it. This is that step for kvbatch's KV pool:
+A decode step costs the host about 40 eager ops per layer; on a GPU the host, not the device, then sets
+the pace (issue 36: 10 % of the memory-bandwidth bound). As the peers do (nano-vllm, transformers'
+continuous batching, vLLM, gpt-fast), each step is padded to a batch-size bucket (`BUCKETS`), its inputs
+live in static device buffers, and one CUDA graph per bucket is captured and replayed:
 
-- it takes the step's pool rows, whatever else the step runs: the engine runs a prompt chunk riding
-  the step, and the rows whose KV is not a pool slot (tiered, per-row), as their own eager forward
-  beside it (runner/engine/batch_engine.py), so neither takes the pool rows off this step;
-- the step runs over the pool's slots from the first up to its last row's, padded to a bucket
-  (`BUCKETS`), in slot order: a live slot among them that is no row of the step (a prompt prefilling
-  chunk by chunk) is a passenger, written at its own length (the position its next write fills) and
-  its output dropped; a live slot past the bucket sits the step out (a joining prompt takes the last
-  slot, so the rows keep their bucket); a free slot is a padding row, written at position 0 and read
-  by nobody (a slot's next owner writes its prompt over it);
-- token ids, positions and lengths live in buffers of the bucket's size; the mask is made from the
-  lengths inside the step; the bucket's slots are read in runs (pooled_attention.py `attention_runs`,
-  up to `STEP_RUNS` attention calls a layer, each up to its own longest row, aligned), so a step reads
-  each row's KV about in proportion to its own length, not every row up to the longest: the runs are
-  part of what a graph is captured for;
-- the step ends with each row's logits and its greedy token, on the device, in static outputs:
-  nothing in it reads a value back to the host (tests/test_static_step.py runs it on the meta device,
-  where any such read raises). The greedy token is the default config's too: the summary's n-gram
-  ban (and any other ban by rules over the row's tokens, runner/engine/batched_logits.py `HostBans`)
-  comes in as each row's bans (`bans`, batched_logits.py `Ban`: up to `BAN_CHOICES` entries of up
-  to `BAN_WIDTH` tokens, each applied when the row's input token is its `after`, with whether its
-  word-continuing tokens are banned too), made a mask by a scatter in the step, so the argmax is the
-  one the host's processors give. A row's input token can come from the device (`ahead`: the step
-  before's token, not read yet): its bans are then the host's for each token it could be, and the
-  step picks the entry its input matches, so the host launches a step before it reads the last;
-- with `graphs` (the worker's on CUDA), each (bucket, runs) is captured once and replayed: at worker
-  start every bucket up to the batch's in one run over every graph span of the pool (`capture_all`,
-  largest first, into one graph memory pool); the multi-run steps of mixed lengths when first met,
-  at most `MOST_GRAPHS` kept. Spans come from a short list (`GRAPH_SPANS`: ×1.5 apart, so a run reads
-  at most 1.5x past its longest row), which bounds the shapes. A graph belongs to the pool's
-  `generation` (its buffers), never replayed over another. A capture that fails is logged once with
-  its reason and that (bucket, runs) runs eagerly: the same tokens, never a failed row (a `capture`
-  rule of KVBATCH_FAULTS injects one). On the CPU the same step runs eagerly and gives today's tokens.
-
-The caller reads the step's tokens (or chooses from its logits) after it: one transfer a step.
+- it takes the step's pool rows only: a riding prompt chunk and the rows whose KV is no pool slot run
+  as their own eager forward beside it (runner/engine/batch_engine.py);
+- it runs the pool's slots from the first to its last row's, in slot order: a live slot that is no row
+  of the step (a prompt prefilling) is a passenger, written at its own length and its output dropped;
+  a free slot is a padding row, written at position 0 and read by nobody;
+- the mask is made from the lengths inside the step; the slots are read in runs (pooled_attention.py
+  `attention_runs`, up to `STEP_RUNS` calls a layer), so a row's KV is read about in proportion to its
+  own length; the runs are part of what a graph is captured for;
+- it ends with each row's logits and greedy token on the device, and reads nothing back to the host
+  (tests/test_static_step.py runs it on the meta device). The rows' bans (`Ban`: the summary's n-gram
+  ban and other `HostBans`) come in as buffers and become a mask in the step, so its argmax is the
+  host's choice; a row's input may be the step before's token, still on the device (`ahead`): its bans
+  are then listed for each token it could be, so the host launches a step before reading the last;
+- with `graphs` (CUDA), each (bucket, runs) is captured once: every bucket's one-run step over every
+  span at worker start (`capture_all`), multi-run ones when first met, at most `MOST_GRAPHS` kept. Spans
+  come from `GRAPH_SPANS` (×1.5 apart), which bounds the shapes. A graph belongs to the pool's
+  `generation`; a capture that fails is logged once and that (bucket, runs) runs eagerly, with the same
+  tokens. On the CPU the same step runs eagerly.
 """
 
 from __future__ import annotations
@@ -204,10 +187,6 @@ class StaticStep:
             return Eager.OVER_SLOTS
         return None
 
-    def takes(self, caches: Sequence[Any]) -> bool:
-        """Whether every one of these rows runs in a static step."""
-        return bool(caches) and all(self.why_eager(cache) is None for cache in caches)
-
     def ban_fits(self, ban: Ban | None) -> bool:
         """Whether a row's bans (`TokenPicker.ban`; None: its choice is the host's) go into the step."""
         return ban is not None and len(ban) <= BAN_CHOICES and all(
@@ -215,7 +194,7 @@ class StaticStep:
 
     def run(self, last_tokens: Sequence[int], caches: Sequence[PooledCache], bans: Sequence[Ban] | None = None,
             ahead: tuple[torch.Tensor, Sequence[int | None]] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """One decode step of `caches` (their last tokens in the same order; `takes` them): each row's
+        """One decode step of `caches` (their last tokens in the same order; each `why_eager` None): each row's
         logits ([rows, vocab] float32) and greedy token ([rows]) over its `bans` (each `ban_fits`; None: no
         bans), on the device, in the order of `caches`. `ahead`: a device tensor of tokens and, for each
         row, where its input token is in it (None: `last_tokens`'). A live slot among theirs that is no
@@ -252,17 +231,15 @@ class StaticStep:
             self.glued_row_steps += any(glues for _, _, glues in entries)
         runs = self._runs(attended)
         inputs = step_inputs(self.pool.device)
-        buffers.ids.copy_(inputs.put("ids", ids), non_blocking=True)
+        for buffer, kind, values in ((buffers.ids, "ids", ids), (buffers.positions, "positions", positions),
+                                     (buffers.lengths, "pooled lengths", attended), (buffers.after, "ban after", after),
+                                     (buffers.banned, "banned", banned), (buffers.glued, "glued", glued)):
+            buffer.view(-1).copy_(inputs.put(kind, values), non_blocking=True)
         if from_device:
             assert ahead is not None
             slots, at = zip(*from_device, strict=True)
             buffers.ids.index_copy_(0, inputs.put("ids from the device", slots),
                                     ahead[0].index_select(0, inputs.put("ids ahead", at)))
-        buffers.positions.copy_(inputs.put("positions", positions), non_blocking=True)
-        buffers.lengths.copy_(inputs.put("pooled lengths", attended), non_blocking=True)
-        buffers.after.view(-1).copy_(inputs.put("ban after", after), non_blocking=True)
-        buffers.banned.view(-1).copy_(inputs.put("banned", banned), non_blocking=True)
-        buffers.glued.view(-1).copy_(inputs.put("glued", glued), non_blocking=True)
         if self.graphs:
             self._replay(buffers, runs)
         else:

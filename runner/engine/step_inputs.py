@@ -1,11 +1,9 @@
 """The small integer tensors a decode step builds on the host (token ids, positions, slots, lengths,
 banned tokens) and hands to the device, without stalling the step.
 
-`torch.tensor(values, device=cuda)` copies from pageable memory: CUDA stages that through a driver
-buffer and the host waits for it, once per tensor, several times a step. On CUDA the values are
-written instead into a pinned host buffer kept per kind of input (grown when a step needs more) and
-copied with `non_blocking=True`, so the host queues the copy and goes on. On any other device the
-tensor is made exactly as before (`torch.tensor`): pinning needs CUDA, and there is nothing to overlap.
+`torch.tensor(values, device=cuda)` copies from pageable memory, and the host waits for it, several
+times a step. On CUDA the values go through a pinned host buffer kept per kind of input instead, copied
+with `non_blocking=True`; on any other device the tensor is made with `torch.tensor`.
 """
 
 from __future__ import annotations
@@ -21,13 +19,10 @@ _PER_THREAD = threading.local()
 class StepInputs:
     """One thread's step inputs for one device: `put` a kind's values, get them as a device tensor.
 
-    Why reusing a pinned buffer is safe: the host writes into it only after the device has read
-    what it held before. Each kind has two buffers used in turn, and each copy out of one records a
-    CUDA event on the stream it was queued on; writing into that buffer again first waits for its
-    event. With two, the wait is for the copy of the use before last, which the device has long
-    run in practice (a kind is used once or twice a step), so the host rarely blocks. A buffer
-    replaced by a bigger one is simply dropped: torch's pinned-memory allocator does not hand its
-    memory out again before the copies queued from it have run."""
+    Reusing a pinned buffer is safe: each kind has two buffers used in turn, and writing into one
+    first waits for the CUDA event its last copy recorded, the use before last, which the device has
+    long run in practice. A buffer replaced by a bigger one is dropped: torch's pinned-memory
+    allocator does not hand it out again before the copies queued from it have run."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device

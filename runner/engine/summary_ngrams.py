@@ -2,10 +2,8 @@
 
 transformers' `no_repeat_ngram_size` reads the whole sequence, so on a decoder-only model it bans the
 prompt's n-grams too: a summary could not quote four tokens of its document ("GNU Lesser General
-General Public License"). This processor applies transformers' own rule to the new tokens alone.
-generate() and the engine's `TokenPicker` both get it (runner/engine/generation.py), so a sequence
-decoded alone and one decoded in a batch follow the same rule; its batched form is `NoRepeatNGrams`
-with an empty table (runner/engine/batched_logits.py).
+General Public License"). This processor applies transformers' own rule to the new tokens alone, in
+generate() and in the engine's `TokenPicker` alike (its batched form: batched_logits.py `NoRepeatNGrams`).
 
 A banned repeat is banned in both spellings (runner/engine/word_pieces.py): where the summary's last
 n-1 tokens were followed before by a new word, they end a word, so a token that would carry that word

@@ -1,14 +1,11 @@
 """The worker: holds one model, plans documents' passes and runs passes, several at once (a Ray actor).
 
 Three calls cross Ray (jobs/passes.py): `plan` tokenises a document once and cuts it into its first
-level of passes, `plan_merge` groups a level's summaries into the next, and `run_pass` runs one pass.
-Each pass runs in a thread of its own (the actor takes `batch.max_sequences` calls at a time) and goes
-to the worker's one `BatchEngine`, which decodes the sequences of every pass in flight together. The
-worker owns the cache ladder: a pass starts on the first rung the planner says fits, and a device OOM
-(real, from the budget guard, or a full offload disk) moves it to the next rung at once. What is left
-(transient errors, shorter contexts) is the coordinator's business, so the worker reports a
-failure's class instead of retrying it. The worker never writes the job folder: a finished pass is
-the call's result, which the coordinator keeps.
+level of passes, `plan_merge` groups a level's summaries into the next, and `run_pass` runs one pass in
+the worker's one `BatchEngine`, beside every pass in flight. The worker owns the cache ladder: a device
+OOM (real, from the budget guard, or a full offload disk) moves a pass to the next rung at once. Other
+failures are the coordinator's business: the worker reports their class instead of retrying. It never
+writes the job folder: a finished pass is the call's result.
 """
 
 from __future__ import annotations
@@ -59,15 +56,14 @@ from storage.scratch import (
 class _PeakRss:
     """Samples this process's RSS in the background: a task's peak, not the process's lifetime peak."""
 
-    def __init__(self, interval_s: float = 0.05) -> None:
+    def __init__(self) -> None:
         self._proc = psutil.Process()
-        self._interval_s = interval_s
         self._stop = threading.Event()
         self.peak = self._proc.memory_info().rss
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
-        while not self._stop.wait(self._interval_s):
+        while not self._stop.wait(0.05):
             self.peak = max(self.peak, self._proc.memory_info().rss)
 
     def __enter__(self) -> "_PeakRss":
@@ -318,7 +314,9 @@ class SummaryWorker:
                 # only what the result needs: the exception's frames would keep the failed cache alive
                 last_error = (type(e).__name__, str(e))
             # out of the handler, so the failed rung's exception and everything it held are gone
-            self._release_memory()
+            gc.collect()
+            if self.loaded.device.type == "cuda":
+                torch.cuda.empty_cache()
             fallbacks.append(cache_fallback_note(rung, rungs[i + 1] if i + 1 < len(rungs) else None, last_error[0]))
         return _failure(FailureClass.MEMORY, *last_error, started)
 
@@ -355,17 +353,7 @@ class SummaryWorker:
                             claim_bytes=kv_bytes(self.kv_shape, len(spec.prompt) + spec.max_new_tokens),
                             wait_s=self.cfg.retry.task_timeout_s, pass_at=(spec.level, spec.index))
 
-    def _release_memory(self) -> None:
-        gc.collect()
-        if self.loaded.device.type == "cuda":
-            torch.cuda.empty_cache()
-
 
 def _failure(cls: FailureClass, error_type: str, error: str, started: float) -> CallOutcome:
-    return {
-        "status": "failed",
-        "failure_class": cls.value,
-        "error_type": error_type,
-        "error": error,
-        "wall_s": time.perf_counter() - started,
-    }
+    return CallOutcome(status="failed", failure_class=cls.value, error_type=error_type, error=error,
+                       wall_s=time.perf_counter() - started)
