@@ -186,16 +186,13 @@ class LayerStore:
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> int:
         """Copy only the new tokens ((batch, heads, tokens, head_dim) each) off the device, sealing
         each tail that fills up; returns the bytes the copies wrote."""
-        return self.append_pairs(token_pairs(keys, values))
-
-    def append_pairs(self, pairs: torch.Tensor) -> int:
-        """`append` for new tokens already stacked as the tail holds them: (tokens, 2, batch, heads,
-        head_dim), contiguous (a batched step stacks every row's at once, `token_pairs`)."""
+        pairs = token_pairs(keys, values)
         new = pairs.shape[0]
         done = copied = 0
         while done < new:
             window = self._tail_window(new - done)
-            copied += _copy(window, pairs[done : done + window.shape[0]], self.pinned)
+            window.copy_(pairs[done : done + window.shape[0]], non_blocking=self.pinned)
+            copied += window.nbytes
             done += window.shape[0]
             self._filled(window.shape[0])
         return self._appended(new, copied)
@@ -243,38 +240,28 @@ class LayerStore:
     # --- reading -------------------------------------------------------------------------------
 
     def _snapshot(self) -> _Snapshot:
-        return _Snapshot(
-            tuple(self.blocks), self.tail, self.tail_len, self.seq_len, self.batch,
-            self._copies_done,
-        )
+        return _Snapshot(tuple(self.blocks), self.tail, self.tail_len, self.seq_len, self.batch, self._copies_done)
 
     def read_later(self, extra_tokens: int, into: Slot | None = None) -> Read:
         """A read of the layer as it is now, with room for `extra_tokens` (into the buffers of `into`
         when given: a batched step's slot for this row), for `read_all` to do, with other rows' reads."""
         return Read(self, self._snapshot(), extra_tokens, into)
 
-    def load(self, extra_tokens: int, into: Slot | None = None) -> Resident:
-        """Bring the layer to the device after the IO thread's queued work (its seals) is done."""
-        return self.io.run(self._materialize, self._snapshot(), extra_tokens, into)
-
-    def load_here(self, extra_tokens: int, into: Slot | None = None) -> Resident:
-        """Bring the layer to the device on the calling thread (blocks still being sealed are waited for)."""
-        return self._materialize(self._snapshot(), extra_tokens, into)
+    def load(self, extra_tokens: int, into: Slot | None = None, here: bool = False) -> Resident:
+        """Bring the layer to the device after the IO thread's queued work (its seals) is done, or
+        `here`, on the calling thread (blocks still being sealed are waited for)."""
+        read = self.read_later(extra_tokens, into)
+        if here:
+            read_all([read])
+        else:
+            self.io.run(read_all, [read])
+        return read.done.result()
 
     def _read_block(self, block: SealedBlock) -> tuple[torch.Tensor, torch.Tensor]:
         keys, values = self.tier.load(block.payload.result(), block.stored_shape, self.dtype)
         if block.rows is not None:
             keys, values = keys.index_select(0, block.rows), values.index_select(0, block.rows)
         return keys, values
-
-    def _materialize(self, snap: _Snapshot, extra_tokens: int, into: Slot | None = None) -> Resident:
-        """Runs on the IO thread's stream (or the compute thread's, see `load_here`): on CUDA its
-        copies are ordered after the tail's by an event (and after the slot's last reader, for a
-        slot), and the result carries one for its reader."""
-        with _writing([into]):
-            buffer, copies, decoded = self._plan(snap, extra_tokens, into)
-            copy_all(copies)
-            return self._resident(snap, buffer, decoded + _bytes(copies), self._record())
 
     def _plan(self, snap: _Snapshot, extra_tokens: int, into: Slot | None
               ) -> tuple[Slot, list[tuple[torch.Tensor, torch.Tensor]], int]:
@@ -305,19 +292,10 @@ class LayerStore:
                 continue
             block_keys, block_values = self._read_block(block)
             copies += [(keys, block_keys), (values, block_values)]
-        if snap.tail_len:
-            start = snap.seq_len - snap.tail_len
-            copies.append(_tail_copy(into.by_token[start : snap.seq_len], snap.tail[: snap.tail_len]))
+        if snap.tail_len:  # token-major into the buffer seen by token; on CUDA one contiguous copy to the device first
+            tail = snap.tail[: snap.tail_len].to(into.kv.device, non_blocking=True)
+            copies.append((into.by_token[snap.seq_len - snap.tail_len : snap.seq_len], tail))
         return into, copies, decoded
-
-    def _record(self) -> torch.cuda.Event | None:
-        """On CUDA: an event after the copies queued so far on this thread's stream, for their reader."""
-        return torch.cuda.current_stream(self.device).record_event() if self.pinned else None
-
-    def _resident(self, snap: _Snapshot, buffer: Slot, copied: int, filled: torch.cuda.Event | None) -> Resident:
-        """The read's result, once its copies (`copied` bytes, counted here) are made or queued."""
-        self.traffic.host_to_device += copied
-        return Resident(buffer.keys, buffer.values, snap.seq_len, copied, filled)
 
     # --- reshaping (callers settle any pending read of this layer first) -----------------------
 
@@ -360,15 +338,10 @@ class LayerStore:
         self.seq_len = keep
 
 
-def token_major(kv: torch.Tensor) -> torch.Tensor:
-    """(batch, heads, tokens, head_dim) seen as (tokens, batch, heads, head_dim): a view, no copy."""
-    return kv.permute(2, 0, 1, 3)
-
-
 def token_pairs(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """(batch, heads, tokens, head_dim) keys and values as the tail holds them: (tokens, 2, batch,
     heads, head_dim), contiguous (one op; on CUDA on the device, before the copy off it)."""
-    return torch.stack((token_major(keys), token_major(values)), dim=1)
+    return torch.stack((keys.permute(2, 0, 1, 3), values.permute(2, 0, 1, 3)), dim=1)
 
 
 def _head_major(tail: torch.Tensor, pinned: bool) -> torch.Tensor:
@@ -376,18 +349,8 @@ def _head_major(tail: torch.Tensor, pinned: bool) -> torch.Tensor:
     block = torch.empty(
         (tail.shape[1], tail.shape[2], tail.shape[0], tail.shape[3]), dtype=tail.dtype, pin_memory=pinned
     )
-    token_major(block).copy_(tail)
+    block.permute(2, 0, 1, 3).copy_(tail)
     return block
-
-
-def _tail_copy(window: torch.Tensor, tail: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The copy of a token-major tail window (tokens, 2, batch, heads, head_dim) into the same tokens
-    of a head-major device buffer of keys and values side by side, seen by token (`Slot.by_token`):
-    one copy. On CUDA the pinned window goes to the device in one contiguous asynchronous copy first
-    (made here) and is transposed there."""
-    if tail.device != window.device:
-        tail = tail.to(window.device, non_blocking=True)
-    return window, tail
 
 
 @dataclass
@@ -425,9 +388,12 @@ def read_all(reads: Sequence[Read]) -> None:
         for read, *_ in planned:
             read.done.set_exception(e)
         return
-    filled = planned[0][0].store._record()
+    store = planned[0][0].store  # on CUDA: an event after the copies queued on this thread's stream, for their readers
+    filled = torch.cuda.current_stream(store.device).record_event() if store.pinned else None
     for read, buffer, copies, decoded in planned:
-        read.done.set_result(read.store._resident(read.snap, buffer, decoded + _bytes(copies), filled))
+        copied = decoded + sum(dst.nbytes for dst, _ in copies)  # the traffic counters add up the copies' own writes
+        read.store.traffic.host_to_device += copied
+        read.done.set_result(Resident(buffer.keys, buffer.values, read.snap.seq_len, copied, filled))
 
 
 def _writing(slots: Sequence[Slot | None]) -> AbstractContextManager[object]:
@@ -441,15 +407,3 @@ def copy_all(copies: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
     rows' small copies, where a loop of `copy_` pays the host's cost of an op for each."""
     if copies:
         torch._foreach_copy_([dst for dst, _ in copies], [src for _, src in copies], non_blocking=True)
-
-
-def _bytes(copies: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> int:
-    """What `copies` write: the traffic counters add up the copies' own destinations."""
-    return sum(dst.nbytes for dst, _ in copies)
-
-
-def _copy(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = True) -> int:
-    """Copy `src` into `dst` and return the bytes written: the traffic counters add these up, so
-    they report the copies made, not what a plan says should have been made."""
-    dst.copy_(src, non_blocking=non_blocking)
-    return dst.nbytes

@@ -194,7 +194,7 @@ class TieredLayer(CacheLayerMixin):
                 # Still queued (the IO thread is busy or starved of CPU): reading here beats waiting
                 # for its turn. Nothing changed the layer since the read was queued.
                 assert self.store is not None
-                self._ready = self._adopt(self.store.load_here(pending.extra_tokens, pending.into))
+                self._ready = self._adopt(self.store.load(pending.extra_tokens, pending.into, here=True))
             else:
                 self._ready = self._adopt(pending.done.result())
 
