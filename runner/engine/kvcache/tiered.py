@@ -84,7 +84,6 @@ class _Shared:
 class TieredLayer(CacheLayerMixin):
     """A full-attention layer kept off the device between its turns in the forward pass."""
 
-    is_sliding = False
     is_croppable = True
     streamed = True
     """Its KV lives on a tier and comes to the device for its turn (the other layers of a cache stay there)."""
@@ -115,9 +114,7 @@ class TieredLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         assert self.store is not None
         new = key_states.shape[-2]
-        waited_from = time.perf_counter()
-        old = self._take_resident(extra_tokens=new)
-        waited = time.perf_counter() - waited_from
+        old, waited = self._take_resident(extra_tokens=new)
         copied_out = self.store.append(key_states, value_states)
         self.shared.host_meter.hold(self.layer_idx, self.store.host_bytes)
         if old is None:
@@ -139,9 +136,7 @@ class TieredLayer(CacheLayerMixin):
         them in, `SlotTurn.carried`) and the tail window the new token goes to. The step copies
         every row's new token into its window and into the slots, attends, and `finish_turn`s."""
         assert self.store is not None
-        waited_from = time.perf_counter()
-        old = self._take_resident(extra_tokens=1, into=slot)
-        waited = time.perf_counter() - waited_from
+        old, waited = self._take_resident(extra_tokens=1, into=slot)
         assert old is not None, "a batched step's tiered rows hold tokens"
         carried = []
         if old.keys.data_ptr() != slot.kv.data_ptr():  # read before the step had slots (its first layer's prefetch)
@@ -169,22 +164,25 @@ class TieredLayer(CacheLayerMixin):
         with the step's other rows' (`read_all`). None if there is nothing to read or a read is pending."""
         if self.store is None or self.store.seq_len == 0 or self._pending is not None or self._ready is not None:
             return None
-        into = into if into is not None else self.shared.read_slot(self.store, extra_tokens)
-        self.shared.device_meter.hold(self.layer_idx, into.kv.nbytes)
-        self._pending = self.store.read_later(extra_tokens, into)
+        self._pending = self.store.read_later(extra_tokens, self._held_slot(extra_tokens, into))
         return self._pending
 
-    def _take_resident(self, extra_tokens: int, into: Slot | None = None) -> Resident | None:
-        self._settle()
-        if self._ready is not None:
-            ready, self._ready = self._ready, None
-            return ready
+    def _held_slot(self, extra_tokens: int, into: Slot | None) -> Slot:
+        """Where a read goes (`into`, else the cache's next read buffer), held in the device meter."""
         assert self.store is not None
-        if self.store.seq_len == 0:
-            return None
         into = into if into is not None else self.shared.read_slot(self.store, extra_tokens)
         self.shared.device_meter.hold(self.layer_idx, into.kv.nbytes)
-        return self._adopt(self.store.load(extra_tokens, into))
+        return into
+
+    def _take_resident(self, extra_tokens: int, into: Slot | None = None) -> tuple[Resident | None, float]:
+        """The layer's old tokens on the device (None if it holds none), and the seconds waited for them."""
+        waited_from = time.perf_counter()
+        self._settle()
+        ready, self._ready = self._ready, None
+        assert self.store is not None
+        if ready is None and self.store.seq_len > 0:
+            ready = self._adopt(self.store.load(extra_tokens, self._held_slot(extra_tokens, into)))
+        return ready, time.perf_counter() - waited_from
 
     def _settle(self) -> None:
         """Finish a background read of this layer before anything reads or changes the layer."""
@@ -256,12 +254,6 @@ class TieredLayer(CacheLayerMixin):
         if self.store is not None:
             self._discard_resident()
             self.store.crop(self.store.seq_len)
-
-    def offload(self) -> None:
-        """Nothing to do: this layer is never left on the device between turns."""
-
-    def prefetch(self) -> None:
-        """Nothing to do: `read_ahead` (driven by TieredCache and batched steps) brings the layer back."""
 
 
 @dataclass
@@ -339,7 +331,9 @@ class TieredCache(Cache):
             return keys, values
         self._switch_to(layer_idx)
         keys, values = layer.update(key_states, value_states)
-        self._prefetch_after(layer_idx, new)
+        read = self._read_after(layer_idx, new, None)
+        if read is not None:
+            read.store.io.submit(read_all, [read])
         self._note_kv_peak(layer_idx)
         return keys, values
 
@@ -380,11 +374,6 @@ class TieredCache(Cache):
             self.shared.device_meter.drop(self._current)  # its attention has run: its buffers are free
         self._current = layer_idx
 
-    def _prefetch_after(self, layer_idx: int, new: int) -> None:
-        read = self._read_after(layer_idx, new, None)
-        if read is not None:
-            read.store.io.submit(read_all, [read])
-
     def _read_after(self, layer_idx: int, new: int, next_slot: Slot | None) -> Read | None:
         following_idx = self._next_tiered[layer_idx]
         if following_idx == layer_idx:
@@ -398,7 +387,7 @@ class TieredCache(Cache):
         """After the last layer of a forward pass every layer holds its new tokens: the KV size
         only grows between passes, so its peak is read there (one walk over the layers a pass)."""
         if layer_idx == self._last_layer:
-            self._kv_peak = max(self._kv_peak, self._kv_bytes())
+            self._kv_peak = max(self._kv_peak, sum(_kv_bytes(layer) for layer in self.layers))
 
     def _reserve(
         self, layer: GrowingLayer, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor
@@ -409,16 +398,6 @@ class TieredCache(Cache):
         layer.lazy_initialization(key_states, value_states)
         self.shared.device_meter.hold(("kept", layer_idx), layer.bytes_for(self.placement.tokens))
         layer.grow_to(self.placement.tokens)
-
-    def _kv_bytes(self) -> int:
-        """All layers' KV as `dynamic` would hold it on the device."""
-        total = 0
-        for layer in self.layers:
-            if getattr(layer, "streamed", False):
-                total += layer.store.seq_len * layer.store.token_bytes if layer.store is not None else 0
-            elif getattr(layer, "keys", None) is not None:
-                total += layer.keys.nbytes + layer.values.nbytes
-        return total
 
     def stats(self) -> dict[str, Any]:
         """Sizes and traffic so far; the first five keys are the result row's columns."""
@@ -480,6 +459,13 @@ class TieredCache(Cache):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _kv_bytes(layer: CacheLayerMixin | DummyLayer) -> int:
+    """A layer's KV as `dynamic` would hold it on the device."""
+    if getattr(layer, "streamed", False):
+        return layer.store.seq_len * layer.store.token_bytes if layer.store is not None else 0
+    return layer.keys.nbytes + layer.values.nbytes if getattr(layer, "keys", None) is not None else 0
 
 
 def _make_tier(tier: str, offload_dir: str | Path | None, codec: BlockCodec) -> Tier:
