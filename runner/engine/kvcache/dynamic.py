@@ -15,7 +15,7 @@ from transformers import PretrainedConfig
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from runner.engine.kvcache.budget import ResidentMeter
-from runner.engine.kvcache.resident import GrowingLayer, allocated_bytes
+from runner.engine.kvcache.resident import GrowingLayer, allocated_bytes, next_capacity
 
 
 class BudgetedDynamicCache(DynamicCache):
@@ -66,7 +66,7 @@ class BudgetedDynamicCache(DynamicCache):
         needed = layer.get_seq_length() + key_states.shape[-2]
         others = [other for other in self.layers if other is not layer]
         held = self._held_bytes(others)
-        capacity = layer.next_capacity(needed)
+        capacity = next_capacity(layer.capacity, needed)
         if self.expected_tokens is not None and needed <= self.expected_tokens:
             capacity = self.expected_tokens
         if not self._fits(held + layer.bytes_for(capacity)):

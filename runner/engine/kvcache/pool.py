@@ -29,7 +29,6 @@ it, not by an address the allocator may hand out again with another shape.
 
 from __future__ import annotations
 
-import math
 import weakref
 from typing import Any
 
@@ -38,7 +37,7 @@ from transformers import PretrainedConfig
 from transformers.cache_utils import Cache, DynamicLayer, get_layer_types_and_kwargs
 
 from runner.engine.kvcache.budget import KVBudgetExceeded, ResidentMeter
-from runner.engine.kvcache.resident import GRANULE_TOKENS, GROWTH
+from runner.engine.kvcache.resident import GRANULE_TOKENS, granule, next_capacity
 
 METER_SLOT = "kv-pool"
 
@@ -150,8 +149,7 @@ class KVPool:
             wanted = self._planned_shape(*exact)
         else:
             wanted = (self.slots if exact[0] <= self.slots else max(exact[0], 2 * self.slots),
-                      self.tokens if exact[1] <= self.tokens
-                      else _granule(max(exact[1], math.ceil(self.tokens * GROWTH))))
+                      self.tokens if exact[1] <= self.tokens else next_capacity(self.tokens, exact[1]))
         try:
             self.meter.hold(METER_SLOT, self.bytes_for(*wanted))
             shape = wanted
@@ -167,13 +165,13 @@ class KVPool:
     def _least_shape(self, slots: int, tokens: int) -> tuple[int, int]:
         """The smallest buffers that hold `slots` sequences of `tokens` and every live one: what `ensure`
         settles for when the budget has no room for more."""
-        return max(slots, len(self.owners)), _granule(max(tokens, self.longest()))
+        return max(slots, len(self.owners)), granule(max([tokens, *(owner.length for owner in self.owners)]))
 
     def _planned_shape(self, slots: int, tokens: int) -> tuple[int, int]:
         """The plan's shape, at least (`slots`, `tokens`): its slots cut to what the budget has room
         for beside what the meter already holds (the batch's other caches)."""
         assert self.planned is not None
-        tokens = max(tokens, _granule(self.planned[1]))
+        tokens = max(tokens, granule(self.planned[1]))
         fit = self.planned[0]
         if self.meter.budget_bytes is not None:
             fit = min(fit, (self.meter.budget_bytes - self.meter.total) // self.bytes_for(1, tokens))
@@ -181,10 +179,6 @@ class KVPool:
 
     def bytes_for(self, slots: int, tokens: int) -> int:
         return slots * tokens * self.token_bytes
-
-    def longest(self) -> int:
-        """The most tokens a live sequence holds now."""
-        return max((owner.length for owner in self.owners), default=0)
 
     def _reallocate(self, slots: int, tokens: int) -> None:
         shape = (self.num_layers, slots, self.kv_heads, tokens, self.head_dim)
@@ -197,10 +191,6 @@ class KVPool:
             values[:, :live, :, :held].copy_(self.values[:, :live, :, :held])
         self.keys, self.values = keys, values
         self.generation += 1
-
-
-def _granule(tokens: int) -> int:
-    return -(-max(tokens, 1) // GRANULE_TOKENS) * GRANULE_TOKENS
 
 
 class PooledLayer(DynamicLayer):

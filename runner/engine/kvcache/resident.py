@@ -54,11 +54,6 @@ class GrowingLayer(DynamicLayer):
         """Bytes both buffers take at a capacity of `tokens` (0 until the layer has seen its first tokens)."""
         return tokens * self._token_bytes
 
-    def next_capacity(self, needed: int) -> int:
-        """The geometric step for `needed` tokens: GROWTH × capacity or `needed`, rounded up to the granule."""
-        wanted = max(needed, math.ceil(self.capacity * GROWTH))
-        return -(-wanted // GRANULE_TOKENS) * GRANULE_TOKENS
-
     def grow_to(self, capacity: int) -> None:
         """Reallocate to `capacity` tokens (never below the valid length), copying only the valid prefix."""
         capacity = max(capacity, self._length)
@@ -89,7 +84,7 @@ class GrowingLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         start, end = self._length, self._length + key_states.shape[-2]
         if end > self.capacity:
-            self.grow_to(self.next_capacity(end))
+            self.grow_to(next_capacity(self.capacity, end))
         key_buffer, value_buffer = self._buffers
         key_buffer[:, :, start:end].copy_(key_states)
         value_buffer[:, :, start:end].copy_(value_states)
@@ -151,6 +146,16 @@ class GrowingLayer(DynamicLayer):
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self._length > 0:
             self._adopt(*(_selected(buffer, self._length, indices) for buffer in self._buffers))
+
+
+def next_capacity(capacity: int, needed: int) -> int:
+    """The geometric step from `capacity` for `needed` tokens: GROWTH × capacity or `needed`, in granules."""
+    return granule(max(needed, math.ceil(capacity * GROWTH)))
+
+
+def granule(tokens: int) -> int:
+    """`tokens` (at least one) rounded up to GRANULE_TOKENS."""
+    return -(-max(tokens, 1) // GRANULE_TOKENS) * GRANULE_TOKENS
 
 
 def allocated_bytes(layer: Any) -> int:

@@ -9,7 +9,6 @@ guard's) moves it to the next rung.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import psutil
 import torch
@@ -46,13 +45,10 @@ def kv_shape(model_config: PretrainedConfig, dtype: torch.dtype | None = None) -
         num_kv_heads=getattr(text, "num_key_value_heads", None) or heads,
         head_dim=head_dim,
         dtype_bytes=dtype.itemsize,
-        layer_windows=tuple(_window(t, kw) for t, kw in zip(layer_types, layer_kwargs)),
+        # the most tokens a layer keeps: None when it keeps them all (and for types we cannot bound)
+        layer_windows=tuple(0 if kind == "dummy" else kwargs.get("sliding_window")
+                            for kind, kwargs in zip(layer_types, layer_kwargs)),
     )
-
-
-def _window(layer_type: str, kwargs: dict[str, Any]) -> int | None:
-    """The most tokens a layer keeps: None when it keeps them all (and for types we cannot bound)."""
-    return 0 if layer_type == "dummy" else kwargs.get("sliding_window")
 
 
 def ram_left_by_weights(available_before_load: int, weight_bytes: int, available_after_load: int) -> int:
@@ -108,14 +104,13 @@ def build_cache(
         cache = BudgetedDynamicCache(model.config, device_budget_bytes, expected_tokens, device_meter)
         return CacheHandle(strategy, cache, cache.stats, cache.close)
     if rung.tier is not None:
-        tier = rung.tier
         if rung.needs_offload_dir and offload_dir is None:
             raise ValueError("cache strategy tiered-disk needs the task's offload dir (cache.offload_root)")
         if kv_pool is not None:  # an empty pool's device room is the tiered cache's
             kv_pool.give_way()
         tiered = TieredCache(
             model.config,
-            tier=tier,
+            tier=rung.tier,
             offload_dir=offload_dir,
             block_tokens=cache_cfg.block_tokens,
             compression=cache_cfg.compression,

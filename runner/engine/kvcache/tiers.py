@@ -8,7 +8,7 @@ block store (bf16 travels as int16 bits: numpy has no bfloat16, and the codec on
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Protocol
+from typing import TypeAlias
 
 import numpy as np
 import torch
@@ -26,21 +26,6 @@ def _bits(tensor: torch.Tensor) -> np.ndarray:
 
 def _from_bits(values: np.ndarray, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
     return torch.from_numpy(values).view(dtype).reshape(shape)
-
-
-class Tier(Protocol):
-    keeps_blocks_in_ram: bool
-
-    def seal(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> object: ...
-    def load(self, payload: object, shape: torch.Size, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]: ...
-    def load_into(self, payload: object, keys: torch.Tensor, values: torch.Tensor) -> int:
-        """Decode a block straight into CPU windows of a layer's buffer. Only tiers that do not keep
-        blocks in RAM have one: the others' `load` is the stored block itself, which the reader
-        copies with every other row's (layer_store.read_all)."""
-        ...
-
-    def discard_from(self, payload: object) -> None: ...
-    def close(self) -> None: ...
 
 
 class HostTier:
@@ -85,7 +70,8 @@ class DiskTier:
 
     def load_into(self, payload: object, keys: torch.Tensor, values: torch.Tensor) -> int:
         """Decode straight into CPU windows of the layer's buffer (no intermediate copy); returns the
-        bytes decoded into them."""
+        bytes decoded into them. The host tier has none: its `load` is the stored block itself, which
+        the reader copies with every other row's (layer_store.read_all)."""
         key_ref, value_ref = payload  # type: ignore[misc]
         return self.store.read_into(key_ref, _bits(keys)) + self.store.read_into(value_ref, _bits(values))
 
@@ -95,3 +81,6 @@ class DiskTier:
 
     def close(self) -> None:
         self.store.close()
+
+
+Tier: TypeAlias = HostTier | DiskTier
