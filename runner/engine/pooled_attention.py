@@ -100,15 +100,14 @@ class PooledStep:
         lengths = [cache.length for cache in caches]
         self.span = aligned(max(lengths) + 1)  # the longest row's tokens, its new one included, aligned
         pool.ensure(len(pool.owners), self.span)
-        live = len(pool.owners)
+        self.live = len(pool.owners)
         slots = [cache.slot for cache in caches]
-        self.live = live
-        self.packed = slots == list(range(live))
+        self.packed = slots == list(range(self.live))
         device = pool.device
         inputs = step_inputs(device)
         self.slots = inputs.put("pooled slots", slots)
         self.positions = inputs.put("pooled positions", lengths)
-        attended = [1] * live  # a slot without a row in this step: any non-empty length, its output is dropped
+        attended = [1] * self.live  # a slot without a row in this step: any non-empty length, its output is dropped
         for slot, length in zip(slots, lengths):
             attended[slot] = length + 1
         self.mask = length_mask(attended, self.span, pool.dtype, device, "pooled lengths")

@@ -29,11 +29,6 @@ class CacheHandle:
     _stats: Callable[[], dict[str, Any]] = field(repr=False)
     _close: Callable[[], None] = field(repr=False)
 
-    @classmethod
-    def built_by_generate(cls, strategy: str) -> CacheHandle:
-        """A rung that is one of transformers' own `cache_implementation` values."""
-        return cls(strategy, None, dict, lambda: None)
-
     @property
     def generate_kwargs(self) -> dict[str, Any]:
         """What `generate()` takes to use this cache."""

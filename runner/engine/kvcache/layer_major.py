@@ -65,8 +65,6 @@ def unsupported_reason(model: PreTrainedModel, cache: Cache) -> str | None:
         return f"layer types {other_types} (covered: {list(_MASKS)})"
     if cache.get_seq_length() != 0:
         return "the cache already holds tokens"
-    if not callable(getattr(type(model), "_prefill", None)):
-        return "this transformers version's generate() has no _prefill step to hand the prefill to"
     for idx, layer in enumerate(cache.layers[: len(layer_types)]):
         if getattr(layer, "is_compileable", True):  # transformers' flag of a fixed-size (static) or dummy layer
             return f"cache layer {idx} is a {type(layer).__name__} (covered: layers that grow as they are written)"
@@ -111,13 +109,12 @@ def layer_major_prefill(
     generate() with `prefilled`. Check `unsupported_reason` first."""
     decoder = model.model
     config = decoder.config
-    prefill_ids = input_ids
     # generate()'s own position ids and mask form: positions count the real tokens of each row, and
     # a mask without padding is dropped (so the first chunk may skip its causal mask, as it does there)
     positions = model._prepare_position_ids_for_generation(input_ids, {"attention_mask": attention_mask})
     padding_mask = None if bool((attention_mask == 1).all()) else attention_mask
-    bounds = [(start, start + chunk_size) for start in range(0, prefill_ids.shape[1], chunk_size)]
-    hidden = [decoder.embed_tokens(prefill_ids[:, start:end]) for start, end in bounds]
+    bounds = [(start, start + chunk_size) for start in range(0, input_ids.shape[1], chunk_size)]
+    hidden = [decoder.embed_tokens(input_ids[:, start:end]) for start, end in bounds]
     rotary = [decoder.rotary_emb(h, positions[:, start:end]) for h, (start, end) in zip(hidden, bounds)]
     layer_types, _ = get_layer_types_and_kwargs(config)
 

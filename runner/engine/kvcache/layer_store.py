@@ -123,18 +123,6 @@ class StagingBuffers:
         return slot
 
 
-@dataclass(frozen=True)
-class _Snapshot:
-    """What a background read needs, frozen at submission (the layer may change afterwards)."""
-
-    blocks: tuple[SealedBlock, ...]
-    tail: torch.Tensor | None
-    tail_len: int
-    seq_len: int
-    batch: int
-    copies_done: torch.cuda.Event | None
-
-
 class LayerStore:
     def __init__(
         self, layer_idx: int, like: torch.Tensor, tier: Tier, io: IOThread, block_tokens: int, traffic: Traffic
@@ -239,13 +227,11 @@ class LayerStore:
 
     # --- reading -------------------------------------------------------------------------------
 
-    def _snapshot(self) -> _Snapshot:
-        return _Snapshot(tuple(self.blocks), self.tail, self.tail_len, self.seq_len, self.batch, self._copies_done)
-
     def read_later(self, extra_tokens: int, into: Slot | None = None) -> Read:
         """A read of the layer as it is now, with room for `extra_tokens` (into the buffers of `into`
         when given: a batched step's slot for this row), for `read_all` to do, with other rows' reads."""
-        return Read(self, self._snapshot(), extra_tokens, into)
+        return Read(self, extra_tokens, into, tuple(self.blocks), self.tail, self.tail_len, self.seq_len, self.batch,
+                    self._copies_done)
 
     def load(self, extra_tokens: int, into: Slot | None = None, here: bool = False) -> Resident:
         """Bring the layer to the device after the IO thread's queued work (its seals) is done, or
@@ -263,28 +249,28 @@ class LayerStore:
             keys, values = keys.index_select(0, block.rows), values.index_select(0, block.rows)
         return keys, values
 
-    def _plan(self, snap: _Snapshot, extra_tokens: int, into: Slot | None
-              ) -> tuple[Slot, list[tuple[torch.Tensor, torch.Tensor]], int]:
+    def _plan(self, read: Read) -> tuple[Slot, list[tuple[torch.Tensor, torch.Tensor]], int]:
         """A read's buffer (`into`, or a new one with room for `extra_tokens` more), the copies
         that fill it, (destination, source), left for the caller to make (`read_all` makes every
         row's at once), and the bytes already decoded into it (a disk block on CPU decodes straight
         into its window; a block in RAM is one of the copies)."""
         stream = torch.cuda.current_stream(self.device) if self.pinned else None
+        into, extra_tokens = read.into, read.extra_tokens
         if into is None:  # keys and values side by side, as the tail holds them: one copy reads the tail into both
-            shape = (2, snap.batch, self.heads, snap.seq_len + extra_tokens, self.head_dim)
+            shape = (2, read.batch, self.heads, read.seq_len + extra_tokens, self.head_dim)
             into = Slot.over(torch.empty(shape, dtype=self.dtype, device=self.device))
         else:
-            assert into.kv.shape[1] == snap.batch and into.kv.shape[-2] >= snap.seq_len + extra_tokens, \
+            assert into.kv.shape[1] == read.batch and into.kv.shape[-2] >= read.seq_len + extra_tokens, \
                 "the slot is too small"
             if stream is not None:  # written on this stream: its memory is not handed out again before
                 into.kv.record_stream(stream)  # these copies ran, even if the step that made it is gone
             if into.free is not None:
                 stream.wait_event(into.free)
-        if snap.copies_done is not None:
-            stream.wait_event(snap.copies_done)
+        if read.copies_done is not None:
+            stream.wait_event(read.copies_done)
         copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         decoded = 0
-        for i, block in enumerate(snap.blocks):
+        for i, block in enumerate(read.blocks):
             window = slice(i * self.block_tokens, (i + 1) * self.block_tokens)
             keys, values = into.keys[:, :, window], into.values[:, :, window]
             if self.device.type == "cpu" and block.rows is None and not self.tier.keeps_blocks_in_ram:
@@ -292,9 +278,9 @@ class LayerStore:
                 continue
             block_keys, block_values = self._read_block(block)
             copies += [(keys, block_keys), (values, block_values)]
-        if snap.tail_len:  # token-major into the buffer seen by token; on CUDA one contiguous copy to the device first
-            tail = snap.tail[: snap.tail_len].to(into.kv.device, non_blocking=True)
-            copies.append((into.by_token[snap.seq_len - snap.tail_len : snap.seq_len], tail))
+        if read.tail_len:  # token-major into the buffer seen by token; on CUDA one contiguous copy to the device first
+            tail = read.tail[: read.tail_len].to(into.kv.device, non_blocking=True)
+            copies.append((into.by_token[read.seq_len - read.tail_len : read.seq_len], tail))
         return into, copies, decoded
 
     # --- reshaping (callers settle any pending read of this layer first) -----------------------
@@ -356,12 +342,18 @@ def _head_major(tail: torch.Tensor, pinned: bool) -> torch.Tensor:
 @dataclass
 class Read:
     """One layer of one row to bring to the device for its next turn, and the future its layer
-    settles on: a prefetch hands it to an IO thread alone, a batched step with its other rows'."""
+    settles on: a prefetch hands it to an IO thread alone, a batched step with its other rows'.
+    The layer as it was when the read was made is frozen in it (the layer may change afterwards)."""
 
     store: LayerStore
-    snap: _Snapshot
     extra_tokens: int
     into: Slot | None
+    blocks: tuple[SealedBlock, ...]
+    tail: torch.Tensor | None
+    tail_len: int
+    seq_len: int
+    batch: int
+    copies_done: torch.cuda.Event | None
     done: Future[Resident] = field(default_factory=Future)
 
 
@@ -376,7 +368,7 @@ def read_all(reads: Sequence[Read]) -> None:
             continue
         try:
             with _writing([read.into]):
-                planned.append((read, *read.store._plan(read.snap, read.extra_tokens, read.into)))
+                planned.append((read, *read.store._plan(read)))
         except Exception as e:  # noqa: BLE001 - raised where its row settles the read
             read.done.set_exception(e)
     if not planned:
@@ -393,7 +385,7 @@ def read_all(reads: Sequence[Read]) -> None:
     for read, buffer, copies, decoded in planned:
         copied = decoded + sum(dst.nbytes for dst, _ in copies)  # the traffic counters add up the copies' own writes
         read.store.traffic.host_to_device += copied
-        read.done.set_result(Resident(buffer.keys, buffer.values, read.snap.seq_len, copied, filled))
+        read.done.set_result(Resident(buffer.keys, buffer.values, read.seq_len, copied, filled))
 
 
 def _writing(slots: Sequence[Slot | None]) -> AbstractContextManager[object]:

@@ -59,7 +59,7 @@ class GrowingLayer(DynamicLayer):
         capacity = max(capacity, self._length)
         if capacity == self.capacity:
             return
-        self._adopt(*(_moved(buffer, self._length, capacity) for buffer in self._buffers))
+        self._adopt(*(_copied(buffer, self._length, capacity) for buffer in self._buffers))
 
     def trim(self) -> None:
         """Give back the unused capacity (when a budget needs it for another layer)."""
@@ -141,11 +141,11 @@ class GrowingLayer(DynamicLayer):
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self._length > 0:
-            self._adopt(*(_repeated(buffer, self._length, repeats) for buffer in self._buffers))
+            self.batch_select_indices(torch.arange(self.keys.shape[0]).repeat_interleave(repeats))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self._length > 0:
-            self._adopt(*(_selected(buffer, self._length, indices) for buffer in self._buffers))
+            self._adopt(*(_copied(buffer, self._length, self.capacity, indices) for buffer in self._buffers))
 
 
 def next_capacity(capacity: int, needed: int) -> int:
@@ -167,22 +167,9 @@ def allocated_bytes(layer: Any) -> int:
     return keys.nbytes + values.nbytes if keys is not None else 0
 
 
-def _moved(buffer: torch.Tensor, length: int, capacity: int) -> torch.Tensor:
-    grown = buffer.new_empty((*buffer.shape[:-2], capacity, buffer.shape[-1]))
-    grown[:, :, :length].copy_(buffer[:, :, :length])
-    return grown
-
-
-def _repeated(buffer: torch.Tensor, length: int, repeats: int) -> torch.Tensor:
-    batch, *rest = buffer.shape
-    out = buffer.new_empty((batch * repeats, *rest))
-    valid = buffer[:, :, :length]
-    out.view(batch, repeats, *rest)[:, :, :, :length].copy_(valid.unsqueeze(1).expand(-1, repeats, -1, -1, -1))
-    return out
-
-
-def _selected(buffer: torch.Tensor, length: int, indices: torch.Tensor) -> torch.Tensor:
-    kept = buffer[:, :, :length][indices, ...]
-    out = buffer.new_empty((kept.shape[0], *buffer.shape[1:]))
-    out[:, :, :length].copy_(kept)
+def _copied(buffer: torch.Tensor, length: int, capacity: int, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """A new buffer of `capacity` tokens holding the valid `length` tokens of `buffer` (of `rows` only, in order)."""
+    valid = buffer[:, :, :length] if rows is None else buffer[:, :, :length][rows, ...]
+    out = buffer.new_empty((valid.shape[0], *buffer.shape[1:-2], capacity, buffer.shape[-1]))
+    out[:, :, :length].copy_(valid)
     return out

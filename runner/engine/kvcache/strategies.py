@@ -130,4 +130,4 @@ def build_cache(
             f"this model runs on {model.device.type}: use tiered-host or tiered-disk instead"
         )
     # transformers' own `cache_implementation` values: generate() builds that cache itself
-    return CacheHandle.built_by_generate(strategy)
+    return CacheHandle(strategy, None, dict, lambda: None)

@@ -143,7 +143,7 @@ class TieredLayer(CacheLayerMixin):
             carried = [(slot.keys[:, :, : old.length], old.keys[:, :, : old.length]),
                        (slot.values[:, :, : old.length], old.values[:, :, : old.length])]
             self.shared.device_meter.hold(self.layer_idx, slot.kv.nbytes)  # a read into the slot held it already
-        return SlotTurn(self, slot, old, waited, carried, self.store.token_window())
+        return SlotTurn(self, old, waited, carried, self.store.token_window())
 
     def finish_turn(self, turn: SlotTurn, waited_with_others: float) -> None:
         """After the step copied the new token into `turn.window`: the token is this layer's; the
@@ -231,8 +231,7 @@ class TieredLayer(CacheLayerMixin):
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.store is not None:
-            self._discard_resident()
-            self.store.select_rows(torch.arange(self.store.batch).repeat_interleave(repeats))
+            self.batch_select_indices(torch.arange(self.store.batch).repeat_interleave(repeats))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.store is not None:
@@ -261,7 +260,6 @@ class SlotTurn:
     """One row's share of one streamed layer in a batched decode step, between its two halves."""
 
     layer: TieredLayer
-    slot: Slot
     old: Resident
     waited: float  # seconds the compute thread waited for this row's read of the layer
     carried: list[tuple[torch.Tensor, torch.Tensor]]  # copies (slot window, source) of old tokens read elsewhere
