@@ -24,7 +24,7 @@ class ResidentMeter:
     stays within the worker's budget, not just each cache alone."""
 
     def __init__(self, budget_bytes: int | None, what: str, config_key: str,
-                 pool: "ResidentMeter | None" = None) -> None:
+                 pool: ResidentMeter | None = None) -> None:
         self.budget_bytes = budget_bytes
         self.what = what
         self.config_key = config_key

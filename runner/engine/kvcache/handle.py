@@ -9,8 +9,7 @@ the second case), so nothing has to guess it from the keyword arguments handed t
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Self
 
 from transformers.cache_utils import Cache
@@ -26,8 +25,6 @@ class CacheHandle:
     cache: Cache | None
     """The cache the rung built, which the sequence prefills and decodes into within its batch;
     None on a `cache_implementation` rung, where `generate()` builds the cache and runs it alone."""
-    _stats: Callable[[], dict[str, Any]] = field(repr=False)
-    _close: Callable[[], None] = field(repr=False)
 
     @property
     def generate_kwargs(self) -> dict[str, Any]:
@@ -38,11 +35,12 @@ class CacheHandle:
 
     def stats(self) -> CacheStats:
         """The result row's cache columns (None where the strategy cannot tell)."""
-        raw = self._stats()
+        raw = self.cache.stats() if self.cache is not None else {}
         return CacheStats(**{key: raw.get(key) for key in CacheStats.__annotations__})
 
     def close(self) -> None:
-        self._close()
+        if self.cache is not None:
+            self.cache.close()
 
     def __enter__(self) -> Self:
         return self

@@ -98,17 +98,16 @@ def build_cache(
     check_strategy(strategy)
     rung = RUNGS[strategy]
     if strategy == "dynamic" and kv_pool is not None:
-        pooled = PooledCache(kv_pool, expected_tokens)
-        return CacheHandle(strategy, pooled, pooled.stats, pooled.close)
+        return CacheHandle(strategy, PooledCache(kv_pool, expected_tokens))
     if strategy == "dynamic":
         cache = BudgetedDynamicCache(model.config, device_budget_bytes, expected_tokens, device_meter)
-        return CacheHandle(strategy, cache, cache.stats, cache.close)
+        return CacheHandle(strategy, cache)
     if rung.tier is not None:
         if rung.needs_offload_dir and offload_dir is None:
             raise ValueError("cache strategy tiered-disk needs the task's offload dir (cache.offload_root)")
         if kv_pool is not None:  # an empty pool's device room is the tiered cache's
             kv_pool.give_way()
-        tiered = TieredCache(
+        return CacheHandle(strategy, TieredCache(
             model.config,
             tier=rung.tier,
             offload_dir=offload_dir,
@@ -122,12 +121,11 @@ def build_cache(
             device_meter=device_meter,
             host_meter=host_meter,
             batched_attention=kv_pool is not None,
-        )
-        return CacheHandle(strategy, tiered, tiered.stats, tiered.close)
+        ))
     if rung.cuda_only and model.device.type != "cuda":
         raise ConfigError(
             f"cache.strategy {strategy!r} is transformers' own offloading, which needs a CUDA device; "
             f"this model runs on {model.device.type}: use tiered-host or tiered-disk instead"
         )
     # transformers' own `cache_implementation` values: generate() builds that cache itself
-    return CacheHandle(strategy, None, dict, lambda: None)
+    return CacheHandle(strategy, None)

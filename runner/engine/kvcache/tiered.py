@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import torch
 from transformers import PretrainedConfig
@@ -298,10 +298,11 @@ class TieredCache(Cache):
         self.batched_attention = batched_attention
         """Whether a batched decode step attends this row's streamed layers with the step's other
         tiered rows in one call (runner/engine/tiered_attention.py), as `batch.attention: pooled` asks."""
-        layers, with_kv = _layers_for(config.get_text_config(decoder=True), self.shared, placement)
+        layers = _layers_for(config.get_text_config(decoder=True), self.shared, placement)
         super().__init__(layers=layers)
         tiered = [i for i, layer in enumerate(layers) if getattr(layer, "streamed", False)]
         self._next_tiered = dict(zip(tiered, tiered[1:] + tiered[:1]))
+        with_kv = [i for i, layer in enumerate(layers) if not isinstance(layer, DummyLayer)]
         self._first_layer, self._last_layer = (with_kv[0], with_kv[-1]) if with_kv else (None, None)
         self._current: int | None = None
         self.batched_layers = 0
@@ -322,7 +323,12 @@ class TieredCache(Cache):
         self._count_step(layer_idx, new)
         if not getattr(layer, "streamed", False):  # resident or sliding-window: stays on the device, moves nothing
             if getattr(layer, "grows", False) and not layer.is_initialized:
-                self._reserve(layer, layer_idx, key_states, value_states)
+                # room for the whole planned document at once: it never regrows (no copies), and the
+                # budget guard checks what the planner counted before it is allocated
+                assert self.placement is not None
+                layer.lazy_initialization(key_states, value_states)
+                self.shared.device_meter.hold(("kept", layer_idx), layer.bytes_for(self.placement.tokens))
+                layer.grow_to(self.placement.tokens)
             keys, values = layer.update(key_states, value_states, *args, **kwargs)
             self.shared.device_meter.hold(("kept", layer_idx), allocated_bytes(layer))
             self._note_kv_peak(layer_idx)
@@ -387,16 +393,6 @@ class TieredCache(Cache):
         if layer_idx == self._last_layer:
             self._kv_peak = max(self._kv_peak, sum(_kv_bytes(layer) for layer in self.layers))
 
-    def _reserve(
-        self, layer: GrowingLayer, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor
-    ) -> None:
-        """Give a resident layer room for the whole planned document at once: it never regrows (no
-        copies), and the budget guard checks what the planner counted before it is allocated."""
-        assert self.placement is not None
-        layer.lazy_initialization(key_states, value_states)
-        self.shared.device_meter.hold(("kept", layer_idx), layer.bytes_for(self.placement.tokens))
-        layer.grow_to(self.placement.tokens)
-
     def stats(self) -> dict[str, Any]:
         """Sizes and traffic so far; the first five keys are the result row's columns."""
         for layer in self.layers:  # a read ahead may be queued on another row's IO thread (a batched step's)
@@ -452,7 +448,7 @@ class TieredCache(Cache):
         self.shared.device_meter.release()
         self.shared.host_meter.release()
 
-    def __enter__(self) -> "TieredCache":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -476,10 +472,9 @@ def _make_tier(tier: str, offload_dir: str | Path | None, codec: BlockCodec) -> 
     raise ValueError(f"TieredCache tier must be 'host' or 'disk', got {tier!r}")
 
 
-def _layers_for(
-    config: PretrainedConfig, shared: _Shared, placement: Placement | None
-) -> tuple[list[CacheLayerMixin | DummyLayer], list[int]]:
-    """The cache's layers, and those of them that hold KV (not a model's dummy layers)."""
+def _layers_for(config: PretrainedConfig, shared: _Shared, placement: Placement | None
+                ) -> list[CacheLayerMixin | DummyLayer]:
+    """The cache's layers, as `placement` puts them."""
     layer_types, layer_kwargs = get_layer_types_and_kwargs(config)
     resident = set(placement.resident_layers) if placement else set()
     in_host_ram = set(placement.host_layers) if placement else set()
@@ -505,4 +500,4 @@ def _layers_for(
             f"the placement covers full-attention layers {list(placement.full_attention_layers)}, but "
             f"{config.model_type} has {list(full)}: plan it from this model's kv_shape"
         )
-    return layers, [i for i, layer_type in enumerate(layer_types) if layer_type != "dummy"]
+    return layers
