@@ -15,7 +15,7 @@ from transformers import PretrainedConfig
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from runner.engine.kvcache.budget import ResidentMeter
-from runner.engine.kvcache.resident import GrowingLayer, allocated_bytes, next_capacity
+from runner.engine.kvcache.resident import NOTHING_OFFLOADED, GrowingLayer, allocated_bytes, next_capacity
 
 
 class BudgetedDynamicCache(DynamicCache):
@@ -93,13 +93,7 @@ class BudgetedDynamicCache(DynamicCache):
         self.meter.hold("kv", self._held_bytes())
 
     def stats(self) -> dict[str, Any]:
-        return {
-            "kv_bytes": self.kv.peak,
-            "kv_resident_peak_bytes": self.meter.peak,
-            "offload_bytes_written": 0,
-            "offload_bytes_read": 0,
-            "compression_ratio": None,
-        }
+        return {"kv_bytes": self.kv.peak, "kv_resident_peak_bytes": self.meter.peak, **NOTHING_OFFLOADED}
 
     def close(self) -> None:
         """Give its room in the worker's device pool back; the tensors go with the cache."""

@@ -46,8 +46,7 @@ class IOThread:
         if self._stream is None:
             return
         stream = torch.cuda.current_stream(self.device)
-        if filled is not None:
-            stream.wait_event(filled)
+        stream.wait_event(filled)  # on CUDA every read records one
         for tensor in tensors:
             tensor.record_stream(stream)
 

@@ -37,7 +37,7 @@ from transformers import PretrainedConfig
 from transformers.cache_utils import Cache, DynamicLayer, get_layer_types_and_kwargs
 
 from runner.engine.kvcache.budget import KVBudgetExceeded, ResidentMeter
-from runner.engine.kvcache.resident import GRANULE_TOKENS, granule, next_capacity
+from runner.engine.kvcache.resident import GRANULE_TOKENS, NOTHING_OFFLOADED, granule, next_capacity
 
 METER_SLOT = "kv-pool"
 
@@ -240,9 +240,7 @@ class PooledCache(Cache):
         return {
             "kv_bytes": self.length * self.pool.token_bytes,
             "kv_resident_peak_bytes": max(self._resident_peak, self.pool.bytes_for(1, self.pool.tokens)),
-            "offload_bytes_written": 0,
-            "offload_bytes_read": 0,
-            "compression_ratio": None,
+            **NOTHING_OFFLOADED,
         }
 
     def close(self) -> None:

@@ -23,6 +23,8 @@ GROWTH = 1.5
 """Capacity factor per reallocation: O(n) total copying, at most a third of the buffer left unused."""
 GRANULE_TOKENS = 64
 """Capacities are multiples of this many tokens, so small prompts and chunk sizes don't cause odd sizes."""
+NOTHING_OFFLOADED = {"offload_bytes_written": 0, "offload_bytes_read": 0, "compression_ratio": None}
+"""The offload columns of a cache whose KV stays on the device."""
 
 
 class GrowingLayer(DynamicLayer):
