@@ -1,10 +1,8 @@
 """What one sequence gets from its cache rung: the cache it decodes into, its stats, its cleanup.
 
-A rung either builds a cache object of its own (a budget-guarded dynamic cache, a slot of the KV
-pool, a tiered cache), which a sequence fills and decodes into beside its batch-mates, or it is one
-of transformers' own `cache_implementation` values, whose cache `generate()` builds itself: such a
-sequence runs alone, through `generate()`. The handle says which in its type (`cache` is None in
-the second case), so nothing has to guess it from the keyword arguments handed to `generate()`.
+A rung either builds a cache object (budget-guarded dynamic, a KV pool slot, tiered), which a
+sequence decodes into beside its batch-mates, or is one of transformers' own `cache_implementation`
+values, whose cache `generate()` builds: such a sequence runs alone (`cache` is None).
 """
 
 from __future__ import annotations

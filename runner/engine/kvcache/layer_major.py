@@ -1,19 +1,12 @@
 """Layer-major prefill: each layer's K/V for the whole prompt is computed first, then stored once.
 
-transformers' chunked prefill (`prefill_chunk_size`) runs every layer over chunk 1, then every layer
-over chunk 2, ...; an offloaded cache must bring each layer's earlier chunks back to the device for
-every new chunk: c·n(n-1)/2 tokens per layer for n chunks of c, about (n-1)/2 copies of the cache.
-Here layer 0 runs over all chunks, then layer 1, and so on. A layer the cache keeps off the device
-grows in a one-layer staging cache on the device (the very `DynamicLayer` chunked prefill would
-attend to) and is handed to the cache in one `update`, so the prompt's K/V is written once and
-never read back for a later chunk. Queries still go a chunk at a time, so activations stay bounded by a chunk;
-between layers the prompt's hidden states (tokens × hidden size) are kept.
-
-Every chunk, the last one too, is cut as generate() cuts them, and the last token's logits come
-from the model's own norm and head, so logits, K/V and tokens are bit for bit those of chunked
-prefill (tests/test_layer_major.py; a token's results depend on the chunk it was computed in).
-generate() is then handed that output as its prefill (`prefilled`) and only decodes: the prompt's
-K/V is written once and read back zero times.
+Chunked prefill runs every layer over chunk 1, then over chunk 2, ...: an offloaded cache brings each
+layer's earlier chunks back for every new chunk, about (n-1)/2 copies of the cache for n chunks. Here
+layer 0 runs over all chunks, then layer 1, and so on; a layer the cache keeps off the device grows
+in a one-layer staging `DynamicLayer` (what chunked prefill would attend to) and is handed over in
+one `update`. Queries still go a chunk at a time, cut as generate() cuts them, with the model's own
+norm and head for the last logits, so logits, K/V and tokens are bit for bit chunked prefill's
+(tests/test_layer_major.py). generate() then only decodes (`prefilled`).
 """
 
 from __future__ import annotations

@@ -1,18 +1,12 @@
 """One layer's authoritative KV off the device: sealed full blocks in a tier, plus a RAM tail.
 
-New tokens are copied off the device once, into the tail; a full tail is sealed (handed to the
-tier on the IO thread) and never rewritten. Beam reorders and batch changes do not move block
-data: each block keeps a row map (logical batch row -> stored row) applied when it is read.
-
-The tail is token-major with a token's keys and values side by side, (tokens, 2, batch, heads,
-head_dim), so the window a step writes, keys and values, is one contiguous run of bytes: on CUDA one
-copy takes it straight from the device into pinned memory, without a pageable temporary or a host
-sync (the device stacks the token's keys and values first, for a batched step all rows' at once). Sealing turns it into the head-major block the
-tiers store, (batch, heads, tokens, head_dim), which reads into a device buffer a block at a time.
-A read is a `Read`: a prefetch queues its own, a batched step one job of every row's (`read_all`),
-whose copies are one batched op, as are the step's writes of every row's token (`token_window`).
-On CUDA every wait between the compute stream and the IO thread's stream is a CUDA event waited
-for on a stream; the host waits only where it touches the bytes itself (sealing, reshaping).
+New tokens are copied off the device once, into the tail; a full tail is sealed (handed to the tier
+on the IO thread) and never rewritten. Beam reorders and batch changes move no block data: each block
+keeps a row map applied when it is read. The tail is token-major, (tokens, 2, batch, heads,
+head_dim), so the keys and values a step writes are one contiguous run: on CUDA one copy into pinned
+memory, without a pageable temporary or a host sync. Sealing turns it head-major, as the tiers store
+blocks. On CUDA the compute stream and the IO thread's stream wait for each other through events;
+the host waits only where it touches the bytes (sealing, reshaping). docs/kv-cache.md has the rest.
 """
 
 from __future__ import annotations

@@ -1,29 +1,19 @@
 """One KV pool per worker for the device-resident (`dynamic`) sequences of its batch.
 
-Every pooled sequence's KV lives in one slot of two buffers, keys and values, each
-[layers, slots, kv_heads, tokens, head_dim]: a decode step writes every pooled row's new K/V with one
-indexed write per layer and attends over all of them with one attention call per layer (a few where
-rows of very different lengths would read much padding: runner/engine/pooled_attention.py). Slots,
-not paged blocks: a slot is one row of an ordinary [batch, heads, tokens, head_dim] tensor, which SDPA
-reads in place; paged blocks would need a gather of every row's KV per layer per step (a second read
-of all of it) or a paged kernel that torch does not ship for the CPU. The price is padding: every slot has the room of the longest sequence
+Every pooled sequence's KV is one slot of two buffers, keys and values, each [layers, slots, kv_heads,
+tokens, head_dim]: a decode step writes every pooled row's new K/V with one indexed write per layer and
+attends over them with few attention calls (runner/engine/pooled_attention.py). Slots, not paged
+blocks: a slot is a row of an ordinary tensor, which SDPA reads in place, where paged blocks would need
+a gather per layer per step or a paged kernel torch does not ship for the CPU. The price is padding
 (docs/kv-cache.md, "The pooled decode step").
 
-The live slots are kept packed at the front (a sequence leaving moves the last one into its slot),
-so the step's attention reads a view `[:live]` of the pool, and the pool's allocation is what it
-holds in the worker's device meter: admission, the split on OOM and the budget guard see it there.
-
-Growing the pool means a new pair of buffers and a copy of every live slot into them, with the old
-and the new pair on the device at once. Given `planned` (the most sequences a batch holds and the
-most tokens a pass holds: the worker's on CUDA), the pool is made once for all of them (`reserve`, at
-worker start), or for as many slots of that length as the device budget has room for, and kept for
-the worker's life, so a batch within that plan never grows it and every captured decode step keeps
-replaying over the same buffers. Without a plan (the CPU, where the device budget is RAM the rest
-of the batch shares) it grows as claims need (×2 in slots, ×1.5 in tokens) and is freed when its
-last sequence leaves. Either way an empty pool gives way to a tiered cache (`give_way`): that rung
-is where a sequence too long for the pool's room goes, and it needs the device room the pool holds.
-
-Every new pair of buffers is a new `generation`: what a captured step was captured over is keyed by
+The live slots are packed at the front (a leaving sequence's slot takes the last one), so attention
+reads a view `[:live]`, and the pool's allocation is what it holds in the worker's device meter.
+Growing means a second pair of buffers beside the first, so with a plan (`planned`, the worker's on
+CUDA) the pool is made once at worker start, within the budget, and kept: captured decode steps keep
+replaying over the same buffers. Without one (the CPU, whose budget is RAM the batch shares) it grows
+as claims need and is freed when empty. An empty pool gives way to a tiered cache (`give_way`), which
+needs the device room. Every new pair of buffers is a new `generation`: captured steps are keyed by
 it, not by an address the allocator may hand out again with another shape.
 """
 

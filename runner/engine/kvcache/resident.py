@@ -1,14 +1,9 @@
 """Device-resident KV without whole-prefix copies: buffers that grow geometrically and are written in place.
 
-transformers' `DynamicLayer` concatenates at every update, so each prefill chunk and each decode step
-copies the layer's whole prefix (O(n^2) bytes over a generation). `GrowingLayer` keeps keys/values in
-a preallocated [batch, heads, capacity, head_dim] buffer, writes new tokens into it, and hands
-attention views of the valid length; capacity grows by `GROWTH` (rounded up to `GRANULE_TOKENS`), so
-the bytes copied by growth stay O(n). Attention sees the same values in the same [B, H, T, D] shape
-(only the batch/head strides differ), so generated tokens are identical to `DynamicLayer`'s.
-
-The buffers are written in place, so a layer is for inference (generate runs under no_grad):
-autograd would reject the in-place writes into a buffer an earlier view was saved from.
+transformers' `DynamicLayer` concatenates at every update, copying the layer's whole prefix (O(n^2)
+bytes over a generation). `GrowingLayer` writes new tokens into a preallocated buffer grown by
+`GROWTH` (in `GRANULE_TOKENS`), so growth copies O(n), and hands attention views of the valid tokens:
+the same values in the same shape, so the same tokens. The in-place writes make it inference-only.
 """
 
 from __future__ import annotations

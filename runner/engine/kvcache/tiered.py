@@ -1,16 +1,10 @@
 """TieredCache: a transformers `Cache` whose full-attention layers live off the device, as far as needed.
 
-A `Placement` (jobs.kvplan) says which full-attention layers stay on the device for good (never
-moved) and which are streamed: during a forward pass streamed layer i is on the device while the
-IO thread brings the next streamed layer there; the authoritative copy of a streamed layer is in
-host RAM (`tier="host"`, or a disk-tier layer the placement keeps in RAM) or in block files in the
-task's offload dir (`tier="disk"`). Without a placement every full-attention layer is streamed.
-Sliding-window layers are bounded by their window and stay resident as transformers' own
-`DynamicSlidingWindowLayer`.
-
-    with TieredCache(model.config, tier="disk", offload_dir=scratch) as cache:
-        out = model.generate(**inputs, past_key_values=cache, max_new_tokens=256)
-        print(cache.stats())
+A `Placement` (jobs.kvplan) says which full-attention layers stay on the device and which are
+streamed: a streamed layer's authoritative copy is in host RAM or in block files in the task's
+offload dir, and it is on the device only for its turn in the forward pass, while the IO thread
+brings the next one. Without a placement every full-attention layer is streamed. Sliding-window
+layers are bounded by their window and stay resident (transformers' `DynamicSlidingWindowLayer`).
 """
 
 from __future__ import annotations
