@@ -37,19 +37,16 @@ class CacheKit:
     device_is_cpu: bool
 
     def recipe(self, rung: str, tokens: int, offload_dir: Path | None) -> CacheRecipe:
-        """The recipe of a pass of `tokens` (prompt + new tokens) on `rung`."""
-        return CacheRecipe(self, rung, tokens, self._placement(rung, tokens), offload_dir)
-
-    def _placement(self, rung: str, tokens: int) -> Placement | None:
-        """On a tiered rung, which layers of this pass stay on the device. None (every layer streamed)
-        on other rungs, and when the whole KV would fit the device budget: then the tiered rung is
-        there because the config asked for it (`cache.strategy`, or the ladder's order), not for lack
-        of room, and it is honoured as asked."""
+        """The recipe of a pass of `tokens` (prompt + new tokens) on `rung`. On a tiered rung its
+        placement says which layers stay on the device; none (every layer streamed) when the whole KV
+        would fit the device budget: then the tiered rung is there because the config asked for it
+        (`cache.strategy`, or the ladder's order), not for lack of room, and it is honoured as asked."""
         tier = RUNGS[rung].tier
-        if tier is None or kv_bytes(self.shape, tokens) <= self.device_budget:
-            return None
-        return plan_placement(self.shape, tokens, tier, self.device_budget, self.host_budget,
-                              self.settings.block_tokens, device_is_cpu=self.device_is_cpu)
+        placement = None
+        if tier is not None and kv_bytes(self.shape, tokens) > self.device_budget:
+            placement = plan_placement(self.shape, tokens, tier, self.device_budget, self.host_budget,
+                                       self.settings.block_tokens, device_is_cpu=self.device_is_cpu)
+        return CacheRecipe(self, rung, tokens, placement, offload_dir)
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from runner.engine.kvcache.io_thread import IOThread
+from runner.engine.kvcache.resident import granule
 from runner.engine.kvcache.tiers import Tier
 
 
@@ -83,8 +84,6 @@ class StagingBuffers:
     zeros, never uninitialised memory: a batched step's mask weighs it at zero, and garbage NaN times
     a zero weight would be NaN."""
 
-    GRANULE = 64
-
     def __init__(self, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
         self.heads, self.head_dim, self.dtype, self.device = heads, head_dim, dtype, device
         self.buffers: list[torch.Tensor] = []
@@ -99,8 +98,7 @@ class StagingBuffers:
         """Both buffers cut to `rows` rows of `tokens` tokens (made bigger first if they are smaller)."""
         if not self.buffers or rows > self.buffers[0].shape[1] or tokens > self.buffers[0].shape[3]:
             had_rows, had_tokens = (self.buffers[0].shape[1], self.buffers[0].shape[3]) if self.buffers else (0, 0)
-            shape = (2, max(rows, had_rows), self.heads, -(-max(tokens, had_tokens) // self.GRANULE) * self.GRANULE,
-                     self.head_dim)
+            shape = (2, max(rows, had_rows), self.heads, granule(max(tokens, had_tokens)), self.head_dim)
             self.buffers = []  # the old pair goes before the new one is made
             self.buffers = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(2)]
         return [buffer[:, :rows, :, :tokens] for buffer in self.buffers]

@@ -13,7 +13,7 @@ from typing import TypeAlias
 import numpy as np
 import torch
 
-from storage.kvblocks import BlockCodec, BlockRef, KVBlockStore
+from storage.kvblocks import BlockCodec, KVBlockStore
 
 _SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _SAME_WIDTH_NP = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
@@ -76,8 +76,7 @@ class DiskTier:
         return self.store.read_into(key_ref, _bits(keys)) + self.store.read_into(value_ref, _bits(values))
 
     def discard_from(self, payload: object) -> None:
-        key_ref: BlockRef = payload[0]  # type: ignore[index]
-        self.store.truncate(key_ref)
+        self.store.truncate(payload[0])  # type: ignore[index]
 
     def close(self) -> None:
         self.store.close()
