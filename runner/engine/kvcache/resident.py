@@ -68,10 +68,7 @@ class GrowingLayer(DynamicLayer):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         self._length = 0
-        self._adopt(
-            key_states.new_empty((*key_states.shape[:-2], 0, key_states.shape[-1])),
-            value_states.new_empty((*value_states.shape[:-2], 0, value_states.shape[-1])),
-        )
+        self._adopt(*(kv.new_empty((*kv.shape[:-2], 0, kv.shape[-1])) for kv in (key_states, value_states)))
         self.is_initialized = True
 
     def update(
@@ -82,9 +79,8 @@ class GrowingLayer(DynamicLayer):
         start, end = self._length, self._length + key_states.shape[-2]
         if end > self.capacity:
             self.grow_to(next_capacity(self.capacity, end))
-        key_buffer, value_buffer = self._buffers
-        key_buffer[:, :, start:end].copy_(key_states)
-        value_buffer[:, :, start:end].copy_(value_states)
+        for buffer, states in zip(self._buffers, (key_states, value_states)):
+            buffer[:, :, start:end].copy_(states)
         self._length = end
         self._expose()
         return self.keys, self.values
@@ -97,15 +93,12 @@ class GrowingLayer(DynamicLayer):
     def _adopt(self, key_buffer: torch.Tensor, value_buffer: torch.Tensor) -> None:
         """Take new buffers (grown, reshaped in batch, moved), so capacity and byte counts follow them."""
         self._key_buffer, self._value_buffer = key_buffer, value_buffer
-        buffers = (key_buffer, value_buffer)
-        self._token_bytes = sum(b.shape[:-2].numel() * b.shape[-1] * b.element_size() for b in buffers)
+        self._token_bytes = sum(b.shape[:-2].numel() * b.shape[-1] * b.element_size() for b in self._buffers)
         self._expose()
 
     def _expose(self) -> None:
         """Point `.keys` / `.values` (read by attention, transformers and our meters) at the valid tokens."""
-        key_buffer, value_buffer = self._buffers
-        self.keys = key_buffer[:, :, : self._length]
-        self.values = value_buffer[:, :, : self._length]
+        self.keys, self.values = (buffer[:, :, : self._length] for buffer in self._buffers)
 
     # --- CacheLayerMixin -----------------------------------------------------------------------
 

@@ -55,25 +55,18 @@ class DiskTier:
         self.store = KVBlockStore(directory, codec)
 
     def seal(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> object:
-        return (
-            self.store.append(layer_idx, _bits(keys.contiguous())),
-            self.store.append(layer_idx, _bits(values.contiguous())),
-        )
+        return tuple(self.store.append(layer_idx, _bits(kv.contiguous())) for kv in (keys, values))
 
     def load(self, payload: object, shape: torch.Size, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        key_ref, value_ref = payload  # type: ignore[misc]
         np_dtype = np.dtype(_SAME_WIDTH_NP[dtype.itemsize])
-        return (
-            _from_bits(self.store.read(key_ref, np_dtype), dtype, shape),
-            _from_bits(self.store.read(value_ref, np_dtype), dtype, shape),
-        )
+        keys, values = (_from_bits(self.store.read(ref, np_dtype), dtype, shape) for ref in payload)  # type: ignore
+        return keys, values
 
     def load_into(self, payload: object, keys: torch.Tensor, values: torch.Tensor) -> int:
         """Decode straight into CPU windows of the layer's buffer (no intermediate copy); returns the
         bytes decoded into them. The host tier has none: its `load` is the stored block itself, which
         the reader copies with every other row's (layer_store.read_all)."""
-        key_ref, value_ref = payload  # type: ignore[misc]
-        return self.store.read_into(key_ref, _bits(keys)) + self.store.read_into(value_ref, _bits(values))
+        return sum(self.store.read_into(ref, _bits(kv)) for ref, kv in zip(payload, (keys, values)))  # type: ignore
 
     def discard_from(self, payload: object) -> None:
         self.store.truncate(payload[0])  # type: ignore[index]
