@@ -96,14 +96,13 @@ class PooledStep:
         self.live = len(pool.owners)
         slots = [cache.slot for cache in caches]
         self.packed = slots == list(range(self.live))
-        device = pool.device
-        inputs = step_inputs(device)
+        inputs = step_inputs(pool.device)
         self.slots = inputs.put("pooled slots", slots)
         self.positions = inputs.put("pooled positions", lengths)
         attended = [1] * self.live  # a slot without a row in this step: any non-empty length, its output is dropped
         for slot, length in zip(slots, lengths):
             attended[slot] = length + 1
-        self.mask = length_mask(attended, self.span, pool.dtype, device, "pooled lengths")
+        self.mask = length_mask(attended, self.span, pool.dtype, pool.device, "pooled lengths")
         self.runs = [(start, end, aligned(span)) for start, end, span in attention_runs(attended)]
         pool.steps += 1
         pool.most_rows = max(pool.most_rows, self.count)

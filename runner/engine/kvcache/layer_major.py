@@ -78,10 +78,8 @@ def choose_prefill(
         offloads = any(getattr(layer, "streamed", False) for layer in getattr(cache, "layers", ()))
         if not offloads or math.ceil(prompt_tokens / chunk_size) < MIN_CHUNKS:
             return "chunked"
-    if getattr(cache, "layers", None) is not None:
-        reason = unsupported_reason(model, cache)
-    else:
-        reason = "generate() builds this cache itself (cache_implementation)"
+    reason = (unsupported_reason(model, cache) if getattr(cache, "layers", None) is not None
+              else "generate() builds this cache itself (cache_implementation)")
     if reason is not None:
         log.log(logging.WARNING if mode == "layer-major" else logging.INFO,
                 "layer-major prefill not used (%s): chunked prefill instead", reason)

@@ -170,25 +170,21 @@ class LayerStore:
         new = pairs.shape[0]
         done = copied = 0
         while done < new:
-            window = self._tail_window(new - done)
+            window = self.tail_window(new - done)
             window.copy_(pairs[done : done + window.shape[0]], non_blocking=self.pinned)
             copied += window.nbytes
             done += window.shape[0]
             self._filled(window.shape[0])
         return self._appended(new, copied)
 
-    def token_window(self) -> torch.Tensor:
-        """Where this layer's next token goes, (1, 2, batch, heads, head_dim), contiguous: a batched
-        step copies every row's new token into its row's window with one op, then `wrote_token`."""
-        return self._tail_window(1)
-
     def wrote_token(self, window: torch.Tensor) -> int:
-        """After the copy into `token_window()`: the token is the layer's; returns the bytes it wrote."""
+        """After the copy into `tail_window()`: the token is the layer's; returns the bytes it wrote."""
         self._filled(1)
         return self._appended(1, window.nbytes)
 
-    def _tail_window(self, tokens: int) -> torch.Tensor:
-        """The tail's room for up to `tokens` new tokens (a new tail if there is none)."""
+    def tail_window(self, tokens: int = 1) -> torch.Tensor:
+        """The tail's room for up to `tokens` new tokens (a new tail if there is none), contiguous: a
+        batched step copies every row's new token into its row's window with one op, then `wrote_token`."""
         if self.tail is None:
             self.tail = self._new_tail()
         return self.tail[self.tail_len : self.tail_len + min(tokens, self.block_tokens - self.tail_len)]

@@ -20,6 +20,7 @@ it, not by an address the allocator may hand out again with another shape.
 from __future__ import annotations
 
 import weakref
+from contextlib import suppress
 from typing import Any
 
 import torch
@@ -104,10 +105,8 @@ class KVPool:
     def reserve(self) -> None:
         """Make a planned pool now (the worker's start), if the budget has room for one slot of the plan."""
         if self.planned is not None and self.keys is None:
-            try:
+            with suppress(KVBudgetExceeded):  # not even one pass of the plan: the claims will say so, task by task
                 self.ensure(1, self.planned[1])
-            except KVBudgetExceeded:  # not even one pass of the plan: the claims will say so, task by task
-                pass
 
     def give_way(self) -> None:
         """Free the buffers of an empty pool (for a tiered cache, which needs the device room)."""
@@ -173,13 +172,12 @@ class KVPool:
     def _reallocate(self, slots: int, tokens: int) -> None:
         shape = (self.num_layers, slots, self.kv_heads, tokens, self.head_dim)
         # zeros, not empty: a row's masked tail is still read, and garbage NaN times a zero weight is NaN
-        keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        values = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        new = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(2)]
         if self.keys is not None and self.values is not None and self.owners:
             live, held = len(self.owners), min(self.tokens, tokens)  # a prefill's uncommitted tokens too
-            keys[:, :live, :, :held].copy_(self.keys[:, :live, :, :held])
-            values[:, :live, :, :held].copy_(self.values[:, :live, :, :held])
-        self.keys, self.values = keys, values
+            for buffer, old in zip(new, (self.keys, self.values)):
+                buffer[:, :live, :, :held].copy_(old[:, :live, :, :held])
+        self.keys, self.values = new
         self.generation += 1
 
 

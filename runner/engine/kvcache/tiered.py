@@ -93,10 +93,8 @@ class TieredLayer(CacheLayerMixin):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
-        io = self.shared.io(key_states.device)
-        self.store = LayerStore(
-            self.layer_idx, key_states, self.tier, io, self.shared.block_tokens, self.shared.traffic
-        )
+        self.store = LayerStore(self.layer_idx, key_states, self.tier, self.shared.io(key_states.device),
+                                self.shared.block_tokens, self.shared.traffic)
         self.is_initialized = True
 
     # --- the forward pass ----------------------------------------------------------------------
@@ -137,7 +135,7 @@ class TieredLayer(CacheLayerMixin):
             carried = [(slot.keys[:, :, : old.length], old.keys[:, :, : old.length]),
                        (slot.values[:, :, : old.length], old.values[:, :, : old.length])]
             self.shared.device_meter.hold(self.layer_idx, slot.kv.nbytes)  # a read into the slot held it already
-        return SlotTurn(self, old, waited, carried, self.store.token_window())
+        return SlotTurn(self, old, waited, carried, self.store.tail_window())
 
     def finish_turn(self, turn: SlotTurn, waited_with_others: float) -> None:
         """After the step copied the new token into `turn.window`: the token is this layer's; the
@@ -325,13 +323,12 @@ class TieredCache(Cache):
                 layer.grow_to(self.placement.tokens)
             keys, values = layer.update(key_states, value_states, *args, **kwargs)
             self.shared.device_meter.hold(("kept", layer_idx), allocated_bytes(layer))
-            self._note_kv_peak(layer_idx)
-            return keys, values
-        self._switch_to(layer_idx)
-        keys, values = layer.update(key_states, value_states)
-        read = self._read_after(layer_idx, new, None)
-        if read is not None:
-            read.store.io.submit(read_all, [read])
+        else:
+            self._switch_to(layer_idx)
+            keys, values = layer.update(key_states, value_states)
+            read = self._read_after(layer_idx, new, None)
+            if read is not None:
+                read.store.io.submit(read_all, [read])
         self._note_kv_peak(layer_idx)
         return keys, values
 
