@@ -34,21 +34,6 @@ T = TypeVar("T")
 _PER_THREAD = threading.local()
 
 
-def staging_for(caches: Sequence[TieredCache], like: torch.Tensor) -> StagingBuffers:
-    """This thread's staging buffers for KV like `like` ([rows, kv_heads, 1, head_dim]), held by
-    `caches`: they live while one of them is open, and the next step of them (or of rows joining
-    them) reuses them."""
-    kept: weakref.WeakValueDictionary[tuple[Any, ...], StagingBuffers] = _PER_THREAD.__dict__.setdefault(
-        "staging", weakref.WeakValueDictionary())
-    key = (like.device, like.dtype, like.shape[1], like.shape[3])
-    staging = kept.get(key)
-    if staging is None:
-        staging = kept[key] = StagingBuffers(like.shape[1], like.shape[3], like.dtype, like.device)
-    for cache in caches:
-        cache.staging = staging
-    return staging
-
-
 class TieredRowFailed(Exception):
     """Tiered row `row` of the step (its number among the step's tiered rows) failed; `__cause__`
     is its cache's error."""
@@ -92,7 +77,17 @@ class TieredStep:
         if lengths == self.lengths:
             return
         self.lengths, self.span = lengths, aligned(max(lengths) + 1)
-        self.staged = staging_for(self.caches, like).views(self.count, self.span)
+        # this thread's staging buffers for KV like `like`, held by the rows: they live while one of
+        # them is open, and the next step of them (or of rows joining them) reuses them
+        kept: weakref.WeakValueDictionary[tuple[Any, ...], StagingBuffers] = _PER_THREAD.__dict__.setdefault(
+            "staging", weakref.WeakValueDictionary())
+        key = (like.device, like.dtype, like.shape[1], like.shape[3])
+        staging = kept.get(key)
+        if staging is None:
+            staging = kept[key] = StagingBuffers(like.shape[1], like.shape[3], like.dtype, like.device)
+        for cache in self.caches:
+            cache.staging = staging
+        self.staged = staging.views(self.count, self.span)
         held = max(lengths) + 1  # a row's slot (what its reads fill and its meter holds): the rest is masked padding
         self.slots = [[Slot.over(staged[:, row : row + 1, :, :held]) for row in range(self.count)]
                       for staged in self.staged]

@@ -36,9 +36,8 @@ class ResidentMeter:
     def room_for(self, slot: Hashable, nbytes: int) -> bool:
         """Whether `hold(slot, nbytes)` would fit (this meter's budget and its pool's), holding nothing."""
         total = self.total - self._slots.get(slot, 0) + nbytes
-        if self.budget_bytes is not None and total > self.budget_bytes:
-            return False
-        return self.pool is None or self.pool.room_for((id(self), slot), nbytes)
+        fits = self.budget_bytes is None or total <= self.budget_bytes
+        return fits and (self.pool is None or self.pool.room_for((id(self), slot), nbytes))
 
     def hold(self, slot: Hashable, nbytes: int) -> None:
         """Set `slot` to `nbytes`, raising `KVBudgetExceeded` first if the total would pass the budget."""

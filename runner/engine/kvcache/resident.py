@@ -30,8 +30,7 @@ class GrowingLayer(DynamicLayer):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self._key_buffer: torch.Tensor | None = None
-        self._value_buffer: torch.Tensor | None = None
+        self._pair: tuple[torch.Tensor, torch.Tensor] | None = None  # the key and value buffers
         self._length = 0
         self._token_bytes = 0  # keys and values of one token, all rows and heads
 
@@ -40,7 +39,7 @@ class GrowingLayer(DynamicLayer):
     @property
     def capacity(self) -> int:
         """Tokens the buffers hold room for (0 before the first update)."""
-        return self._key_buffer.shape[-2] if self._key_buffer is not None else 0
+        return self._pair[0].shape[-2] if self._pair is not None else 0
 
     @property
     def capacity_bytes(self) -> int:
@@ -87,12 +86,12 @@ class GrowingLayer(DynamicLayer):
 
     @property
     def _buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
-        assert self._key_buffer is not None and self._value_buffer is not None, "layer not initialized"
-        return self._key_buffer, self._value_buffer
+        assert self._pair is not None, "layer not initialized"
+        return self._pair
 
     def _adopt(self, key_buffer: torch.Tensor, value_buffer: torch.Tensor) -> None:
         """Take new buffers (grown, reshaped in batch, moved), so capacity and byte counts follow them."""
-        self._key_buffer, self._value_buffer = key_buffer, value_buffer
+        self._pair = (key_buffer, value_buffer)
         self._token_bytes = sum(b.shape[:-2].numel() * b.shape[-1] * b.element_size() for b in self._buffers)
         self._expose()
 
@@ -106,7 +105,7 @@ class GrowingLayer(DynamicLayer):
         return self._length
 
     def reset(self) -> None:
-        self._key_buffer = self._value_buffer = None
+        self._pair = None
         self._length = self._token_bytes = 0
         super().reset()
 

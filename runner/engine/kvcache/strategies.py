@@ -35,7 +35,6 @@ def kv_shape(model_config: PretrainedConfig, dtype: torch.dtype | None = None) -
     """The planner's view of a model; `dtype` defaults to the config's (float32 when it has none)."""
     text = model_config.get_text_config(decoder=True)
     heads = text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     if dtype is None:
         configured = getattr(text, "dtype", None) or getattr(model_config, "dtype", None)
         dtype = getattr(torch, configured) if isinstance(configured, str) else configured or torch.float32
@@ -43,7 +42,7 @@ def kv_shape(model_config: PretrainedConfig, dtype: torch.dtype | None = None) -
     return KVShape(
         num_layers=text.num_hidden_layers,
         num_kv_heads=getattr(text, "num_key_value_heads", None) or heads,
-        head_dim=head_dim,
+        head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
         dtype_bytes=dtype.itemsize,
         # the most tokens a layer keeps: None when it keeps them all (and for types we cannot bound)
         layer_windows=tuple(0 if kind == "dummy" else kwargs.get("sliding_window")
