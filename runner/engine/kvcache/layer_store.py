@@ -90,10 +90,6 @@ class StagingBuffers:
         self.turn = 0
         """Which of the two `next_slot` hands out next."""
 
-    def fits(self, heads: int, head_dim: int, dtype: torch.dtype) -> bool:
-        """Whether a layer of this shape and dtype can be read into them."""
-        return (heads, head_dim, dtype) == (self.heads, self.head_dim, self.dtype)
-
     def views(self, rows: int, tokens: int) -> list[torch.Tensor]:
         """Both buffers cut to `rows` rows of `tokens` tokens (made bigger first if they are smaller)."""
         if not self.buffers or rows > self.buffers[0].shape[1] or tokens > self.buffers[0].shape[3]:

@@ -91,9 +91,8 @@ class KVPool:
         pool owns the device KV; a claim that does not fit would be a memory error, which lowers the
         batch limit)."""
         slots = len(self.owners) + 1
-        if slots <= self.slots and tokens <= self.tokens:
-            return True
-        return self.meter.room_for(METER_SLOT, self.bytes_for(*self._least_shape(slots, tokens)))
+        in_room = slots <= self.slots and tokens <= self.tokens
+        return in_room or self.meter.room_for(METER_SLOT, self.bytes_for(*self._least_shape(slots, tokens)))
 
     def claim(self, cache: PooledCache, tokens: int) -> int:
         """A slot for `cache` with room for `tokens`; raises `KVBudgetExceeded` (a memory error: the

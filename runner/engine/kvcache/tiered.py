@@ -53,7 +53,8 @@ class _Shared:
         """Where a read of `store`'s layer (not into a batched step's slot) goes: the next of the
         cache's two read buffers, kept across layers and steps, while the layer read before it is
         attended from the other (one read is pending at a time)."""
-        if self.reads is None or not self.reads.fits(store.heads, store.head_dim, store.dtype):
+        like = (store.heads, store.head_dim, store.dtype)
+        if self.reads is None or (self.reads.heads, self.reads.head_dim, self.reads.dtype) != like:
             self.reads = StagingBuffers(store.heads, store.head_dim, store.dtype, store.device)
         return self.reads.next_slot(store.batch, store.seq_len + extra_tokens)
 

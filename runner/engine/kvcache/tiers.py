@@ -24,10 +24,6 @@ def _bits(tensor: torch.Tensor) -> np.ndarray:
     return tensor.view(_SAME_WIDTH_INT[tensor.element_size()]).numpy()
 
 
-def _from_bits(values: np.ndarray, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
-    return torch.from_numpy(values).view(dtype).reshape(shape)
-
-
 class HostTier:
     """Sealed blocks stay as host tensors (pinned on CUDA: they were the layer's RAM tail)."""
 
@@ -58,8 +54,9 @@ class DiskTier:
         return tuple(self.store.append(layer_idx, _bits(kv.contiguous())) for kv in (keys, values))
 
     def load(self, payload: object, shape: torch.Size, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        np_dtype = np.dtype(_SAME_WIDTH_NP[dtype.itemsize])
-        keys, values = (_from_bits(self.store.read(ref, np_dtype), dtype, shape) for ref in payload)  # type: ignore
+        np_dtype = np.dtype(_SAME_WIDTH_NP[dtype.itemsize])  # the bits back as `dtype`, `shape`
+        keys, values = (torch.from_numpy(self.store.read(ref, np_dtype)).view(dtype).reshape(shape)
+                        for ref in payload)  # type: ignore[attr-defined]
         return keys, values
 
     def load_into(self, payload: object, keys: torch.Tensor, values: torch.Tensor) -> int:
