@@ -295,7 +295,7 @@ class TieredCache(Cache):
         super().__init__(layers=layers)
         tiered = [i for i, layer in enumerate(layers) if getattr(layer, "streamed", False)]
         self._next_tiered = dict(zip(tiered, tiered[1:] + tiered[:1]))
-        with_kv = [i for i, layer in enumerate(layers) if not isinstance(layer, DummyLayer)]
+        with_kv = [i for i, dummy in enumerate(self.is_dummy) if not dummy]  # transformers: which layers hold no KV
         self._first_layer, self._last_layer = (with_kv[0], with_kv[-1]) if with_kv else (None, None)
         self._current: int | None = None
         self.batched_layers = 0
