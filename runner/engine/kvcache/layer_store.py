@@ -154,10 +154,8 @@ class LayerStore:
         """On CUDA the tail is filled by asynchronous copies; readers wait for this event."""
         if not self.pinned:
             return None
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
-        self._copies_done = event
-        return event
+        self._copies_done = torch.cuda.current_stream(self.device).record_event()
+        return self._copies_done
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> int:
         """Copy only the new tokens ((batch, heads, tokens, head_dim) each) off the device, sealing
@@ -198,8 +196,7 @@ class LayerStore:
         return copied
 
     def _seal_tail(self) -> None:
-        tail, copies_done = self.tail, self._mark_copies()
-        payload = self.io.submit(self._seal, tail, copies_done)
+        payload = self.io.submit(self._seal, self.tail, self._mark_copies())
         self.blocks.append(SealedBlock(torch.Size((self.batch, self.heads, self.block_tokens, self.head_dim)), payload))
         self.tail = None
         self.tail_len = 0
@@ -297,12 +294,11 @@ class LayerStore:
             first_dropped, partial = divmod(keep, self.block_tokens)
             dropped = self.blocks[first_dropped]
             self.tail = None
-            self.tail_len = 0
             if partial:
                 keys, values = self.io.run(self._read_block, dropped)
                 self.tail = self._new_tail()
                 self.tail[:partial].copy_(token_pairs(keys[:, :, :partial], values[:, :, :partial]))
-                self.tail_len = partial
+            self.tail_len = partial
             self.io.run(self.tier.discard_from, dropped.payload.result())
             del self.blocks[first_dropped:]
         self.seq_len = keep
@@ -316,9 +312,7 @@ def token_pairs(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
 
 def _head_major(tail: torch.Tensor, pinned: bool) -> torch.Tensor:
     """A sealed tail as the tiers store blocks: (batch, heads, tokens, head_dim), contiguous."""
-    block = torch.empty(
-        (tail.shape[1], tail.shape[2], tail.shape[0], tail.shape[3]), dtype=tail.dtype, pin_memory=pinned
-    )
+    block = torch.empty(tail.permute(1, 2, 0, 3).shape, dtype=tail.dtype, pin_memory=pinned)
     block.permute(2, 0, 1, 3).copy_(tail)
     return block
 
