@@ -1,9 +1,7 @@
 """How one pass's cache is made on one rung: a frozen recipe, planned when the pass is handed over.
 
-The worker plans a pass (its rung, its length, the layers a tiered rung keeps on the device, its
-folder on a disk rung) in the task's thread; the engine's thread makes the cache later, when the
-pass joins the batch, and makes it again from the same recipe if a split of the batch starts the
-pass over. Everything the cache needs is in the recipe, so making it reaches back into nothing.
+The worker plans a pass in the task's thread; the engine's thread makes the cache when the pass joins
+the batch, and again from the same recipe if a split of the batch starts the pass over.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """`dynamic` with the budget guard: every layer on the device, refusing to outgrow a device budget.
 
-Full-attention layers are `GrowingLayer`s (KV written in place into geometrically grown buffers,
-instead of transformers' concatenation that copies the whole prefix every step); sliding-window
-layers stay transformers' own. The meter counts the real allocation (capacity) and is checked before
-anything grows, so the planner's ladder is exercised on CPU exactly as a real CUDA OOM would on a GPU.
+Full-attention layers are `GrowingLayer`s (written in place, not concatenated); sliding-window layers
+stay transformers' own. The meter counts the real allocation (capacity) before anything grows, so the
+planner's ladder is exercised on CPU exactly as a real CUDA OOM would on a GPU.
 """
 
 from __future__ import annotations

@@ -76,13 +76,10 @@ class Slot:
 
 
 class StagingBuffers:
-    """Two device buffers, [2, rows, heads, tokens, head_dim] each (keys, then values), that a
-    cache's reads (or a batched step's) fill layer after layer, step after step: the device allocates
-    nothing per read. `views` cuts both to the rows and tokens wanted; the buffers are made again,
-    bigger, only when a view would not fit (in 64-token granules: a decode step grows a layer by one
-    token). What a view covers past what a read wrote is KV an earlier read left (always finite) or
-    zeros, never uninitialised memory: a batched step's mask weighs it at zero, and garbage NaN times
-    a zero weight would be NaN."""
+    """Two device buffers, [2, rows, heads, tokens, head_dim] each (keys, then values), that reads fill
+    layer after layer, step after step, so the device allocates nothing per read; made again, bigger,
+    only when a view would not fit (in granules). Past what a read wrote they hold finite KV or zeros,
+    never uninitialised memory: a batched step's mask weighs it at zero, and NaN times zero is NaN."""
 
     def __init__(self, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
         self.heads, self.head_dim, self.dtype, self.device = heads, head_dim, dtype, device

@@ -87,9 +87,8 @@ class KVPool:
 
     def fits(self, tokens: int) -> bool:
         """Whether one more sequence of `tokens` can take a slot now: a free one with the room, or new
-        buffers within the budget. What admission asks before a pooled sequence joins the batch (the
-        pool owns the device KV; a claim that does not fit would be a memory error, which lowers the
-        batch limit)."""
+        buffers within the budget (what admission asks: a claim that does not fit is a memory error,
+        which would lower the batch limit)."""
         slots = len(self.owners) + 1
         in_room = slots <= self.slots and tokens <= self.tokens
         return in_room or self.meter.room_for(METER_SLOT, self.bytes_for(*self._least_shape(slots, tokens)))

@@ -1,9 +1,7 @@
 """From `cache.strategy` to what one `generate()` call needs: the cache, its stats, its cleanup.
 
-The worker resolves the budgets once, asks `jobs.kvplan.plan_rungs` for the rungs to try, and
-builds one `CacheHandle` per attempt (on a tiered rung with the `Placement` that
-`jobs.kvplan.plan_placement` made for that pass); a `torch.OutOfMemoryError` (real, or the budget
-guard's) moves it to the next rung.
+One `CacheHandle` per attempt on a rung (jobs.kvplan plans the rungs and a tiered rung's placement);
+a `torch.OutOfMemoryError`, real or the budget guard's, moves the task to the next rung.
 """
 
 from __future__ import annotations

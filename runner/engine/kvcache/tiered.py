@@ -33,8 +33,6 @@ from runner.engine.kvcache.resident import GrowingLayer, allocated_bytes
 from runner.engine.kvcache.tiers import DiskTier, HostTier, Tier
 from storage.kvblocks import BlockCodec, Compression
 
-_WINDOWED = ("sliding_attention", "chunked_attention")
-
 
 class _Shared:
     """What the layers of one TieredCache share: the tier, the IO thread, the meters, the counters."""
@@ -124,10 +122,9 @@ class TieredLayer(CacheLayerMixin):
         return keys, values
 
     def begin_turn(self, slot: Slot) -> SlotTurn:
-        """A batched decode step's share of this layer (runner/engine/tiered_attention.py), first
-        half: the old tokens in `slot` (a read ahead into it put them there; else the step copies
-        them in, `SlotTurn.carried`) and the tail window the new token goes to. The step copies
-        every row's new token into its window and into the slots, attends, and `finish_turn`s."""
+        """A batched decode step's share of this layer (runner/engine/tiered_attention.py), first half:
+        the old tokens in `slot` (read ahead into it, or for the step to copy in: `SlotTurn.carried`)
+        and the tail window the new token goes to; the step attends, then `finish_turn`s."""
         assert self.store is not None
         old, waited = self._take_resident(extra_tokens=1, into=slot)
         assert old is not None, "a batched step's tiered rows hold tokens"
@@ -477,7 +474,7 @@ def _layers_for(config: PretrainedConfig, shared: _Shared, placement: Placement 
             layers.append(GrowingLayer())
         elif layer_type == "full_attention":
             layers.append(TieredLayer(idx, shared, host_tier if idx in in_host_ram else shared.tier))
-        elif layer_type in _WINDOWED:
+        elif layer_type in ("sliding_attention", "chunked_attention"):
             layers.append(DynamicSlidingWindowLayer(**kwargs))
         elif layer_type == "dummy":
             layers.append(DummyLayer())
