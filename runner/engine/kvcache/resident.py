@@ -110,16 +110,12 @@ class GrowingLayer(DynamicLayer):
         super().reset()
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Forget the last `-tokens_to_remove` tokens; the capacity stays for the tokens that replace them."""
-        if tokens_to_remove > 0:
-            raise ValueError(
-                f"Calling `crop` with a positive value (`{tokens_to_remove}`) is not supported. "
-                "Please use a negative integer to remove that number of tokens from the cache instead."
-            )
-        if tokens_to_remove == 0 or not self.is_initialized:
-            return
-        self._length = max(self._length + tokens_to_remove, 0)
-        self._expose()
+        """Forget the last `-tokens_to_remove` tokens (DynamicLayer checks the count and cuts `.keys`); the
+        capacity stays for the tokens that replace them."""
+        super().crop(tokens_to_remove)
+        if self.is_initialized:
+            self._length = self.keys.shape[-2]
+            self._expose()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: rows rearranged in place (through one valid-length temporary, as DynamicLayer does)."""

@@ -20,6 +20,7 @@ from transformers.cache_utils import (
     Cache,
     CacheLayerMixin,
     DummyLayer,
+    DynamicLayer,
     DynamicSlidingWindowLayer,
     get_layer_types_and_kwargs,
 )
@@ -74,10 +75,10 @@ class _Shared:
         self.tier.close()
 
 
-class TieredLayer(CacheLayerMixin):
-    """A full-attention layer kept off the device between its turns in the forward pass."""
+class TieredLayer(DynamicLayer):
+    """A full-attention layer kept off the device between its turns in the forward pass (a `DynamicLayer`
+    for its mask sizes and flags; every method that touches KV is its own)."""
 
-    is_croppable = True
     streamed = True
     """Its KV lives on a tier and comes to the device for its turn (the other layers of a cache stay there)."""
 
@@ -202,12 +203,6 @@ class TieredLayer(CacheLayerMixin):
 
     def get_seq_length(self) -> int:
         return self.store.seq_len if self.store is not None else 0
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.get_seq_length() + query_length, 0
-
-    def get_max_length(self) -> int:
-        return -1
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if self.store is None:
