@@ -294,9 +294,9 @@ class TieredCache(Cache):
         """Layers this cache took part in through a batched tiered step: what a test or a bench asks."""
         self.most_batched_rows = 0
         """The most tiered rows one batched step attended with this one in one call."""
-        self.staging: object | None = None
-        """The staging buffers of the batched steps this row takes part in (runner/engine/tiered_attention.py
-        `Staging`): held here so they outlive a step and are freed once no open row holds them."""
+        self.staging: StagingBuffers | None = None
+        """The staging buffers of the batched steps this row takes part in (runner/engine/tiered_attention.py):
+        held here so they outlive a step and are freed once no open row holds them."""
         self._kv_peak = 0
         self._closed = False
 
