@@ -1,9 +1,7 @@
 """How one pass's cache is made on one rung: a frozen recipe, planned when the pass is handed over.
 
-The worker plans a pass (its rung, its length, the layers a tiered rung keeps on the device, its
-folder on a disk rung) in the task's thread; the engine's thread makes the cache later, when the
-pass joins the batch, and makes it again from the same recipe if a split of the batch starts the
-pass over. Everything the cache needs is in the recipe, so making it reaches back into nothing.
+The worker plans a pass in the task's thread; the engine's thread makes the cache when the pass joins
+the batch, and again from the same recipe if a split of the batch starts the pass over.
 """
 
 from __future__ import annotations
@@ -37,19 +35,16 @@ class CacheKit:
     device_is_cpu: bool
 
     def recipe(self, rung: str, tokens: int, offload_dir: Path | None) -> CacheRecipe:
-        """The recipe of a pass of `tokens` (prompt + new tokens) on `rung`."""
-        return CacheRecipe(self, rung, tokens, self._placement(rung, tokens), offload_dir)
-
-    def _placement(self, rung: str, tokens: int) -> Placement | None:
-        """On a tiered rung, which layers of this pass stay on the device. None (every layer streamed)
-        on other rungs, and when the whole KV would fit the device budget: then the tiered rung is
-        there because the config asked for it (`cache.strategy`, or the ladder's order), not for lack
-        of room, and it is honoured as asked."""
+        """The recipe of a pass of `tokens` (prompt + new tokens) on `rung`. On a tiered rung its
+        placement says which layers stay on the device; none (every layer streamed) when the whole KV
+        would fit the device budget: then the tiered rung is there because the config asked for it
+        (`cache.strategy`, or the ladder's order), not for lack of room, and it is honoured as asked."""
         tier = RUNGS[rung].tier
-        if tier is None or kv_bytes(self.shape, tokens) <= self.device_budget:
-            return None
-        return plan_placement(self.shape, tokens, tier, self.device_budget, self.host_budget,
-                              self.settings.block_tokens, device_is_cpu=self.device_is_cpu)
+        placement = None
+        if tier is not None and kv_bytes(self.shape, tokens) > self.device_budget:
+            placement = plan_placement(self.shape, tokens, tier, self.device_budget, self.host_budget,
+                                       self.settings.block_tokens, device_is_cpu=self.device_is_cpu)
+        return CacheRecipe(self, rung, tokens, placement, offload_dir)
 
 
 @dataclass(frozen=True)

@@ -1,21 +1,14 @@
 """The pooled rows of one decode step: one K/V write and few attention calls per layer for all of them.
 
-Built once per step (runner/engine/ragged.py `decode_step`), before the forward pass: the slots and
-positions the rows write to, the additive length mask over the pool's live slots that lets each row
-attend to its own tokens only, and the runs the live slots are attended in. Per layer, `write` puts
-every row's new K/V into the pool with one indexed write each and hands attention a view of the live
-slots; `attend` runs the model's own attention implementation once per run over a view of it. The
-step's rows are ordered by slot, so when they are all the pool's live slots (the usual case) the
-queries are the pool's rows as they are; otherwise they are scattered to their slots and gathered
-back, one op each.
+Built once per step (runner/engine/ragged.py `decode_step`): the slots and positions the rows write to,
+an additive length mask over the pool's live slots (each row attends to its own tokens only), and the
+runs the live slots are attended in. Rows are ordered by slot, so when they are all the live slots
+(the usual case) the queries are the pool's rows as they are; otherwise they are scattered and gathered.
 
-Runs: one attention call over all live slots reads every slot up to the longest row, so beside a
-long row the short ones read (masked) padding: the work a varlen kernel skips. The live slots are cut,
-in slot order, into at most `MOST_RUNS` contiguous runs that each read up to their own longest row,
-where a cut saves enough of those reads (`attention_runs`); rows of like lengths (the bench's, a batch
-that joined together) stay one call per layer. A sequence takes the next free slot when it joins (one
-leaving hands its slot to the last), so slots run roughly from the longest-decoded rows to the newest;
-a long row anywhere among short ones is three runs: the cuts need no reordering (no copy) of the pool.
+Runs: one call over all live slots reads every slot up to the longest row, so short rows beside a long
+one read masked padding (what a varlen kernel skips). The live slots are cut, in slot order, into at
+most `MOST_RUNS` contiguous runs where a cut saves enough reads (`attention_runs`); slots run roughly
+from the oldest rows to the newest, so the cuts need no reordering (no copy) of the pool.
 """
 
 from __future__ import annotations
@@ -100,18 +93,16 @@ class PooledStep:
         lengths = [cache.length for cache in caches]
         self.span = aligned(max(lengths) + 1)  # the longest row's tokens, its new one included, aligned
         pool.ensure(len(pool.owners), self.span)
-        live = len(pool.owners)
+        self.live = len(pool.owners)
         slots = [cache.slot for cache in caches]
-        self.live = live
-        self.packed = slots == list(range(live))
-        device = pool.device
-        inputs = step_inputs(device)
+        self.packed = slots == list(range(self.live))
+        inputs = step_inputs(pool.device)
         self.slots = inputs.put("pooled slots", slots)
         self.positions = inputs.put("pooled positions", lengths)
-        attended = [1] * live  # a slot without a row in this step: any non-empty length, its output is dropped
+        attended = [1] * self.live  # a slot without a row in this step: any non-empty length, its output is dropped
         for slot, length in zip(slots, lengths):
             attended[slot] = length + 1
-        self.mask = length_mask(attended, self.span, pool.dtype, device, "pooled lengths")
+        self.mask = length_mask(attended, self.span, pool.dtype, pool.device, "pooled lengths")
         self.runs = [(start, end, aligned(span)) for start, end, span in attention_runs(attended)]
         pool.steps += 1
         pool.most_rows = max(pool.most_rows, self.count)

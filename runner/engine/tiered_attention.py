@@ -1,28 +1,16 @@
 """The tiered rows of one decode step: one K/V write and one attention call per streamed layer for all of them.
 
-A tiered row's streamed layer lives in host RAM or block files and comes to the device for its turn
-in the forward pass (runner/engine/kvcache/tiered.py). Per row, that turn used to be its own buffers,
-its own write of the new token and its own attention call. Here the step's tiered rows share two
-staging buffers, [2, rows, kv_heads, span, head_dim] (keys, then values), used by alternate layers:
-the read of a layer for every row (one job on the first row's IO thread, queued at the layer
-before, not a job per row) fills each row's slot of one, while the layer before attends over the
-other. The step then writes every row's new K/V with one indexed write and attends with one call of
-the model's attention, each row to its own length through an additive mask, as the pooled rows do
-(runner/engine/pooled_attention.py).
+Rather than its own buffers, write and attention call per row, the step's tiered rows (whose streamed
+layers come to the device for their turn, runner/engine/kvcache/tiered.py) share two staging buffers,
+[2, rows, kv_heads, span, head_dim], used by alternate layers: one job on the first row's IO thread
+reads the next layer for every row into one while the layer before attends over the other. Each row
+attends to its own length through an additive mask, as the pooled rows do (pooled_attention.py); what
+a view covers past a row's length is finite KV an earlier step left, weighed at exactly zero.
 
-The two staging buffers are kept across steps (`StagingBuffers`, one pair per worker thread, device
-and KV shape, alive while an open tiered row holds it): a step takes views of them, `[:, :rows, :,
-:span]`, so the device allocates nothing a step; they are made again, bigger, only when a step's
-rows or longest row outgrow them (in 64-token granules). What a view covers past a row's length is
-KV an earlier step or layer left there, always finite, which the mask weighs at exactly zero, as it
-did the zeros of a fresh buffer.
-
-What moves still moves per row, but in one op for all rows: the read's blocks and tails into their
-slots is one batched copy, and so is every row's new token out to its own tail
-(`torch._foreach_copy_`; on CUDA its strided or host-to-device copies are still a kernel each). Each
-row's bytes are counted in its own cache's traffic from those copies' destinations. A layer that any
-of the step's tiered rows keeps on the device, or as a sliding window, is attended row by row as
-before (`TieredCache.streams`).
+The buffers are kept across steps (one pair per worker thread, device and KV shape, while an open
+tiered row holds it), so a step allocates nothing; the per-row copies are one `_foreach_copy_` each
+way. A layer any row keeps on the device or as a sliding window goes row by row
+(`TieredCache.streams`). docs/kv-cache.md, "Batched decode steps", has the rest.
 """
 
 from __future__ import annotations
@@ -44,21 +32,6 @@ from runner.engine.step_inputs import step_inputs
 
 T = TypeVar("T")
 _PER_THREAD = threading.local()
-
-
-def staging_for(caches: Sequence[TieredCache], like: torch.Tensor) -> StagingBuffers:
-    """This thread's staging buffers for KV like `like` ([rows, kv_heads, 1, head_dim]), held by
-    `caches`: they live while one of them is open, and the next step of them (or of rows joining
-    them) reuses them."""
-    kept: weakref.WeakValueDictionary[tuple[Any, ...], StagingBuffers] = _PER_THREAD.__dict__.setdefault(
-        "staging", weakref.WeakValueDictionary())
-    key = (like.device, like.dtype, like.shape[1], like.shape[3])
-    staging = kept.get(key)
-    if staging is None:
-        staging = kept[key] = StagingBuffers(like.shape[1], like.shape[3], like.dtype, like.device)
-    for cache in caches:
-        cache.staging = staging
-    return staging
 
 
 class TieredRowFailed(Exception):
@@ -104,7 +77,17 @@ class TieredStep:
         if lengths == self.lengths:
             return
         self.lengths, self.span = lengths, aligned(max(lengths) + 1)
-        self.staged = staging_for(self.caches, like).views(self.count, self.span)
+        # this thread's staging buffers for KV like `like`, held by the rows: they live while one of
+        # them is open, and the next step of them (or of rows joining them) reuses them
+        kept: weakref.WeakValueDictionary[tuple[Any, ...], StagingBuffers] = _PER_THREAD.__dict__.setdefault(
+            "staging", weakref.WeakValueDictionary())
+        key = (like.device, like.dtype, like.shape[1], like.shape[3])
+        staging = kept.get(key)
+        if staging is None:
+            staging = kept[key] = StagingBuffers(like.shape[1], like.shape[3], like.dtype, like.device)
+        for cache in self.caches:
+            cache.staging = staging
+        self.staged = staging.views(self.count, self.span)
         held = max(lengths) + 1  # a row's slot (what its reads fill and its meter holds): the rest is masked padding
         self.slots = [[Slot.over(staged[:, row : row + 1, :, :held]) for row in range(self.count)]
                       for staged in self.staged]

@@ -24,7 +24,7 @@ class ResidentMeter:
     stays within the worker's budget, not just each cache alone."""
 
     def __init__(self, budget_bytes: int | None, what: str, config_key: str,
-                 pool: "ResidentMeter | None" = None) -> None:
+                 pool: ResidentMeter | None = None) -> None:
         self.budget_bytes = budget_bytes
         self.what = what
         self.config_key = config_key
@@ -36,9 +36,8 @@ class ResidentMeter:
     def room_for(self, slot: Hashable, nbytes: int) -> bool:
         """Whether `hold(slot, nbytes)` would fit (this meter's budget and its pool's), holding nothing."""
         total = self.total - self._slots.get(slot, 0) + nbytes
-        if self.budget_bytes is not None and total > self.budget_bytes:
-            return False
-        return self.pool is None or self.pool.room_for((id(self), slot), nbytes)
+        fits = self.budget_bytes is None or total <= self.budget_bytes
+        return fits and (self.pool is None or self.pool.room_for((id(self), slot), nbytes))
 
     def hold(self, slot: Hashable, nbytes: int) -> None:
         """Set `slot` to `nbytes`, raising `KVBudgetExceeded` first if the total would pass the budget."""

@@ -1,9 +1,8 @@
 """`dynamic` with the budget guard: every layer on the device, refusing to outgrow a device budget.
 
-Full-attention layers are `GrowingLayer`s (KV written in place into geometrically grown buffers,
-instead of transformers' concatenation that copies the whole prefix every step); sliding-window
-layers stay transformers' own. The meter counts the real allocation (capacity) and is checked before
-anything grows, so the planner's ladder is exercised on CPU exactly as a real CUDA OOM would on a GPU.
+Full-attention layers are `GrowingLayer`s (written in place, not concatenated); sliding-window layers
+stay transformers' own. The meter counts the real allocation (capacity) before anything grows, so the
+planner's ladder is exercised on CPU exactly as a real CUDA OOM would on a GPU.
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ from transformers import PretrainedConfig
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from runner.engine.kvcache.budget import ResidentMeter
-from runner.engine.kvcache.resident import GrowingLayer, allocated_bytes
+from runner.engine.kvcache.resident import NOTHING_OFFLOADED, GrowingLayer, allocated_bytes, next_capacity
 
 
 class BudgetedDynamicCache(DynamicCache):
@@ -66,7 +65,7 @@ class BudgetedDynamicCache(DynamicCache):
         needed = layer.get_seq_length() + key_states.shape[-2]
         others = [other for other in self.layers if other is not layer]
         held = self._held_bytes(others)
-        capacity = layer.next_capacity(needed)
+        capacity = next_capacity(layer.capacity, needed)
         if self.expected_tokens is not None and needed <= self.expected_tokens:
             capacity = self.expected_tokens
         if not self._fits(held + layer.bytes_for(capacity)):
@@ -93,13 +92,7 @@ class BudgetedDynamicCache(DynamicCache):
         self.meter.hold("kv", self._held_bytes())
 
     def stats(self) -> dict[str, Any]:
-        return {
-            "kv_bytes": self.kv.peak,
-            "kv_resident_peak_bytes": self.meter.peak,
-            "offload_bytes_written": 0,
-            "offload_bytes_read": 0,
-            "compression_ratio": None,
-        }
+        return {"kv_bytes": self.kv.peak, "kv_resident_peak_bytes": self.meter.peak, **NOTHING_OFFLOADED}
 
     def close(self) -> None:
         """Give its room in the worker's device pool back; the tensors go with the cache."""

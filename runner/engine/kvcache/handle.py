@@ -1,16 +1,13 @@
 """What one sequence gets from its cache rung: the cache it decodes into, its stats, its cleanup.
 
-A rung either builds a cache object of its own (a budget-guarded dynamic cache, a slot of the KV
-pool, a tiered cache), which a sequence fills and decodes into beside its batch-mates, or it is one
-of transformers' own `cache_implementation` values, whose cache `generate()` builds itself: such a
-sequence runs alone, through `generate()`. The handle says which in its type (`cache` is None in
-the second case), so nothing has to guess it from the keyword arguments handed to `generate()`.
+A rung either builds a cache object (budget-guarded dynamic, a KV pool slot, tiered), which a
+sequence decodes into beside its batch-mates, or is one of transformers' own `cache_implementation`
+values, whose cache `generate()` builds: such a sequence runs alone (`cache` is None).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Self
 
 from transformers.cache_utils import Cache
@@ -26,13 +23,6 @@ class CacheHandle:
     cache: Cache | None
     """The cache the rung built, which the sequence prefills and decodes into within its batch;
     None on a `cache_implementation` rung, where `generate()` builds the cache and runs it alone."""
-    _stats: Callable[[], dict[str, Any]] = field(repr=False)
-    _close: Callable[[], None] = field(repr=False)
-
-    @classmethod
-    def built_by_generate(cls, strategy: str) -> CacheHandle:
-        """A rung that is one of transformers' own `cache_implementation` values."""
-        return cls(strategy, None, dict, lambda: None)
 
     @property
     def generate_kwargs(self) -> dict[str, Any]:
@@ -43,11 +33,12 @@ class CacheHandle:
 
     def stats(self) -> CacheStats:
         """The result row's cache columns (None where the strategy cannot tell)."""
-        raw = self._stats()
+        raw = self.cache.stats() if self.cache is not None else {}
         return CacheStats(**{key: raw.get(key) for key in CacheStats.__annotations__})
 
     def close(self) -> None:
-        self._close()
+        if self.cache is not None:
+            self.cache.close()
 
     def __enter__(self) -> Self:
         return self

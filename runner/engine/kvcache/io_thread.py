@@ -1,13 +1,10 @@
 """The background thread that reads KV ahead of the layer that needs it, and seals blocks.
 
-One worker thread runs jobs in submission order, so a read of a layer always sees the blocks
-sealed before it. A batched step's read of every row's layer is one job on its first row's thread
-(layer_store.read_all): a block another row's thread is still sealing is waited for through its
-payload future, and a seal waits for nothing on another thread, so the threads never wait in a
-cycle. On CUDA its copies go on a side stream, so they overlap the compute of the current layer.
-A job reports done once its copies are queued, not finished: a job that fills device buffers
-records a CUDA event after its copies, and the compute thread's stream waits for that event on the
-device (`adopt`), so neither thread waits on the host for the copies.
+One worker thread runs jobs in order, so a read sees the blocks sealed before it; a batched step's
+read of every row is one job on its first row's thread, and a seal waits for nothing on another
+thread, so the threads never wait in a cycle. On CUDA its copies go on a side stream, overlapping the
+current layer's compute; a job is done once its copies are queued, and the compute stream waits for
+its event on the device (`adopt`), so neither thread waits on the host.
 """
 
 from __future__ import annotations
@@ -46,8 +43,7 @@ class IOThread:
         if self._stream is None:
             return
         stream = torch.cuda.current_stream(self.device)
-        if filled is not None:
-            stream.wait_event(filled)
+        stream.wait_event(filled)  # on CUDA every read records one
         for tensor in tensors:
             tensor.record_stream(stream)
 

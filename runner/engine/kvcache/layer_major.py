@@ -1,19 +1,12 @@
 """Layer-major prefill: each layer's K/V for the whole prompt is computed first, then stored once.
 
-transformers' chunked prefill (`prefill_chunk_size`) runs every layer over chunk 1, then every layer
-over chunk 2, ...; an offloaded cache must bring each layer's earlier chunks back to the device for
-every new chunk: c·n(n-1)/2 tokens per layer for n chunks of c, about (n-1)/2 copies of the cache.
-Here layer 0 runs over all chunks, then layer 1, and so on. A layer the cache keeps off the device
-grows in a one-layer staging cache on the device (the very `DynamicLayer` chunked prefill would
-attend to) and is handed to the cache in one `update`, so the prompt's K/V is written once and
-never read back for a later chunk. Queries still go a chunk at a time, so activations stay bounded by a chunk;
-between layers the prompt's hidden states (tokens × hidden size) are kept.
-
-Every chunk, the last one too, is cut as generate() cuts them, and the last token's logits come
-from the model's own norm and head, so logits, K/V and tokens are bit for bit those of chunked
-prefill (tests/test_layer_major.py; a token's results depend on the chunk it was computed in).
-generate() is then handed that output as its prefill (`prefilled`) and only decodes: the prompt's
-K/V is written once and read back zero times.
+Chunked prefill runs every layer over chunk 1, then over chunk 2, ...: an offloaded cache brings each
+layer's earlier chunks back for every new chunk, about (n-1)/2 copies of the cache for n chunks. Here
+layer 0 runs over all chunks, then layer 1, and so on; a layer the cache keeps off the device grows
+in a one-layer staging `DynamicLayer` (what chunked prefill would attend to) and is handed over in
+one `update`. Queries still go a chunk at a time, cut as generate() cuts them, with the model's own
+norm and head for the last logits, so logits, K/V and tokens are bit for bit chunked prefill's
+(tests/test_layer_major.py). generate() then only decodes (`prefilled`).
 """
 
 from __future__ import annotations
@@ -65,8 +58,6 @@ def unsupported_reason(model: PreTrainedModel, cache: Cache) -> str | None:
         return f"layer types {other_types} (covered: {list(_MASKS)})"
     if cache.get_seq_length() != 0:
         return "the cache already holds tokens"
-    if not callable(getattr(type(model), "_prefill", None)):
-        return "this transformers version's generate() has no _prefill step to hand the prefill to"
     for idx, layer in enumerate(cache.layers[: len(layer_types)]):
         if getattr(layer, "is_compileable", True):  # transformers' flag of a fixed-size (static) or dummy layer
             return f"cache layer {idx} is a {type(layer).__name__} (covered: layers that grow as they are written)"
@@ -87,10 +78,8 @@ def choose_prefill(
         offloads = any(getattr(layer, "streamed", False) for layer in getattr(cache, "layers", ()))
         if not offloads or math.ceil(prompt_tokens / chunk_size) < MIN_CHUNKS:
             return "chunked"
-    if getattr(cache, "layers", None) is not None:
-        reason = unsupported_reason(model, cache)
-    else:
-        reason = "generate() builds this cache itself (cache_implementation)"
+    reason = (unsupported_reason(model, cache) if getattr(cache, "layers", None) is not None
+              else "generate() builds this cache itself (cache_implementation)")
     if reason is not None:
         log.log(logging.WARNING if mode == "layer-major" else logging.INFO,
                 "layer-major prefill not used (%s): chunked prefill instead", reason)
@@ -111,13 +100,12 @@ def layer_major_prefill(
     generate() with `prefilled`. Check `unsupported_reason` first."""
     decoder = model.model
     config = decoder.config
-    prefill_ids = input_ids
     # generate()'s own position ids and mask form: positions count the real tokens of each row, and
     # a mask without padding is dropped (so the first chunk may skip its causal mask, as it does there)
     positions = model._prepare_position_ids_for_generation(input_ids, {"attention_mask": attention_mask})
     padding_mask = None if bool((attention_mask == 1).all()) else attention_mask
-    bounds = [(start, start + chunk_size) for start in range(0, prefill_ids.shape[1], chunk_size)]
-    hidden = [decoder.embed_tokens(prefill_ids[:, start:end]) for start, end in bounds]
+    bounds = [(start, start + chunk_size) for start in range(0, input_ids.shape[1], chunk_size)]
+    hidden = [decoder.embed_tokens(input_ids[:, start:end]) for start, end in bounds]
     rotary = [decoder.rotary_emb(h, positions[:, start:end]) for h, (start, end) in zip(hidden, bounds)]
     layer_types, _ = get_layer_types_and_kwargs(config)
 

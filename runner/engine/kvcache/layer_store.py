@@ -1,18 +1,12 @@
 """One layer's authoritative KV off the device: sealed full blocks in a tier, plus a RAM tail.
 
-New tokens are copied off the device once, into the tail; a full tail is sealed (handed to the
-tier on the IO thread) and never rewritten. Beam reorders and batch changes do not move block
-data: each block keeps a row map (logical batch row -> stored row) applied when it is read.
-
-The tail is token-major with a token's keys and values side by side, (tokens, 2, batch, heads,
-head_dim), so the window a step writes, keys and values, is one contiguous run of bytes: on CUDA one
-copy takes it straight from the device into pinned memory, without a pageable temporary or a host
-sync (the device stacks the token's keys and values first, for a batched step all rows' at once). Sealing turns it into the head-major block the
-tiers store, (batch, heads, tokens, head_dim), which reads into a device buffer a block at a time.
-A read is a `Read`: a prefetch queues its own, a batched step one job of every row's (`read_all`),
-whose copies are one batched op, as are the step's writes of every row's token (`token_window`).
-On CUDA every wait between the compute stream and the IO thread's stream is a CUDA event waited
-for on a stream; the host waits only where it touches the bytes itself (sealing, reshaping).
+New tokens are copied off the device once, into the tail; a full tail is sealed (handed to the tier
+on the IO thread) and never rewritten. Beam reorders and batch changes move no block data: each block
+keeps a row map applied when it is read. The tail is token-major, (tokens, 2, batch, heads,
+head_dim), so the keys and values a step writes are one contiguous run: on CUDA one copy into pinned
+memory, without a pageable temporary or a host sync. Sealing turns it head-major, as the tiers store
+blocks. On CUDA the compute stream and the IO thread's stream wait for each other through events;
+the host waits only where it touches the bytes (sealing, reshaping). docs/kv-cache.md has the rest.
 """
 
 from __future__ import annotations
@@ -26,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from runner.engine.kvcache.io_thread import IOThread
+from runner.engine.kvcache.resident import granule
 from runner.engine.kvcache.tiers import Tier
 
 
@@ -81,15 +76,10 @@ class Slot:
 
 
 class StagingBuffers:
-    """Two device buffers, [2, rows, heads, tokens, head_dim] each (keys, then values), that a
-    cache's reads (or a batched step's) fill layer after layer, step after step: the device allocates
-    nothing per read. `views` cuts both to the rows and tokens wanted; the buffers are made again,
-    bigger, only when a view would not fit (in 64-token granules: a decode step grows a layer by one
-    token). What a view covers past what a read wrote is KV an earlier read left (always finite) or
-    zeros, never uninitialised memory: a batched step's mask weighs it at zero, and garbage NaN times
-    a zero weight would be NaN."""
-
-    GRANULE = 64
+    """Two device buffers, [2, rows, heads, tokens, head_dim] each (keys, then values), that reads fill
+    layer after layer, step after step, so the device allocates nothing per read; made again, bigger,
+    only when a view would not fit (in granules). Past what a read wrote they hold finite KV or zeros,
+    never uninitialised memory: a batched step's mask weighs it at zero, and NaN times zero is NaN."""
 
     def __init__(self, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device) -> None:
         self.heads, self.head_dim, self.dtype, self.device = heads, head_dim, dtype, device
@@ -97,16 +87,11 @@ class StagingBuffers:
         self.turn = 0
         """Which of the two `next_slot` hands out next."""
 
-    def fits(self, heads: int, head_dim: int, dtype: torch.dtype) -> bool:
-        """Whether a layer of this shape and dtype can be read into them."""
-        return (heads, head_dim, dtype) == (self.heads, self.head_dim, self.dtype)
-
     def views(self, rows: int, tokens: int) -> list[torch.Tensor]:
         """Both buffers cut to `rows` rows of `tokens` tokens (made bigger first if they are smaller)."""
         if not self.buffers or rows > self.buffers[0].shape[1] or tokens > self.buffers[0].shape[3]:
             had_rows, had_tokens = (self.buffers[0].shape[1], self.buffers[0].shape[3]) if self.buffers else (0, 0)
-            shape = (2, max(rows, had_rows), self.heads, -(-max(tokens, had_tokens) // self.GRANULE) * self.GRANULE,
-                     self.head_dim)
+            shape = (2, max(rows, had_rows), self.heads, granule(max(tokens, had_tokens)), self.head_dim)
             self.buffers = []  # the old pair goes before the new one is made
             self.buffers = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(2)]
         return [buffer[:, :rows, :, :tokens] for buffer in self.buffers]
@@ -121,18 +106,6 @@ class StagingBuffers:
         if self.device.type == "cuda":
             slot = dataclasses.replace(slot, free=torch.cuda.current_stream(self.device).record_event())
         return slot
-
-
-@dataclass(frozen=True)
-class _Snapshot:
-    """What a background read needs, frozen at submission (the layer may change afterwards)."""
-
-    blocks: tuple[SealedBlock, ...]
-    tail: torch.Tensor | None
-    tail_len: int
-    seq_len: int
-    batch: int
-    copies_done: torch.cuda.Event | None
 
 
 class LayerStore:
@@ -178,40 +151,31 @@ class LayerStore:
         """On CUDA the tail is filled by asynchronous copies; readers wait for this event."""
         if not self.pinned:
             return None
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
-        self._copies_done = event
-        return event
+        self._copies_done = torch.cuda.current_stream(self.device).record_event()
+        return self._copies_done
 
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> int:
         """Copy only the new tokens ((batch, heads, tokens, head_dim) each) off the device, sealing
         each tail that fills up; returns the bytes the copies wrote."""
-        return self.append_pairs(token_pairs(keys, values))
-
-    def append_pairs(self, pairs: torch.Tensor) -> int:
-        """`append` for new tokens already stacked as the tail holds them: (tokens, 2, batch, heads,
-        head_dim), contiguous (a batched step stacks every row's at once, `token_pairs`)."""
+        pairs = token_pairs(keys, values)
         new = pairs.shape[0]
         done = copied = 0
         while done < new:
-            window = self._tail_window(new - done)
-            copied += _copy(window, pairs[done : done + window.shape[0]], self.pinned)
+            window = self.tail_window(new - done)
+            window.copy_(pairs[done : done + window.shape[0]], non_blocking=self.pinned)
+            copied += window.nbytes
             done += window.shape[0]
             self._filled(window.shape[0])
         return self._appended(new, copied)
 
-    def token_window(self) -> torch.Tensor:
-        """Where this layer's next token goes, (1, 2, batch, heads, head_dim), contiguous: a batched
-        step copies every row's new token into its row's window with one op, then `wrote_token`."""
-        return self._tail_window(1)
-
     def wrote_token(self, window: torch.Tensor) -> int:
-        """After the copy into `token_window()`: the token is the layer's; returns the bytes it wrote."""
+        """After the copy into `tail_window()`: the token is the layer's; returns the bytes it wrote."""
         self._filled(1)
         return self._appended(1, window.nbytes)
 
-    def _tail_window(self, tokens: int) -> torch.Tensor:
-        """The tail's room for up to `tokens` new tokens (a new tail if there is none)."""
+    def tail_window(self, tokens: int = 1) -> torch.Tensor:
+        """The tail's room for up to `tokens` new tokens (a new tail if there is none), contiguous: a
+        batched step copies every row's new token into its row's window with one op, then `wrote_token`."""
         if self.tail is None:
             self.tail = self._new_tail()
         return self.tail[self.tail_len : self.tail_len + min(tokens, self.block_tokens - self.tail_len)]
@@ -229,8 +193,7 @@ class LayerStore:
         return copied
 
     def _seal_tail(self) -> None:
-        tail, copies_done = self.tail, self._mark_copies()
-        payload = self.io.submit(self._seal, tail, copies_done)
+        payload = self.io.submit(self._seal, self.tail, self._mark_copies())
         self.blocks.append(SealedBlock(torch.Size((self.batch, self.heads, self.block_tokens, self.head_dim)), payload))
         self.tail = None
         self.tail_len = 0
@@ -242,24 +205,21 @@ class LayerStore:
 
     # --- reading -------------------------------------------------------------------------------
 
-    def _snapshot(self) -> _Snapshot:
-        return _Snapshot(
-            tuple(self.blocks), self.tail, self.tail_len, self.seq_len, self.batch,
-            self._copies_done,
-        )
-
     def read_later(self, extra_tokens: int, into: Slot | None = None) -> Read:
         """A read of the layer as it is now, with room for `extra_tokens` (into the buffers of `into`
         when given: a batched step's slot for this row), for `read_all` to do, with other rows' reads."""
-        return Read(self, self._snapshot(), extra_tokens, into)
+        return Read(self, extra_tokens, into, tuple(self.blocks), self.tail, self.tail_len, self.seq_len, self.batch,
+                    self._copies_done)
 
-    def load(self, extra_tokens: int, into: Slot | None = None) -> Resident:
-        """Bring the layer to the device after the IO thread's queued work (its seals) is done."""
-        return self.io.run(self._materialize, self._snapshot(), extra_tokens, into)
-
-    def load_here(self, extra_tokens: int, into: Slot | None = None) -> Resident:
-        """Bring the layer to the device on the calling thread (blocks still being sealed are waited for)."""
-        return self._materialize(self._snapshot(), extra_tokens, into)
+    def load(self, extra_tokens: int, into: Slot | None = None, here: bool = False) -> Resident:
+        """Bring the layer to the device after the IO thread's queued work (its seals) is done, or
+        `here`, on the calling thread (blocks still being sealed are waited for)."""
+        read = self.read_later(extra_tokens, into)
+        if here:
+            read_all([read])
+        else:
+            self.io.run(read_all, [read])
+        return read.done.result()
 
     def _read_block(self, block: SealedBlock) -> tuple[torch.Tensor, torch.Tensor]:
         keys, values = self.tier.load(block.payload.result(), block.stored_shape, self.dtype)
@@ -267,37 +227,28 @@ class LayerStore:
             keys, values = keys.index_select(0, block.rows), values.index_select(0, block.rows)
         return keys, values
 
-    def _materialize(self, snap: _Snapshot, extra_tokens: int, into: Slot | None = None) -> Resident:
-        """Runs on the IO thread's stream (or the compute thread's, see `load_here`): on CUDA its
-        copies are ordered after the tail's by an event (and after the slot's last reader, for a
-        slot), and the result carries one for its reader."""
-        with _writing([into]):
-            buffer, copies, decoded = self._plan(snap, extra_tokens, into)
-            copy_all(copies)
-            return self._resident(snap, buffer, decoded + _bytes(copies), self._record())
-
-    def _plan(self, snap: _Snapshot, extra_tokens: int, into: Slot | None
-              ) -> tuple[Slot, list[tuple[torch.Tensor, torch.Tensor]], int]:
+    def _plan(self, read: Read) -> tuple[Slot, list[tuple[torch.Tensor, torch.Tensor]], int]:
         """A read's buffer (`into`, or a new one with room for `extra_tokens` more), the copies
         that fill it, (destination, source), left for the caller to make (`read_all` makes every
         row's at once), and the bytes already decoded into it (a disk block on CPU decodes straight
         into its window; a block in RAM is one of the copies)."""
         stream = torch.cuda.current_stream(self.device) if self.pinned else None
+        into, extra_tokens = read.into, read.extra_tokens
         if into is None:  # keys and values side by side, as the tail holds them: one copy reads the tail into both
-            shape = (2, snap.batch, self.heads, snap.seq_len + extra_tokens, self.head_dim)
+            shape = (2, read.batch, self.heads, read.seq_len + extra_tokens, self.head_dim)
             into = Slot.over(torch.empty(shape, dtype=self.dtype, device=self.device))
         else:
-            assert into.kv.shape[1] == snap.batch and into.kv.shape[-2] >= snap.seq_len + extra_tokens, \
+            assert into.kv.shape[1] == read.batch and into.kv.shape[-2] >= read.seq_len + extra_tokens, \
                 "the slot is too small"
             if stream is not None:  # written on this stream: its memory is not handed out again before
                 into.kv.record_stream(stream)  # these copies ran, even if the step that made it is gone
             if into.free is not None:
                 stream.wait_event(into.free)
-        if snap.copies_done is not None:
-            stream.wait_event(snap.copies_done)
+        if read.copies_done is not None:
+            stream.wait_event(read.copies_done)
         copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         decoded = 0
-        for i, block in enumerate(snap.blocks):
+        for i, block in enumerate(read.blocks):
             window = slice(i * self.block_tokens, (i + 1) * self.block_tokens)
             keys, values = into.keys[:, :, window], into.values[:, :, window]
             if self.device.type == "cpu" and block.rows is None and not self.tier.keeps_blocks_in_ram:
@@ -305,19 +256,10 @@ class LayerStore:
                 continue
             block_keys, block_values = self._read_block(block)
             copies += [(keys, block_keys), (values, block_values)]
-        if snap.tail_len:
-            start = snap.seq_len - snap.tail_len
-            copies.append(_tail_copy(into.by_token[start : snap.seq_len], snap.tail[: snap.tail_len]))
+        if read.tail_len:  # token-major into the buffer seen by token; on CUDA one contiguous copy to the device first
+            tail = read.tail[: read.tail_len].to(into.kv.device, non_blocking=True)
+            copies.append((into.by_token[read.seq_len - read.tail_len : read.seq_len], tail))
         return into, copies, decoded
-
-    def _record(self) -> torch.cuda.Event | None:
-        """On CUDA: an event after the copies queued so far on this thread's stream, for their reader."""
-        return torch.cuda.current_stream(self.device).record_event() if self.pinned else None
-
-    def _resident(self, snap: _Snapshot, buffer: Slot, copied: int, filled: torch.cuda.Event | None) -> Resident:
-        """The read's result, once its copies (`copied` bytes, counted here) are made or queued."""
-        self.traffic.host_to_device += copied
-        return Resident(buffer.keys, buffer.values, snap.seq_len, copied, filled)
 
     # --- reshaping (callers settle any pending read of this layer first) -----------------------
 
@@ -349,56 +291,44 @@ class LayerStore:
             first_dropped, partial = divmod(keep, self.block_tokens)
             dropped = self.blocks[first_dropped]
             self.tail = None
-            self.tail_len = 0
             if partial:
                 keys, values = self.io.run(self._read_block, dropped)
                 self.tail = self._new_tail()
                 self.tail[:partial].copy_(token_pairs(keys[:, :, :partial], values[:, :, :partial]))
-                self.tail_len = partial
+            self.tail_len = partial
             self.io.run(self.tier.discard_from, dropped.payload.result())
             del self.blocks[first_dropped:]
         self.seq_len = keep
 
 
-def token_major(kv: torch.Tensor) -> torch.Tensor:
-    """(batch, heads, tokens, head_dim) seen as (tokens, batch, heads, head_dim): a view, no copy."""
-    return kv.permute(2, 0, 1, 3)
-
-
 def token_pairs(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     """(batch, heads, tokens, head_dim) keys and values as the tail holds them: (tokens, 2, batch,
     heads, head_dim), contiguous (one op; on CUDA on the device, before the copy off it)."""
-    return torch.stack((token_major(keys), token_major(values)), dim=1)
+    return torch.stack((keys.permute(2, 0, 1, 3), values.permute(2, 0, 1, 3)), dim=1)
 
 
 def _head_major(tail: torch.Tensor, pinned: bool) -> torch.Tensor:
     """A sealed tail as the tiers store blocks: (batch, heads, tokens, head_dim), contiguous."""
-    block = torch.empty(
-        (tail.shape[1], tail.shape[2], tail.shape[0], tail.shape[3]), dtype=tail.dtype, pin_memory=pinned
-    )
-    token_major(block).copy_(tail)
+    block = torch.empty(tail.permute(1, 2, 0, 3).shape, dtype=tail.dtype, pin_memory=pinned)
+    block.permute(2, 0, 1, 3).copy_(tail)
     return block
-
-
-def _tail_copy(window: torch.Tensor, tail: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The copy of a token-major tail window (tokens, 2, batch, heads, head_dim) into the same tokens
-    of a head-major device buffer of keys and values side by side, seen by token (`Slot.by_token`):
-    one copy. On CUDA the pinned window goes to the device in one contiguous asynchronous copy first
-    (made here) and is transposed there."""
-    if tail.device != window.device:
-        tail = tail.to(window.device, non_blocking=True)
-    return window, tail
 
 
 @dataclass
 class Read:
     """One layer of one row to bring to the device for its next turn, and the future its layer
-    settles on: a prefetch hands it to an IO thread alone, a batched step with its other rows'."""
+    settles on: a prefetch hands it to an IO thread alone, a batched step with its other rows'.
+    The layer as it was when the read was made is frozen in it (the layer may change afterwards)."""
 
     store: LayerStore
-    snap: _Snapshot
     extra_tokens: int
     into: Slot | None
+    blocks: tuple[SealedBlock, ...]
+    tail: torch.Tensor | None
+    tail_len: int
+    seq_len: int
+    batch: int
+    copies_done: torch.cuda.Event | None
     done: Future[Resident] = field(default_factory=Future)
 
 
@@ -413,7 +343,7 @@ def read_all(reads: Sequence[Read]) -> None:
             continue
         try:
             with _writing([read.into]):
-                planned.append((read, *read.store._plan(read.snap, read.extra_tokens, read.into)))
+                planned.append((read, *read.store._plan(read)))
         except Exception as e:  # noqa: BLE001 - raised where its row settles the read
             read.done.set_exception(e)
     if not planned:
@@ -425,9 +355,12 @@ def read_all(reads: Sequence[Read]) -> None:
         for read, *_ in planned:
             read.done.set_exception(e)
         return
-    filled = planned[0][0].store._record()
+    store = planned[0][0].store  # on CUDA: an event after the copies queued on this thread's stream, for their readers
+    filled = torch.cuda.current_stream(store.device).record_event() if store.pinned else None
     for read, buffer, copies, decoded in planned:
-        read.done.set_result(read.store._resident(read.snap, buffer, decoded + _bytes(copies), filled))
+        copied = decoded + sum(dst.nbytes for dst, _ in copies)  # the traffic counters add up the copies' own writes
+        read.store.traffic.host_to_device += copied
+        read.done.set_result(Resident(buffer.keys, buffer.values, read.seq_len, copied, filled))
 
 
 def _writing(slots: Sequence[Slot | None]) -> AbstractContextManager[object]:
@@ -441,15 +374,3 @@ def copy_all(copies: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
     rows' small copies, where a loop of `copy_` pays the host's cost of an op for each."""
     if copies:
         torch._foreach_copy_([dst for dst, _ in copies], [src for _, src in copies], non_blocking=True)
-
-
-def _bytes(copies: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> int:
-    """What `copies` write: the traffic counters add up the copies' own destinations."""
-    return sum(dst.nbytes for dst, _ in copies)
-
-
-def _copy(dst: torch.Tensor, src: torch.Tensor, non_blocking: bool = True) -> int:
-    """Copy `src` into `dst` and return the bytes written: the traffic counters add these up, so
-    they report the copies made, not what a plan says should have been made."""
-    dst.copy_(src, non_blocking=non_blocking)
-    return dst.nbytes

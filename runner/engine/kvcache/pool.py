@@ -1,36 +1,26 @@
 """One KV pool per worker for the device-resident (`dynamic`) sequences of its batch.
 
-Every pooled sequence's KV lives in one slot of two buffers, keys and values, each
-[layers, slots, kv_heads, tokens, head_dim]: a decode step writes every pooled row's new K/V with one
-indexed write per layer and attends over all of them with one attention call per layer (a few where
-rows of very different lengths would read much padding: runner/engine/pooled_attention.py). Slots,
-not paged blocks: a slot is one row of an ordinary [batch, heads, tokens, head_dim] tensor, which SDPA
-reads in place; paged blocks would need a gather of every row's KV per layer per step (a second read
-of all of it) or a paged kernel that torch does not ship for the CPU. The price is padding: every slot has the room of the longest sequence
+Every pooled sequence's KV is one slot of two buffers, keys and values, each [layers, slots, kv_heads,
+tokens, head_dim]: a decode step writes every pooled row's new K/V with one indexed write per layer and
+attends over them with few attention calls (runner/engine/pooled_attention.py). Slots, not paged
+blocks: a slot is a row of an ordinary tensor, which SDPA reads in place, where paged blocks would need
+a gather per layer per step or a paged kernel torch does not ship for the CPU. The price is padding
 (docs/kv-cache.md, "The pooled decode step").
 
-The live slots are kept packed at the front (a sequence leaving moves the last one into its slot),
-so the step's attention reads a view `[:live]` of the pool, and the pool's allocation is what it
-holds in the worker's device meter: admission, the split on OOM and the budget guard see it there.
-
-Growing the pool means a new pair of buffers and a copy of every live slot into them, with the old
-and the new pair on the device at once. Given `planned` (the most sequences a batch holds and the
-most tokens a pass holds: the worker's on CUDA), the pool is made once for all of them (`reserve`, at
-worker start), or for as many slots of that length as the device budget has room for, and kept for
-the worker's life, so a batch within that plan never grows it and every captured decode step keeps
-replaying over the same buffers. Without a plan (the CPU, where the device budget is RAM the rest
-of the batch shares) it grows as claims need (×2 in slots, ×1.5 in tokens) and is freed when its
-last sequence leaves. Either way an empty pool gives way to a tiered cache (`give_way`): that rung
-is where a sequence too long for the pool's room goes, and it needs the device room the pool holds.
-
-Every new pair of buffers is a new `generation`: what a captured step was captured over is keyed by
+The live slots are packed at the front (a leaving sequence's slot takes the last one), so attention
+reads a view `[:live]`, and the pool's allocation is what it holds in the worker's device meter.
+Growing means a second pair of buffers beside the first, so with a plan (`planned`, the worker's on
+CUDA) the pool is made once at worker start, within the budget, and kept: captured decode steps keep
+replaying over the same buffers. Without one (the CPU, whose budget is RAM the batch shares) it grows
+as claims need and is freed when empty. An empty pool gives way to a tiered cache (`give_way`), which
+needs the device room. Every new pair of buffers is a new `generation`: captured steps are keyed by
 it, not by an address the allocator may hand out again with another shape.
 """
 
 from __future__ import annotations
 
-import math
 import weakref
+from contextlib import suppress
 from typing import Any
 
 import torch
@@ -38,7 +28,7 @@ from transformers import PretrainedConfig
 from transformers.cache_utils import Cache, DynamicLayer, get_layer_types_and_kwargs
 
 from runner.engine.kvcache.budget import KVBudgetExceeded, ResidentMeter
-from runner.engine.kvcache.resident import GRANULE_TOKENS, GROWTH
+from runner.engine.kvcache.resident import GRANULE_TOKENS, NOTHING_OFFLOADED, granule, next_capacity
 
 METER_SLOT = "kv-pool"
 
@@ -97,13 +87,11 @@ class KVPool:
 
     def fits(self, tokens: int) -> bool:
         """Whether one more sequence of `tokens` can take a slot now: a free one with the room, or new
-        buffers within the budget. What admission asks before a pooled sequence joins the batch (the
-        pool owns the device KV; a claim that does not fit would be a memory error, which lowers the
-        batch limit)."""
+        buffers within the budget (what admission asks: a claim that does not fit is a memory error,
+        which would lower the batch limit)."""
         slots = len(self.owners) + 1
-        if slots <= self.slots and tokens <= self.tokens:
-            return True
-        return self.meter.room_for(METER_SLOT, self.bytes_for(*self._least_shape(slots, tokens)))
+        in_room = slots <= self.slots and tokens <= self.tokens
+        return in_room or self.meter.room_for(METER_SLOT, self.bytes_for(*self._least_shape(slots, tokens)))
 
     def claim(self, cache: PooledCache, tokens: int) -> int:
         """A slot for `cache` with room for `tokens`; raises `KVBudgetExceeded` (a memory error: the
@@ -115,10 +103,8 @@ class KVPool:
     def reserve(self) -> None:
         """Make a planned pool now (the worker's start), if the budget has room for one slot of the plan."""
         if self.planned is not None and self.keys is None:
-            try:
+            with suppress(KVBudgetExceeded):  # not even one pass of the plan: the claims will say so, task by task
                 self.ensure(1, self.planned[1])
-            except KVBudgetExceeded:  # not even one pass of the plan: the claims will say so, task by task
-                pass
 
     def give_way(self) -> None:
         """Free the buffers of an empty pool (for a tiered cache, which needs the device room)."""
@@ -150,8 +136,7 @@ class KVPool:
             wanted = self._planned_shape(*exact)
         else:
             wanted = (self.slots if exact[0] <= self.slots else max(exact[0], 2 * self.slots),
-                      self.tokens if exact[1] <= self.tokens
-                      else _granule(max(exact[1], math.ceil(self.tokens * GROWTH))))
+                      self.tokens if exact[1] <= self.tokens else next_capacity(self.tokens, exact[1]))
         try:
             self.meter.hold(METER_SLOT, self.bytes_for(*wanted))
             shape = wanted
@@ -167,13 +152,13 @@ class KVPool:
     def _least_shape(self, slots: int, tokens: int) -> tuple[int, int]:
         """The smallest buffers that hold `slots` sequences of `tokens` and every live one: what `ensure`
         settles for when the budget has no room for more."""
-        return max(slots, len(self.owners)), _granule(max(tokens, self.longest()))
+        return max(slots, len(self.owners)), granule(max([tokens, *(owner.length for owner in self.owners)]))
 
     def _planned_shape(self, slots: int, tokens: int) -> tuple[int, int]:
         """The plan's shape, at least (`slots`, `tokens`): its slots cut to what the budget has room
         for beside what the meter already holds (the batch's other caches)."""
         assert self.planned is not None
-        tokens = max(tokens, _granule(self.planned[1]))
+        tokens = max(tokens, granule(self.planned[1]))
         fit = self.planned[0]
         if self.meter.budget_bytes is not None:
             fit = min(fit, (self.meter.budget_bytes - self.meter.total) // self.bytes_for(1, tokens))
@@ -182,25 +167,16 @@ class KVPool:
     def bytes_for(self, slots: int, tokens: int) -> int:
         return slots * tokens * self.token_bytes
 
-    def longest(self) -> int:
-        """The most tokens a live sequence holds now."""
-        return max((owner.length for owner in self.owners), default=0)
-
     def _reallocate(self, slots: int, tokens: int) -> None:
         shape = (self.num_layers, slots, self.kv_heads, tokens, self.head_dim)
         # zeros, not empty: a row's masked tail is still read, and garbage NaN times a zero weight is NaN
-        keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        values = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        new = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(2)]
         if self.keys is not None and self.values is not None and self.owners:
             live, held = len(self.owners), min(self.tokens, tokens)  # a prefill's uncommitted tokens too
-            keys[:, :live, :, :held].copy_(self.keys[:, :live, :, :held])
-            values[:, :live, :, :held].copy_(self.values[:, :live, :, :held])
-        self.keys, self.values = keys, values
+            for buffer, old in zip(new, (self.keys, self.values)):
+                buffer[:, :live, :, :held].copy_(old[:, :live, :, :held])
+        self.keys, self.values = new
         self.generation += 1
-
-
-def _granule(tokens: int) -> int:
-    return -(-max(tokens, 1) // GRANULE_TOKENS) * GRANULE_TOKENS
 
 
 class PooledLayer(DynamicLayer):
@@ -250,9 +226,7 @@ class PooledCache(Cache):
         return {
             "kv_bytes": self.length * self.pool.token_bytes,
             "kv_resident_peak_bytes": max(self._resident_peak, self.pool.bytes_for(1, self.pool.tokens)),
-            "offload_bytes_written": 0,
-            "offload_bytes_read": 0,
-            "compression_ratio": None,
+            **NOTHING_OFFLOADED,
         }
 
     def close(self) -> None:

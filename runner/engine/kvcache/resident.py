@@ -1,14 +1,9 @@
 """Device-resident KV without whole-prefix copies: buffers that grow geometrically and are written in place.
 
-transformers' `DynamicLayer` concatenates at every update, so each prefill chunk and each decode step
-copies the layer's whole prefix (O(n^2) bytes over a generation). `GrowingLayer` keeps keys/values in
-a preallocated [batch, heads, capacity, head_dim] buffer, writes new tokens into it, and hands
-attention views of the valid length; capacity grows by `GROWTH` (rounded up to `GRANULE_TOKENS`), so
-the bytes copied by growth stay O(n). Attention sees the same values in the same [B, H, T, D] shape
-(only the batch/head strides differ), so generated tokens are identical to `DynamicLayer`'s.
-
-The buffers are written in place, so a layer is for inference (generate runs under no_grad):
-autograd would reject the in-place writes into a buffer an earlier view was saved from.
+transformers' `DynamicLayer` concatenates at every update, copying the layer's whole prefix (O(n^2)
+bytes over a generation). `GrowingLayer` writes new tokens into a preallocated buffer grown by
+`GROWTH` (in `GRANULE_TOKENS`), so growth copies O(n), and hands attention views of the valid tokens:
+the same values in the same shape, so the same tokens. The in-place writes make it inference-only.
 """
 
 from __future__ import annotations
@@ -23,6 +18,8 @@ GROWTH = 1.5
 """Capacity factor per reallocation: O(n) total copying, at most a third of the buffer left unused."""
 GRANULE_TOKENS = 64
 """Capacities are multiples of this many tokens, so small prompts and chunk sizes don't cause odd sizes."""
+NOTHING_OFFLOADED = {"offload_bytes_written": 0, "offload_bytes_read": 0, "compression_ratio": None}
+"""The offload columns of a cache whose KV stays on the device."""
 
 
 class GrowingLayer(DynamicLayer):
@@ -33,8 +30,7 @@ class GrowingLayer(DynamicLayer):
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        self._key_buffer: torch.Tensor | None = None
-        self._value_buffer: torch.Tensor | None = None
+        self._pair: tuple[torch.Tensor, torch.Tensor] | None = None  # the key and value buffers
         self._length = 0
         self._token_bytes = 0  # keys and values of one token, all rows and heads
 
@@ -43,7 +39,7 @@ class GrowingLayer(DynamicLayer):
     @property
     def capacity(self) -> int:
         """Tokens the buffers hold room for (0 before the first update)."""
-        return self._key_buffer.shape[-2] if self._key_buffer is not None else 0
+        return self._pair[0].shape[-2] if self._pair is not None else 0
 
     @property
     def capacity_bytes(self) -> int:
@@ -54,17 +50,12 @@ class GrowingLayer(DynamicLayer):
         """Bytes both buffers take at a capacity of `tokens` (0 until the layer has seen its first tokens)."""
         return tokens * self._token_bytes
 
-    def next_capacity(self, needed: int) -> int:
-        """The geometric step for `needed` tokens: GROWTH × capacity or `needed`, rounded up to the granule."""
-        wanted = max(needed, math.ceil(self.capacity * GROWTH))
-        return -(-wanted // GRANULE_TOKENS) * GRANULE_TOKENS
-
     def grow_to(self, capacity: int) -> None:
         """Reallocate to `capacity` tokens (never below the valid length), copying only the valid prefix."""
         capacity = max(capacity, self._length)
         if capacity == self.capacity:
             return
-        self._adopt(*(_moved(buffer, self._length, capacity) for buffer in self._buffers))
+        self._adopt(*(_copied(buffer, self._length, capacity) for buffer in self._buffers))
 
     def trim(self) -> None:
         """Give back the unused capacity (when a budget needs it for another layer)."""
@@ -76,10 +67,7 @@ class GrowingLayer(DynamicLayer):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         self._length = 0
-        self._adopt(
-            key_states.new_empty((*key_states.shape[:-2], 0, key_states.shape[-1])),
-            value_states.new_empty((*value_states.shape[:-2], 0, value_states.shape[-1])),
-        )
+        self._adopt(*(kv.new_empty((*kv.shape[:-2], 0, kv.shape[-1])) for kv in (key_states, value_states)))
         self.is_initialized = True
 
     def update(
@@ -89,31 +77,27 @@ class GrowingLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         start, end = self._length, self._length + key_states.shape[-2]
         if end > self.capacity:
-            self.grow_to(self.next_capacity(end))
-        key_buffer, value_buffer = self._buffers
-        key_buffer[:, :, start:end].copy_(key_states)
-        value_buffer[:, :, start:end].copy_(value_states)
+            self.grow_to(next_capacity(self.capacity, end))
+        for buffer, states in zip(self._buffers, (key_states, value_states)):
+            buffer[:, :, start:end].copy_(states)
         self._length = end
         self._expose()
         return self.keys, self.values
 
     @property
     def _buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
-        assert self._key_buffer is not None and self._value_buffer is not None, "layer not initialized"
-        return self._key_buffer, self._value_buffer
+        assert self._pair is not None, "layer not initialized"
+        return self._pair
 
     def _adopt(self, key_buffer: torch.Tensor, value_buffer: torch.Tensor) -> None:
         """Take new buffers (grown, reshaped in batch, moved), so capacity and byte counts follow them."""
-        self._key_buffer, self._value_buffer = key_buffer, value_buffer
-        buffers = (key_buffer, value_buffer)
-        self._token_bytes = sum(b.shape[:-2].numel() * b.shape[-1] * b.element_size() for b in buffers)
+        self._pair = (key_buffer, value_buffer)
+        self._token_bytes = sum(b.shape[:-2].numel() * b.shape[-1] * b.element_size() for b in self._buffers)
         self._expose()
 
     def _expose(self) -> None:
         """Point `.keys` / `.values` (read by attention, transformers and our meters) at the valid tokens."""
-        key_buffer, value_buffer = self._buffers
-        self.keys = key_buffer[:, :, : self._length]
-        self.values = value_buffer[:, :, : self._length]
+        self.keys, self.values = (buffer[:, :, : self._length] for buffer in self._buffers)
 
     # --- CacheLayerMixin -----------------------------------------------------------------------
 
@@ -121,21 +105,17 @@ class GrowingLayer(DynamicLayer):
         return self._length
 
     def reset(self) -> None:
-        self._key_buffer = self._value_buffer = None
+        self._pair = None
         self._length = self._token_bytes = 0
         super().reset()
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Forget the last `-tokens_to_remove` tokens; the capacity stays for the tokens that replace them."""
-        if tokens_to_remove > 0:
-            raise ValueError(
-                f"Calling `crop` with a positive value (`{tokens_to_remove}`) is not supported. "
-                "Please use a negative integer to remove that number of tokens from the cache instead."
-            )
-        if tokens_to_remove == 0 or not self.is_initialized:
-            return
-        self._length = max(self._length + tokens_to_remove, 0)
-        self._expose()
+        """Forget the last `-tokens_to_remove` tokens (DynamicLayer checks the count and cuts `.keys`); the
+        capacity stays for the tokens that replace them."""
+        super().crop(tokens_to_remove)
+        if self.is_initialized:
+            self._length = self.keys.shape[-2]
+            self._expose()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: rows rearranged in place (through one valid-length temporary, as DynamicLayer does)."""
@@ -146,11 +126,21 @@ class GrowingLayer(DynamicLayer):
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self._length > 0:
-            self._adopt(*(_repeated(buffer, self._length, repeats) for buffer in self._buffers))
+            self.batch_select_indices(torch.arange(self.keys.shape[0]).repeat_interleave(repeats))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self._length > 0:
-            self._adopt(*(_selected(buffer, self._length, indices) for buffer in self._buffers))
+            self._adopt(*(_copied(buffer, self._length, self.capacity, indices) for buffer in self._buffers))
+
+
+def next_capacity(capacity: int, needed: int) -> int:
+    """The geometric step from `capacity` for `needed` tokens: GROWTH × capacity or `needed`, in granules."""
+    return granule(max(needed, math.ceil(capacity * GROWTH)))
+
+
+def granule(tokens: int) -> int:
+    """`tokens` (at least one) rounded up to GRANULE_TOKENS."""
+    return -(-max(tokens, 1) // GRANULE_TOKENS) * GRANULE_TOKENS
 
 
 def allocated_bytes(layer: Any) -> int:
@@ -162,22 +152,9 @@ def allocated_bytes(layer: Any) -> int:
     return keys.nbytes + values.nbytes if keys is not None else 0
 
 
-def _moved(buffer: torch.Tensor, length: int, capacity: int) -> torch.Tensor:
-    grown = buffer.new_empty((*buffer.shape[:-2], capacity, buffer.shape[-1]))
-    grown[:, :, :length].copy_(buffer[:, :, :length])
-    return grown
-
-
-def _repeated(buffer: torch.Tensor, length: int, repeats: int) -> torch.Tensor:
-    batch, *rest = buffer.shape
-    out = buffer.new_empty((batch * repeats, *rest))
-    valid = buffer[:, :, :length]
-    out.view(batch, repeats, *rest)[:, :, :, :length].copy_(valid.unsqueeze(1).expand(-1, repeats, -1, -1, -1))
-    return out
-
-
-def _selected(buffer: torch.Tensor, length: int, indices: torch.Tensor) -> torch.Tensor:
-    kept = buffer[:, :, :length][indices, ...]
-    out = buffer.new_empty((kept.shape[0], *buffer.shape[1:]))
-    out[:, :, :length].copy_(kept)
+def _copied(buffer: torch.Tensor, length: int, capacity: int, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """A new buffer of `capacity` tokens holding the valid `length` tokens of `buffer` (of `rows` only, in order)."""
+    valid = buffer[:, :, :length] if rows is None else buffer[:, :, :length][rows, ...]
+    out = buffer.new_empty((valid.shape[0], *buffer.shape[1:-2], capacity, buffer.shape[-1]))
+    out[:, :, :length].copy_(valid)
     return out

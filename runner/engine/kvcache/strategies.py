@@ -1,15 +1,12 @@
 """From `cache.strategy` to what one `generate()` call needs: the cache, its stats, its cleanup.
 
-The worker resolves the budgets once, asks `jobs.kvplan.plan_rungs` for the rungs to try, and
-builds one `CacheHandle` per attempt (on a tiered rung with the `Placement` that
-`jobs.kvplan.plan_placement` made for that pass); a `torch.OutOfMemoryError` (real, or the budget
-guard's) moves it to the next rung.
+One `CacheHandle` per attempt on a rung (jobs.kvplan plans the rungs and a tiered rung's placement);
+a `torch.OutOfMemoryError`, real or the budget guard's, moves the task to the next rung.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import psutil
 import torch
@@ -36,7 +33,6 @@ def kv_shape(model_config: PretrainedConfig, dtype: torch.dtype | None = None) -
     """The planner's view of a model; `dtype` defaults to the config's (float32 when it has none)."""
     text = model_config.get_text_config(decoder=True)
     heads = text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
     if dtype is None:
         configured = getattr(text, "dtype", None) or getattr(model_config, "dtype", None)
         dtype = getattr(torch, configured) if isinstance(configured, str) else configured or torch.float32
@@ -44,15 +40,12 @@ def kv_shape(model_config: PretrainedConfig, dtype: torch.dtype | None = None) -
     return KVShape(
         num_layers=text.num_hidden_layers,
         num_kv_heads=getattr(text, "num_key_value_heads", None) or heads,
-        head_dim=head_dim,
+        head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
         dtype_bytes=dtype.itemsize,
-        layer_windows=tuple(_window(t, kw) for t, kw in zip(layer_types, layer_kwargs)),
+        # the most tokens a layer keeps: None when it keeps them all (and for types we cannot bound)
+        layer_windows=tuple(0 if kind == "dummy" else kwargs.get("sliding_window")
+                            for kind, kwargs in zip(layer_types, layer_kwargs)),
     )
-
-
-def _window(layer_type: str, kwargs: dict[str, Any]) -> int | None:
-    """The most tokens a layer keeps: None when it keeps them all (and for types we cannot bound)."""
-    return 0 if layer_type == "dummy" else kwargs.get("sliding_window")
 
 
 def ram_left_by_weights(available_before_load: int, weight_bytes: int, available_after_load: int) -> int:
@@ -102,20 +95,18 @@ def build_cache(
     check_strategy(strategy)
     rung = RUNGS[strategy]
     if strategy == "dynamic" and kv_pool is not None:
-        pooled = PooledCache(kv_pool, expected_tokens)
-        return CacheHandle(strategy, pooled, pooled.stats, pooled.close)
+        return CacheHandle(strategy, PooledCache(kv_pool, expected_tokens))
     if strategy == "dynamic":
         cache = BudgetedDynamicCache(model.config, device_budget_bytes, expected_tokens, device_meter)
-        return CacheHandle(strategy, cache, cache.stats, cache.close)
+        return CacheHandle(strategy, cache)
     if rung.tier is not None:
-        tier = rung.tier
         if rung.needs_offload_dir and offload_dir is None:
             raise ValueError("cache strategy tiered-disk needs the task's offload dir (cache.offload_root)")
         if kv_pool is not None:  # an empty pool's device room is the tiered cache's
             kv_pool.give_way()
-        tiered = TieredCache(
+        return CacheHandle(strategy, TieredCache(
             model.config,
-            tier=tier,
+            tier=rung.tier,
             offload_dir=offload_dir,
             block_tokens=cache_cfg.block_tokens,
             compression=cache_cfg.compression,
@@ -127,12 +118,11 @@ def build_cache(
             device_meter=device_meter,
             host_meter=host_meter,
             batched_attention=kv_pool is not None,
-        )
-        return CacheHandle(strategy, tiered, tiered.stats, tiered.close)
+        ))
     if rung.cuda_only and model.device.type != "cuda":
         raise ConfigError(
             f"cache.strategy {strategy!r} is transformers' own offloading, which needs a CUDA device; "
             f"this model runs on {model.device.type}: use tiered-host or tiered-disk instead"
         )
     # transformers' own `cache_implementation` values: generate() builds that cache itself
-    return CacheHandle.built_by_generate(strategy)
+    return CacheHandle(strategy, None)

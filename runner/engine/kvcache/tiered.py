@@ -1,16 +1,10 @@
 """TieredCache: a transformers `Cache` whose full-attention layers live off the device, as far as needed.
 
-A `Placement` (jobs.kvplan) says which full-attention layers stay on the device for good (never
-moved) and which are streamed: during a forward pass streamed layer i is on the device while the
-IO thread brings the next streamed layer there; the authoritative copy of a streamed layer is in
-host RAM (`tier="host"`, or a disk-tier layer the placement keeps in RAM) or in block files in the
-task's offload dir (`tier="disk"`). Without a placement every full-attention layer is streamed.
-Sliding-window layers are bounded by their window and stay resident as transformers' own
-`DynamicSlidingWindowLayer`.
-
-    with TieredCache(model.config, tier="disk", offload_dir=scratch) as cache:
-        out = model.generate(**inputs, past_key_values=cache, max_new_tokens=256)
-        print(cache.stats())
+A `Placement` (jobs.kvplan) says which full-attention layers stay on the device and which are
+streamed: a streamed layer's authoritative copy is in host RAM or in block files in the task's
+offload dir, and it is on the device only for its turn in the forward pass, while the IO thread
+brings the next one. Without a placement every full-attention layer is streamed. Sliding-window
+layers are bounded by their window and stay resident (transformers' `DynamicSlidingWindowLayer`).
 """
 
 from __future__ import annotations
@@ -18,7 +12,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import torch
 from transformers import PretrainedConfig
@@ -26,6 +20,7 @@ from transformers.cache_utils import (
     Cache,
     CacheLayerMixin,
     DummyLayer,
+    DynamicLayer,
     DynamicSlidingWindowLayer,
     get_layer_types_and_kwargs,
 )
@@ -38,8 +33,6 @@ from runner.engine.kvcache.layer_store import LayerStore, Read, Resident, Slot, 
 from runner.engine.kvcache.resident import GrowingLayer, allocated_bytes
 from runner.engine.kvcache.tiers import DiskTier, HostTier, Tier
 from storage.kvblocks import BlockCodec, Compression
-
-_WINDOWED = ("sliding_attention", "chunked_attention")
 
 
 class _Shared:
@@ -59,7 +52,8 @@ class _Shared:
         """Where a read of `store`'s layer (not into a batched step's slot) goes: the next of the
         cache's two read buffers, kept across layers and steps, while the layer read before it is
         attended from the other (one read is pending at a time)."""
-        if self.reads is None or not self.reads.fits(store.heads, store.head_dim, store.dtype):
+        like = (store.heads, store.head_dim, store.dtype)
+        if self.reads is None or (self.reads.heads, self.reads.head_dim, self.reads.dtype) != like:
             self.reads = StagingBuffers(store.heads, store.head_dim, store.dtype, store.device)
         return self.reads.next_slot(store.batch, store.seq_len + extra_tokens)
 
@@ -81,11 +75,10 @@ class _Shared:
         self.tier.close()
 
 
-class TieredLayer(CacheLayerMixin):
-    """A full-attention layer kept off the device between its turns in the forward pass."""
+class TieredLayer(DynamicLayer):
+    """A full-attention layer kept off the device between its turns in the forward pass (a `DynamicLayer`
+    for its mask sizes and flags; every method that touches KV is its own)."""
 
-    is_sliding = False
-    is_croppable = True
     streamed = True
     """Its KV lives on a tier and comes to the device for its turn (the other layers of a cache stay there)."""
 
@@ -100,10 +93,8 @@ class TieredLayer(CacheLayerMixin):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
-        io = self.shared.io(key_states.device)
-        self.store = LayerStore(
-            self.layer_idx, key_states, self.tier, io, self.shared.block_tokens, self.shared.traffic
-        )
+        self.store = LayerStore(self.layer_idx, key_states, self.tier, self.shared.io(key_states.device),
+                                self.shared.block_tokens, self.shared.traffic)
         self.is_initialized = True
 
     # --- the forward pass ----------------------------------------------------------------------
@@ -115,9 +106,7 @@ class TieredLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         assert self.store is not None
         new = key_states.shape[-2]
-        waited_from = time.perf_counter()
-        old = self._take_resident(extra_tokens=new)
-        waited = time.perf_counter() - waited_from
+        old, waited = self._take_resident(extra_tokens=new)
         copied_out = self.store.append(key_states, value_states)
         self.shared.host_meter.hold(self.layer_idx, self.store.host_bytes)
         if old is None:
@@ -134,21 +123,18 @@ class TieredLayer(CacheLayerMixin):
         return keys, values
 
     def begin_turn(self, slot: Slot) -> SlotTurn:
-        """A batched decode step's share of this layer (runner/engine/tiered_attention.py), first
-        half: the old tokens in `slot` (a read ahead into it put them there; else the step copies
-        them in, `SlotTurn.carried`) and the tail window the new token goes to. The step copies
-        every row's new token into its window and into the slots, attends, and `finish_turn`s."""
+        """A batched decode step's share of this layer (runner/engine/tiered_attention.py), first half:
+        the old tokens in `slot` (read ahead into it, or for the step to copy in: `SlotTurn.carried`)
+        and the tail window the new token goes to; the step attends, then `finish_turn`s."""
         assert self.store is not None
-        waited_from = time.perf_counter()
-        old = self._take_resident(extra_tokens=1, into=slot)
-        waited = time.perf_counter() - waited_from
+        old, waited = self._take_resident(extra_tokens=1, into=slot)
         assert old is not None, "a batched step's tiered rows hold tokens"
         carried = []
         if old.keys.data_ptr() != slot.kv.data_ptr():  # read before the step had slots (its first layer's prefetch)
             carried = [(slot.keys[:, :, : old.length], old.keys[:, :, : old.length]),
                        (slot.values[:, :, : old.length], old.values[:, :, : old.length])]
             self.shared.device_meter.hold(self.layer_idx, slot.kv.nbytes)  # a read into the slot held it already
-        return SlotTurn(self, slot, old, waited, carried, self.store.token_window())
+        return SlotTurn(self, old, waited, carried, self.store.tail_window())
 
     def finish_turn(self, turn: SlotTurn, waited_with_others: float) -> None:
         """After the step copied the new token into `turn.window`: the token is this layer's; the
@@ -169,22 +155,25 @@ class TieredLayer(CacheLayerMixin):
         with the step's other rows' (`read_all`). None if there is nothing to read or a read is pending."""
         if self.store is None or self.store.seq_len == 0 or self._pending is not None or self._ready is not None:
             return None
-        into = into if into is not None else self.shared.read_slot(self.store, extra_tokens)
-        self.shared.device_meter.hold(self.layer_idx, into.kv.nbytes)
-        self._pending = self.store.read_later(extra_tokens, into)
+        self._pending = self.store.read_later(extra_tokens, self._held_slot(extra_tokens, into))
         return self._pending
 
-    def _take_resident(self, extra_tokens: int, into: Slot | None = None) -> Resident | None:
-        self._settle()
-        if self._ready is not None:
-            ready, self._ready = self._ready, None
-            return ready
+    def _held_slot(self, extra_tokens: int, into: Slot | None) -> Slot:
+        """Where a read goes (`into`, else the cache's next read buffer), held in the device meter."""
         assert self.store is not None
-        if self.store.seq_len == 0:
-            return None
         into = into if into is not None else self.shared.read_slot(self.store, extra_tokens)
         self.shared.device_meter.hold(self.layer_idx, into.kv.nbytes)
-        return self._adopt(self.store.load(extra_tokens, into))
+        return into
+
+    def _take_resident(self, extra_tokens: int, into: Slot | None = None) -> tuple[Resident | None, float]:
+        """The layer's old tokens on the device (None if it holds none), and the seconds waited for them."""
+        waited_from = time.perf_counter()
+        self._settle()
+        ready, self._ready = self._ready, None
+        assert self.store is not None
+        if ready is None and self.store.seq_len > 0:
+            ready = self._adopt(self.store.load(extra_tokens, self._held_slot(extra_tokens, into)))
+        return ready, time.perf_counter() - waited_from
 
     def _settle(self) -> None:
         """Finish a background read of this layer before anything reads or changes the layer."""
@@ -194,7 +183,7 @@ class TieredLayer(CacheLayerMixin):
                 # Still queued (the IO thread is busy or starved of CPU): reading here beats waiting
                 # for its turn. Nothing changed the layer since the read was queued.
                 assert self.store is not None
-                self._ready = self._adopt(self.store.load_here(pending.extra_tokens, pending.into))
+                self._ready = self._adopt(self.store.load(pending.extra_tokens, pending.into, here=True))
             else:
                 self._ready = self._adopt(pending.done.result())
 
@@ -215,12 +204,6 @@ class TieredLayer(CacheLayerMixin):
     def get_seq_length(self) -> int:
         return self.store.seq_len if self.store is not None else 0
 
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.get_seq_length() + query_length, 0
-
-    def get_max_length(self) -> int:
-        return -1
-
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if self.store is None:
             return
@@ -233,8 +216,7 @@ class TieredLayer(CacheLayerMixin):
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.store is not None:
-            self._discard_resident()
-            self.store.select_rows(torch.arange(self.store.batch).repeat_interleave(repeats))
+            self.batch_select_indices(torch.arange(self.store.batch).repeat_interleave(repeats))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.store is not None:
@@ -257,19 +239,12 @@ class TieredLayer(CacheLayerMixin):
             self._discard_resident()
             self.store.crop(self.store.seq_len)
 
-    def offload(self) -> None:
-        """Nothing to do: this layer is never left on the device between turns."""
-
-    def prefetch(self) -> None:
-        """Nothing to do: `read_ahead` (driven by TieredCache and batched steps) brings the layer back."""
-
 
 @dataclass
 class SlotTurn:
     """One row's share of one streamed layer in a batched decode step, between its two halves."""
 
     layer: TieredLayer
-    slot: Slot
     old: Resident
     waited: float  # seconds the compute thread waited for this row's read of the layer
     carried: list[tuple[torch.Tensor, torch.Tensor]]  # copies (slot window, source) of old tokens read elsewhere
@@ -308,19 +283,20 @@ class TieredCache(Cache):
         self.batched_attention = batched_attention
         """Whether a batched decode step attends this row's streamed layers with the step's other
         tiered rows in one call (runner/engine/tiered_attention.py), as `batch.attention: pooled` asks."""
-        layers, with_kv = _layers_for(config.get_text_config(decoder=True), self.shared, placement)
+        layers = _layers_for(config.get_text_config(decoder=True), self.shared, placement)
         super().__init__(layers=layers)
         tiered = [i for i, layer in enumerate(layers) if getattr(layer, "streamed", False)]
         self._next_tiered = dict(zip(tiered, tiered[1:] + tiered[:1]))
+        with_kv = [i for i, dummy in enumerate(self.is_dummy) if not dummy]  # transformers: which layers hold no KV
         self._first_layer, self._last_layer = (with_kv[0], with_kv[-1]) if with_kv else (None, None)
         self._current: int | None = None
         self.batched_layers = 0
         """Layers this cache took part in through a batched tiered step: what a test or a bench asks."""
         self.most_batched_rows = 0
         """The most tiered rows one batched step attended with this one in one call."""
-        self.staging: object | None = None
-        """The staging buffers of the batched steps this row takes part in (runner/engine/tiered_attention.py
-        `Staging`): held here so they outlive a step and are freed once no open row holds them."""
+        self.staging: StagingBuffers | None = None
+        """The staging buffers of the batched steps this row takes part in (runner/engine/tiered_attention.py):
+        held here so they outlive a step and are freed once no open row holds them."""
         self._kv_peak = 0
         self._closed = False
 
@@ -332,14 +308,20 @@ class TieredCache(Cache):
         self._count_step(layer_idx, new)
         if not getattr(layer, "streamed", False):  # resident or sliding-window: stays on the device, moves nothing
             if getattr(layer, "grows", False) and not layer.is_initialized:
-                self._reserve(layer, layer_idx, key_states, value_states)
+                # room for the whole planned document at once: it never regrows (no copies), and the
+                # budget guard checks what the planner counted before it is allocated
+                assert self.placement is not None
+                layer.lazy_initialization(key_states, value_states)
+                self.shared.device_meter.hold(("kept", layer_idx), layer.bytes_for(self.placement.tokens))
+                layer.grow_to(self.placement.tokens)
             keys, values = layer.update(key_states, value_states, *args, **kwargs)
             self.shared.device_meter.hold(("kept", layer_idx), allocated_bytes(layer))
-            self._note_kv_peak(layer_idx)
-            return keys, values
-        self._switch_to(layer_idx)
-        keys, values = layer.update(key_states, value_states)
-        self._prefetch_after(layer_idx, new)
+        else:
+            self._switch_to(layer_idx)
+            keys, values = layer.update(key_states, value_states)
+            read = self._read_after(layer_idx, new, None)
+            if read is not None:
+                read.store.io.submit(read_all, [read])
         self._note_kv_peak(layer_idx)
         return keys, values
 
@@ -380,11 +362,6 @@ class TieredCache(Cache):
             self.shared.device_meter.drop(self._current)  # its attention has run: its buffers are free
         self._current = layer_idx
 
-    def _prefetch_after(self, layer_idx: int, new: int) -> None:
-        read = self._read_after(layer_idx, new, None)
-        if read is not None:
-            read.store.io.submit(read_all, [read])
-
     def _read_after(self, layer_idx: int, new: int, next_slot: Slot | None) -> Read | None:
         following_idx = self._next_tiered[layer_idx]
         if following_idx == layer_idx:
@@ -398,27 +375,7 @@ class TieredCache(Cache):
         """After the last layer of a forward pass every layer holds its new tokens: the KV size
         only grows between passes, so its peak is read there (one walk over the layers a pass)."""
         if layer_idx == self._last_layer:
-            self._kv_peak = max(self._kv_peak, self._kv_bytes())
-
-    def _reserve(
-        self, layer: GrowingLayer, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor
-    ) -> None:
-        """Give a resident layer room for the whole planned document at once: it never regrows (no
-        copies), and the budget guard checks what the planner counted before it is allocated."""
-        assert self.placement is not None
-        layer.lazy_initialization(key_states, value_states)
-        self.shared.device_meter.hold(("kept", layer_idx), layer.bytes_for(self.placement.tokens))
-        layer.grow_to(self.placement.tokens)
-
-    def _kv_bytes(self) -> int:
-        """All layers' KV as `dynamic` would hold it on the device."""
-        total = 0
-        for layer in self.layers:
-            if getattr(layer, "streamed", False):
-                total += layer.store.seq_len * layer.store.token_bytes if layer.store is not None else 0
-            elif getattr(layer, "keys", None) is not None:
-                total += layer.keys.nbytes + layer.values.nbytes
-        return total
+            self._kv_peak = max(self._kv_peak, sum(_kv_bytes(layer) for layer in self.layers))
 
     def stats(self) -> dict[str, Any]:
         """Sizes and traffic so far; the first five keys are the result row's columns."""
@@ -475,11 +432,18 @@ class TieredCache(Cache):
         self.shared.device_meter.release()
         self.shared.host_meter.release()
 
-    def __enter__(self) -> "TieredCache":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _kv_bytes(layer: CacheLayerMixin | DummyLayer) -> int:
+    """A layer's KV as `dynamic` would hold it on the device."""
+    if getattr(layer, "streamed", False):
+        return layer.store.seq_len * layer.store.token_bytes if layer.store is not None else 0
+    return layer.keys.nbytes + layer.values.nbytes if getattr(layer, "keys", None) is not None else 0
 
 
 def _make_tier(tier: str, offload_dir: str | Path | None, codec: BlockCodec) -> Tier:
@@ -492,10 +456,9 @@ def _make_tier(tier: str, offload_dir: str | Path | None, codec: BlockCodec) -> 
     raise ValueError(f"TieredCache tier must be 'host' or 'disk', got {tier!r}")
 
 
-def _layers_for(
-    config: PretrainedConfig, shared: _Shared, placement: Placement | None
-) -> tuple[list[CacheLayerMixin | DummyLayer], list[int]]:
-    """The cache's layers, and those of them that hold KV (not a model's dummy layers)."""
+def _layers_for(config: PretrainedConfig, shared: _Shared, placement: Placement | None
+                ) -> list[CacheLayerMixin | DummyLayer]:
+    """The cache's layers, as `placement` puts them."""
     layer_types, layer_kwargs = get_layer_types_and_kwargs(config)
     resident = set(placement.resident_layers) if placement else set()
     in_host_ram = set(placement.host_layers) if placement else set()
@@ -506,7 +469,7 @@ def _layers_for(
             layers.append(GrowingLayer())
         elif layer_type == "full_attention":
             layers.append(TieredLayer(idx, shared, host_tier if idx in in_host_ram else shared.tier))
-        elif layer_type in _WINDOWED:
+        elif layer_type in ("sliding_attention", "chunked_attention"):
             layers.append(DynamicSlidingWindowLayer(**kwargs))
         elif layer_type == "dummy":
             layers.append(DummyLayer())
@@ -521,4 +484,4 @@ def _layers_for(
             f"the placement covers full-attention layers {list(placement.full_attention_layers)}, but "
             f"{config.model_type} has {list(full)}: plan it from this model's kv_shape"
         )
-    return layers, [i for i, layer_type in enumerate(layer_types) if layer_type != "dummy"]
+    return layers

@@ -8,12 +8,12 @@ block store (bf16 travels as int16 bits: numpy has no bfloat16, and the codec on
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Protocol
+from typing import TypeAlias
 
 import numpy as np
 import torch
 
-from storage.kvblocks import BlockCodec, BlockRef, KVBlockStore
+from storage.kvblocks import BlockCodec, KVBlockStore
 
 _SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _SAME_WIDTH_NP = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
@@ -22,25 +22,6 @@ _SAME_WIDTH_NP = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
 def _bits(tensor: torch.Tensor) -> np.ndarray:
     """A CPU tensor's bytes as a numpy array of integers of the same width, sharing its memory."""
     return tensor.view(_SAME_WIDTH_INT[tensor.element_size()]).numpy()
-
-
-def _from_bits(values: np.ndarray, dtype: torch.dtype, shape: torch.Size) -> torch.Tensor:
-    return torch.from_numpy(values).view(dtype).reshape(shape)
-
-
-class Tier(Protocol):
-    keeps_blocks_in_ram: bool
-
-    def seal(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> object: ...
-    def load(self, payload: object, shape: torch.Size, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]: ...
-    def load_into(self, payload: object, keys: torch.Tensor, values: torch.Tensor) -> int:
-        """Decode a block straight into CPU windows of a layer's buffer. Only tiers that do not keep
-        blocks in RAM have one: the others' `load` is the stored block itself, which the reader
-        copies with every other row's (layer_store.read_all)."""
-        ...
-
-    def discard_from(self, payload: object) -> None: ...
-    def close(self) -> None: ...
 
 
 class HostTier:
@@ -70,28 +51,25 @@ class DiskTier:
         self.store = KVBlockStore(directory, codec)
 
     def seal(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor) -> object:
-        return (
-            self.store.append(layer_idx, _bits(keys.contiguous())),
-            self.store.append(layer_idx, _bits(values.contiguous())),
-        )
+        return tuple(self.store.append(layer_idx, _bits(kv.contiguous())) for kv in (keys, values))
 
     def load(self, payload: object, shape: torch.Size, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        key_ref, value_ref = payload  # type: ignore[misc]
-        np_dtype = np.dtype(_SAME_WIDTH_NP[dtype.itemsize])
-        return (
-            _from_bits(self.store.read(key_ref, np_dtype), dtype, shape),
-            _from_bits(self.store.read(value_ref, np_dtype), dtype, shape),
-        )
+        np_dtype = np.dtype(_SAME_WIDTH_NP[dtype.itemsize])  # the bits back as `dtype`, `shape`
+        keys, values = (torch.from_numpy(self.store.read(ref, np_dtype)).view(dtype).reshape(shape)
+                        for ref in payload)  # type: ignore[attr-defined]
+        return keys, values
 
     def load_into(self, payload: object, keys: torch.Tensor, values: torch.Tensor) -> int:
         """Decode straight into CPU windows of the layer's buffer (no intermediate copy); returns the
-        bytes decoded into them."""
-        key_ref, value_ref = payload  # type: ignore[misc]
-        return self.store.read_into(key_ref, _bits(keys)) + self.store.read_into(value_ref, _bits(values))
+        bytes decoded into them. The host tier has none: its `load` is the stored block itself, which
+        the reader copies with every other row's (layer_store.read_all)."""
+        return sum(self.store.read_into(ref, _bits(kv)) for ref, kv in zip(payload, (keys, values)))  # type: ignore
 
     def discard_from(self, payload: object) -> None:
-        key_ref: BlockRef = payload[0]  # type: ignore[index]
-        self.store.truncate(key_ref)
+        self.store.truncate(payload[0])  # type: ignore[index]
 
     def close(self) -> None:
         self.store.close()
+
+
+Tier: TypeAlias = HostTier | DiskTier
