@@ -102,18 +102,21 @@ class WorkersNotStarted(Exception):
 _NO_SPACE = (f"[Errno {errno.ENOSPC}]", f"[Errno {errno.EDQUOT}]")
 
 
-def _start_error(e: ActorDiedError, offload_root: Path) -> WorkerStartError:
-    """What a worker's start raised, on one line without Ray's frames (they come first). Its only
-    writes are under the offload root, so a full disk there is what an OSError for no space means."""
+def _check_started(e: RayActorError, offload_root: Path) -> None:
+    """Raises what a worker's start raised, on one line without Ray's frames (they come first); else
+    the actor's process died after its start (ask the restarted one). Its only writes are under the
+    offload root, so a full disk there is what an OSError for no space means."""
+    if not (isinstance(e, ActorDiedError) and e.actor_init_failed):
+        return
     lines = str(e).splitlines()
     raised = max((i for i, line in enumerate(lines) if _RAISED.match(line)), default=None)
     if raised is None:
-        return WorkerStartError(f"a worker could not start: {type(e).__name__}")
+        raise WorkerStartError(f"a worker could not start: {type(e).__name__}") from None
     kind, message = _RAISED.match(lines[raised]).groups()
     rest = " ".join(line.strip() for line in [message, *lines[raised + 1:]] if line.strip())
     full = kind.endswith("OSError") and message.startswith(_NO_SPACE)
-    return WorkerStartError(f"a worker could not start: {kind.rsplit('.', 1)[-1]}: {rest}",
-                            offload_root if full else None)
+    raise WorkerStartError(f"a worker could not start: {kind.rsplit('.', 1)[-1]}: {rest}",
+                           offload_root if full else None) from None
 
 
 def cluster_nodes() -> list[dict[str, float]]:
@@ -157,20 +160,12 @@ class _Slot:
     losses: int = 0
     down: bool = False  # lost and not yet seen back: its feeding threads wait instead of calling it
 
-    @property
-    def exclusive(self) -> bool:
-        """A task that must run alone holds the worker: no other call starts."""
-        return any(call.alone for call in self.calls)
-
     def begin(self, alone: bool) -> _Call:
         call = _Call(self.losses, alone, shared=bool(self.calls))
         for other in self.calls:
             other.shared = True
         self.calls.append(call)
         return call
-
-    def end(self, call: _Call) -> None:
-        self.calls.remove(call)
 
     def lose(self, call: _Call, error_type: str, message: str) -> WorkerLost:
         """The loss as `call` sees it: counted once, by the first call to see it."""
@@ -253,9 +248,8 @@ class WorkerPool:
                 try:
                     infos[worker] = ray.get(ref)
                 except RayActorError as e:
-                    if isinstance(e, ActorDiedError) and e.actor_init_failed:
-                        raise _start_error(e, self.offload_root) from None
-                    waiting[worker.info.remote()] = worker  # its process died: ask the restarted one
+                    _check_started(e, self.offload_root)
+                    waiting[worker.info.remote()] = worker
         if not infos:
             raise WorkersNotStarted(
                 f"no worker started within workers.start_timeout_s={timeout_s:g} s: Ray could not place a "
@@ -315,7 +309,8 @@ class WorkerPool:
                 raise WorkerLost("WorkerDied", f"{slot.name} did not come back within {WORKER_RESTART_TIMEOUT_S:.0f} s",
                                  shared=True, first_to_see=False)
             with self._lock:
-                while slot.exclusive or (alone and slot.calls):
+                # a call that must run alone holds the worker: no other call starts
+                while any(c.alone for c in slot.calls) or (alone and slot.calls):
                     if self._killed:
                         raise PoolStopped()
                     self._lock.wait(0.2)
@@ -335,7 +330,7 @@ class WorkerPool:
             raise self._lost(slot, call, "WorkerDied", f"worker process died: {e}") from None
         finally:
             with self._lock:
-                slot.end(call)
+                slot.calls.remove(call)
                 self._lock.notify_all()
 
     def _result(self, worker: Worker, ref: Any, call_id: str) -> CallOutcome:
@@ -394,8 +389,7 @@ class WorkerPool:
             try:
                 process = ray.get(ready, timeout=1.0)["worker"]
             except RayActorError as e:  # it reached the dying incarnation: ask the next one
-                if isinstance(e, ActorDiedError) and e.actor_init_failed:  # the next one raised as it started
-                    raise _start_error(e, self.offload_root) from None
+                _check_started(e, self.offload_root)
                 process = None
             except GetTimeoutError:
                 continue
@@ -410,8 +404,7 @@ class WorkerPool:
     def kill_down(self) -> list[str]:
         """Kills the workers that are down (lost, not yet back) for good; like `kill_all`, returns once
         their processes are gone, naming any still alive."""
-        down = [w for w in self.workers if self._slots[w].down]
-        return kill_and_wait(down) if down else []
+        return kill_and_wait([w for w in self.workers if self._slots[w].down])
 
     def kill_all(self) -> list[str]:
         """Ends every pending call at once (they raise `PoolStopped`) and returns once the workers'
