@@ -45,10 +45,6 @@ def _host_port(address: str) -> tuple[str, str]:
     return host.strip("[]"), port
 
 
-def _is_loopback(address: str) -> bool:
-    return _host_port(address)[0] in ("127.0.0.1", "localhost", "::1")
-
-
 def _first_line(error: BaseException) -> str:
     return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
@@ -67,8 +63,6 @@ def init_local_ray(**options: object) -> None:
     _keep_loopback()
     try:
         ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1", **options)
-    except (KeyboardInterrupt, SystemExit):
-        raise
     except Exception as e:  # noqa: BLE001 - whatever Ray raised, the user gets one line
         ray.shutdown()  # what started of it goes with it
         raise RayStartError(
@@ -107,20 +101,9 @@ def _start_reaper() -> None:
     caller's own subprocesses). Process start times guard against pids reused meanwhile.
     """
     import psutil
-
-    family = [f"{p.pid}:{p.create_time()}" for p in _ray_processes()]
-    reaper = subprocess.Popen([sys.executable, "-c", _REAPER, *family], stdin=subprocess.PIPE,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    _reapers.append(reaper)
-
-
-def _ray_processes() -> list[Any]:
-    """The processes of the private Ray this driver started (psutil.Process), as its node lists them, with
-    every child they have started so far (the raylet's agents and workers)."""
-    import psutil
-
     from ray._private import worker as ray_worker
 
+    # the processes its node lists, with every child they have started so far (the raylet's agents and workers)
     processes = []
     for _, popen in ray_worker._global_node.live_processes():
         try:
@@ -128,7 +111,10 @@ def _ray_processes() -> list[Any]:
             processes += [process, *process.children(recursive=True)]
         except psutil.NoSuchProcess:
             continue
-    return processes
+    family = [f"{p.pid}:{p.create_time()}" for p in processes]
+    reaper = subprocess.Popen([sys.executable, "-c", _REAPER, *family], stdin=subprocess.PIPE,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    _reapers.append(reaper)
 
 
 #: The reapers of this process's private Rays: each one's stdin closes with the process, or after ray.shutdown().
@@ -177,10 +163,6 @@ def _check_reachable(address: str) -> None:
 _RAY_ERRORS = logging.getLogger("ray.reported_errors")
 
 
-def _report_ray_error(data: dict[str, Any], ignore_prefix: bool) -> None:
-    _RAY_ERRORS.debug(" ".join(data["lines"]))
-
-
 def _quiet_ray_errors() -> None:
     """Ray's driver prints every error its cluster reports ("(raylet) A worker died ...") to stdout,
     whatever `log_to_driver` says, into the user's progress and results. kvbatch reports what it meets
@@ -188,7 +170,7 @@ def _quiet_ray_errors() -> None:
     With `log_to_driver` off, the error listener is the only caller of what is replaced."""
     from ray._private import worker as ray_worker
 
-    ray_worker.print_to_stdstream = _report_ray_error
+    ray_worker.print_to_stdstream = lambda data, ignore_prefix: _RAY_ERRORS.debug(" ".join(data["lines"]))
 
 
 @contextmanager
@@ -217,7 +199,7 @@ def ray_session(address: str | None) -> Iterator[dict[str, float]]:
 
 def _join(address: str, options: dict[str, Any]) -> None:
     _check_reachable(address)
-    if _is_loopback(address):
+    if _host_port(address)[0] in ("127.0.0.1", "localhost", "::1"):
         # a loopback-only cluster: this driver must see itself at 127.0.0.1 too, or it never finds a raylet
         _keep_loopback()
         options = {**options, "_node_ip_address": "127.0.0.1"}
@@ -227,12 +209,9 @@ def _join(address: str, options: dict[str, Any]) -> None:
         explicit = address != "auto"  # Ray sends the token to a cluster it finds itself
         fix = _AUTH_FIX if explicit and os.environ.get("RAY_AUTH_MODE") is None else _ADDRESS_FIX
         raise ClusterUnreachableError(address, _first_line(e), fix) from None
-    except (KeyboardInterrupt, SystemExit):
-        raise
     except Exception as e:  # noqa: BLE001 - a version mismatch, a timeout: one line, whatever Ray raised
         ray.shutdown()
         raise ClusterUnreachableError(address, f"{type(e).__name__}: {_first_line(e)}") from None
-
 
 
 #: How long a killed worker may take to exit (a CUDA context can take seconds to tear down).
@@ -317,23 +296,27 @@ class NodeSweeper:
     """A background thread that sweeps each node once, as it appears; logs `node_swept` to job.log
     (a warning when it removed something)."""
 
-    def __init__(self, offload_root: Path, log: JobLog, poll_s: float = POLL_S) -> None:
+    def __init__(self, offload_root: Path, log: JobLog) -> None:
         self.offload_root = str(offload_root)
         self.log = log
-        self.poll_s = poll_s
         self._swept: set[str] = set()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="node-sweeper", daemon=True)
         self._remote = ray.remote(num_cpus=0, max_retries=0)(_sweep_here)
 
-    def _sweep(self, node_ids: set[str]) -> None:
-        """Sweep these nodes, each once per call; a failure is logged, not retried."""
-        pending = {
-            node_id: self._remote.options(
-                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)
-            ).remote(self.offload_root)
-            for node_id in node_ids
-        }
+    def _sweep(self, new_only: bool) -> None:
+        """Sweep the live nodes (`new_only`: those not swept yet); a failure is logged, not retried:
+        the sweeper must never take the batch down."""
+        try:
+            pending = {
+                node_id: self._remote.options(
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)
+                ).remote(self.offload_root)
+                for node_id in _alive_nodes() - (self._swept if new_only else set())
+            }
+        except Exception as e:
+            self.log.warning("node_sweep_failed", error=f"{type(e).__name__}: {e}")
+            return
         for node_id, ref in pending.items():
             self._swept.add(node_id)
             try:
@@ -345,11 +328,8 @@ class NodeSweeper:
 
     def _watch(self) -> None:
         while True:
-            try:
-                self._sweep(_alive_nodes() - self._swept)
-            except Exception as e:  # the watcher must never take the batch down
-                self.log.warning("node_sweep_failed", error=f"{type(e).__name__}: {e}")
-            if self._stop.wait(self.poll_s):
+            self._sweep(new_only=True)
+            if self._stop.wait(POLL_S):
                 return
 
     def __enter__(self) -> NodeSweeper:
@@ -359,7 +339,4 @@ class NodeSweeper:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join(timeout=70)
-        try:
-            self._sweep(_alive_nodes())
-        except Exception as e:
-            self.log.warning("node_sweep_failed", error=f"{type(e).__name__}: {e}")
+        self._sweep(new_only=False)
