@@ -20,14 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from tenacity import (
-    RetryCallState,
-    Retrying,
-    retry_if_exception_type,
-    retry_if_not_exception_type,
-    wait_exponential,
-)
-from tenacity.stop import stop_base
+from tenacity import Retrying, retry_if_exception_type, retry_if_not_exception_type, wait_exponential
 
 from jobs.balance import WorkQueue, expected_work, pass_work
 from jobs.config import JobConfig, RetryConfig
@@ -76,23 +69,12 @@ class Pass:
         dealer.run_pass(worker, self)
 
 
-class attempts_at_context_reach(stop_base):  # noqa: N801 - named like tenacity's own stops
-    """Stop once the document's calls have failed `limit` times at its current context size, on any worker
-    (a call handed to another worker keeps its count; a shorter context starts a new one)."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-
-    def __call__(self, retry_state: RetryCallState) -> bool:
-        doc: DocumentRun = retry_state.args[0]
-        return doc.tries_at_context >= self.limit
-
-
 def task_retrying(retry: RetryConfig, before_sleep: Any, sleep: Any) -> Retrying:
     """The transient-failure policy, built once: exponential backoff, a lost worker never waited for
-    here (its task goes back to the queue), `retry.max_attempts` attempts per context size."""
+    here (its task goes back to the queue), `retry.max_attempts` attempts per context size: a document's
+    calls counted on any worker (a call handed to another keeps its count; a shorter context starts anew)."""
     return Retrying(
-        stop=attempts_at_context_reach(retry.max_attempts),
+        stop=lambda state: state.args[0].tries_at_context >= retry.max_attempts,
         wait=wait_exponential(multiplier=retry.backoff_initial_s, min=retry.backoff_initial_s,
                               max=retry.backoff_max_s),
         retry=retry_if_exception_type(TransientFailure) & retry_if_not_exception_type(WorkerLost),
@@ -120,7 +102,8 @@ class Dealer:
         self.checkpoint = checkpoint
         self.log = log
         self.stop = stop
-        self.retrying = task_retrying(config.retry, self._before_retry, self._sleep)
+        self.retrying = task_retrying(config.retry, lambda state: self._note_retry(
+            state.args[0], state.outcome.exception() if state.outcome else None, state.upcoming_sleep), self._sleep)
         self._queued_at = time.time()  # queue wait counts from here: waiting for a free worker
         self._lock = threading.RLock()  # the documents' states: several feeding threads run one's passes
 
@@ -284,11 +267,6 @@ class Dealer:
         self.log.warning("task_lost_in_batch", task_id=doc.task.task_id, doc_id=doc.task.doc_id,
                          losses=doc.batch_losses, runs_alone_next=doc.alone)
         return False
-
-    def _before_retry(self, state: RetryCallState) -> None:
-        doc: DocumentRun = state.args[0]
-        err = state.outcome.exception() if state.outcome else None
-        self._note_retry(doc, err, state.upcoming_sleep)
 
     def _note_retry(self, doc: DocumentRun, err: BaseException | None, sleep_s: float) -> None:
         error_type = getattr(err, "error_type", type(err).__name__)
