@@ -108,7 +108,7 @@ class Coordinator:
         after a loss, it waits for the worker rather than take an item the worker cannot run, and stops
         waiting once nothing is left that it could run)."""
         while True:
-            if self.pool.is_down(worker) and not self._await_restart(worker, errors, until_drained=dealer.work):
+            if self.pool.is_down(worker) and not self._await_restart(worker, errors, dealer.work):
                 return
             with dealer.work.taking(worker, self.stop) as item:
                 if item is None:
@@ -131,11 +131,11 @@ class Coordinator:
         errors.append(e)
         self.stop.set()
 
-    def _await_restart(self, worker: Worker, errors: list[BaseException],
-                       until_drained: WorkQueue | None = None) -> bool:
-        """Whether the worker is back; a restart whose start raised stops the batch with that error."""
+    def _await_restart(self, worker: Worker, errors: list[BaseException], work: WorkQueue) -> bool:
+        """Whether the worker is back (not waited for once `work` is drained); a restart whose start raised
+        stops the batch with that error."""
         def give_up() -> bool:
-            return self.stop.is_set() or (until_drained is not None and until_drained.drained())
+            return self.stop.is_set() or work.drained()
 
         try:
             back = self.pool.await_restart(worker, give_up)
@@ -198,8 +198,10 @@ class Coordinator:
                     t.join(timeout=0.2)
                 if self.lock is not None and self.lock.lost:
                     self.stop.set()
-            if self.stop.is_set():
-                self._abandon_in_flight(threads)
+            if self.stop.is_set():  # killing the workers ends every pending call at once: no thread outlives the batch
+                self._name_survivors(self.pool.kill_all())
+                for t in threads:
+                    t.join(timeout=30)
             else:  # a worker still down is not waited for (its restart would load the model for nothing)
                 self._name_survivors(self.pool.kill_down())
         try:
@@ -240,12 +242,6 @@ class Coordinator:
         if still_alive:
             self.log.warning("workers_not_gone", processes=still_alive,
                              hint="their scratch dirs stay until `kvbatch clean` runs after they exit")
-
-    def _abandon_in_flight(self, threads: list[threading.Thread]) -> None:
-        """Killing the workers ends every pending call at once, so no thread outlives the batch."""
-        self._name_survivors(self.pool.kill_all())
-        for t in threads:
-            t.join(timeout=30)
 
     def _lease_lost(self, errors: list[BaseException]) -> LeaseLostError | None:
         lost = next((e for e in errors if isinstance(e, LeaseLostError)), None)

@@ -45,7 +45,7 @@ from runner.engine.model_registry import conversion_ahead
 from runner.pool import WorkerStartError
 from runner.preflight import check_cluster, check_settings, prompt_measure
 from storage.checkpoint import JobState, compact, load_state
-from storage.inputs import FOLDER_MANIFEST_NAME, StagedManifest, stage_input
+from storage.inputs import FOLDER_MANIFEST_NAME, stage_input
 from storage.jobdir import (
     DEFAULT_JOBS_DIR,
     JobDir,
@@ -100,21 +100,9 @@ def report_rejections(console: Console, rejections: list[Rejection], limit: int 
         console.print(f"  ... and {len(rejections) - limit} more")
 
 
-def _read_staged(staged: StagedManifest, config: JobConfig) -> tuple[list[Task], list[Rejection]]:
-    try:
-        return read_manifest(staged.path, config.input, staged.uri_base, config.summarize.context_tokens,
-                             prompt_measure(config))
-    except ManifestError as e:  # name the manifest as the user gave it, not its local copy
-        raise ManifestError(str(e).replace(str(staged.path), staged.shown)) from None
-
-
 def _stop_on_sigterm(signum: int, frame: object) -> None:
     """SIGTERM stops a submit or resume as Ctrl-C does, also before the coordinator takes it over."""
     raise KeyboardInterrupt
-
-
-def _disk_full(error: OSError) -> bool:
-    return error.errno in (errno.ENOSPC, errno.EDQUOT) or "No space left on device" in str(error)
 
 
 def _interruptible(run: Callable[[], int], job: JobDir, console: Console, retry_since: float | None = None) -> int:
@@ -134,7 +122,7 @@ def _interruptible(run: Callable[[], int], job: JobDir, console: Console, retry_
             console.print("[yellow]interrupted before the job folder was made: nothing ran; submit again")
         return EXIT_INTERRUPTED
     except OSError as e:
-        if not _disk_full(e):
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT) and "No space left on device" not in str(e):
             raise
         console.print(f"[red]no space left on a disk the job writes to ({escape(str(e))}); what was published is kept: "
                       f"free space then `kvbatch resume {escape(str(job.path))}`")
@@ -185,7 +173,11 @@ def _staged(source: str, pattern: str | None, config: JobConfig, job: JobDir) ->
     """A manifest or a folder, local or on shared storage, read through a local manifest file."""
     with tempfile.TemporaryDirectory(prefix="kvbatch-manifest-") as workdir:
         staged = stage_input(source, pattern, Path(workdir), job.path.local_path if job.path.is_local else None)
-        tasks, rejections = _read_staged(staged, config)
+        try:
+            tasks, rejections = read_manifest(staged.path, config.input, staged.uri_base,
+                                              config.summarize.context_tokens, prompt_measure(config))
+        except ManifestError as e:  # name the manifest as the user gave it, not its local copy
+            raise ManifestError(str(e).replace(str(staged.path), staged.shown)) from None
         if not staged.from_folder:
             manifest_path = staged.shown if staged.uri_base is not None else str(staged.path.resolve())
             return _Given(tasks, rejections, manifest_path, _sha256_of(staged.path), staged.notes)
