@@ -1,15 +1,11 @@
 """The Ray worker pool: starts the worker actors, calls them, waits for a lost one to come back, kills them.
 
-Everything the batch knows of Ray is here; the coordinator sees workers as opaque handles, the
-worker's three calls (`plan`, `plan_merge`, `run_pass`: jobs/passes.py) as methods returning outcomes,
-and losses as `WorkerLost`. Ray pickles the typed objects (the config, the tasks, the specs, the fault
-rules) across to the workers. Each actor takes `batch.max_sequences` calls at once (one thread a
-pass, its sequences batched by the worker's engine), so one lost process ends several calls: the
-pool counts that loss once, and says for each call whether batch-mates shared the process (then the
-loss is not its document's fault, yet). A document suspected of crashing its batches runs `alone`:
-its call waits for its worker to be idle and keeps it to itself. A pass's `retry.task_timeout_s`
-runs from when it began to run in the worker, not while it waits there behind its batch-mates
-(`_result` asks the worker's `progress`).
+Everything the batch knows of Ray is here; the coordinator sees workers as opaque handles, their calls
+(jobs/passes.py) as methods returning outcomes, and losses as `WorkerLost`. Each actor runs
+`batch.max_sequences` calls at once, so one lost process ends several calls: the pool counts that loss
+once, and says for each call whether batch-mates shared the process (then it is not its document's
+fault, yet). A pass's `retry.task_timeout_s` runs from when it began to run in the worker, not while it
+waits there behind its batch-mates.
 """
 
 from __future__ import annotations
@@ -160,12 +156,20 @@ class _Slot:
     losses: int = 0
     down: bool = False  # lost and not yet seen back: its feeding threads wait instead of calling it
 
+    @property
+    def exclusive(self) -> bool:
+        """A task that must run alone holds the worker: no other call starts."""
+        return any(call.alone for call in self.calls)
+
     def begin(self, alone: bool) -> _Call:
         call = _Call(self.losses, alone, shared=bool(self.calls))
         for other in self.calls:
             other.shared = True
         self.calls.append(call)
         return call
+
+    def end(self, call: _Call) -> None:
+        self.calls.remove(call)
 
     def lose(self, call: _Call, error_type: str, message: str) -> WorkerLost:
         """The loss as `call` sees it: counted once, by the first call to see it."""
@@ -309,8 +313,7 @@ class WorkerPool:
                 raise WorkerLost("WorkerDied", f"{slot.name} did not come back within {WORKER_RESTART_TIMEOUT_S:.0f} s",
                                  shared=True, first_to_see=False)
             with self._lock:
-                # a call that must run alone holds the worker: no other call starts
-                while any(c.alone for c in slot.calls) or (alone and slot.calls):
+                while slot.exclusive or (alone and slot.calls):
                     if self._killed:
                         raise PoolStopped()
                     self._lock.wait(0.2)
@@ -330,7 +333,7 @@ class WorkerPool:
             raise self._lost(slot, call, "WorkerDied", f"worker process died: {e}") from None
         finally:
             with self._lock:
-                slot.calls.remove(call)
+                slot.end(call)
                 self._lock.notify_all()
 
     def _result(self, worker: Worker, ref: Any, call_id: str) -> CallOutcome:
