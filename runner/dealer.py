@@ -1,15 +1,11 @@
 """The dealer: runs the work items of the documents in a batch, one call at a time, and keeps what comes back.
 
 A document (jobs/document_run.py) is planned by a worker, its passes dealt to any worker through the
-batch's `WorkQueue` (jobs/balance.py), each pass's row kept in the job folder (the checkpoint log,
-storage/passes.py) the moment it comes back and before anything that depends on it is dealt, and the
-next level planned from the kept summaries by the worker that ran the level's last pass. Every call
-runs under one tenacity policy for transient failures (I/O error, timeout); a call whose worker died
-or hung goes back to the front of the queue, for any worker. A loss while batch-mates shared the
-worker is not held against a document until its passes run alone. When a context keeps failing, or a
-worker's cache ladder runs out, the document starts over at a shorter context (every pass kept so far
-is found again); a failure no shorter context fixes, or the shortest context failing, ends it failed.
-Its result row is folded once from its passes when it is done (jobs/outcome.py `fold_passes`).
+batch's `WorkQueue`, each pass's row kept (storage/passes.py) before anything that depends on it is
+dealt, and the next level planned by the worker that ran the level's last pass. Transient failures are
+retried under one tenacity policy; a call whose worker died or hung goes back to the queue, for any
+worker. When a context keeps failing the document starts over at a shorter one (the passes kept so
+far are found again); a failure no shorter context fixes ends it failed.
 """
 
 from __future__ import annotations
@@ -125,16 +121,14 @@ class Dealer:
                 call = lambda: self.pool.plan_merge(worker, doc.task, level, parts, context, doc.alone)  # noqa: E731
             outcome = self._call(worker, doc, call, lambda: doc.context_tokens == context,
                                  lambda: self._plan_elsewhere(doc))
-            with self._lock:
-                current = outcome is not None and doc.context_tokens == context and not doc.ended
-            if not current:  # handed back, or no longer wanted: the document moved on meanwhile
+            if outcome is None:  # handed back, or no longer wanted
                 return
             if outcome["status"] != "done":
-                self._failed(doc, outcome, context)
+                self._failed(doc, outcome, context)  # nothing if it moved on meanwhile
                 return
             with self._lock:
                 if (doc.stage, doc.level, doc.context_tokens) != (Stage.PLANNING, level, context):
-                    return  # it fell back to a shorter context meanwhile
+                    return  # it ended or fell back to a shorter context meanwhile
                 doc.planned(outcome["plan"])
                 passes = [Pass(doc, spec, pass_work(doc.task, self.cfg, len(spec.prompt)))
                           for spec in doc.next_passes()]
