@@ -1,16 +1,9 @@
 """The coordinator: runs a job's open documents on the worker pool, from the workers' start to the exit code.
 
-Each open document is a `DocumentRun` (jobs/document_run.py), given the passes an earlier run kept;
-each worker has `batch.max_sequences` feeding threads, which take work items from one `WorkQueue`
-(jobs/balance.py: the longest document first, a pass to the worker holding its document's other
-passes when it may take it, to the least loaded otherwise) and run them (runner/dealer.py: the calls,
-their retries, the passes kept and the result rows). A coordinator killed at any instant loses only
-the passes in flight, and the result row in results/ is the only "done" record. The coordinator,
-holding the job's lock, is the only writer of the job folder; it stops the batch on a signal or a
-lost lease, and waits for a lost worker to come back.
-
-Ray lives in the pool (runner/pool.py), the recording of events and results in the recorder
-(runner/recorder.py).
+Each worker has `batch.max_sequences` feeding threads, which take work items from one `WorkQueue`
+(jobs/balance.py) and run them (runner/dealer.py). A coordinator killed at any instant loses only the
+passes in flight, and the result row in results/ is the only "done" record. The coordinator, holding
+the job's lock, is the only writer of the job folder; it stops the batch on a signal or a lost lease.
 """
 
 from __future__ import annotations
@@ -47,7 +40,6 @@ from runner.recorder import TaskRecorder
 from storage.checkpoint import CheckpointLog
 from storage.jobdir import JobDir
 from storage.lease import LeaseLostError
-from storage.location import no_fence
 from storage.lock import HeldLock
 from storage.passes import read_passes, remove_passes, tasks_with_passes
 
@@ -60,20 +52,19 @@ EXIT_INTERRUPTED = 130
 
 class Coordinator:
     def __init__(self, job: JobDir, job_id: str, config: JobConfig, offload_root: Path,
-                 faults: list[FaultRule], console: Console, lock: HeldLock | None = None) -> None:
+                 faults: list[FaultRule], console: Console, lock: HeldLock) -> None:
         """`lock` is the job lock held for this run: every write into the job folder is fenced with
         it, and the batch stops once it is lost (a lease another coordinator took over)."""
         self.cfg = config
         self.offload_root = offload_root
         self.console = console
         self.lock = lock
-        fence = self._fence = lock.check if lock is not None else no_fence
         self.stop = threading.Event()
-        self.log = JobLog(job.log, fence)
+        self.log = JobLog(job.log, lock.check)
         self.alerts = AlertMonitor(self.log, console)
         self.job = job
         checkpoint = self.checkpoint = CheckpointLog(job.path, flush_every=config.checkpoint.flush_every,
-                                   flush_interval_s=config.checkpoint.flush_interval_s, fence=fence,
+                                   flush_interval_s=config.checkpoint.flush_interval_s, fence=lock.check,
                                    after_results=self._drop_passes)
         self.recorder = TaskRecorder(checkpoint, self.log, self.alerts, BatchMetrics(job_id), self.stop)
         self.pool = WorkerPool(config, job_id, offload_root, faults, self.log)
@@ -81,7 +72,7 @@ class Coordinator:
     def _drop_passes(self, task_ids: list[str]) -> None:
         """A document's passes go once its result is published; if this fails the next run's sweep takes them."""
         try:
-            remove_passes(self.job.path, task_ids, self._fence)
+            remove_passes(self.job.path, task_ids, self.lock.check)
         except OSError as e:
             self.log.warning("passes_not_removed", tasks=len(task_ids), error=str(e))
 
@@ -196,7 +187,7 @@ class Coordinator:
             while any(t.is_alive() for t in threads) and not self.stop.is_set():
                 for t in threads:
                     t.join(timeout=0.2)
-                if self.lock is not None and self.lock.lost:
+                if self.lock.lost:
                     self.stop.set()
             if self.stop.is_set():  # killing the workers ends every pending call at once: no thread outlives the batch
                 self._name_survivors(self.pool.kill_all())
@@ -245,7 +236,7 @@ class Coordinator:
 
     def _lease_lost(self, errors: list[BaseException]) -> LeaseLostError | None:
         lost = next((e for e in errors if isinstance(e, LeaseLostError)), None)
-        if lost is None and self.lock is not None and self.lock.lost:
+        if lost is None and self.lock.lost:
             try:
                 self.lock.check()
             except LeaseLostError as e:
