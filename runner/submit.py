@@ -73,11 +73,8 @@ STOPPED_AFTER_THE_END = "[yellow]stopped after every document had ended: nothing
 
 
 def _sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _rejection_row(rejection: Rejection) -> dict:
@@ -295,13 +292,11 @@ def _execute(job: JobDir, info: JobInfo, config: JobConfig, address: str | None,
         finished |= state.failed_task_ids
     open_tasks = [t for t in tasks if t.task_id not in finished]
     total = len(tasks)  # the documents to run: rejected rows are said apart (report_rejections, _final_report)
-    console.print(
-        f"{len(tasks)} task(s): {len(tasks) - len(open_tasks)} already finished, {len(open_tasks)} to run"
-    )
+    console.print(f"{len(tasks)} task(s): {len(tasks) - len(open_tasks)} already finished, {len(open_tasks)} to run")
     code = EXIT_OK
-    if open_tasks and (conversion := conversion_ahead(config.model.name)) is not None:
-        console.print(conversion, style="yellow", markup=False, highlight=False)
     if open_tasks:
+        if (conversion := conversion_ahead(config.model.name)) is not None:
+            console.print(conversion, style="yellow", markup=False, highlight=False)
         with _checked_cluster(config, address, needed=True):  # submit's session, or resume's own
             coordinator = Coordinator(job, info.job_id, config, offload_root, faults, console, lock)
             try:
