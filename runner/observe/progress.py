@@ -1,16 +1,9 @@
-"""Live progress: a rich bar on a terminal, plain periodic lines otherwise (CI logs stay readable).
+"""Live progress: a rich bar on a terminal, plain periodic lines otherwise (CI logs stay readable);
+what each figure means: docs/status.md "Progress".
 
-Both show the documents of this run done/to run (rejected rows are none of them), time elapsed since
-this run's documents began (its workers ready; `kvbatch status` counts from the same start, job.log's
-first `progress` line), decode tokens/s, ETA, failed, busy workers and fallbacks. Tokens are counted as
-the workers decode them (asked every second), not when a document ends, so a batch of long documents
-shows its pace long before its first result. The ETA divides the tokens its open documents may still
-decode by the decode rate measured between the first sample with tokens and the latest one (so neither
-the workers' start nor the first prefill counts as slowness), and says `estimating` until there is one.
-A background ticker refreshes both while nothing finishes, and writes a `progress` line to job.log
-every few seconds (the report's throughput plot); `$KVBATCH_PROGRESS_INTERVAL_S` sets how often a plain
-line is printed. The bar's line fits the terminal: done/total and the elapsed time first, then each
-detail that still fits whole (never one cut mid-word).
+Tokens are counted as the workers decode them (asked every second), not when a document ends, so a
+batch of long documents shows its pace long before its first result; the ETA's rate is measured from
+the first sample with tokens, so neither the workers' start nor the first prefill counts as slowness.
 """
 
 from __future__ import annotations
@@ -134,10 +127,6 @@ class BatchProgress:
         """Tokens made this run: decoded so far, or at least those of the finished summaries."""
         return max(self.decoded_tokens, self.finished_tokens)
 
-    def tokens_per_s(self) -> float:
-        elapsed = self.elapsed_s()
-        return self.tokens() / elapsed if elapsed > 0 else 0.0
-
     def _sample(self) -> None:
         """Notes this run's tokens now: the decode rate is measured from the first sample with tokens."""
         with self._lock:
@@ -167,7 +156,8 @@ class BatchProgress:
             return left * (last_at - first_at) / (last - first)
 
     def _details(self) -> list[str]:
-        return [f"{self.tokens_per_s():.1f} tok/s", f"ETA {format_eta(self.eta_s())}", f"failed {self.failed}",
+        elapsed = self.elapsed_s()
+        return [f"{self.tokens() / elapsed if elapsed > 0 else 0.0:.1f} tok/s", f"ETA {format_eta(self.eta_s())}", f"failed {self.failed}",
                 f"active {self._busy()}/{self.workers} workers", f"fallbacks {self.fallbacks}"]
 
     def _head(self) -> list[str]:

@@ -1,9 +1,8 @@
 """`kvbatch status`: what a job is doing, from its folder alone (works while it runs, and after).
 
-Everything comes from files a running coordinator publishes atomically (results/ and events/
-parts, job.log, .lock), so another shell, or another machine on shared storage, can watch a batch
-without talking to Ray. `job_status` returns a `JobStatus`, the figures `status --json` prints in its
-key order; docs/status.md documents its keys.
+Everything comes from files a running coordinator publishes atomically (results/, events/, job.log,
+.lock), so another shell or machine can watch a batch without talking to Ray. `status --json` prints
+`job_status`'s figures in `JobStatus`'s key order (docs/status.md).
 """
 
 from __future__ import annotations
@@ -28,7 +27,7 @@ from storage.checkpoint import load_state
 from storage.jobdir import JobDir, read_job, read_manifest_table
 from storage.location import Where
 from storage.lock import lock_holder
-from storage.owner import OwnerLiveness, ProcessOwner
+from storage.owner import OwnerLiveness
 from storage.parts import CORRUPT_PART_ADVICE
 
 RECENT_ALERTS = 5
@@ -111,14 +110,6 @@ class JobStatus(TypedDict):
     alerts: AlertCounts
     corrupt_parts: list[str]  # parts that did not read (skipped)
     as_of: float
-
-
-def coordinator_holding(job: JobDir) -> ProcessOwner | None:
-    """The live coordinator that holds the job's lock, if any (read only: never touches the lock)."""
-    owner = lock_holder(job.lock)
-    if owner is None:
-        return None
-    return owner if owner.liveness() in (OwnerLiveness.ALIVE, OwnerLiveness.OTHER_HOST) else None
 
 
 def _running(events: pa.Table, finished: set[str], doc_ids: dict[str, str], now: float) -> list[RunningTask]:
@@ -222,7 +213,9 @@ def job_status(job_dir: Where, slowest: int = 5) -> JobStatus:
     state = load_state(job.path)
     log = read_log(job.log)
     now = time.time()
-    holder = coordinator_holding(job)
+    holder = lock_holder(job.lock)  # read only: never touches the lock
+    if holder is not None and holder.liveness() not in (OwnerLiveness.ALIVE, OwnerLiveness.OTHER_HOST):
+        holder = None  # no live coordinator holds the job
     results = state.results
     running = [] if holder is None else _running(
         state.events, set(results["task_id"].to_pylist()),
