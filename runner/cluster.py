@@ -23,19 +23,11 @@ from jobs.config import ConfigError
 from runner.observe.joblog import JobLog
 from storage.scratch import sweep_orphans
 
-#: Off: Ray resolves "127.0.0.1" to the loopback address instead of the machine's reachable IP.
-_CLUSTER_MODE_ENV = ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR
-
-
 def _keep_loopback() -> None:
-    """Make Ray keep 127.0.0.1 as this node's address instead of the host's routable IP.
-
-    Ray turns `_node_ip_address="127.0.0.1"` into the host's routable IP, and its gRPC servers
-    (GCS, raylet, workers, agents) then listen on every interface. With cluster mode off it keeps
-    the loopback address and every listener binds 127.0.0.1. The constant is read when a node
-    starts (this process); the environment variable reaches the processes Ray spawns.
-    """
-    os.environ[_CLUSTER_MODE_ENV] = "0"
+    """Make Ray keep 127.0.0.1 as this node's address: else it turns it into the host's routable IP and its
+    gRPC servers listen on every interface. The constant is read when a node starts (this process); the
+    environment variable reaches the processes Ray spawns."""
+    os.environ[ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR] = "0"
     ray_constants.ENABLE_RAY_CLUSTER = False
 
 
@@ -92,13 +84,10 @@ for pid, started in family:
 def _start_reaper() -> None:
     """The private Ray's processes die with this driver, whatever ends it.
 
-    Ray ties the processes a driver starts (GCS, raylet, ...) to it with PR_SET_PDEATHSIG, but the
-    dashboard and runtime-env agents are the raylet's children: after a `kill -9` of the driver they see
-    the raylet die within seconds, then report that death through the GCS, which died with it, and wait
-    out that call's 60 s timeout (and more), orphaned. A small process of its own, which outlives the
-    driver, kills the processes this Ray started once the pipe from the driver closes: those its node
-    reports (GCS, raylet, ...) and their children, never another child of the caller's (a `kvbatch.submit`
-    caller's own subprocesses). Process start times guard against pids reused meanwhile.
+    Ray ties the GCS and raylet to the driver with PR_SET_PDEATHSIG, but after a `kill -9` of the driver
+    the raylet's agents wait out a 60 s call to the dead GCS (and more), orphaned. A small process of its
+    own kills what this Ray started (never another child of the caller's) once the pipe from the driver
+    closes; process start times guard against pids reused meanwhile.
     """
     import psutil
     from ray._private import worker as ray_worker
@@ -267,13 +256,10 @@ def kill_and_wait(actors: list[Any], timeout_s: float = ACTOR_EXIT_TIMEOUT_S) ->
 
 
 # -- sweeping the nodes a batch runs on -----------------------------------------------------------
-# Sweeping scratch dirs on nodes that join a batch: a node back from a crash still holds the
-# task dirs of the workers it lost, and nothing else would run on it to remove them.
-# 
-# Every node is swept once when the batch starts (nodes may have come back while no batch ran),
-# then each node that joins while it runs, and every node again when the batch ends (a worker lost
-# near the end may not have been restarted to sweep its own dir). The sweep is a zero-CPU Ray task
-# pinned to the node, so it runs even where every CPU is taken by workers.
+# A node back from a crash still holds the task dirs of the workers it lost, and nothing else would
+# remove them. Every node is swept when the batch starts, each node that joins while it runs, and every
+# node again at its end (a worker lost near the end may not have been restarted to sweep its own dir),
+# by a zero-CPU Ray task pinned to the node, so it runs even where workers take every CPU.
 
 POLL_S = 2.0
 """How often the node list is read for newcomers."""

@@ -1,10 +1,6 @@
-"""Settings checked at submit (and resume) against transformers, the model's config and the Ray
-cluster's nodes, not per document.
-
-A setting that would fail every document (an unknown generation field, a context the model has no
-positions for, a model that is not there, a device or cache the workers do not have) or that no
-worker could run with (more CPUs or GPUs than any node has) is a config error before anything
-starts. Only the model's config is read, never its weights, and no worker is started.
+"""Settings checked at submit (and resume) against transformers, the model's config and the Ray cluster's
+nodes: a setting that would fail every document, or that no worker could run with, is a config error
+before anything starts. Only the model's config is read, never its weights, and no worker is started.
 """
 
 from __future__ import annotations

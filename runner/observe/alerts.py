@@ -1,13 +1,5 @@
-"""Alerts: the few things an operator of a long batch must act on, as warnings in job.log and on the console.
-
-- `slow_task`: a task running longer than 2 x the median time of finished tasks of its length class
-  (documents within a factor of two of each other in characters); at least three finished tasks
-  make a median.
-- `memory`: host RAM or device memory above 80 % used (`$KVBATCH_ALERT_MEMORY_FRACTION` changes
-  the threshold); once per crossing, again only after it fell back below.
-- `worker_restarts`: one worker slot restarted twice or more (it died, or hung and was killed), or
-  one document took down two or more workers (a lost worker's task moves on to another one).
-- `repeated_fallbacks`: a task that fell back (cache rung or context size) more than once.
+"""Alerts: the few things an operator of a long batch must act on, as warnings in job.log and on the console
+(the kinds and their thresholds: docs/status.md "Alerts").
 
 `AlertRules` is the plain decision logic; `AlertMonitor` feeds it from the coordinator, runs a
 watchdog thread for the rules that need a clock, and writes what fires.

@@ -1,10 +1,8 @@
 """`kvbatch doctor`: is this machine ready for a batch, and if not, what to change.
 
-Each check is measured, not guessed (a pinned host→device copy, a real write and uncached read
-in the offload root). A *problem* stops a batch from running (exit 1); a *warning* lets it run
-slower than it could (exit 0). The offload root checked is the one a job would use:
-`cache.offload_root`, else `$KVBATCH_OFFLOAD_ROOT`, else the default jobs folder `runs/` (jobs
-put their scratch in JOB_DIR/scratch/kvbatch).
+Each check is measured, not guessed (a pinned host→device copy, a real write and uncached read in the
+offload root a job would use). A *problem* stops a batch from running (exit 1); a *warning* lets it run
+slower than it could (exit 0).
 """
 
 from __future__ import annotations
@@ -102,6 +100,7 @@ def check_h2d_bandwidth(index: int, nbytes: int = 256 * 2**20, repeats: int = 5)
 
 
 def offload_root_for(config: JobConfig) -> Path:
+    """`cache.offload_root`, else $KVBATCH_OFFLOAD_ROOT, else the default jobs folder (their scratch is under it)."""
     configured = config.cache.offload_root or os.environ.get(OFFLOAD_ROOT_ENV, "").strip()
     return Path(configured) if configured else Path("runs")
 

@@ -1,9 +1,6 @@
-"""The report's plots, each a matplotlib Figure drawn from a job's result rows and its progress samples.
-
-Every function takes the rows of `kvbatch results` (dicts) and the `progress` lines of job.log (the
-tokens decoded so far, every few seconds of each run) and returns a Figure, or None when the job has
-nothing to draw for it, so the report can say so instead of showing an empty axis. Quantities start
-their axes at zero, so a bar or a point reads against nothing, not against the smallest value.
+"""The report's plots, each a matplotlib Figure drawn from a job's result rows and its job.log `progress` lines,
+or None when the job has nothing to draw for it (the report says so). Quantities start their axes at zero,
+so a bar or a point reads against nothing, not against the smallest value.
 """
 
 from __future__ import annotations
