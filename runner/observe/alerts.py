@@ -7,7 +7,6 @@ watchdog thread for the rules that need a clock, and writes what fires.
 
 from __future__ import annotations
 
-import os
 import socket
 import statistics
 import threading
@@ -24,6 +23,7 @@ from rich.markup import escape
 
 from jobs.outcome import TaskOutcome
 from runner.observe.joblog import JobLog
+from runner.observe.progress import env_number
 
 MEMORY_FRACTION_ENV = "KVBATCH_ALERT_MEMORY_FRACTION"
 SLOW_FACTOR = 2.0
@@ -41,16 +41,9 @@ def length_class(n_chars: int) -> str:
 
 
 def memory_threshold() -> float:
-    raw = os.environ.get(MEMORY_FRACTION_ENV, "").strip()
-    if not raw:
-        return MEMORY_FRACTION
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{MEMORY_FRACTION_ENV}={raw!r}: expected a fraction such as 0.8") from None
-    if not 0 < value <= 1:
-        raise ValueError(f"{MEMORY_FRACTION_ENV}={raw!r}: expected a fraction in (0, 1]")
-    return value
+    """The used fraction of memory above which `memory` alerts fire: $KVBATCH_ALERT_MEMORY_FRACTION, else 0.8."""
+    return env_number(MEMORY_FRACTION_ENV, MEMORY_FRACTION, "a fraction such as 0.8", lambda v: 0 < v <= 1,
+                      "a fraction in (0, 1]")
 
 
 @dataclass(frozen=True)

@@ -28,14 +28,16 @@ BAR_WIDTH = 10
 FIELD_GAP = "  "
 
 
-def plain_interval() -> float:
-    raw = os.environ.get(INTERVAL_ENV, "").strip()
+def env_number(name: str, default: float, example: str, valid: Callable[[float], bool], expected: str) -> float:
+    """$`name` as a number (`default` when unset); a ValueError naming the variable when it is no number
+    (`example`) or not `valid` (`expected`)."""
+    raw = os.environ.get(name, "").strip()
     try:
-        value = float(raw) if raw else DEFAULT_PLAIN_INTERVAL_S
+        value = float(raw) if raw else default
     except ValueError:
-        raise ValueError(f"{INTERVAL_ENV}={raw!r}: expected seconds, such as 10") from None
-    if value <= 0:
-        raise ValueError(f"{INTERVAL_ENV}={raw!r}: expected a positive number of seconds")
+        raise ValueError(f"{name}={raw!r}: expected {example}") from None
+    if not valid(value):
+        raise ValueError(f"{name}={raw!r}: expected {expected}")
     return value
 
 
@@ -70,7 +72,7 @@ class BatchProgress:
     workers run a task now; `decoded`: tokens the workers have decoded this run, asked once a tick."""
 
     def __init__(self, console: Console, total: int, already_done: int, workers: int, budgets: dict[str, int],
-                 busy: Callable[[], int] | None = None, decoded: Callable[[], int] | None = None,
+                 busy: Callable[[], int], decoded: Callable[[], int],
                  log: JobLog | None = None, plain_interval_s: float | None = None) -> None:
         self.console = console
         self.total = total
@@ -83,7 +85,7 @@ class BatchProgress:
         self.workers = workers
         self._budgets = budgets
         self._budget_done = 0
-        self._busy = busy or (lambda: workers)
+        self._busy = busy
         self._decoded = decoded
         self._log = log
         self._started = time.monotonic()
@@ -91,7 +93,8 @@ class BatchProgress:
         self._first_sample: tuple[float, int] | None = None
         self._last_sample: tuple[float, int] | None = None
         self._lock = threading.RLock()
-        self._interval_s = plain_interval_s or plain_interval()
+        self._interval_s = plain_interval_s or env_number(INTERVAL_ENV, DEFAULT_PLAIN_INTERVAL_S, "seconds, such as 10",
+                                                          lambda v: v > 0, "a positive number of seconds")
         self._stop = threading.Event()
         self._ticker = threading.Thread(target=self._tick, name="progress", daemon=True)
         self._bar: Progress | None = None
@@ -157,7 +160,8 @@ class BatchProgress:
 
     def _details(self) -> list[str]:
         elapsed = self.elapsed_s()
-        return [f"{self.tokens() / elapsed if elapsed > 0 else 0.0:.1f} tok/s", f"ETA {format_eta(self.eta_s())}", f"failed {self.failed}",
+        tok_s = self.tokens() / elapsed if elapsed > 0 else 0.0
+        return [f"{tok_s:.1f} tok/s", f"ETA {format_eta(self.eta_s())}", f"failed {self.failed}",
                 f"active {self._busy()}/{self.workers} workers", f"fallbacks {self.fallbacks}"]
 
     def _head(self) -> list[str]:
@@ -187,11 +191,10 @@ class BatchProgress:
                 self._refresh()
 
     def _ask_workers(self) -> None:
-        if self._decoded is not None:
-            decoded = self._decoded()  # outside the lock: it waits on the workers
-            with self._lock:
-                self.decoded_tokens = max(self.decoded_tokens, decoded)
-                self._sample()
+        decoded = self._decoded()  # outside the lock: it waits on the workers
+        with self._lock:
+            self.decoded_tokens = max(self.decoded_tokens, decoded)
+            self._sample()
 
     def _refresh(self) -> None:
         with self._lock:
