@@ -17,13 +17,13 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 
-from jobs.balance import WorkQueue, expected_decode_tokens, expected_work
+from jobs.balance import WorkQueue, expected_decode_tokens
 from jobs.config import JobConfig
 from jobs.document_run import DocumentRun
 from jobs.faults import FaultRule
 from jobs.task import Task
 from runner.cluster import NodeSweeper
-from runner.dealer import Dealer, Interrupted, Planning
+from runner.dealer import Dealer, Interrupted
 from runner.observe.alerts import AlertMonitor
 from runner.observe.joblog import JobLog
 from runner.observe.metrics import BatchMetrics
@@ -170,9 +170,7 @@ class Coordinator:
                                   f"{self.cfg.workers.start_timeout_s:g} s")
         errors: list[BaseException] = []
         workers = self.pool.workers
-        work = WorkQueue([Planning(doc, expected_work(doc.task, self.cfg, context)) for doc in docs],
-                         workers, self.cfg.batch.sequences, self.pool.is_down)
-        dealer = Dealer(self.cfg, self.pool, work, self.recorder, self.checkpoint, self.log, self.stop)
+        dealer = Dealer(self.cfg, self.pool, docs, self.recorder, self.checkpoint, self.log, self.stop)
         budgets = {doc.task.task_id: expected_decode_tokens(doc.task, self.cfg) for doc in docs}
         with self.alerts.watching(), NodeSweeper(self.offload_root, self.log), \
                 BatchProgress(self.console, total, already_done, len(workers), budgets, self.alerts.busy_workers,
@@ -208,7 +206,7 @@ class Coordinator:
         if self.stop.is_set():
             self.log.warning("batch_interrupted")
             return EXIT_INTERRUPTED
-        if left := work.left():
+        if left := dealer.work.left():
             self.log.warning("batch_stalled", tasks_left=left)
             self.console.print(f"[red]{left} task(s) not run: every worker was lost and none came back "
                                f"within {WORKER_RESTART_TIMEOUT_S:.0f} s (no capacity left on the cluster)")

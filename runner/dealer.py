@@ -89,11 +89,13 @@ def _transient_failure(e: TransientFailure) -> CallOutcome:
 class Dealer:
     """Runs the work items of a batch's documents, one call at a time, and keeps what comes back."""
 
-    def __init__(self, config: JobConfig, pool: WorkerPool, work: WorkQueue, recorder: TaskRecorder,
+    def __init__(self, config: JobConfig, pool: WorkerPool, docs: list[DocumentRun], recorder: TaskRecorder,
                  checkpoint: CheckpointLog, log: JobLog, stop: threading.Event) -> None:
+        """`docs`: the batch's open documents, each planned first, from one queue for the pool's workers."""
         self.cfg = config
         self.pool = pool
-        self.work = work
+        self.work = WorkQueue([self._planning(doc) for doc in docs], pool.workers, config.batch.sequences,
+                              pool.is_down)
         self.recorder = recorder
         self.checkpoint = checkpoint
         self.log = log
