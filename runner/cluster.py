@@ -46,12 +46,9 @@ class RayStartError(ConfigError):
 
 
 def init_local_ray(**options: object) -> None:
-    """Start a private local Ray that listens on loopback only, without the dashboard.
-
-    `address="local"`: never the cluster a `ray_current_cluster` file names (under /tmp/ray or
-    $RAY_TMPDIR/ray), which ray.init joins otherwise: a `ray start` cluster of someone else, or a
-    stale file of one that ended uncleanly, where ray.init retries "Failed to connect to GCS" for good.
-    """
+    """Start a private local Ray that listens on loopback only, without the dashboard. `address="local"`:
+    never the cluster a `ray_current_cluster` file names, which ray.init joins otherwise (someone else's,
+    or a stale file's, where ray.init retries "Failed to connect to GCS" for good)."""
     _keep_loopback()
     try:
         ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1", **options)
@@ -230,11 +227,8 @@ def _wait_for_exit(pids: list[int], timeout_s: float) -> list[int]:
 
 
 def kill_and_wait(actors: list[Any], timeout_s: float = ACTOR_EXIT_TIMEOUT_S) -> list[str]:
-    """Kill the actors for good and return once their processes have exited (`ray.kill` only asks).
-
-    What a killed worker leaves (its task's scratch dir) is only an orphan, and swept, once its
-    process is gone. Returns "pid P on node N" for each process still alive after `timeout_s`.
-    """
+    """Kill the actors for good and return once their processes have exited (`ray.kill` only asks): a killed
+    worker's scratch dir is an orphan, swept, only then. Returns "pid P on node N" for each still alive."""
     processes = [_actor_process(actor) for actor in actors]
     for actor in actors:
         ray.kill(actor, no_restart=True)

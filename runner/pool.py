@@ -207,12 +207,9 @@ class WorkerPool:
         return max(1, min(wanted, open_tasks))
 
     def start(self, count: int, give_up: Callable[[], bool]) -> list[dict[str, Any]]:
-        """Start `count` workers and wait until each has loaded its model; returns their info.
-
-        Raises `WorkerStartError` when a worker's start raised (its model or offload root is wrong:
-        every worker would fail alike), `PoolStopped` once `give_up()` says so, and `WorkersNotStarted`
-        when none is up within `workers.start_timeout_s`; those up by then run the batch without the rest.
-        """
+        """Start `count` workers, wait until each has loaded its model and return their info; those up within
+        `workers.start_timeout_s` run the batch (none: `WorkersNotStarted`). `WorkerStartError`: a worker's
+        start raised (every worker would fail alike); `PoolStopped`: `give_up()` said so."""
         gpus = gpus_per_worker(self.cfg, cluster_nodes())
         # SPREAD: one worker per node before any node gets a second, so a lost node costs the fewest;
         # max_concurrency: each task in flight runs in an actor thread of its own
@@ -337,11 +334,9 @@ class WorkerPool:
                 self._lock.notify_all()
 
     def _result(self, worker: Worker, ref: Any, call_id: str) -> CallOutcome:
-        """The call's outcome. A pass's retry.task_timeout_s runs from when it began to run in the worker
-        (the worker's `progress` says when), not from when the call was sent. Waiting before that has a
-        limit of its own: behind at most batch.max_sequences - 1 batch-mates, each within its timeout,
-        it begins within task_timeout_s × batch.max_sequences, or the worker is stuck. Raises `_Hung` past
-        either, or when the worker does not answer how the call is doing."""
+        """The call's outcome, or `_Hung` past retry.task_timeout_s from when it began to run (the worker's
+        `progress` says when), or past task_timeout_s × batch.max_sequences before it began (behind at most
+        max_sequences - 1 batch-mates, each within its timeout), or when the worker does not answer."""
         limit = self.cfg.retry.task_timeout_s
         wait_limit = limit * self.cfg.batch.sequences
         sent = time.monotonic()
@@ -378,11 +373,9 @@ class WorkerPool:
         return lost
 
     def await_restart(self, worker: Worker, give_up: Any) -> bool:
-        """Wait until Ray has restarted a killed or crashed worker (its start sweeps the scratch dir the
-        dead process left; its next task must reach it, not the dying incarnation, which a hung
-        worker's other threads still answer from until `ray.kill` lands). False when it did not come
-        back in time (no capacity left for it), or `give_up()` says the batch needs it no more;
-        `WorkerStartError` when the restarted worker's start raised."""
+        """Wait until Ray has restarted a killed or crashed worker: its next task must reach the new
+        incarnation, not the dying one (a hung worker's other threads answer until `ray.kill` lands). False
+        when it did not come back in time, or `give_up()`; `WorkerStartError` when its start raised."""
         slot = self._slots[worker]
         deadline = time.monotonic() + WORKER_RESTART_TIMEOUT_S
         ready = worker.info.remote()

@@ -54,10 +54,9 @@ def check_torch(config: JobConfig) -> list[Check]:
     cuda_build = torch.version.cuda
     checks = [Check("torch", Level.OK, f"torch {torch.__version__}, "
                     + (f"CUDA {cuda_build} build" if cuda_build else "CPU-only build"))]
-    wants_cuda = config.model.device.startswith("cuda")
     if not torch.cuda.is_available():
         has_nvidia = Path("/dev/nvidia0").exists() or shutil.which("nvidia-smi") is not None
-        if wants_cuda:
+        if config.model.device.startswith("cuda"):
             checks.append(Check("GPU", Level.PROBLEM, f"model.device is {config.model.device} but no GPU is usable",
                                 "install a CUDA build of torch and check the driver (nvidia-smi), or set model.device=auto"))
         elif has_nvidia and not cuda_build:

@@ -123,8 +123,6 @@ def render_report(job_dir: Where) -> str:
     alerts = [e for e in events if e.get("event") == "alert"]
     samples = [e for e in events if e.get("event") == "progress"]
     device = on_a_device(rows)
-    cfg = info.config
-    summary = _summary_rows(info, status, len(alerts))
     failures = [[r["doc_id"], r["status"], r["error_type"], r["error"], r["attempts"],
                  "; ".join(r["fallbacks"] or [])] for r in rows if r["status"] != "done"]
     fell_back = [[r["doc_id"], r["status"], fallback_path(r), r["context_tokens"]]
@@ -136,7 +134,7 @@ def render_report(job_dir: Where) -> str:
                   r["summary"] if r["status"] == "done" else r["error"]] for r in rows]
     sections = [
         f"<h1>kvbatch job {html.escape(info.job_id)}</h1>",
-        "<h2>Summary</h2>", _table(None, summary, ""),
+        "<h2>Summary</h2>", _table(None, _summary_rows(info, status, len(alerts)), ""),
         "<h2>Documents</h2>",
         '<p><input id="find" type="search" placeholder="find in documents and summaries" size="40"></p>',
         _table(["document", "status", "input tokens", "output tokens", "summary (or error)"], documents,
@@ -154,7 +152,7 @@ def render_report(job_dir: Where) -> str:
         "<h2>Slowest documents</h2>",
         _table(["document", "wall s", "input tokens", "cache strategy"], slowest, "no finished documents yet"),
         "<h2>Alerts</h2>", _table(["time", "kind", "message"], alert_rows, "no alerts"),
-        "<h2>Config</h2>", f"<pre>{html.escape(json.dumps(cfg, indent=2))}</pre>",
+        "<h2>Config</h2>", f"<pre>{html.escape(json.dumps(info.config, indent=2))}</pre>",
     ]
     return (
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'
