@@ -96,8 +96,7 @@ class Coordinator:
 
     def _feed(self, worker: Worker, dealer: Dealer, errors: list[BaseException]) -> None:
         """One of a worker's feeding threads: takes work items until none is left (while its worker is down
-        after a loss, it waits for the worker rather than take an item the worker cannot run, and stops
-        waiting once nothing is left that it could run)."""
+        it waits for the worker rather than take an item the worker cannot run)."""
         while True:
             if self.pool.is_down(worker) and not self._await_restart(worker, errors, dealer.work):
                 return

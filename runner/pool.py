@@ -270,9 +270,8 @@ class WorkerPool:
         return self._slots[worker].down
 
     def tokens_decoded(self) -> int:
-        """Tokens the workers' decode steps have made while this pool ran them, every incarnation of a
-        restarted worker counted: asked beside the tasks, a worker that does not answer within a second
-        is left at its last answer."""
+        """Tokens the workers have decoded while this pool ran them, every incarnation counted; a worker
+        that does not answer within a second is left at its last answer."""
         refs = {self._slots[w].process: w.tokens_decoded.options(concurrency_group=PROBE_GROUP).remote()
                 for w in self.workers if not self.is_down(w)}
         for process, ref in refs.items():

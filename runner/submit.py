@@ -144,10 +144,8 @@ def _all_finished(job: JobDir, retry_since: float | None = None) -> JobState | N
 
 def submit(source: str | list[Any], pattern: str | None, config: JobConfig, job_dir: Where | None,
            address: str | None, strict: bool, console: Console, job_id: str | None = None) -> int:
-    """`source`: a manifest or a folder of documents, local or on shared storage, or the manifest's rows
-    themselves (`kvbatch.submit`); `pattern`: --glob; `config`: the job's, read (the CLI from its file
-    and `--set`, the API from what its caller gave). `job_id`: the new job's, when the caller made its
-    default folder (runs/<job_id>) itself."""
+    """`source`: a manifest or a folder of documents, local or on shared storage, or the rows themselves
+    (`kvbatch.submit`); `pattern`: --glob; `job_id`: when the caller made its default folder itself."""
     job_id = job_id or new_job_id()
     job = JobDir(job_dir or DEFAULT_JOBS_DIR / job_id)
     return _interruptible(lambda: _submit(job, job_id, source, pattern, config, address, strict, console), job, console)

@@ -66,10 +66,8 @@ def fit_fields(fields: list[str], width: int, kept: int = 2) -> list[str]:
 
 
 class BatchProgress:
-    """Counts of this run; thread-safe since worker threads report into it.
-
-    `budgets`: each open task's most decode tokens (jobs.balance.expected_decode_tokens); `busy`: how many
-    workers run a task now; `decoded`: tokens the workers have decoded this run, asked once a tick."""
+    """Counts of this run; thread-safe since worker threads report into it. `budgets`: each open task's most
+    decode tokens; `busy`: workers running a task now; `decoded`: tokens decoded this run, asked once a tick."""
 
     def __init__(self, console: Console, total: int, already_done: int, workers: int, budgets: dict[str, int],
                  busy: Callable[[], int], decoded: Callable[[], int],
@@ -141,8 +139,7 @@ class BatchProgress:
 
     def eta_s(self) -> float | None:
         """The tokens the open documents may still decode (their budgets, less what was decoded or freed by a
-        document that ended early) at the decode rate measured between samples; None (`estimating`) until
-        two samples with tokens measured one."""
+        document that ended early) at the measured decode rate; None (`estimating`) until there is one."""
         with self._lock:
             remaining = self.total - self.done
             if remaining <= 0:
