@@ -23,19 +23,11 @@ from jobs.config import ConfigError
 from runner.observe.joblog import JobLog
 from storage.scratch import sweep_orphans
 
-#: Off: Ray resolves "127.0.0.1" to the loopback address instead of the machine's reachable IP.
-_CLUSTER_MODE_ENV = ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR
-
-
 def _keep_loopback() -> None:
-    """Make Ray keep 127.0.0.1 as this node's address instead of the host's routable IP.
-
-    Ray turns `_node_ip_address="127.0.0.1"` into the host's routable IP, and its gRPC servers
-    (GCS, raylet, workers, agents) then listen on every interface. With cluster mode off it keeps
-    the loopback address and every listener binds 127.0.0.1. The constant is read when a node
-    starts (this process); the environment variable reaches the processes Ray spawns.
-    """
-    os.environ[_CLUSTER_MODE_ENV] = "0"
+    """Make Ray keep 127.0.0.1 as this node's address: else it turns it into the host's routable IP and its
+    gRPC servers listen on every interface. The constant is read when a node starts (this process); the
+    environment variable reaches the processes Ray spawns."""
+    os.environ[ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR] = "0"
     ray_constants.ENABLE_RAY_CLUSTER = False
 
 
@@ -43,10 +35,6 @@ def _host_port(address: str) -> tuple[str, str]:
     """("host", "port") of "[scheme://]host:port"; port "" when the address has none ("auto")."""
     host, _, port = address.split("://")[-1].rpartition(":")
     return host.strip("[]"), port
-
-
-def _is_loopback(address: str) -> bool:
-    return _host_port(address)[0] in ("127.0.0.1", "localhost", "::1")
 
 
 def _first_line(error: BaseException) -> str:
@@ -58,17 +46,12 @@ class RayStartError(ConfigError):
 
 
 def init_local_ray(**options: object) -> None:
-    """Start a private local Ray that listens on loopback only, without the dashboard.
-
-    `address="local"`: never the cluster a `ray_current_cluster` file names (under /tmp/ray or
-    $RAY_TMPDIR/ray), which ray.init joins otherwise: a `ray start` cluster of someone else, or a
-    stale file of one that ended uncleanly, where ray.init retries "Failed to connect to GCS" for good.
-    """
+    """Start a private local Ray that listens on loopback only, without the dashboard. `address="local"`:
+    never the cluster a `ray_current_cluster` file names, which ray.init joins otherwise (someone else's,
+    or a stale file's, where ray.init retries "Failed to connect to GCS" for good)."""
     _keep_loopback()
     try:
         ray.init(address="local", include_dashboard=False, _node_ip_address="127.0.0.1", **options)
-    except (KeyboardInterrupt, SystemExit):
-        raise
     except Exception as e:  # noqa: BLE001 - whatever Ray raised, the user gets one line
         ray.shutdown()  # what started of it goes with it
         raise RayStartError(
@@ -98,29 +81,15 @@ for pid, started in family:
 def _start_reaper() -> None:
     """The private Ray's processes die with this driver, whatever ends it.
 
-    Ray ties the processes a driver starts (GCS, raylet, ...) to it with PR_SET_PDEATHSIG, but the
-    dashboard and runtime-env agents are the raylet's children: after a `kill -9` of the driver they see
-    the raylet die within seconds, then report that death through the GCS, which died with it, and wait
-    out that call's 60 s timeout (and more), orphaned. A small process of its own, which outlives the
-    driver, kills the processes this Ray started once the pipe from the driver closes: those its node
-    reports (GCS, raylet, ...) and their children, never another child of the caller's (a `kvbatch.submit`
-    caller's own subprocesses). Process start times guard against pids reused meanwhile.
+    Ray ties the GCS and raylet to the driver with PR_SET_PDEATHSIG, but after a `kill -9` of the driver
+    the raylet's agents wait out a 60 s call to the dead GCS (and more), orphaned. A small process of its
+    own kills what this Ray started (never another child of the caller's) once the pipe from the driver
+    closes; process start times guard against pids reused meanwhile.
     """
     import psutil
-
-    family = [f"{p.pid}:{p.create_time()}" for p in _ray_processes()]
-    reaper = subprocess.Popen([sys.executable, "-c", _REAPER, *family], stdin=subprocess.PIPE,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    _reapers.append(reaper)
-
-
-def _ray_processes() -> list[Any]:
-    """The processes of the private Ray this driver started (psutil.Process), as its node lists them, with
-    every child they have started so far (the raylet's agents and workers)."""
-    import psutil
-
     from ray._private import worker as ray_worker
 
+    # the processes its node lists, with every child they have started so far (the raylet's agents and workers)
     processes = []
     for _, popen in ray_worker._global_node.live_processes():
         try:
@@ -128,7 +97,10 @@ def _ray_processes() -> list[Any]:
             processes += [process, *process.children(recursive=True)]
         except psutil.NoSuchProcess:
             continue
-    return processes
+    family = [f"{p.pid}:{p.create_time()}" for p in processes]
+    reaper = subprocess.Popen([sys.executable, "-c", _REAPER, *family], stdin=subprocess.PIPE,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    _reapers.append(reaper)
 
 
 #: The reapers of this process's private Rays: each one's stdin closes with the process, or after ray.shutdown().
@@ -177,10 +149,6 @@ def _check_reachable(address: str) -> None:
 _RAY_ERRORS = logging.getLogger("ray.reported_errors")
 
 
-def _report_ray_error(data: dict[str, Any], ignore_prefix: bool) -> None:
-    _RAY_ERRORS.debug(" ".join(data["lines"]))
-
-
 def _quiet_ray_errors() -> None:
     """Ray's driver prints every error its cluster reports ("(raylet) A worker died ...") to stdout,
     whatever `log_to_driver` says, into the user's progress and results. kvbatch reports what it meets
@@ -188,7 +156,7 @@ def _quiet_ray_errors() -> None:
     With `log_to_driver` off, the error listener is the only caller of what is replaced."""
     from ray._private import worker as ray_worker
 
-    ray_worker.print_to_stdstream = _report_ray_error
+    ray_worker.print_to_stdstream = lambda data, ignore_prefix: _RAY_ERRORS.debug(" ".join(data["lines"]))
 
 
 @contextmanager
@@ -217,7 +185,7 @@ def ray_session(address: str | None) -> Iterator[dict[str, float]]:
 
 def _join(address: str, options: dict[str, Any]) -> None:
     _check_reachable(address)
-    if _is_loopback(address):
+    if _host_port(address)[0] in ("127.0.0.1", "localhost", "::1"):
         # a loopback-only cluster: this driver must see itself at 127.0.0.1 too, or it never finds a raylet
         _keep_loopback()
         options = {**options, "_node_ip_address": "127.0.0.1"}
@@ -227,12 +195,9 @@ def _join(address: str, options: dict[str, Any]) -> None:
         explicit = address != "auto"  # Ray sends the token to a cluster it finds itself
         fix = _AUTH_FIX if explicit and os.environ.get("RAY_AUTH_MODE") is None else _ADDRESS_FIX
         raise ClusterUnreachableError(address, _first_line(e), fix) from None
-    except (KeyboardInterrupt, SystemExit):
-        raise
     except Exception as e:  # noqa: BLE001 - a version mismatch, a timeout: one line, whatever Ray raised
         ray.shutdown()
         raise ClusterUnreachableError(address, f"{type(e).__name__}: {_first_line(e)}") from None
-
 
 
 #: How long a killed worker may take to exit (a CUDA context can take seconds to tear down).
@@ -262,11 +227,8 @@ def _wait_for_exit(pids: list[int], timeout_s: float) -> list[int]:
 
 
 def kill_and_wait(actors: list[Any], timeout_s: float = ACTOR_EXIT_TIMEOUT_S) -> list[str]:
-    """Kill the actors for good and return once their processes have exited (`ray.kill` only asks).
-
-    What a killed worker leaves (its task's scratch dir) is only an orphan, and swept, once its
-    process is gone. Returns "pid P on node N" for each process still alive after `timeout_s`.
-    """
+    """Kill the actors for good and return once their processes have exited (`ray.kill` only asks): a killed
+    worker's scratch dir is an orphan, swept, only then. Returns "pid P on node N" for each still alive."""
     processes = [_actor_process(actor) for actor in actors]
     for actor in actors:
         ray.kill(actor, no_restart=True)
@@ -288,13 +250,10 @@ def kill_and_wait(actors: list[Any], timeout_s: float = ACTOR_EXIT_TIMEOUT_S) ->
 
 
 # -- sweeping the nodes a batch runs on -----------------------------------------------------------
-# Sweeping scratch dirs on nodes that join a batch: a node back from a crash still holds the
-# task dirs of the workers it lost, and nothing else would run on it to remove them.
-# 
-# Every node is swept once when the batch starts (nodes may have come back while no batch ran),
-# then each node that joins while it runs, and every node again when the batch ends (a worker lost
-# near the end may not have been restarted to sweep its own dir). The sweep is a zero-CPU Ray task
-# pinned to the node, so it runs even where every CPU is taken by workers.
+# A node back from a crash still holds the task dirs of the workers it lost, and nothing else would
+# remove them. Every node is swept when the batch starts, each node that joins while it runs, and every
+# node again at its end (a worker lost near the end may not have been restarted to sweep its own dir),
+# by a zero-CPU Ray task pinned to the node, so it runs even where workers take every CPU.
 
 POLL_S = 2.0
 """How often the node list is read for newcomers."""
@@ -317,23 +276,27 @@ class NodeSweeper:
     """A background thread that sweeps each node once, as it appears; logs `node_swept` to job.log
     (a warning when it removed something)."""
 
-    def __init__(self, offload_root: Path, log: JobLog, poll_s: float = POLL_S) -> None:
+    def __init__(self, offload_root: Path, log: JobLog) -> None:
         self.offload_root = str(offload_root)
         self.log = log
-        self.poll_s = poll_s
         self._swept: set[str] = set()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="node-sweeper", daemon=True)
         self._remote = ray.remote(num_cpus=0, max_retries=0)(_sweep_here)
 
-    def _sweep(self, node_ids: set[str]) -> None:
-        """Sweep these nodes, each once per call; a failure is logged, not retried."""
-        pending = {
-            node_id: self._remote.options(
-                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)
-            ).remote(self.offload_root)
-            for node_id in node_ids
-        }
+    def _sweep(self, new_only: bool) -> None:
+        """Sweep the live nodes (`new_only`: those not swept yet); a failure is logged, not retried:
+        the sweeper must never take the batch down."""
+        try:
+            pending = {
+                node_id: self._remote.options(
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)
+                ).remote(self.offload_root)
+                for node_id in _alive_nodes() - (self._swept if new_only else set())
+            }
+        except Exception as e:
+            self.log.warning("node_sweep_failed", error=f"{type(e).__name__}: {e}")
+            return
         for node_id, ref in pending.items():
             self._swept.add(node_id)
             try:
@@ -345,11 +308,8 @@ class NodeSweeper:
 
     def _watch(self) -> None:
         while True:
-            try:
-                self._sweep(_alive_nodes() - self._swept)
-            except Exception as e:  # the watcher must never take the batch down
-                self.log.warning("node_sweep_failed", error=f"{type(e).__name__}: {e}")
-            if self._stop.wait(self.poll_s):
+            self._sweep(new_only=True)
+            if self._stop.wait(POLL_S):
                 return
 
     def __enter__(self) -> NodeSweeper:
@@ -359,7 +319,4 @@ class NodeSweeper:
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         self._thread.join(timeout=70)
-        try:
-            self._sweep(_alive_nodes())
-        except Exception as e:
-            self.log.warning("node_sweep_failed", error=f"{type(e).__name__}: {e}")
+        self._sweep(new_only=False)

@@ -1,16 +1,9 @@
 """The coordinator: runs a job's open documents on the worker pool, from the workers' start to the exit code.
 
-Each open document is a `DocumentRun` (jobs/document_run.py), given the passes an earlier run kept;
-each worker has `batch.max_sequences` feeding threads, which take work items from one `WorkQueue`
-(jobs/balance.py: the longest document first, a pass to the worker holding its document's other
-passes when it may take it, to the least loaded otherwise) and run them (runner/dealer.py: the calls,
-their retries, the passes kept and the result rows). A coordinator killed at any instant loses only
-the passes in flight, and the result row in results/ is the only "done" record. The coordinator,
-holding the job's lock, is the only writer of the job folder; it stops the batch on a signal or a
-lost lease, and waits for a lost worker to come back.
-
-Ray lives in the pool (runner/pool.py), the recording of events and results in the recorder
-(runner/recorder.py).
+Each worker has `batch.max_sequences` feeding threads, which take work items from one `WorkQueue`
+(jobs/balance.py) and run them (runner/dealer.py). A coordinator killed at any instant loses only the
+passes in flight, and the result row in results/ is the only "done" record. The coordinator, holding
+the job's lock, is the only writer of the job folder; it stops the batch on a signal or a lost lease.
 """
 
 from __future__ import annotations
@@ -24,13 +17,13 @@ from typing import Any
 from rich.console import Console
 from rich.markup import escape
 
-from jobs.balance import WorkQueue, expected_decode_tokens, expected_work
+from jobs.balance import WorkQueue, expected_decode_tokens
 from jobs.config import JobConfig
 from jobs.document_run import DocumentRun
 from jobs.faults import FaultRule
 from jobs.task import Task
 from runner.cluster import NodeSweeper
-from runner.dealer import Dealer, Interrupted, Planning
+from runner.dealer import Dealer, Interrupted
 from runner.observe.alerts import AlertMonitor
 from runner.observe.joblog import JobLog
 from runner.observe.metrics import BatchMetrics
@@ -47,7 +40,6 @@ from runner.recorder import TaskRecorder
 from storage.checkpoint import CheckpointLog
 from storage.jobdir import JobDir
 from storage.lease import LeaseLostError
-from storage.location import no_fence
 from storage.lock import HeldLock
 from storage.passes import read_passes, remove_passes, tasks_with_passes
 
@@ -60,20 +52,19 @@ EXIT_INTERRUPTED = 130
 
 class Coordinator:
     def __init__(self, job: JobDir, job_id: str, config: JobConfig, offload_root: Path,
-                 faults: list[FaultRule], console: Console, lock: HeldLock | None = None) -> None:
+                 faults: list[FaultRule], console: Console, lock: HeldLock) -> None:
         """`lock` is the job lock held for this run: every write into the job folder is fenced with
         it, and the batch stops once it is lost (a lease another coordinator took over)."""
         self.cfg = config
         self.offload_root = offload_root
         self.console = console
         self.lock = lock
-        fence = self._fence = lock.check if lock is not None else no_fence
         self.stop = threading.Event()
-        self.log = JobLog(job.log, fence)
+        self.log = JobLog(job.log, lock.check)
         self.alerts = AlertMonitor(self.log, console)
         self.job = job
         checkpoint = self.checkpoint = CheckpointLog(job.path, flush_every=config.checkpoint.flush_every,
-                                   flush_interval_s=config.checkpoint.flush_interval_s, fence=fence,
+                                   flush_interval_s=config.checkpoint.flush_interval_s, fence=lock.check,
                                    after_results=self._drop_passes)
         self.recorder = TaskRecorder(checkpoint, self.log, self.alerts, BatchMetrics(job_id), self.stop)
         self.pool = WorkerPool(config, job_id, offload_root, faults, self.log)
@@ -81,7 +72,7 @@ class Coordinator:
     def _drop_passes(self, task_ids: list[str]) -> None:
         """A document's passes go once its result is published; if this fails the next run's sweep takes them."""
         try:
-            remove_passes(self.job.path, task_ids, self._fence)
+            remove_passes(self.job.path, task_ids, self.lock.check)
         except OSError as e:
             self.log.warning("passes_not_removed", tasks=len(task_ids), error=str(e))
 
@@ -105,10 +96,9 @@ class Coordinator:
 
     def _feed(self, worker: Worker, dealer: Dealer, errors: list[BaseException]) -> None:
         """One of a worker's feeding threads: takes work items until none is left (while its worker is down
-        after a loss, it waits for the worker rather than take an item the worker cannot run, and stops
-        waiting once nothing is left that it could run)."""
+        it waits for the worker rather than take an item the worker cannot run)."""
         while True:
-            if self.pool.is_down(worker) and not self._await_restart(worker, errors, until_drained=dealer.work):
+            if self.pool.is_down(worker) and not self._await_restart(worker, errors, dealer.work):
                 return
             with dealer.work.taking(worker, self.stop) as item:
                 if item is None:
@@ -131,11 +121,11 @@ class Coordinator:
         errors.append(e)
         self.stop.set()
 
-    def _await_restart(self, worker: Worker, errors: list[BaseException],
-                       until_drained: WorkQueue | None = None) -> bool:
-        """Whether the worker is back; a restart whose start raised stops the batch with that error."""
+    def _await_restart(self, worker: Worker, errors: list[BaseException], work: WorkQueue) -> bool:
+        """Whether the worker is back (not waited for once `work` is drained); a restart whose start raised
+        stops the batch with that error."""
         def give_up() -> bool:
-            return self.stop.is_set() or (until_drained is not None and until_drained.drained())
+            return self.stop.is_set() or work.drained()
 
         try:
             back = self.pool.await_restart(worker, give_up)
@@ -179,9 +169,7 @@ class Coordinator:
                                   f"{self.cfg.workers.start_timeout_s:g} s")
         errors: list[BaseException] = []
         workers = self.pool.workers
-        work = WorkQueue([Planning(doc, expected_work(doc.task, self.cfg, context)) for doc in docs],
-                         workers, self.cfg.batch.sequences, self.pool.is_down)
-        dealer = Dealer(self.cfg, self.pool, work, self.recorder, self.checkpoint, self.log, self.stop)
+        dealer = Dealer(self.cfg, self.pool, docs, self.recorder, self.checkpoint, self.log, self.stop)
         budgets = {doc.task.task_id: expected_decode_tokens(doc.task, self.cfg) for doc in docs}
         with self.alerts.watching(), NodeSweeper(self.offload_root, self.log), \
                 BatchProgress(self.console, total, already_done, len(workers), budgets, self.alerts.busy_workers,
@@ -196,10 +184,12 @@ class Coordinator:
             while any(t.is_alive() for t in threads) and not self.stop.is_set():
                 for t in threads:
                     t.join(timeout=0.2)
-                if self.lock is not None and self.lock.lost:
+                if self.lock.lost:
                     self.stop.set()
-            if self.stop.is_set():
-                self._abandon_in_flight(threads)
+            if self.stop.is_set():  # killing the workers ends every pending call at once: no thread outlives the batch
+                self._name_survivors(self.pool.kill_all())
+                for t in threads:
+                    t.join(timeout=30)
             else:  # a worker still down is not waited for (its restart would load the model for nothing)
                 self._name_survivors(self.pool.kill_down())
         try:
@@ -215,7 +205,7 @@ class Coordinator:
         if self.stop.is_set():
             self.log.warning("batch_interrupted")
             return EXIT_INTERRUPTED
-        if left := work.left():
+        if left := dealer.work.left():
             self.log.warning("batch_stalled", tasks_left=left)
             self.console.print(f"[red]{left} task(s) not run: every worker was lost and none came back "
                                f"within {WORKER_RESTART_TIMEOUT_S:.0f} s (no capacity left on the cluster)")
@@ -241,15 +231,9 @@ class Coordinator:
             self.log.warning("workers_not_gone", processes=still_alive,
                              hint="their scratch dirs stay until `kvbatch clean` runs after they exit")
 
-    def _abandon_in_flight(self, threads: list[threading.Thread]) -> None:
-        """Killing the workers ends every pending call at once, so no thread outlives the batch."""
-        self._name_survivors(self.pool.kill_all())
-        for t in threads:
-            t.join(timeout=30)
-
     def _lease_lost(self, errors: list[BaseException]) -> LeaseLostError | None:
         lost = next((e for e in errors if isinstance(e, LeaseLostError)), None)
-        if lost is None and self.lock is not None and self.lock.lost:
+        if lost is None and self.lock.lost:
             try:
                 self.lock.check()
             except LeaseLostError as e:

@@ -1,15 +1,11 @@
 """The dealer: runs the work items of the documents in a batch, one call at a time, and keeps what comes back.
 
 A document (jobs/document_run.py) is planned by a worker, its passes dealt to any worker through the
-batch's `WorkQueue` (jobs/balance.py), each pass's row kept in the job folder (the checkpoint log,
-storage/passes.py) the moment it comes back and before anything that depends on it is dealt, and the
-next level planned from the kept summaries by the worker that ran the level's last pass. Every call
-runs under one tenacity policy for transient failures (I/O error, timeout); a call whose worker died
-or hung goes back to the front of the queue, for any worker. A loss while batch-mates shared the
-worker is not held against a document until its passes run alone. When a context keeps failing, or a
-worker's cache ladder runs out, the document starts over at a shorter context (every pass kept so far
-is found again); a failure no shorter context fixes, or the shortest context failing, ends it failed.
-Its result row is folded once from its passes when it is done (jobs/outcome.py `fold_passes`).
+batch's `WorkQueue`, each pass's row kept (storage/passes.py) before anything that depends on it is
+dealt, and the next level planned by the worker that ran the level's last pass. Transient failures are
+retried under one tenacity policy; a call whose worker died or hung goes back to the queue, for any
+worker. When a context keeps failing the document starts over at a shorter one (the passes kept so
+far are found again); a failure no shorter context fixes ends it failed.
 """
 
 from __future__ import annotations
@@ -20,14 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from tenacity import (
-    RetryCallState,
-    Retrying,
-    retry_if_exception_type,
-    retry_if_not_exception_type,
-    wait_exponential,
-)
-from tenacity.stop import stop_base
+from tenacity import Retrying, retry_if_exception_type, retry_if_not_exception_type, wait_exponential
 
 from jobs.balance import WorkQueue, expected_work, pass_work
 from jobs.config import JobConfig, RetryConfig
@@ -76,23 +65,12 @@ class Pass:
         dealer.run_pass(worker, self)
 
 
-class attempts_at_context_reach(stop_base):  # noqa: N801 - named like tenacity's own stops
-    """Stop once the document's calls have failed `limit` times at its current context size, on any worker
-    (a call handed to another worker keeps its count; a shorter context starts a new one)."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-
-    def __call__(self, retry_state: RetryCallState) -> bool:
-        doc: DocumentRun = retry_state.args[0]
-        return doc.tries_at_context >= self.limit
-
-
 def task_retrying(retry: RetryConfig, before_sleep: Any, sleep: Any) -> Retrying:
     """The transient-failure policy, built once: exponential backoff, a lost worker never waited for
-    here (its task goes back to the queue), `retry.max_attempts` attempts per context size."""
+    here (its task goes back to the queue), `retry.max_attempts` attempts per context size: a document's
+    calls counted on any worker (a call handed to another keeps its count; a shorter context starts anew)."""
     return Retrying(
-        stop=attempts_at_context_reach(retry.max_attempts),
+        stop=lambda state: state.args[0].tries_at_context >= retry.max_attempts,
         wait=wait_exponential(multiplier=retry.backoff_initial_s, min=retry.backoff_initial_s,
                               max=retry.backoff_max_s),
         retry=retry_if_exception_type(TransientFailure) & retry_if_not_exception_type(WorkerLost),
@@ -111,16 +89,19 @@ def _transient_failure(e: TransientFailure) -> CallOutcome:
 class Dealer:
     """Runs the work items of a batch's documents, one call at a time, and keeps what comes back."""
 
-    def __init__(self, config: JobConfig, pool: WorkerPool, work: WorkQueue, recorder: TaskRecorder,
+    def __init__(self, config: JobConfig, pool: WorkerPool, docs: list[DocumentRun], recorder: TaskRecorder,
                  checkpoint: CheckpointLog, log: JobLog, stop: threading.Event) -> None:
+        """`docs`: the batch's open documents, each planned first, from one queue for the pool's workers."""
         self.cfg = config
         self.pool = pool
-        self.work = work
+        self.work = WorkQueue([self._planning(doc) for doc in docs], pool.workers, config.batch.sequences,
+                              pool.is_down)
         self.recorder = recorder
         self.checkpoint = checkpoint
         self.log = log
         self.stop = stop
-        self.retrying = task_retrying(config.retry, self._before_retry, self._sleep)
+        self.retrying = task_retrying(config.retry, lambda state: self._note_retry(
+            state.args[0], state.outcome.exception() if state.outcome else None, state.upcoming_sleep), self._sleep)
         self._queued_at = time.time()  # queue wait counts from here: waiting for a free worker
         self._lock = threading.RLock()  # the documents' states: several feeding threads run one's passes
 
@@ -142,16 +123,14 @@ class Dealer:
                 call = lambda: self.pool.plan_merge(worker, doc.task, level, parts, context, doc.alone)  # noqa: E731
             outcome = self._call(worker, doc, call, lambda: doc.context_tokens == context,
                                  lambda: self._plan_elsewhere(doc))
-            with self._lock:
-                current = outcome is not None and doc.context_tokens == context and not doc.ended
-            if not current:  # handed back, or no longer wanted: the document moved on meanwhile
+            if outcome is None:  # handed back, or no longer wanted
                 return
             if outcome["status"] != "done":
-                self._failed(doc, outcome, context)
+                self._failed(doc, outcome, context)  # nothing if it moved on meanwhile
                 return
             with self._lock:
                 if (doc.stage, doc.level, doc.context_tokens) != (Stage.PLANNING, level, context):
-                    return  # it fell back to a shorter context meanwhile
+                    return  # it ended or fell back to a shorter context meanwhile
                 doc.planned(outcome["plan"])
                 passes = [Pass(doc, spec, pass_work(doc.task, self.cfg, len(spec.prompt)))
                           for spec in doc.next_passes()]
@@ -284,11 +263,6 @@ class Dealer:
         self.log.warning("task_lost_in_batch", task_id=doc.task.task_id, doc_id=doc.task.doc_id,
                          losses=doc.batch_losses, runs_alone_next=doc.alone)
         return False
-
-    def _before_retry(self, state: RetryCallState) -> None:
-        doc: DocumentRun = state.args[0]
-        err = state.outcome.exception() if state.outcome else None
-        self._note_retry(doc, err, state.upcoming_sleep)
 
     def _note_retry(self, doc: DocumentRun, err: BaseException | None, sleep_s: float) -> None:
         error_type = getattr(err, "error_type", type(err).__name__)

@@ -1,15 +1,11 @@
 """The Ray worker pool: starts the worker actors, calls them, waits for a lost one to come back, kills them.
 
-Everything the batch knows of Ray is here; the coordinator sees workers as opaque handles, the
-worker's three calls (`plan`, `plan_merge`, `run_pass`: jobs/passes.py) as methods returning outcomes,
-and losses as `WorkerLost`. Ray pickles the typed objects (the config, the tasks, the specs, the fault
-rules) across to the workers. Each actor takes `batch.max_sequences` calls at once (one thread a
-pass, its sequences batched by the worker's engine), so one lost process ends several calls: the
-pool counts that loss once, and says for each call whether batch-mates shared the process (then the
-loss is not its document's fault, yet). A document suspected of crashing its batches runs `alone`:
-its call waits for its worker to be idle and keeps it to itself. A pass's `retry.task_timeout_s`
-runs from when it began to run in the worker, not while it waits there behind its batch-mates
-(`_result` asks the worker's `progress`).
+Everything the batch knows of Ray is here; the coordinator sees workers as opaque handles, their calls
+(jobs/passes.py) as methods returning outcomes, and losses as `WorkerLost`. Each actor runs
+`batch.max_sequences` calls at once, so one lost process ends several calls: the pool counts that loss
+once, and says for each call whether batch-mates shared the process (then it is not its document's
+fault, yet). A pass's `retry.task_timeout_s` runs from when it began to run in the worker, not while it
+waits there behind its batch-mates.
 """
 
 from __future__ import annotations
@@ -102,18 +98,21 @@ class WorkersNotStarted(Exception):
 _NO_SPACE = (f"[Errno {errno.ENOSPC}]", f"[Errno {errno.EDQUOT}]")
 
 
-def _start_error(e: ActorDiedError, offload_root: Path) -> WorkerStartError:
-    """What a worker's start raised, on one line without Ray's frames (they come first). Its only
-    writes are under the offload root, so a full disk there is what an OSError for no space means."""
+def _check_started(e: RayActorError, offload_root: Path) -> None:
+    """Raises what a worker's start raised, on one line without Ray's frames (they come first); else
+    the actor's process died after its start (ask the restarted one). Its only writes are under the
+    offload root, so a full disk there is what an OSError for no space means."""
+    if not (isinstance(e, ActorDiedError) and e.actor_init_failed):
+        return
     lines = str(e).splitlines()
     raised = max((i for i, line in enumerate(lines) if _RAISED.match(line)), default=None)
     if raised is None:
-        return WorkerStartError(f"a worker could not start: {type(e).__name__}")
+        raise WorkerStartError(f"a worker could not start: {type(e).__name__}") from None
     kind, message = _RAISED.match(lines[raised]).groups()
     rest = " ".join(line.strip() for line in [message, *lines[raised + 1:]] if line.strip())
     full = kind.endswith("OSError") and message.startswith(_NO_SPACE)
-    return WorkerStartError(f"a worker could not start: {kind.rsplit('.', 1)[-1]}: {rest}",
-                            offload_root if full else None)
+    raise WorkerStartError(f"a worker could not start: {kind.rsplit('.', 1)[-1]}: {rest}",
+                           offload_root if full else None) from None
 
 
 def cluster_nodes() -> list[dict[str, float]]:
@@ -208,12 +207,9 @@ class WorkerPool:
         return max(1, min(wanted, open_tasks))
 
     def start(self, count: int, give_up: Callable[[], bool]) -> list[dict[str, Any]]:
-        """Start `count` workers and wait until each has loaded its model; returns their info.
-
-        Raises `WorkerStartError` when a worker's start raised (its model or offload root is wrong:
-        every worker would fail alike), `PoolStopped` once `give_up()` says so, and `WorkersNotStarted`
-        when none is up within `workers.start_timeout_s`; those up by then run the batch without the rest.
-        """
+        """Start `count` workers, wait until each has loaded its model and return their info; those up within
+        `workers.start_timeout_s` run the batch (none: `WorkersNotStarted`). `WorkerStartError`: a worker's
+        start raised (every worker would fail alike); `PoolStopped`: `give_up()` said so."""
         gpus = gpus_per_worker(self.cfg, cluster_nodes())
         # SPREAD: one worker per node before any node gets a second, so a lost node costs the fewest;
         # max_concurrency: each task in flight runs in an actor thread of its own
@@ -253,9 +249,8 @@ class WorkerPool:
                 try:
                     infos[worker] = ray.get(ref)
                 except RayActorError as e:
-                    if isinstance(e, ActorDiedError) and e.actor_init_failed:
-                        raise _start_error(e, self.offload_root) from None
-                    waiting[worker.info.remote()] = worker  # its process died: ask the restarted one
+                    _check_started(e, self.offload_root)
+                    waiting[worker.info.remote()] = worker
         if not infos:
             raise WorkersNotStarted(
                 f"no worker started within workers.start_timeout_s={timeout_s:g} s: Ray could not place a "
@@ -275,9 +270,8 @@ class WorkerPool:
         return self._slots[worker].down
 
     def tokens_decoded(self) -> int:
-        """Tokens the workers' decode steps have made while this pool ran them, every incarnation of a
-        restarted worker counted: asked beside the tasks, a worker that does not answer within a second
-        is left at its last answer."""
+        """Tokens the workers have decoded while this pool ran them, every incarnation counted; a worker
+        that does not answer within a second is left at its last answer."""
         refs = {self._slots[w].process: w.tokens_decoded.options(concurrency_group=PROBE_GROUP).remote()
                 for w in self.workers if not self.is_down(w)}
         for process, ref in refs.items():
@@ -339,11 +333,9 @@ class WorkerPool:
                 self._lock.notify_all()
 
     def _result(self, worker: Worker, ref: Any, call_id: str) -> CallOutcome:
-        """The call's outcome. A pass's retry.task_timeout_s runs from when it began to run in the worker
-        (the worker's `progress` says when), not from when the call was sent. Waiting before that has a
-        limit of its own: behind at most batch.max_sequences - 1 batch-mates, each within its timeout,
-        it begins within task_timeout_s × batch.max_sequences, or the worker is stuck. Raises `_Hung` past
-        either, or when the worker does not answer how the call is doing."""
+        """The call's outcome, or `_Hung` past retry.task_timeout_s from when it began to run (the worker's
+        `progress` says when), or past task_timeout_s × batch.max_sequences before it began (behind at most
+        max_sequences - 1 batch-mates, each within its timeout), or when the worker does not answer."""
         limit = self.cfg.retry.task_timeout_s
         wait_limit = limit * self.cfg.batch.sequences
         sent = time.monotonic()
@@ -380,11 +372,9 @@ class WorkerPool:
         return lost
 
     def await_restart(self, worker: Worker, give_up: Any) -> bool:
-        """Wait until Ray has restarted a killed or crashed worker (its start sweeps the scratch dir the
-        dead process left; its next task must reach it, not the dying incarnation, which a hung
-        worker's other threads still answer from until `ray.kill` lands). False when it did not come
-        back in time (no capacity left for it), or `give_up()` says the batch needs it no more;
-        `WorkerStartError` when the restarted worker's start raised."""
+        """Wait until Ray has restarted a killed or crashed worker: its next task must reach the new
+        incarnation, not the dying one (a hung worker's other threads answer until `ray.kill` lands). False
+        when it did not come back in time, or `give_up()`; `WorkerStartError` when its start raised."""
         slot = self._slots[worker]
         deadline = time.monotonic() + WORKER_RESTART_TIMEOUT_S
         ready = worker.info.remote()
@@ -394,8 +384,7 @@ class WorkerPool:
             try:
                 process = ray.get(ready, timeout=1.0)["worker"]
             except RayActorError as e:  # it reached the dying incarnation: ask the next one
-                if isinstance(e, ActorDiedError) and e.actor_init_failed:  # the next one raised as it started
-                    raise _start_error(e, self.offload_root) from None
+                _check_started(e, self.offload_root)
                 process = None
             except GetTimeoutError:
                 continue
@@ -410,8 +399,7 @@ class WorkerPool:
     def kill_down(self) -> list[str]:
         """Kills the workers that are down (lost, not yet back) for good; like `kill_all`, returns once
         their processes are gone, naming any still alive."""
-        down = [w for w in self.workers if self._slots[w].down]
-        return kill_and_wait(down) if down else []
+        return kill_and_wait([w for w in self.workers if self._slots[w].down])
 
     def kill_all(self) -> list[str]:
         """Ends every pending call at once (they raise `PoolStopped`) and returns once the workers'

@@ -1,10 +1,6 @@
-"""Settings checked at submit (and resume) against transformers, the model's config and the Ray
-cluster's nodes, not per document.
-
-A setting that would fail every document (an unknown generation field, a context the model has no
-positions for, a model that is not there, a device or cache the workers do not have) or that no
-worker could run with (more CPUs or GPUs than any node has) is a config error before anything
-starts. Only the model's config is read, never its weights, and no worker is started.
+"""Settings checked at submit (and resume) against transformers, the model's config and the Ray cluster's
+nodes: a setting that would fail every document, or that no worker could run with, is a config error
+before anything starts. Only the model's config is read, never its weights, and no worker is started.
 """
 
 from __future__ import annotations
@@ -162,14 +158,10 @@ def check_answer_room(settings: SummarizeConfig) -> None:
         )
 
 
-def _tokenizer(config: JobConfig) -> Any | None:
-    """The model's tokenizer (both builtins use SmolLM2's); None when it cannot be read here (a worker says why)."""
-    return _tokenizer_of(config.model.name)
-
-
 @functools.lru_cache(maxsize=1)
-def _tokenizer_of(name: str) -> Any | None:
-    """Read once for a submit's settings check and its manifest's prompts (half a second each time).
+def _tokenizer(name: str) -> Any | None:
+    """The model's tokenizer (both builtins use SmolLM2's); None when it cannot be read here (a worker says
+    why). Read once for a submit's settings check and its manifest's prompts (half a second each time).
     A fast tokenizer's own file when there is one: `AutoTokenizer` imports torch (through transformers'
     configuration code), which submit's process leaves to the workers (tests/test_submit_startup.py)."""
     from transformers import PreTrainedTokenizerFast
@@ -195,7 +187,7 @@ def prompt_measure(config: JobConfig) -> PromptMeasure | None:
     tokenizer cannot be read here (a worker says why)."""
     from runner.engine.prompts import EDGE_MARGIN_TOKENS, prompt_ids
 
-    tokenizer = _tokenizer(config)
+    tokenizer = _tokenizer(config.model.name)
     if tokenizer is None:
         return None
     return PromptMeasure(

@@ -1,9 +1,6 @@
 """The task recorder: every state a task passes through goes to the checkpoint, job.log, the alerts,
-the metrics and the progress bar, from one place.
-
-Result rows are the "done" records (storage/checkpoint.py); once the recorder is closed nothing more
-is written, and while the batch is stopping only finished summaries are, so an interrupted task is
-left for `resume` rather than recorded as failed.
+the metrics and the progress bar, from one place. While the batch stops only finished summaries are
+recorded, so an interrupted task is left for `resume` rather than recorded as failed.
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ from runner.engine.model_registry import conversion_ahead
 from runner.pool import WorkerStartError
 from runner.preflight import check_cluster, check_settings, prompt_measure
 from storage.checkpoint import JobState, compact, load_state
-from storage.inputs import FOLDER_MANIFEST_NAME, StagedManifest, stage_input
+from storage.inputs import FOLDER_MANIFEST_NAME, stage_input
 from storage.jobdir import (
     DEFAULT_JOBS_DIR,
     JobDir,
@@ -73,11 +73,8 @@ STOPPED_AFTER_THE_END = "[yellow]stopped after every document had ended: nothing
 
 
 def _sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _rejection_row(rejection: Rejection) -> dict:
@@ -100,21 +97,9 @@ def report_rejections(console: Console, rejections: list[Rejection], limit: int 
         console.print(f"  ... and {len(rejections) - limit} more")
 
 
-def _read_staged(staged: StagedManifest, config: JobConfig) -> tuple[list[Task], list[Rejection]]:
-    try:
-        return read_manifest(staged.path, config.input, staged.uri_base, config.summarize.context_tokens,
-                             prompt_measure(config))
-    except ManifestError as e:  # name the manifest as the user gave it, not its local copy
-        raise ManifestError(str(e).replace(str(staged.path), staged.shown)) from None
-
-
 def _stop_on_sigterm(signum: int, frame: object) -> None:
     """SIGTERM stops a submit or resume as Ctrl-C does, also before the coordinator takes it over."""
     raise KeyboardInterrupt
-
-
-def _disk_full(error: OSError) -> bool:
-    return error.errno in (errno.ENOSPC, errno.EDQUOT) or "No space left on device" in str(error)
 
 
 def _interruptible(run: Callable[[], int], job: JobDir, console: Console, retry_since: float | None = None) -> int:
@@ -134,7 +119,7 @@ def _interruptible(run: Callable[[], int], job: JobDir, console: Console, retry_
             console.print("[yellow]interrupted before the job folder was made: nothing ran; submit again")
         return EXIT_INTERRUPTED
     except OSError as e:
-        if not _disk_full(e):
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT) and "No space left on device" not in str(e):
             raise
         console.print(f"[red]no space left on a disk the job writes to ({escape(str(e))}); what was published is kept: "
                       f"free space then `kvbatch resume {escape(str(job.path))}`")
@@ -159,10 +144,8 @@ def _all_finished(job: JobDir, retry_since: float | None = None) -> JobState | N
 
 def submit(source: str | list[Any], pattern: str | None, config: JobConfig, job_dir: Where | None,
            address: str | None, strict: bool, console: Console, job_id: str | None = None) -> int:
-    """`source`: a manifest or a folder of documents, local or on shared storage, or the manifest's rows
-    themselves (`kvbatch.submit`); `pattern`: --glob; `config`: the job's, read (the CLI from its file
-    and `--set`, the API from what its caller gave). `job_id`: the new job's, when the caller made its
-    default folder (runs/<job_id>) itself."""
+    """`source`: a manifest or a folder of documents, local or on shared storage, or the rows themselves
+    (`kvbatch.submit`); `pattern`: --glob; `job_id`: when the caller made its default folder itself."""
     job_id = job_id or new_job_id()
     job = JobDir(job_dir or DEFAULT_JOBS_DIR / job_id)
     return _interruptible(lambda: _submit(job, job_id, source, pattern, config, address, strict, console), job, console)
@@ -185,7 +168,11 @@ def _staged(source: str, pattern: str | None, config: JobConfig, job: JobDir) ->
     """A manifest or a folder, local or on shared storage, read through a local manifest file."""
     with tempfile.TemporaryDirectory(prefix="kvbatch-manifest-") as workdir:
         staged = stage_input(source, pattern, Path(workdir), job.path.local_path if job.path.is_local else None)
-        tasks, rejections = _read_staged(staged, config)
+        try:
+            tasks, rejections = read_manifest(staged.path, config.input, staged.uri_base,
+                                              config.summarize.context_tokens, prompt_measure(config))
+        except ManifestError as e:  # name the manifest as the user gave it, not its local copy
+            raise ManifestError(str(e).replace(str(staged.path), staged.shown)) from None
         if not staged.from_folder:
             manifest_path = staged.shown if staged.uri_base is not None else str(staged.path.resolve())
             return _Given(tasks, rejections, manifest_path, _sha256_of(staged.path), staged.notes)
@@ -303,13 +290,11 @@ def _execute(job: JobDir, info: JobInfo, config: JobConfig, address: str | None,
         finished |= state.failed_task_ids
     open_tasks = [t for t in tasks if t.task_id not in finished]
     total = len(tasks)  # the documents to run: rejected rows are said apart (report_rejections, _final_report)
-    console.print(
-        f"{len(tasks)} task(s): {len(tasks) - len(open_tasks)} already finished, {len(open_tasks)} to run"
-    )
+    console.print(f"{len(tasks)} task(s): {len(tasks) - len(open_tasks)} already finished, {len(open_tasks)} to run")
     code = EXIT_OK
-    if open_tasks and (conversion := conversion_ahead(config.model.name)) is not None:
-        console.print(conversion, style="yellow", markup=False, highlight=False)
     if open_tasks:
+        if (conversion := conversion_ahead(config.model.name)) is not None:
+            console.print(conversion, style="yellow", markup=False, highlight=False)
         with _checked_cluster(config, address, needed=True):  # submit's session, or resume's own
             coordinator = Coordinator(job, info.job_id, config, offload_root, faults, console, lock)
             try:

@@ -1,13 +1,5 @@
-"""Alerts: the few things an operator of a long batch must act on, as warnings in job.log and on the console.
-
-- `slow_task`: a task running longer than 2 x the median time of finished tasks of its length class
-  (documents within a factor of two of each other in characters); at least three finished tasks
-  make a median.
-- `memory`: host RAM or device memory above 80 % used (`$KVBATCH_ALERT_MEMORY_FRACTION` changes
-  the threshold); once per crossing, again only after it fell back below.
-- `worker_restarts`: one worker slot restarted twice or more (it died, or hung and was killed), or
-  one document took down two or more workers (a lost worker's task moves on to another one).
-- `repeated_fallbacks`: a task that fell back (cache rung or context size) more than once.
+"""Alerts: the few things an operator of a long batch must act on, as warnings in job.log and on the console
+(the kinds and their thresholds: docs/status.md "Alerts").
 
 `AlertRules` is the plain decision logic; `AlertMonitor` feeds it from the coordinator, runs a
 watchdog thread for the rules that need a clock, and writes what fires.
@@ -15,7 +7,6 @@ watchdog thread for the rules that need a clock, and writes what fires.
 
 from __future__ import annotations
 
-import os
 import socket
 import statistics
 import threading
@@ -32,6 +23,7 @@ from rich.markup import escape
 
 from jobs.outcome import TaskOutcome
 from runner.observe.joblog import JobLog
+from runner.observe.progress import env_number
 
 MEMORY_FRACTION_ENV = "KVBATCH_ALERT_MEMORY_FRACTION"
 SLOW_FACTOR = 2.0
@@ -39,6 +31,7 @@ MEMORY_FRACTION = 0.8
 MEMORY_REARM_MARGIN = 0.05
 MIN_CLASS_SAMPLES = 3
 RESTARTS_ALERT = 2
+WATCH_INTERVAL_S = 1.0
 
 
 def length_class(n_chars: int) -> str:
@@ -48,16 +41,9 @@ def length_class(n_chars: int) -> str:
 
 
 def memory_threshold() -> float:
-    raw = os.environ.get(MEMORY_FRACTION_ENV, "").strip()
-    if not raw:
-        return MEMORY_FRACTION
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{MEMORY_FRACTION_ENV}={raw!r}: expected a fraction such as 0.8") from None
-    if not 0 < value <= 1:
-        raise ValueError(f"{MEMORY_FRACTION_ENV}={raw!r}: expected a fraction in (0, 1]")
-    return value
+    """The used fraction of memory above which `memory` alerts fire: $KVBATCH_ALERT_MEMORY_FRACTION, else 0.8."""
+    return env_number(MEMORY_FRACTION_ENV, MEMORY_FRACTION, "a fraction such as 0.8", lambda v: 0 < v <= 1,
+                      "a fraction in (0, 1]")
 
 
 @dataclass(frozen=True)
@@ -79,12 +65,8 @@ class _Running:
 class AlertRules:
     """Decides which alerts fire; fed with observations, holds no clock and writes nothing."""
 
-    def __init__(self, slow_factor: float = SLOW_FACTOR, memory_fraction: float = MEMORY_FRACTION,
-                 restarts_alert: int = RESTARTS_ALERT, min_class_samples: int = MIN_CLASS_SAMPLES) -> None:
-        self.slow_factor = slow_factor
+    def __init__(self, memory_fraction: float = MEMORY_FRACTION) -> None:
         self.memory_fraction = memory_fraction
-        self.restarts_alert = restarts_alert
-        self.min_class_samples = min_class_samples
         self.running: dict[str, _Running] = {}
         self._times: dict[str, list[float]] = defaultdict(list)
         self._restarts: dict[object, int] = defaultdict(int)
@@ -92,13 +74,13 @@ class AlertRules:
 
     def _median(self, n_chars: int) -> float | None:
         times = self._times[length_class(n_chars)]
-        return statistics.median(times) if len(times) >= self.min_class_samples else None
+        return statistics.median(times) if len(times) >= MIN_CLASS_SAMPLES else None
 
     def _slow(self, task_id: str, run: _Running, seconds: float, state: str) -> Alert:
         median = self._median(run.n_chars)
         run.alerted = True
         return Alert("slow_task", (
-            f"task {task_id} ({run.doc_id}) {state} {seconds:.1f} s, over {self.slow_factor:g} x the "
+            f"task {task_id} ({run.doc_id}) {state} {seconds:.1f} s, over {SLOW_FACTOR:g} x the "
             f"median {median:.1f} s of {length_class(run.n_chars)} documents"
         ), {"task_id": task_id, "doc_id": run.doc_id, "seconds": round(seconds, 3),
             "median_s": round(median, 3), "length_class": length_class(run.n_chars), "worker": run.worker})
@@ -114,7 +96,7 @@ class AlertRules:
         alerts = []
         for task_id, run in self.running.items():
             median = self._median(run.n_chars)
-            if not run.alerted and median is not None and now - run.started > self.slow_factor * median:
+            if not run.alerted and median is not None and now - run.started > SLOW_FACTOR * median:
                 alerts.append(self._slow(task_id, run, now - run.started, "running for"))
         return alerts
 
@@ -123,7 +105,7 @@ class AlertRules:
         alerts = []
         if wall_s is not None:
             median = self._median(n_chars)
-            if not slow_alerted and median is not None and wall_s > self.slow_factor * median:
+            if not slow_alerted and median is not None and wall_s > SLOW_FACTOR * median:
                 alerts.append(self._slow(task_id, _Running(doc_id, n_chars, 0.0, ""), wall_s, "took"))
             self._times[length_class(n_chars)].append(wall_s)
         if len(fallbacks) > 1:
@@ -141,7 +123,7 @@ class AlertRules:
         for key, what in counters:
             self._restarts[key] += 1
             count = self._restarts[key]
-            if count >= self.restarts_alert:
+            if count >= RESTARTS_ALERT:
                 alerts.append(Alert("worker_restarts", f"{what} {count} times (last: {reason})",
                                     {"worker": worker, "doc_id": doc_id, "restarts": count, "reason": reason}))
         return alerts
@@ -164,12 +146,10 @@ class AlertRules:
 class AlertMonitor:
     """Thread-safe front of AlertRules for the coordinator: emits to job.log and the console."""
 
-    def __init__(self, log: JobLog, console: Console, rules: AlertRules | None = None,
-                 interval_s: float = 1.0) -> None:
+    def __init__(self, log: JobLog, console: Console, rules: AlertRules | None = None) -> None:
         self.log = log
         self.console = console
-        self.rules = rules or AlertRules(memory_fraction=memory_threshold())
-        self.interval_s = interval_s
+        self.rules = rules or AlertRules(memory_threshold())
         self._lock = threading.Lock()
         self._host = socket.gethostname()
 
@@ -223,11 +203,11 @@ class AlertMonitor:
 
     @contextmanager
     def watching(self) -> Iterator[None]:
-        """Runs `check` every `interval_s` in a background thread while the block runs."""
+        """Runs `check` every WATCH_INTERVAL_S in a background thread while the block runs."""
         stop = threading.Event()
 
         def loop() -> None:
-            while not stop.wait(self.interval_s):
+            while not stop.wait(WATCH_INTERVAL_S):
                 self.check()
 
         thread = threading.Thread(target=loop, name="alert-watchdog", daemon=True)

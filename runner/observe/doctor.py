@@ -1,10 +1,8 @@
 """`kvbatch doctor`: is this machine ready for a batch, and if not, what to change.
 
-Each check is measured, not guessed (a pinned host→device copy, a real write and uncached read
-in the offload root). A *problem* stops a batch from running (exit 1); a *warning* lets it run
-slower than it could (exit 0). The offload root checked is the one a job would use:
-`cache.offload_root`, else `$KVBATCH_OFFLOAD_ROOT`, else the default jobs folder `runs/` (jobs
-put their scratch in JOB_DIR/scratch/kvbatch).
+Each check is measured, not guessed (a pinned host→device copy, a real write and uncached read in the
+offload root a job would use). A *problem* stops a batch from running (exit 1); a *warning* lets it run
+slower than it could (exit 0).
 """
 
 from __future__ import annotations
@@ -56,10 +54,9 @@ def check_torch(config: JobConfig) -> list[Check]:
     cuda_build = torch.version.cuda
     checks = [Check("torch", Level.OK, f"torch {torch.__version__}, "
                     + (f"CUDA {cuda_build} build" if cuda_build else "CPU-only build"))]
-    wants_cuda = config.model.device.startswith("cuda")
     if not torch.cuda.is_available():
         has_nvidia = Path("/dev/nvidia0").exists() or shutil.which("nvidia-smi") is not None
-        if wants_cuda:
+        if config.model.device.startswith("cuda"):
             checks.append(Check("GPU", Level.PROBLEM, f"model.device is {config.model.device} but no GPU is usable",
                                 "install a CUDA build of torch and check the driver (nvidia-smi), or set model.device=auto"))
         elif has_nvidia and not cuda_build:
@@ -102,6 +99,7 @@ def check_h2d_bandwidth(index: int, nbytes: int = 256 * 2**20, repeats: int = 5)
 
 
 def offload_root_for(config: JobConfig) -> Path:
+    """`cache.offload_root`, else $KVBATCH_OFFLOAD_ROOT, else the default jobs folder (their scratch is under it)."""
     configured = config.cache.offload_root or os.environ.get(OFFLOAD_ROOT_ENV, "").strip()
     return Path(configured) if configured else Path("runs")
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import logging
 import secrets
 import threading
 import time
@@ -13,61 +12,8 @@ from storage.location import Fence, Location, Where, no_fence
 from storage.lock import JobLockedError
 
 OBJECT_LOG_UPLOAD_S = 5.0
-"""On object storage (no appends) job.log is rewritten whole, at most this often and at close."""
-
-
-class _JsonLines(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        entry: dict[str, Any] = {
-            "ts": round(record.created, 3),
-            "level": record.levelname.lower(),
-            "event": record.getMessage(),
-        }
-        entry.update(getattr(record, "fields", {}))
-        return json.dumps(entry, default=str)
-
-
-class _ObjectLogHandler(logging.Handler):
-    """Keeps the log's lines and rewrites the object; a crash loses at most the last few seconds."""
-
-    def __init__(self, location: Location, fence: Fence) -> None:
-        super().__init__()
-        self.location = location
-        self.fence = fence
-        self._text = location.read_bytes().decode("utf-8", errors="replace") if location.exists() else ""
-        self._uploaded_at = 0.0
-        self._dirty = False
-        self._guard = threading.Lock()
-
-    def emit(self, record: logging.LogRecord) -> None:
-        with self._guard:
-            self._text += self.format(record) + "\n"
-            self._dirty = True
-            if time.monotonic() - self._uploaded_at >= OBJECT_LOG_UPLOAD_S:
-                self._upload()
-
-    def _upload(self) -> None:
-        try:
-            self.location.write_bytes_atomic(self._text.encode(), f".job.log.{secrets.token_hex(4)}.tmp", self.fence)
-        except JobLockedError:  # the job lease was lost: the log is the new holder's to write now
-            self._dirty = False
-            return
-        self._uploaded_at = time.monotonic()
-        self._dirty = False
-
-    def close(self) -> None:
-        with self._guard:
-            if self._dirty:
-                self._upload()
-        super().close()
-
-
-class _FileHandler(logging.FileHandler):
-    """A line that cannot be written (a full disk) is dropped without a traceback on stderr: the
-    checkpoint's own write fails the same way and stops the job with what to do."""
-
-    def handleError(self, record: logging.LogRecord) -> None:  # noqa: N802 - logging's name
-        pass
+"""On object storage (no appends) job.log is rewritten whole, at most this often and at close: a crash
+loses at most the last few seconds."""
 
 
 class JobLog:
@@ -75,26 +21,56 @@ class JobLog:
 
     def __init__(self, path: Where, fence: Fence = no_fence) -> None:
         """`fence`: on object storage, called before each rewrite of the log (the job lock's check)."""
-        location = Location.of(path)
-        self._logger = logging.getLogger(f"kvbatch.job.{location}")
-        self._logger.propagate = False
-        self._logger.setLevel(logging.INFO)
-        self._handler: logging.Handler = (
-            _FileHandler(location.local_path, encoding="utf-8") if location.is_local
-            else _ObjectLogHandler(location, fence)
-        )
-        self._handler.setFormatter(_JsonLines())
-        self._logger.addHandler(self._handler)
+        self._location = Location.of(path)
+        self._fence = fence
+        self._lock = threading.Lock()
+        self._file, self._text = None, ""
+        if self._location.is_local:
+            self._file = open(self._location.local_path, "a", encoding="utf-8")  # noqa: SIM115 - closed by close()
+        elif self._location.exists():
+            self._text = self._location.read_bytes().decode("utf-8", errors="replace")
+        self._uploaded_at = 0.0
+        self._dirty = self._closed = False
 
     def info(self, event: str, **fields: Any) -> None:
-        self._logger.info(event, extra={"fields": fields})
+        self._write("info", event, fields)
 
     def warning(self, event: str, **fields: Any) -> None:
-        self._logger.warning(event, extra={"fields": fields})
+        self._write("warning", event, fields)
+
+    def _write(self, level: str, event: str, fields: dict[str, Any]) -> None:
+        line = json.dumps({"ts": round(time.time(), 3), "level": level, "event": event, **fields}, default=str)
+        with self._lock:
+            if self._closed:
+                return
+            if self._file is not None:
+                try:
+                    self._file.write(line + "\n")
+                    self._file.flush()
+                except OSError:  # a full disk: dropped; the checkpoint's own write fails the same way and stops the job
+                    pass
+                return
+            self._text += line + "\n"
+            self._dirty = True
+            if time.monotonic() - self._uploaded_at >= OBJECT_LOG_UPLOAD_S:
+                self._upload()
+
+    def _upload(self) -> None:
+        try:
+            self._location.write_bytes_atomic(self._text.encode(), f".job.log.{secrets.token_hex(4)}.tmp", self._fence)
+        except JobLockedError:  # the job lease was lost: the log is the new holder's to write now
+            self._dirty = False
+            return
+        self._uploaded_at = time.monotonic()
+        self._dirty = False
 
     def close(self) -> None:
-        self._logger.removeHandler(self._handler)
-        self._handler.close()
+        with self._lock:
+            self._closed = True
+            if self._file is not None:
+                self._file.close()
+            elif self._dirty:
+                self._upload()
 
 
 def read_log(path: Where) -> list[dict[str, Any]]:

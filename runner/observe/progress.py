@@ -1,16 +1,9 @@
-"""Live progress: a rich bar on a terminal, plain periodic lines otherwise (CI logs stay readable).
+"""Live progress: a rich bar on a terminal, plain periodic lines otherwise (CI logs stay readable);
+what each figure means: docs/status.md "Progress".
 
-Both show the documents of this run done/to run (rejected rows are none of them), time elapsed since
-this run's documents began (its workers ready; `kvbatch status` counts from the same start, job.log's
-first `progress` line), decode tokens/s, ETA, failed, busy workers and fallbacks. Tokens are counted as
-the workers decode them (asked every second), not when a document ends, so a batch of long documents
-shows its pace long before its first result. The ETA divides the tokens its open documents may still
-decode by the decode rate measured between the first sample with tokens and the latest one (so neither
-the workers' start nor the first prefill counts as slowness), and says `estimating` until there is one.
-A background ticker refreshes both while nothing finishes, and writes a `progress` line to job.log
-every few seconds (the report's throughput plot); `$KVBATCH_PROGRESS_INTERVAL_S` sets how often a plain
-line is printed. The bar's line fits the terminal: done/total and the elapsed time first, then each
-detail that still fits whole (never one cut mid-word).
+Tokens are counted as the workers decode them (asked every second), not when a document ends, so a
+batch of long documents shows its pace long before its first result; the ETA's rate is measured from
+the first sample with tokens, so neither the workers' start nor the first prefill counts as slowness.
 """
 
 from __future__ import annotations
@@ -35,14 +28,16 @@ BAR_WIDTH = 10
 FIELD_GAP = "  "
 
 
-def plain_interval() -> float:
-    raw = os.environ.get(INTERVAL_ENV, "").strip()
+def env_number(name: str, default: float, example: str, valid: Callable[[float], bool], expected: str) -> float:
+    """$`name` as a number (`default` when unset); a ValueError naming the variable when it is no number
+    (`example`) or not `valid` (`expected`)."""
+    raw = os.environ.get(name, "").strip()
     try:
-        value = float(raw) if raw else DEFAULT_PLAIN_INTERVAL_S
+        value = float(raw) if raw else default
     except ValueError:
-        raise ValueError(f"{INTERVAL_ENV}={raw!r}: expected seconds, such as 10") from None
-    if value <= 0:
-        raise ValueError(f"{INTERVAL_ENV}={raw!r}: expected a positive number of seconds")
+        raise ValueError(f"{name}={raw!r}: expected {example}") from None
+    if not valid(value):
+        raise ValueError(f"{name}={raw!r}: expected {expected}")
     return value
 
 
@@ -71,13 +66,11 @@ def fit_fields(fields: list[str], width: int, kept: int = 2) -> list[str]:
 
 
 class BatchProgress:
-    """Counts of this run; thread-safe since worker threads report into it.
-
-    `budgets`: each open task's most decode tokens (jobs.balance.expected_decode_tokens); `busy`: how many
-    workers run a task now; `decoded`: tokens the workers have decoded this run, asked once a tick."""
+    """Counts of this run; thread-safe since worker threads report into it. `budgets`: each open task's most
+    decode tokens; `busy`: workers running a task now; `decoded`: tokens decoded this run, asked once a tick."""
 
     def __init__(self, console: Console, total: int, already_done: int, workers: int, budgets: dict[str, int],
-                 busy: Callable[[], int] | None = None, decoded: Callable[[], int] | None = None,
+                 busy: Callable[[], int], decoded: Callable[[], int],
                  log: JobLog | None = None, plain_interval_s: float | None = None) -> None:
         self.console = console
         self.total = total
@@ -90,7 +83,7 @@ class BatchProgress:
         self.workers = workers
         self._budgets = budgets
         self._budget_done = 0
-        self._busy = busy or (lambda: workers)
+        self._busy = busy
         self._decoded = decoded
         self._log = log
         self._started = time.monotonic()
@@ -98,7 +91,8 @@ class BatchProgress:
         self._first_sample: tuple[float, int] | None = None
         self._last_sample: tuple[float, int] | None = None
         self._lock = threading.RLock()
-        self._interval_s = plain_interval_s or plain_interval()
+        self._interval_s = plain_interval_s or env_number(INTERVAL_ENV, DEFAULT_PLAIN_INTERVAL_S, "seconds, such as 10",
+                                                          lambda v: v > 0, "a positive number of seconds")
         self._stop = threading.Event()
         self._ticker = threading.Thread(target=self._tick, name="progress", daemon=True)
         self._bar: Progress | None = None
@@ -134,10 +128,6 @@ class BatchProgress:
         """Tokens made this run: decoded so far, or at least those of the finished summaries."""
         return max(self.decoded_tokens, self.finished_tokens)
 
-    def tokens_per_s(self) -> float:
-        elapsed = self.elapsed_s()
-        return self.tokens() / elapsed if elapsed > 0 else 0.0
-
     def _sample(self) -> None:
         """Notes this run's tokens now: the decode rate is measured from the first sample with tokens."""
         with self._lock:
@@ -149,8 +139,7 @@ class BatchProgress:
 
     def eta_s(self) -> float | None:
         """The tokens the open documents may still decode (their budgets, less what was decoded or freed by a
-        document that ended early) at the decode rate measured between samples; None (`estimating`) until
-        two samples with tokens measured one."""
+        document that ended early) at the measured decode rate; None (`estimating`) until there is one."""
         with self._lock:
             remaining = self.total - self.done
             if remaining <= 0:
@@ -167,7 +156,9 @@ class BatchProgress:
             return left * (last_at - first_at) / (last - first)
 
     def _details(self) -> list[str]:
-        return [f"{self.tokens_per_s():.1f} tok/s", f"ETA {format_eta(self.eta_s())}", f"failed {self.failed}",
+        elapsed = self.elapsed_s()
+        tok_s = self.tokens() / elapsed if elapsed > 0 else 0.0
+        return [f"{tok_s:.1f} tok/s", f"ETA {format_eta(self.eta_s())}", f"failed {self.failed}",
                 f"active {self._busy()}/{self.workers} workers", f"fallbacks {self.fallbacks}"]
 
     def _head(self) -> list[str]:
@@ -197,11 +188,10 @@ class BatchProgress:
                 self._refresh()
 
     def _ask_workers(self) -> None:
-        if self._decoded is not None:
-            decoded = self._decoded()  # outside the lock: it waits on the workers
-            with self._lock:
-                self.decoded_tokens = max(self.decoded_tokens, decoded)
-                self._sample()
+        decoded = self._decoded()  # outside the lock: it waits on the workers
+        with self._lock:
+            self.decoded_tokens = max(self.decoded_tokens, decoded)
+            self._sample()
 
     def _refresh(self) -> None:
         with self._lock:

@@ -21,7 +21,7 @@ from rich.markup import escape
 
 from runner.observe.joblog import read_log
 from runner.observe.progress import format_duration
-from runner.observe.report_plots import PLOTS, fallback_path, figure_png, on_a_device
+from runner.observe.report_plots import MIB, PLOTS, by_strategy, fallback_path, figure_png, on_a_device
 from runner.observe.status import JobStatus, job_status
 from storage.export import results_table
 from storage.jobdir import JobDir, JobInfo, read_job
@@ -72,28 +72,15 @@ def _table(headers: list[str] | None, rows: Iterable[list[Any]], empty: str, tab
     return f"<table{id_attribute}>{head}{body}</table>"
 
 
-def _median(values: list[float | None]) -> float | None:
-    present = [v for v in values if v is not None]
-    return statistics.median(present) if present else None
-
-
 def _strategy_rows(rows: list[dict[str, Any]], device: bool) -> list[list[Any]]:
-    by: dict[str, list[dict[str, Any]]] = {}
-    for r in rows:
-        if r["status"] == "done":
-            by.setdefault(r["cache_strategy"] or "unknown", []).append(r)
-    mib = 2**20
-    out = []
-    for strategy, rs in sorted(by.items()):
-        rss = _median([r["peak_host_rss_bytes"] for r in rs])
-        dev = _median([r["peak_device_bytes"] for r in rs])
-        out.append([
-            strategy, len(rs), _median([r["wall_s"] for r in rs]), _median([r["ttft_s"] for r in rs]),
-            _median([r["decode_tokens_per_s"] for r in rs]), rss / mib if rss is not None else None,
-            *([dev / mib if dev is not None else None] if device else []),
-            sum(r["offload_bytes_written"] or 0 for r in rs) / mib,
-        ])
-    return out
+    def median(rs: list[dict[str, Any]], key: str, scale: float = 1) -> float | None:
+        present = [r[key] / scale for r in rs if r[key] is not None]
+        return statistics.median(present) if present else None
+
+    return [[strategy, len(rs), median(rs, "wall_s"), median(rs, "ttft_s"), median(rs, "decode_tokens_per_s"),
+             median(rs, "peak_host_rss_bytes", MIB), *([median(rs, "peak_device_bytes", MIB)] if device else []),
+             sum(r["offload_bytes_written"] or 0 for r in rs) / MIB]
+            for strategy, rs in by_strategy(rows).items()]
 
 
 def _figure(title: str, question: str, fig: Figure | None) -> str:
@@ -136,8 +123,6 @@ def render_report(job_dir: Where) -> str:
     alerts = [e for e in events if e.get("event") == "alert"]
     samples = [e for e in events if e.get("event") == "progress"]
     device = on_a_device(rows)
-    cfg = info.config
-    summary = _summary_rows(info, status, len(alerts))
     failures = [[r["doc_id"], r["status"], r["error_type"], r["error"], r["attempts"],
                  "; ".join(r["fallbacks"] or [])] for r in rows if r["status"] != "done"]
     fell_back = [[r["doc_id"], r["status"], fallback_path(r), r["context_tokens"]]
@@ -149,7 +134,7 @@ def render_report(job_dir: Where) -> str:
                   r["summary"] if r["status"] == "done" else r["error"]] for r in rows]
     sections = [
         f"<h1>kvbatch job {html.escape(info.job_id)}</h1>",
-        "<h2>Summary</h2>", _table(None, summary, ""),
+        "<h2>Summary</h2>", _table(None, _summary_rows(info, status, len(alerts)), ""),
         "<h2>Documents</h2>",
         '<p><input id="find" type="search" placeholder="find in documents and summaries" size="40"></p>',
         _table(["document", "status", "input tokens", "output tokens", "summary (or error)"], documents,
@@ -167,7 +152,7 @@ def render_report(job_dir: Where) -> str:
         "<h2>Slowest documents</h2>",
         _table(["document", "wall s", "input tokens", "cache strategy"], slowest, "no finished documents yet"),
         "<h2>Alerts</h2>", _table(["time", "kind", "message"], alert_rows, "no alerts"),
-        "<h2>Config</h2>", f"<pre>{html.escape(json.dumps(cfg, indent=2))}</pre>",
+        "<h2>Config</h2>", f"<pre>{html.escape(json.dumps(info.config, indent=2))}</pre>",
     ]
     return (
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">'

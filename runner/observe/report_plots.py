@@ -1,9 +1,6 @@
-"""The report's plots, each a matplotlib Figure drawn from a job's result rows and its progress samples.
-
-Every function takes the rows of `kvbatch results` (dicts) and the `progress` lines of job.log (the
-tokens decoded so far, every few seconds of each run) and returns a Figure, or None when the job has
-nothing to draw for it, so the report can say so instead of showing an empty axis. Quantities start
-their axes at zero, so a bar or a point reads against nothing, not against the smallest value.
+"""The report's plots, each a matplotlib Figure drawn from a job's result rows and its job.log `progress` lines,
+or None when the job has nothing to draw for it (the report says so). Quantities start their axes at zero,
+so a bar or a point reads against nothing, not against the smallest value.
 """
 
 from __future__ import annotations
@@ -43,7 +40,8 @@ def on_a_device(rows: list[Row]) -> bool:
     return any(r.get("peak_device_bytes") is not None for r in rows)
 
 
-def _by_strategy(rows: list[Row], *keys: str) -> dict[str, list[Row]]:
+def by_strategy(rows: list[Row], *keys: str) -> dict[str, list[Row]]:
+    """The done rows that have every one of `keys`, by cache strategy (sorted)."""
     groups: dict[str, list[Row]] = {}
     for r in rows:
         if r["status"] == "done" and all(r.get(k) is not None for k in keys):
@@ -65,7 +63,7 @@ def _scatter(ax: Any, groups: dict[str, list[Row]], y_key: str, scale: float, yl
 
 
 def time_vs_length(rows: list[Row], samples: list[Sample]) -> Figure | None:
-    groups = _by_strategy(rows, "input_tokens", "wall_s")
+    groups = by_strategy(rows, "input_tokens", "wall_s")
     if not groups:
         return None
     fig, ax = plt.subplots(figsize=(8, 4.5))
@@ -78,12 +76,12 @@ def memory_vs_length(rows: list[Row], samples: list[Sample]) -> Figure | None:
     device = [("peak_device_bytes", "peak device memory (MiB)"),
               ("kv_resident_peak_bytes", "KV cache resident on the device, peak (MiB)")] if on_a_device(rows) else []
     panels = [(key, label) for key, label in [("peak_host_rss_bytes", "peak host RSS of the worker (MiB)"), *device]
-              if _by_strategy(rows, "input_tokens", key)]
+              if by_strategy(rows, "input_tokens", key)]
     if not panels:
         return None
     fig, axes = plt.subplots(1, len(panels), figsize=(max(8, 5 * len(panels)), 4.5), squeeze=False)
     for ax, (key, label) in zip(axes[0], panels):
-        _scatter(ax, _by_strategy(rows, "input_tokens", key), key, MIB, label)
+        _scatter(ax, by_strategy(rows, "input_tokens", key), key, MIB, label)
         ax.set_title(label.split(" (")[0], fontsize=10)
     fig.suptitle("Peak memory against document length, per cache strategy")
     return fig
@@ -197,12 +195,12 @@ def memory_by_stage(rows: list[Row], samples: list[Sample]) -> Figure | None:
     stages = [("after model load", "load"), ("after prefill", "prefill"), ("decode peak", "decode_peak")]
     device = [("device", "device memory (MiB)")] if on_a_device(rows) else []
     places = [("host_rss", "worker host RSS (MiB)"), *device]
-    panels = [(place, label) for place, label in places if _by_strategy(rows, f"{stages[0][1]}_{place}_bytes")]
+    panels = [(place, label) for place, label in places if by_strategy(rows, f"{stages[0][1]}_{place}_bytes")]
     if not panels:
         return None
     fig, axes = plt.subplots(1, len(panels), figsize=(max(8, 6 * len(panels)), 4.5), squeeze=False)
     for ax, (place, label) in zip(axes[0], panels):
-        groups = _by_strategy(rows, f"load_{place}_bytes")
+        groups = by_strategy(rows, f"load_{place}_bytes")
         width = 0.8 / len(stages)
         for j, (stage_label, stage) in enumerate(stages):
             key = f"{stage}_{place}_bytes"

@@ -1,16 +1,15 @@
 """`kvbatch status`: what a job is doing, from its folder alone (works while it runs, and after).
 
-Everything comes from files a running coordinator publishes atomically (results/ and events/
-parts, job.log, .lock), so another shell, or another machine on shared storage, can watch a batch
-without talking to Ray. `job_status` returns a `JobStatus`, the figures `status --json` prints in its
-key order; docs/status.md documents its keys.
+Everything comes from files a running coordinator publishes atomically (results/, events/, job.log,
+.lock), so another shell or machine can watch a batch without talking to Ray. `status --json` prints
+`job_status`'s figures in `JobStatus`'s key order (docs/status.md).
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import Counter
-from dataclasses import dataclass
 from typing import Any, TypedDict
 
 import pyarrow as pa
@@ -28,7 +27,7 @@ from storage.checkpoint import load_state
 from storage.jobdir import JobDir, read_job, read_manifest_table
 from storage.location import Where
 from storage.lock import lock_holder
-from storage.owner import OwnerLiveness, ProcessOwner
+from storage.owner import OwnerLiveness
 from storage.parts import CORRUPT_PART_ADVICE
 
 RECENT_ALERTS = 5
@@ -113,38 +112,14 @@ class JobStatus(TypedDict):
     as_of: float
 
 
-@dataclass(frozen=True)
-class _RunPace:
-    """The latest run's pace: throughput and ETA are this run's, not the job's."""
-
-    started: float
-    elapsed_s: float
-    docs_per_s: float
-    tokens_per_s: float
-
-
-def coordinator_holding(job: JobDir) -> ProcessOwner | None:
-    """The live coordinator that holds the job's lock, if any (read only: never touches the lock)."""
-    owner = lock_holder(job.lock)
-    if owner is None:
-        return None
-    return owner if owner.liveness() in (OwnerLiveness.ALIVE, OwnerLiveness.OTHER_HOST) else None
-
-
-def _last_events(events: pa.Table) -> dict[str, dict[str, Any]]:
-    """Each task's latest event (events are in write order)."""
-    last: dict[str, dict[str, Any]] = {}
-    for row in events.select(["task_id", "attempt", "state", "ts", "context_tokens"]).to_pylist():
-        last[row["task_id"]] = row
-    return last
-
-
 def _running(events: pa.Table, finished: set[str], doc_ids: dict[str, str], now: float) -> list[RunningTask]:
-    """Tasks whose latest event says a worker has them and that have no result row yet."""
+    """Tasks whose latest event (events are in write order) says a worker has them, with no result row yet."""
+    columns = ["task_id", "attempt", "state", "ts", "context_tokens"]
+    last = {row["task_id"]: row for row in events.select(columns).to_pylist()}
     running: list[RunningTask] = [
         {"task_id": task_id, "doc_id": doc_ids.get(task_id), "attempt": ev["attempt"], "state": ev["state"],
          "context_tokens": ev["context_tokens"], "since_s": round(now - ev["ts"], 3)}
-        for task_id, ev in _last_events(events).items()
+        for task_id, ev in last.items()
         if ev["state"] in (TaskState.RUNNING, TaskState.RETRYING) and task_id not in finished
     ]
     return sorted(running, key=lambda r: r["since_s"], reverse=True)
@@ -170,9 +145,9 @@ def _run_started(log: list[dict[str, Any]], created: float) -> float:
     return bar_started if bar_started is not None else started
 
 
-def _run_pace(results: pa.Table, started: float, running_until: float | None) -> _RunPace:
-    """The pace of the rows this run finished; `running_until`: now while a coordinator runs, else None
-    (the run ended with its last row)."""
+def _run_pace(results: pa.Table, started: float, running_until: float | None) -> tuple[float, float, float]:
+    """Elapsed s, docs/s and tokens/s of the rows this run finished; `running_until`: now while a
+    coordinator runs, else None (the run ended with its last row)."""
     finished_at = results["finished_at"]
     this_run = results.filter(pc.and_(
         pc.greater_equal(finished_at, started),
@@ -181,8 +156,7 @@ def _run_pace(results: pa.Table, started: float, running_until: float | None) ->
     end = running_until if running_until is not None else (pc.max(finished_at).as_py() or started)
     elapsed = max(end - started, 0.0)
     tokens = pc.sum(this_run["output_tokens"]).as_py() or 0
-    return _RunPace(started, elapsed, this_run.num_rows / elapsed if elapsed > 0 else 0.0,
-                    tokens / elapsed if elapsed > 0 else 0.0)
+    return elapsed, this_run.num_rows / elapsed if elapsed > 0 else 0.0, tokens / elapsed if elapsed > 0 else 0.0
 
 
 def _eta(counts: StateCounts, docs_per_s: float, running: bool) -> float | None:
@@ -239,13 +213,16 @@ def job_status(job_dir: Where, slowest: int = 5) -> JobStatus:
     state = load_state(job.path)
     log = read_log(job.log)
     now = time.time()
-    holder = coordinator_holding(job)
+    holder = lock_holder(job.lock)  # read only: never touches the lock
+    if holder is not None and holder.liveness() not in (OwnerLiveness.ALIVE, OwnerLiveness.OTHER_HOST):
+        holder = None  # no live coordinator holds the job
     results = state.results
     running = [] if holder is None else _running(
         state.events, set(results["task_id"].to_pylist()),
         dict(zip(manifest["task_id"].to_pylist(), manifest["doc_id"].to_pylist())), now)
     counts = _state_counts(results, manifest.num_rows, len(running))
-    pace = _run_pace(results, _run_started(log, info.created), now if holder is not None else None)
+    started = _run_started(log, info.created)
+    elapsed, docs_per_s, tokens_per_s = _run_pace(results, started, now if holder is not None else None)
     done_rows = results.filter(pc.equal(results["status"], TaskState.DONE.value))
     return {
         "job_id": info.job_id,
@@ -254,13 +231,13 @@ def job_status(job_dir: Where, slowest: int = 5) -> JobStatus:
         "coordinator": holder.describe() if holder else None,
         "total": manifest.num_rows + counts["rejected"],
         "counts": counts,
-        "run_started": pace.started,
-        "run_elapsed_s": round(pace.elapsed_s, 3),
-        "throughput_docs_per_s": pace.docs_per_s,
-        "tokens_per_s": pace.tokens_per_s,
+        "run_started": started,
+        "run_elapsed_s": round(elapsed, 3),
+        "throughput_docs_per_s": docs_per_s,
+        "tokens_per_s": tokens_per_s,
         "output_tokens": pc.sum(done_rows["output_tokens"]).as_py() or 0,
-        "eta_s": _eta(counts, pace.docs_per_s, holder is not None),
-        "strategies": dict(Counter(s for s in done_rows["cache_strategy"].to_pylist() if s)),
+        "eta_s": _eta(counts, docs_per_s, holder is not None),
+        "strategies": _column_counts(done_rows, "cache_strategy"),
         "quantization": _column_counts(done_rows, "quantization"),
         "stop_reasons": _column_counts(done_rows, "stop_reason"),
         "batch": _batch_occupancy(done_rows, log),
@@ -274,39 +251,30 @@ def job_status(job_dir: Where, slowest: int = 5) -> JobStatus:
 
 
 def print_status(status: JobStatus, console: Console) -> None:
+    """`kvbatch status`'s lines: the figures of `job_status` for a person."""
+    say = functools.partial(console.print, highlight=False, soft_wrap=True)
     c = status["counts"]
     where = f"running ({status['coordinator']})" if status["coordinator"] else "not running"
-    console.print(f"job {status['job_id']}  ({escape(status['job_dir'])})  {escape(where)}", highlight=False, soft_wrap=True)
-    console.print(
-        f"total {status['total']}: done {c['done']}, running {c['running']}, pending {c['pending']}, "
-        f"failed {c['failed']}, rejected {c['rejected']}", highlight=False, soft_wrap=True,
-    )
+    say(f"job {status['job_id']}  ({escape(status['job_dir'])})  {escape(where)}")
+    say(f"total {status['total']}: done {c['done']}, running {c['running']}, pending {c['pending']}, "
+        f"failed {c['failed']}, rejected {c['rejected']}")
     fb = status["fallbacks"]
-    console.print(
-        f"this run: {status['throughput_docs_per_s'] * 60:.2f} docs/min, {status['tokens_per_s']:.1f} tok/s, "
+    say(f"this run: {status['throughput_docs_per_s'] * 60:.2f} docs/min, {status['tokens_per_s']:.1f} tok/s, "
         f"elapsed {format_duration(status['run_elapsed_s'])}, "
         f"ETA {format_eta(status['eta_s']) if status['coordinator'] else format_duration(status['eta_s'])}; "
-        f"fallbacks {fb['total']} in {fb['tasks']} task(s)", highlight=False, soft_wrap=True,
-    )
+        f"fallbacks {fb['total']} in {fb['tasks']} task(s)")
     batch = status["batch"]
     if batch["mean_sequences"] is not None:
-        console.print(f"batch occupancy: {batch['mean_sequences']:.1f} sequences per decode step on average, "
-                      f"{batch['padding_share']:.0%} padding", highlight=False, soft_wrap=True)
+        say(f"batch occupancy: {batch['mean_sequences']:.1f} sequences per decode step on average, "
+            f"{batch['padding_share']:.0%} padding")
     if batch["static_step_share"] is not None:
         eager = ", ".join(f"{why} {n}" for why, n in batch["eager_row_steps"].items())
-        console.print(f"static step: {batch['static_step_share']:.1%} of decode row-steps "
-                      f"({batch['static_row_steps']}); off it {sum(batch['eager_row_steps'].values())}"
-                      + (f": {eager}" if eager else ""),
-                      highlight=False, soft_wrap=True)
-    if status["strategies"]:
-        console.print("cache strategies: " + ", ".join(f"{k} {v}" for k, v in status["strategies"].items()),
-                      highlight=False, soft_wrap=True)
-    if status["quantization"]:
-        console.print("weights: " + ", ".join(f"{k} {v}" for k, v in status["quantization"].items()),
-                      highlight=False, soft_wrap=True)
-    if status["stop_reasons"]:
-        console.print("summaries ended by: " + ", ".join(f"{k} {v}" for k, v in status["stop_reasons"].items()),
-                      highlight=False, soft_wrap=True)
+        say(f"static step: {batch['static_step_share']:.1%} of decode row-steps ({batch['static_row_steps']}); "
+            f"off it {sum(batch['eager_row_steps'].values())}" + (f": {eager}" if eager else ""))
+    for key, label in (("strategies", "cache strategies"), ("quantization", "weights"),
+                       ("stop_reasons", "summaries ended by")):
+        if status[key]:
+            say(f"{label}: " + ", ".join(f"{k} {v}" for k, v in status[key].items()))
     if status["running"]:
         table = Table("running", "attempt", "for", "context")
         for r in status["running"]:
@@ -322,7 +290,7 @@ def print_status(status: JobStatus, console: Console) -> None:
     if alerts["total"]:
         console.print(f"[yellow]{alerts['total']} alert(s)[/yellow] in job.log; latest:")
         for a in alerts["recent"]:
-            console.print(f"  {a['kind']}: {escape(a['message'] or '')}", highlight=False, soft_wrap=True)
+            say(f"  {a['kind']}: {escape(a['message'] or '')}")
     for part in status["corrupt_parts"]:
         console.print(f"[yellow]damaged part skipped: {escape(part)}")
     if status["corrupt_parts"]:
