@@ -7,11 +7,11 @@ Ray pickles an actor class by reference, so the process that creates the actors 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
-#: The `SummaryWorker` methods the pool calls; Ray makes an actor method of each one the class has.
-METHODS = ("info", "progress", "tokens_decoded", "plan", "plan_merge", "run_pass")
+from jobs.outcome import CallOutcome
+from jobs.passes import PassSpec
+from jobs.task import Task
 
 
 class WorkerActor:
@@ -22,14 +22,20 @@ class WorkerActor:
 
         self._worker = SummaryWorker(*args, **kwargs)
 
+    def info(self) -> dict[str, Any]:
+        return self._worker.info()
 
-def _forward(name: str) -> Callable[..., Any]:
-    def method(self: WorkerActor, *args: Any) -> Any:
-        return getattr(self._worker, name)(*args)
+    def progress(self, call_id: str) -> float | None:
+        return self._worker.progress(call_id)
 
-    method.__name__ = method.__qualname__ = name
-    return method
+    def tokens_decoded(self) -> int:
+        return self._worker.tokens_decoded()
 
+    def plan(self, task: Task, context_tokens: int) -> CallOutcome:
+        return self._worker.plan(task, context_tokens)
 
-for _name in METHODS:
-    setattr(WorkerActor, _name, _forward(_name))
+    def plan_merge(self, task: Task, level: int, texts: list[str], context_tokens: int) -> CallOutcome:
+        return self._worker.plan_merge(task, level, texts, context_tokens)
+
+    def run_pass(self, spec: PassSpec, attempt: int, call_id: str = "") -> CallOutcome:
+        return self._worker.run_pass(spec, attempt, call_id)
