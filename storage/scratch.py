@@ -19,7 +19,7 @@ import socket
 import stat
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext, suppress
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -162,14 +162,6 @@ def check_offload_root(offload_root: Path) -> None:
         raise _not_a_kvbatch_root(offload_root)
 
 
-def _check_name(kind: str, value: str) -> None:
-    if not _SAFE_NAME.fullmatch(value):
-        raise ScratchError(
-            f"{kind} {value!r} cannot name a scratch dir: use letters, digits, '_', '-' and '.' "
-            f"(not first), at most 200 characters"
-        )
-
-
 def _write_owner_file(task_dir: Path, job_id: str, claimed_bytes: int) -> None:
     record = {**ProcessOwner.current().to_dict(), "job_id": job_id, "created": time.time(),
               "claimed_bytes": claimed_bytes}
@@ -205,8 +197,11 @@ def task_scratch(offload_root: Path, job_id: str, task_id: str, attempt: int, cl
     when they hold the room; ScratchSpaceError when it cannot fit. A dir that claims nothing (its
     task writes no KV there) is made without a look at the room.
     """
-    _check_name("job id", job_id)
-    _check_name("task id", task_id)
+    if not _SAFE_NAME.fullmatch(job_id):
+        raise ScratchError(
+            f"job id {job_id!r} cannot name a scratch dir: use letters, digits, '_', '-' and '.' "
+            f"(not first), at most 200 characters"
+        )
     if not _TASK_ID.fullmatch(task_id):
         raise ScratchError(f"task id {task_id!r} cannot name a scratch dir: task ids are 't' and digits")
     if attempt < 0:
@@ -231,10 +226,8 @@ def task_scratch(offload_root: Path, job_id: str, task_id: str, attempt: int, cl
 
 def _remove_task_dir(job_dir: Path, task_dir: Path) -> None:
     shutil.rmtree(task_dir, ignore_errors=True)
-    try:
+    with suppress(OSError):
         job_dir.rmdir()  # only succeeds when this was the job's last task dir
-    except OSError:
-        pass
 
 
 def _open_dir(name: str | Path, dir_fd: int | None = None) -> int | None:
@@ -249,11 +242,9 @@ def _subdir_names(dir_fd: int) -> list[str]:
     """Names of the real subdirectories (never symlinks) in the directory `dir_fd`."""
     names = []
     for name in os.listdir(dir_fd):
-        try:
+        with suppress(FileNotFoundError):
             if stat.S_ISDIR(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
                 names.append(name)
-        except FileNotFoundError:
-            pass
     return names
 
 
@@ -261,10 +252,8 @@ def _tree_bytes(dir_fd: int) -> int:
     total = 0
     for _, _, files, folder_fd in os.fwalk(".", dir_fd=dir_fd, follow_symlinks=False):
         for name in files:
-            try:
+            with suppress(FileNotFoundError):
                 total += os.stat(name, dir_fd=folder_fd, follow_symlinks=False).st_size
-            except FileNotFoundError:
-                pass
     return total
 
 
@@ -348,34 +337,36 @@ def _open_root(offload_root: Path, root: Path) -> int:
     return root_fd
 
 
+def _task_dirs(root_fd: int, job_id: str | None = None, prune: bool = False) -> Iterator[tuple[int, str, str]]:
+    """(job dir fd, job name, task dir name) of each task dir under the root `root_fd` (only `job_id`'s
+    when given); `prune` removes each job dir that is left empty."""
+    for job_name in _subdir_names(root_fd):
+        job_fd = _open_dir(job_name, root_fd) if job_id in (None, job_name) else None
+        if job_fd is None:
+            continue
+        try:
+            for task_name in _subdir_names(job_fd):
+                if _TASK_DIR_NAME.fullmatch(task_name):
+                    yield job_fd, job_name, task_name
+        finally:
+            os.close(job_fd)
+        if prune:
+            with suppress(OSError):
+                os.rmdir(job_name, dir_fd=root_fd)  # only succeeds when the job has no dir left
+
+
 def sweep_orphans(offload_root: Path, job_id: str | None = None) -> list[SweptDir]:
     """Remove task dirs (of every job, or just `job_id`) whose owner process on this host is gone."""
     root = _check_not_filesystem_root(offload_root)
     if not root.exists():
         return []
     root_fd = _open_root(offload_root, root)
-    swept: list[SweptDir] = []
     try:
-        for job_name in _subdir_names(root_fd):
-            if job_id is not None and job_name != job_id:
-                continue
-            job_fd = _open_dir(job_name, root_fd)
-            if job_fd is None:
-                continue
-            try:
-                for task_name in _subdir_names(job_fd):
-                    if _TASK_DIR_NAME.fullmatch(task_name):
-                        done = _sweep_task_dir(job_fd, task_name, root / job_name / task_name, job_name)
-                        swept += [done] if done else []
-            finally:
-                os.close(job_fd)
-            try:
-                os.rmdir(job_name, dir_fd=root_fd)  # only succeeds when the job has no dir left
-            except OSError:
-                pass
+        swept = [_sweep_task_dir(job_fd, task, root / job / task, job)
+                 for job_fd, job, task in _task_dirs(root_fd, job_id, prune=True)]
     finally:
         os.close(root_fd)
-    return swept
+    return [done for done in swept if done]
 
 
 def _no_room(offload_root: Path, room: Room) -> ScratchSpaceError:
@@ -396,21 +387,11 @@ def live_claims(root: Path) -> tuple[Claim, ...]:
     root_fd = _open_dir(root)
     if root_fd is None:
         return ()
-    claims: list[Claim] = []
     try:
-        for job_name in _subdir_names(root_fd):
-            job_fd = _open_dir(job_name, root_fd)
-            if job_fd is None:
-                continue
-            try:
-                for task_name in _subdir_names(job_fd):
-                    claim = _claim_of(job_fd, task_name) if _TASK_DIR_NAME.fullmatch(task_name) else None
-                    claims += [claim] if claim else []
-            finally:
-                os.close(job_fd)
+        claims = [_claim_of(job_fd, task) for job_fd, _, task in _task_dirs(root_fd)]
     finally:
         os.close(root_fd)
-    return tuple(claims)
+    return tuple(claim for claim in claims if claim)
 
 
 def _claim_of(job_fd: int, name: str) -> Claim | None:
