@@ -27,7 +27,7 @@ import threading
 import time
 
 from storage.location import Location, Where, storage_error
-from storage.lock import HeldLock, JobLock, JobLockedError, parse_owner
+from storage.lock import HeldLock, JobLock, JobLockedError, parse_owner, record_expiry
 from storage.owner import OwnerLiveness, ProcessOwner
 
 logger = logging.getLogger(__name__)
@@ -66,14 +66,6 @@ def job_lock(path: Where, ttl_s: float | None = None) -> HeldLock:
     return JobLease(location, ttl_s)
 
 
-def _expires(raw: bytes) -> float | None:
-    """The wall-clock expiry a lease record states, for people: no decision compares it."""
-    try:
-        return float(json.loads(raw)["expires"])
-    except (ValueError, KeyError, TypeError):
-        return None
-
-
 class _S3Object:
     """One S3 object that is only ever written under a condition (boto3: pyarrow sends no If-Match)."""
 
@@ -96,61 +88,43 @@ class _S3Object:
             config=Config(retries={"max_attempts": 3, "mode": "standard"}, connect_timeout=5, read_timeout=15),
         )
 
-    def _failed(self, action: str, exc: Exception) -> OSError:
-        """One line naming the URI and the fix when the user can fix it (no bucket, credentials, endpoint)."""
-        return storage_error(self.uri, exc) or LeaseStorageError(
-            f"could not {action} the job lease {self.uri}: {type(exc).__name__}: {exc}")
-
-    @staticmethod
-    def _refused(exc: Exception) -> bool:
-        """The condition did not hold (412), a concurrent conditional write won (409), or no object (404;
-        a missing bucket answers 404 too, and is an error, not an absent lease)."""
+    def _call(self, action: str, method: str, **arguments: str | bytes) -> dict | None:
+        """The client's answer; None when the store refused: the condition did not hold (412), a concurrent
+        conditional write won (409), or no object (404; a missing bucket answers 404 too, and is an error,
+        not an absent lease). Other errors name the URI, and the fix when the user can fix it."""
         from botocore.exceptions import ClientError
 
-        return (isinstance(exc, ClientError) and exc.response.get("Error", {}).get("Code") != "NoSuchBucket"
-                and exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") in (404, 409, 412))
-
-    def _put(self, body: bytes, **condition: str) -> str | None:
         try:
-            return self._client.put_object(Bucket=self.bucket, Key=self.key, Body=body, **condition)["ETag"]
+            return getattr(self._client, method)(Bucket=self.bucket, Key=self.key, **arguments)
         except Exception as exc:  # noqa: BLE001 - botocore raises several unrelated types
-            if self._refused(exc):
+            if (isinstance(exc, ClientError) and exc.response.get("Error", {}).get("Code") != "NoSuchBucket"
+                    and exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") in (404, 409, 412)):
                 return None
-            raise self._failed("write", exc) from None
+            raise storage_error(self.uri, exc) or LeaseStorageError(
+                f"could not {action} the job lease {self.uri}: {type(exc).__name__}: {exc}") from None
 
     def create(self, body: bytes) -> str | None:
         """The new version's ETag, or None when the object exists."""
-        return self._put(body, IfNoneMatch="*")
+        answer = self._call("write", "put_object", Body=body, IfNoneMatch="*")
+        return None if answer is None else answer["ETag"]
 
     def replace(self, body: bytes, etag: str) -> str | None:
         """The new version's ETag, or None when the object is no longer version `etag`."""
-        return self._put(body, IfMatch=etag)
+        answer = self._call("write", "put_object", Body=body, IfMatch=etag)
+        return None if answer is None else answer["ETag"]
 
     def read(self) -> tuple[bytes, str] | None:
         """(content, ETag), or None when there is no lease object."""
-        try:
-            answer = self._client.get_object(Bucket=self.bucket, Key=self.key)
-            return answer["Body"].read(), answer["ETag"]
-        except Exception as exc:  # noqa: BLE001
-            if self._refused(exc):
-                return None
-            raise self._failed("read", exc) from None
+        answer = self._call("read", "get_object")
+        return None if answer is None else (answer["Body"].read(), answer["ETag"])
 
     def etag(self) -> str | None:
-        try:
-            return self._client.head_object(Bucket=self.bucket, Key=self.key)["ETag"]
-        except Exception as exc:  # noqa: BLE001
-            if self._refused(exc):
-                return None
-            raise self._failed("read", exc) from None
+        answer = self._call("read", "head_object")
+        return None if answer is None else answer["ETag"]
 
     def delete(self, etag: str) -> None:
         """Remove version `etag` (nothing happens when the object has changed since)."""
-        try:
-            self._client.delete_object(Bucket=self.bucket, Key=self.key, IfMatch=etag)
-        except Exception as exc:  # noqa: BLE001
-            if not self._refused(exc):
-                raise self._failed("remove", exc) from None
+        self._call("remove", "delete_object", IfMatch=etag)
 
 
 class JobLease(HeldLock):
@@ -267,7 +241,7 @@ class JobLease(HeldLock):
         holder = parse_owner(current[0])
         if holder is not None and holder == watched:
             return self._refusal(holder) + " (it keeps renewing its lease)"
-        return self._refusal(holder, _expires(current[0])) + " (it took the lease over while this one waited)"
+        return self._refusal(holder, record_expiry(current[0])) + " (it took the lease over while this one waited)"
 
     # -- holding it --------------------------------------------------------------------------
     def _lose(self, why: str) -> None:
@@ -279,15 +253,10 @@ class JobLease(HeldLock):
     def _renew(self) -> None:
         interval = self.ttl_s * _RENEW_EVERY
         while not self._stop.wait(interval):
-            with self._guard:
-                if self._lost is not None:
-                    return
-                etag = self._etag
             sent = _clock()
-            if sent > self._valid_until:  # paused or cut off longer than our validity: a taker may hold it
-                self._lose(f"no renewal for over {self.ttl_s * _VALID_FOR:.0f} s (this process was paused "
-                           f"or could not reach the store)")
+            if self.lost is not None:  # refused, or paused or cut off longer than our validity: a taker may hold it
                 return
+            etag = self._etag  # only this thread changes it while the lease is held
             try:
                 renewed = self._store.replace(self._record(), etag)
             except LeaseStorageError:

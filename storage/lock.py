@@ -16,7 +16,6 @@ import logging
 import os
 import time
 from abc import ABC, abstractmethod
-from types import TracebackType
 
 from storage.location import Location, Where
 from storage.owner import OwnerLiveness, ProcessOwner
@@ -44,6 +43,14 @@ def _read_owner(fd: int) -> ProcessOwner | None:
     return parse_owner(raw)
 
 
+def record_expiry(raw: bytes) -> float | None:
+    """The wall-clock expiry a lease record states, for people: no lease decision compares it."""
+    try:
+        return float(json.loads(raw)["expires"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
 def lock_holder(path: Where) -> ProcessOwner | None:
     """Who the lock record names, read without taking or touching the lock (for `status`); nobody
     when the record is a lease (object storage) that has expired."""
@@ -51,13 +58,8 @@ def lock_holder(path: Where) -> ProcessOwner | None:
         raw = Location.of(path).read_bytes()
     except OSError:
         return None
-    try:
-        expires = json.loads(raw).get("expires")
-    except (ValueError, AttributeError):
-        expires = None
-    if expires is not None and float(expires) < time.time():
-        return None
-    return parse_owner(raw)
+    expires = record_expiry(raw)
+    return None if expires is not None and expires < time.time() else parse_owner(raw)
 
 
 class HeldLock(ABC):
@@ -117,9 +119,7 @@ class HeldLock(ABC):
         self.acquire()
         return self
 
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.release()
 
 
