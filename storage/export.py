@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import sys
@@ -22,7 +23,7 @@ from jobs.schema import TaskState
 from storage.checkpoint import load_state
 from storage.jobdir import JobDir, check_job_folder, read_manifest_table
 from storage.location import Where
-from storage.output import STDOUT, descriptor_of, write_output, write_stdout
+from storage.output import STDOUT, descriptor_of, write_descriptor, write_output
 
 ExportFormat = Literal["jsonl", "csv", "parquet"]
 #: Columns of seconds since the epoch: text a person reads (ISO 8601, UTC) in JSON lines and CSV.
@@ -165,38 +166,33 @@ def result_rows(job_dir: Where, errors_only: bool, with_text: bool = False) -> l
     return rows
 
 
-def _jsonl(job_dir: Where, errors_only: bool, with_text: bool) -> tuple[str, int]:
-    rows = result_rows(job_dir, errors_only, with_text)
-    return "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), len(rows)
-
-
-def _to_stdout(out: Path | str | None) -> bool:
-    return out is not None and os.fspath(out) == STDOUT
-
-
 def export_results(job_dir: Where, out: Path | str | None, fmt: ExportFormat, errors_only: bool,
                    with_text: bool = False) -> int:
     """Writes the rows to `out` and returns the row count. `out` None: to sys.stdout (not parquet);
     `-` (like `/dev/stdout`): into descriptor 1 as it is, parquet too."""
+    to_stdout = out is not None and os.fspath(out) == STDOUT
+
     def write(data: Callable[[BinaryIO], object]) -> None:
-        if _to_stdout(out):
-            write_stdout(data)
+        if out is None:  # text, through sys.stdout
+            buffer = io.BytesIO()
+            data(buffer)
+            sys.stdout.write(buffer.getvalue().decode("utf-8"))
+        elif to_stdout:
+            write_descriptor("stdout", 1, data)
         else:
             write_output(out, data)  # type: ignore[arg-type]
 
     if fmt == "jsonl":
-        lines, n = _jsonl(job_dir, errors_only, with_text)
-        if out is None:
-            sys.stdout.write(lines)
-        else:
-            write(lambda handle: handle.write(lines.encode("utf-8")))
-        return n
+        rows = result_rows(job_dir, errors_only, with_text)
+        lines = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+        write(lambda handle: handle.write(lines.encode("utf-8")))
+        return len(rows)
     table = results_table(job_dir, errors_only, with_text)
     if fmt == "parquet":
         if out is None:
             raise ConfigError("parquet output needs a file: add -o results.parquet (or -o - to write it to stdout)")
-        fd = 1 if _to_stdout(out) else descriptor_of(out)
-        if fd is not None and _is_terminal(fd):
+        fd = 1 if to_stdout else descriptor_of(out)
+        if fd is not None and os.isatty(fd):
             raise ConfigError(f"-o {out} is a terminal and parquet is binary: redirect it to a file or a pipe, "
                               "or give -o results.parquet")
         write(lambda handle: pq.write_table(table, handle))
@@ -208,17 +204,5 @@ def export_results(job_dir: Where, out: Path | str | None, fmt: ExportFormat, er
         for column in TIMESTAMP_COLUMNS:
             flat = flat.set_column(flat.schema.get_field_index(column), column,
                                    pa.array([iso_time(v) for v in flat[column].to_pylist()], pa.string()))
-        if out is None:
-            sink = pa.BufferOutputStream()
-            pacsv.write_csv(flat, sink)
-            sys.stdout.write(sink.getvalue().to_pybytes().decode())
-        else:
-            write(lambda handle: pacsv.write_csv(flat, handle))
+        write(lambda handle: pacsv.write_csv(flat, handle))
     return table.num_rows
-
-
-def _is_terminal(fd: int) -> bool:
-    try:
-        return os.isatty(fd)
-    except OSError:
-        return False

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, Union
@@ -58,7 +58,6 @@ def storage_error(uri: str, error: BaseException) -> StorageError | None:
         where = f"the storage endpoint {endpoint}" if endpoint else "the storage service"
         return StorageError(f"{uri}: cannot reach {where}: check the network, or the endpoint setting (AWS_ENDPOINT_URL)")
     return None
-
 
 
 Fence = Callable[[], None]
@@ -170,26 +169,21 @@ class Location:
         with self._user_errors():
             return self.fs.open_input_file(self.path)
 
+    def _names(self, kind: pafs.FileType) -> list[str]:
+        """Sorted names of the entries of `kind` directly in this folder; none if it is missing."""
+        with self._user_errors():
+            infos = self.fs.get_file_info(pafs.FileSelector(self.path, allow_not_found=True))
+        return sorted(info.base_name for info in infos if info.type == kind)
+
     def files(self, prefix: str = "", suffix: str = "") -> list["Location"]:
         """Files directly in this folder whose names match, sorted by name; none if it is missing."""
-        selector = pafs.FileSelector(self.path, allow_not_found=True)
-        with self._user_errors():
-            infos = self.fs.get_file_info(selector)
-        names = sorted(
-            info.base_name
-            for info in infos
-            if info.type == pafs.FileType.File and info.base_name.startswith(prefix)
-            and info.base_name.endswith(suffix)
-        )
-        return [self / name for name in names]
+        names = self._names(pafs.FileType.File)
+        return [self / name for name in names if name.startswith(prefix) and name.endswith(suffix)]
 
     def folders(self) -> list[str]:
         """Names of the folders directly in this folder, sorted; none if it is missing. On an object
         store a folder is a common prefix of its keys."""
-        selector = pafs.FileSelector(self.path, allow_not_found=True)
-        with self._user_errors():
-            infos = self.fs.get_file_info(selector)
-        return sorted(info.base_name for info in infos if info.type == pafs.FileType.Directory)
+        return self._names(pafs.FileType.Directory)
 
     # --- writing ------------------------------------------------------------------------------
 
@@ -198,20 +192,10 @@ class Location:
         if self.is_local:
             Path(self.path).mkdir(parents=True, exist_ok=True)
 
-    def touch(self) -> None:
-        """An empty file here: a marker, with no bytes to tear, so neither a temp name nor an fsync."""
-        self.parent.makedirs()
-        with self._user_errors():
-            with self.fs.open_output_stream(self.path):
-                pass
-
     def delete(self) -> None:
         """Remove the file if it is there."""
-        try:
-            with self._user_errors():
-                self.fs.delete_file(self.path)
-        except FileNotFoundError:
-            pass
+        with suppress(FileNotFoundError), self._user_errors():
+            self.fs.delete_file(self.path)
 
     def write_atomic(self, write: Callable[[BinaryIO], None], temp_name: str, fence: Fence = no_fence) -> None:
         """Publish what `write` writes as this file, whole or not at all.
@@ -237,10 +221,8 @@ class Location:
                     fence()
                     self.fs.move(temp.path, self.path)
         except BaseException:
-            try:
+            with suppress(OSError):  # the store that failed the write may fail this too: the write's error counts
                 temp.delete()
-            except OSError:  # the store that failed the write may fail this too: the write's error is what counts
-                pass
             raise
 
     def write_bytes_atomic(self, data: bytes, temp_name: str, fence: Fence = no_fence) -> None:

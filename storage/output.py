@@ -83,11 +83,6 @@ def write_output(path: Path | str, write: Callable[[BinaryIO], object]) -> None:
         raise output_error(path, e) from None
 
 
-def write_stdout(write: Callable[[BinaryIO], object]) -> None:
-    """`-o -`: into standard output as it is (a pipe, a terminal, a file the shell opened)."""
-    write_descriptor("stdout", 1, write)
-
-
 def write_descriptor(name: Path | str, fd: int, write: Callable[[BinaryIO], object]) -> None:
     """Writes into the already open descriptor `fd` (through a copy of it, so it stays open): its file
     keeps its inode, its position and its O_APPEND; what Python buffered for stdout or stderr goes first."""

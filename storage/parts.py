@@ -108,9 +108,9 @@ def list_temp_files(directory: Where) -> list[Location]:
 @dataclass(frozen=True)
 class _ReadPart:
     path: Location
-    table: pa.Table | None
-    replaces: frozenset[str]
-    problem: str | None
+    table: pa.Table | None = None  # None: gone since the listing (merged away), or `problem`
+    replaces: frozenset[str] = frozenset()
+    problem: str | None = None
 
 
 def _schema_problem(found: pa.Schema, expected: pa.Schema) -> str | None:
@@ -131,21 +131,18 @@ def _schema_problem(found: pa.Schema, expected: pa.Schema) -> str | None:
 
 
 def _read_one(path: Location, schema: pa.Schema) -> _ReadPart:
-    def broken(problem: str) -> _ReadPart:
-        return _ReadPart(path, None, frozenset(), problem)
-
     try:
         if path.size() == 0:
-            return broken("empty file (0 bytes)")
+            return _ReadPart(path, problem="empty file (0 bytes)")
         with path.open_input() as source:
             table = pq.ParquetFile(source).read()
     except FileNotFoundError:  # merged away by a live writer since the listing
-        return _ReadPart(path, None, frozenset(), problem=None)
+        return _ReadPart(path)
     except (OSError, pa.ArrowException) as exc:
-        return broken(f"unreadable Parquet ({type(exc).__name__}: {exc})")
+        return _ReadPart(path, problem=f"unreadable Parquet ({type(exc).__name__}: {exc})")
     problem = _schema_problem(table.schema, schema)
     if problem:
-        return broken(problem)
+        return _ReadPart(path, problem=problem)
     metadata = table.schema.metadata or {}
     try:
         replaces = frozenset(json.loads(metadata[_REPLACES_KEY])) if _REPLACES_KEY in metadata else frozenset()
@@ -154,7 +151,7 @@ def _read_one(path: Location, schema: pa.Schema) -> _ReadPart:
                 table = table.append_column(field, pa.nulls(table.num_rows, field.type))
         table = table.select(schema.names).cast(schema)
     except (ValueError, TypeError, pa.ArrowException) as exc:
-        return broken(f"unusable part metadata or columns ({type(exc).__name__}: {exc})")
+        return _ReadPart(path, problem=f"unusable part metadata or columns ({type(exc).__name__}: {exc})")
     return _ReadPart(path, table, replaces, None)
 
 
