@@ -97,16 +97,6 @@ class _Stream:
             self.unmerged = []
 
 
-@dataclass
-class _Write:
-    """The rows one turn of the writer publishes; what is still here when it fails goes back to the queue."""
-
-    results: list[dict[str, Any]]
-    passes: dict[str, list[PassRow]]
-    events: list[dict[str, Any]]
-    upto: int  # rows added before it: a caller whose row is older finds it published
-
-
 class CheckpointLog:
     """Thread-safe writer of a job's events/, results/ and passes/ parts (see the module): the only
     writer of a job folder while its coordinator runs."""
@@ -196,40 +186,41 @@ class CheckpointLog:
         self._raise_background_error()
 
     def _write(self) -> None:
-        """One turn of the writer (holding `_turn`): every queued row, results first."""
+        """One turn of the writer (holding `_turn`): every queued row, results first. What is not published
+        when it fails goes back to the queue; `upto`, the rows added before it, tells callers theirs went out."""
         with self._lock:
-            write = _Write(self._results.pending, self._passes, self._events.pending, self._added)
+            results, passes, events, upto = self._results.pending, self._passes, self._events.pending, self._added
             self._results.pending, self._passes, self._events.pending = [], {}, []
             self._oldest_pending = None
         rejected: dict[str, list[str]] = {}
         try:
-            published, rejected[RESULTS_DIR] = self._results.publish(write.results)  # the done record: first
-            write.results = []
+            published, rejected[RESULTS_DIR] = self._results.publish(results)  # the done record: first
+            results = []
             if published:
                 with self._lock:
                     for task_id in published:  # their passes are not needed any more
-                        write.passes.pop(task_id, None)
+                        passes.pop(task_id, None)
                         self._passes.pop(task_id, None)
                 if self._after_results is not None:
                     self._after_results(published)
-            while write.passes:
-                task_id, rows = next(iter(write.passes.items()))
+            while passes:
+                task_id, rows = next(iter(passes.items()))
                 write_passes(self._job_dir, task_id, rows, self._fence)
-                del write.passes[task_id]
-            rejected[EVENTS_DIR] = self._events.publish(write.events)[1]
-            write.events = []
+                del passes[task_id]
+            rejected[EVENTS_DIR] = self._events.publish(events)[1]
+            events = []
             for stream in (self._results, self._events):
                 stream.merge_if_due(self.merge_every)
         finally:
             with self._lock:
-                if write.results or write.passes or write.events:  # back in front of what came meanwhile
-                    self._results.pending[:0] = write.results
-                    for task_id, rows in write.passes.items():
+                if results or passes or events:  # back in front of what came meanwhile
+                    self._results.pending[:0] = results
+                    for task_id, rows in passes.items():
                         self._passes[task_id] = rows + self._passes.get(task_id, [])
-                    self._events.pending[:0] = write.events
+                    self._events.pending[:0] = events
                     self._oldest_pending = time.monotonic()  # the interval flusher tries again after a while
                 else:
-                    self._published = write.upto
+                    self._published = upto
         if any(rejected.values()):
             raise CheckpointRowError("; ".join(
                 f"{len(rows)} {name} row(s) do not fit the schema and were not written: " + "; ".join(rows)

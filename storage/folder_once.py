@@ -58,10 +58,7 @@ def _exclusive_lock(path: Path, what: str, announce: Announce) -> Iterator[None]
         except BlockingIOError:
             announce(f"waiting for another process that is preparing {what} (lock {path})...")
             fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+        yield  # closing the file releases the lock
 
 
 def _fsync_tree(root: Path) -> None:

@@ -222,19 +222,14 @@ def read_job(job: JobDir) -> JobInfo:
         ) from None
 
 
-def _not_a_job_folder(job: JobDir) -> JobDirError:
-    """The error for a job folder that is not there: a file in its place, or nothing."""
-    if (blocking := _file_in_the_way(job)) is not None:
-        return JobDirError(f"{job.path} is not a job folder ({blocking} is a file): give the job's folder (the -j of submit)")
-    return JobDirError(f"{job.path} is not a job folder (it does not exist): check the path")
-
-
 def check_job_folder(job: JobDir) -> None:
     """Raise JobDirError unless `job` holds a job: a job.json, or the results of one whose job.json is lost."""
     if job.job_json.exists() or list_parts(job.results):
         return
+    if (blocking := _file_in_the_way(job)) is not None:
+        raise JobDirError(f"{job.path} is not a job folder ({blocking} is a file): give the job's folder (the -j of submit)")
     if not job.path.is_dir():
-        raise _not_a_job_folder(job)
+        raise JobDirError(f"{job.path} is not a job folder (it does not exist): check the path")
     raise JobDirError(f"{job.path} is not a job folder (it has no job.json and no results/): check the path")
 
 

@@ -65,22 +65,6 @@ class Room:
         return self.needed_bytes + self.reserve_bytes <= self.free_bytes + used
 
 
-def look(root: Path, needed_bytes: int, claims: tuple[Claim, ...] = ()) -> Room:
-    """The room for `needed_bytes` on the filesystem of the (existing) `root`."""
-    usage = shutil.disk_usage(root)
-    return Room(usage.free, min(RESERVE_BYTES_MAX, int(usage.total * RESERVE_FRACTION)), needed_bytes, claims)
-
-
-@contextmanager
-def _locked(lock_file: Path) -> Iterator[None]:
-    fd = os.open(lock_file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)  # releases the lock
-
-
 @contextmanager
 def room_claimed(root: Path, lock_file: Path, needed_bytes: int, wait_s: float,
                  live_claims: Callable[[], tuple[Claim, ...]], refuse: Callable[[Room], Exception]) -> Iterator[Room]:
@@ -90,11 +74,17 @@ def room_claimed(root: Path, lock_file: Path, needed_bytes: int, wait_s: float,
     `refuse(room)` when it does not fit then, or at once when it would not fit even without them."""
     deadline = time.monotonic() + wait_s
     while True:
-        with _locked(lock_file):
-            room = look(root, needed_bytes, live_claims())
+        fd = os.open(lock_file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            usage = shutil.disk_usage(root)
+            reserve = min(RESERVE_BYTES_MAX, int(usage.total * RESERVE_FRACTION))
+            room = Room(usage.free, reserve, needed_bytes, live_claims())
             if room.fits:
                 yield room
                 return
             if not room.fits_once_claims_end or time.monotonic() >= deadline:
                 raise refuse(room)
+        finally:
+            os.close(fd)  # releases the lock
         time.sleep(POLL_S)
