@@ -227,10 +227,6 @@ class CheckpointLog:
                 for name, rows in rejected.items() if rows
             ))
 
-    def flush(self) -> None:
-        """Publish every buffered row now."""
-        self._commit()
-
     def _raise_background_error(self) -> None:
         """Hand an error of the interval flusher to the next caller, who can act on it."""
         with self._lock:

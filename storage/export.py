@@ -48,9 +48,7 @@ def format_for(path: Path | str | None, requested: str | None) -> ExportFormat:
         if requested not in FORMATS:
             raise ConfigError(f"--format {requested}: choose jsonl, csv or parquet")
         return requested  # type: ignore[return-value]
-    if path is None or os.fspath(path) == STDOUT:
-        return "jsonl"
-    suffix = Path(path).suffix
+    suffix = Path(path).suffix if path is not None else ""  # `-` (stdout) has none
     if not suffix:
         return "jsonl"
     if suffix.lower() not in FORMAT_OF_EXTENSION:

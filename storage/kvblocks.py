@@ -15,6 +15,7 @@ import mmap
 import os
 import threading
 import time
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -260,9 +261,10 @@ class KVBlockStore:
         self.bytes_read += len(payload)  # what the read or the mapping handed over
         return payload
 
-    def _after_read(self, ref: BlockRef) -> None:
+    def _after_read(self, ref: BlockRef, started: float) -> None:
         if self._drop_after_reads:
             self._file(ref.layer).drop_cached_range(ref.offset, ref.stored_bytes)
+        self.read_s += time.perf_counter() - started
 
     def _check_size(self, ref: BlockRef, nbytes: int) -> None:
         if nbytes != ref.raw_bytes:
@@ -279,8 +281,7 @@ class KVBlockStore:
         self._check_size(ref, values.nbytes)
         if self._drop_after_reads and self.codec.compression == "none":
             values = values.copy()
-        self._after_read(ref)
-        self.read_s += time.perf_counter() - start
+        self._after_read(ref, start)
         return values
 
     def read_into(self, ref: BlockRef, out: np.ndarray) -> int:
@@ -289,8 +290,7 @@ class KVBlockStore:
         start = time.perf_counter()
         self._check_size(ref, out.nbytes)
         self.codec.decode_into(self._payload(ref), out)
-        self._after_read(ref)
-        self.read_s += time.perf_counter() - start
+        self._after_read(ref, start)
         return out.nbytes
 
     def truncate(self, ref: BlockRef) -> None:
@@ -310,7 +310,5 @@ class KVBlockStore:
             file.close()
         self._files.clear()
         if self._created_dir:
-            try:
+            with suppress(OSError):  # something else lives there now; it is not ours to remove
                 self.directory.rmdir()
-            except OSError:
-                pass  # something else lives there now; it is not ours to remove

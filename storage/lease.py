@@ -160,14 +160,12 @@ class JobLease(HeldLock):
     # -- taking it ---------------------------------------------------------------------------
     def _read(self) -> tuple[bytes, str] | None:
         """The lease's content and version; retried, and a persistent error raised, never 'no lease'."""
-        for attempt in range(_READ_TRIES):
+        for attempt in range(_READ_TRIES - 1):
             try:
                 return self._store.read()
             except LeaseStorageError:
-                if attempt + 1 == _READ_TRIES:
-                    raise
                 time.sleep(min(2.0, 0.1 * 2**attempt))
-        raise AssertionError("unreachable")
+        return self._store.read()
 
     def _watch(self, etag: str, ttl_s: float) -> str:
         """Watch version `etag` for a full TTL on this machine's clock: 'changed', 'gone' or 'still'."""

@@ -36,11 +36,7 @@ def parse_owner(raw: bytes) -> ProcessOwner | None:
 
 
 def _read_owner(fd: int) -> ProcessOwner | None:
-    os.lseek(fd, 0, os.SEEK_SET)
-    raw = b""
-    while chunk := os.read(fd, 65536):
-        raw += chunk
-    return parse_owner(raw)
+    return parse_owner(os.pread(fd, 65536, 0))  # a record is a few hundred bytes
 
 
 def record_expiry(raw: bytes) -> float | None:

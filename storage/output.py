@@ -20,6 +20,7 @@ import secrets
 import stat
 import sys
 from collections.abc import Callable
+from contextlib import suppress
 from pathlib import Path
 from typing import BinaryIO
 
@@ -87,11 +88,9 @@ def write_descriptor(name: Path | str, fd: int, write: Callable[[BinaryIO], obje
     """Writes into the already open descriptor `fd` (through a copy of it, so it stays open): its file
     keeps its inode, its position and its O_APPEND; what Python buffered for stdout or stderr goes first."""
     for stream in (sys.stdout, sys.stderr):
-        try:
+        with suppress(OSError, ValueError):  # a stream with no descriptor (a captured one) or a closed one
             if stream is not None and stream.fileno() == fd:
                 stream.flush()
-        except (OSError, ValueError):  # a stream with no descriptor (a captured one) or a closed one
-            pass
     try:
         with os.fdopen(os.dup(fd), "wb") as handle:
             write(handle)

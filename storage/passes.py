@@ -18,6 +18,7 @@ empty and holds no job, storage/jobdir.py; this is the second line of that defen
 from __future__ import annotations
 
 from collections.abc import Iterable
+from contextlib import suppress
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -81,7 +82,5 @@ def remove_passes(job_dir: Where, task_ids: Iterable[str], fence: Fence = no_fen
         for part in files:
             part.delete()
         if folder.is_local:
-            try:
+            with suppress(OSError):  # gone already, or holds files that are not kvbatch's: left as it is
                 folder.local_path.rmdir()
-            except OSError:  # gone already, or holds files that are not kvbatch's: left as it is
-                pass

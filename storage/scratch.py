@@ -137,11 +137,9 @@ def ensure_offload_root(offload_root: Path) -> Path:
     and folders that are not this user's alone."""
     root = _check_not_filesystem_root(offload_root)
     root.mkdir(mode=0o700, parents=True, exist_ok=True)
-    _check_private(offload_root, os.stat(root))
+    check_offload_root(offload_root)
     marker = root / ROOT_MARKER
     if not marker.is_file():
-        if _holds_foreign_entries(root):
-            raise _not_a_kvbatch_root(offload_root)
         marker.write_text(f"kvbatch offload root, created {time.ctime()} on {socket.gethostname()}\n")
     return root
 
