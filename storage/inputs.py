@@ -69,7 +69,6 @@ def stage_input(source: str, pattern: str | None, workdir: Path, skip: Path | No
         return _stage_uri(source, pattern, workdir)
     path = Path(source).expanduser()
     if path.is_dir():
-        _refuse_pseudo_folder(path, source)
         return _write_rows(_local_listing(path, source, pattern, skip), source, pattern, workdir)
     if pattern is not None:
         raise ManifestError(f"--glob selects files of a folder, but {source} is not a folder: drop --glob or give a folder")
@@ -82,10 +81,9 @@ def _stage_uri(source: str, pattern: str | None, workdir: Path) -> StagedManifes
         location = Location.of(source)
         kind = location.fs.get_file_info(location.path).type
         if source.endswith("/") or base.endswith("/") or kind == pafs.FileType.Directory:
-            if location.is_local:
-                _refuse_pseudo_folder(location.local_path, source)
-            listing = (_local_listing(location.local_path, source, pattern, None, _uri_of(base, query))
-                       if location.is_local else _uri_listing(location, source, base.rstrip("/"), query, pattern))
+            path_of = _uri_of(base, query)
+            listing = (_local_listing(location.local_path, source, pattern, None, path_of)
+                       if location.is_local else _uri_listing(location, source, path_of, pattern))
             return _write_rows(listing, source, pattern, workdir)
         if pattern is not None:
             raise ManifestError(f"--glob selects files of a folder, but {source} is a file: drop --glob or give a folder")
@@ -125,12 +123,14 @@ def _not_documents(source: str) -> ManifestError:
 
 
 def _uri_of(base: str, query: str) -> Callable[[str], str]:
-    """A file:// folder's rows keep their URIs (pyarrow's recursive listing would follow symlinked folders)."""
+    """The URI of a file in the folder `base` (a file:// one is listed as a local folder: pyarrow's recursive
+    listing would follow symlinked folders)."""
     return lambda relative: f"{base.rstrip('/')}/{relative}" + (f"?{query}" if query else "")
 
 
 def _local_listing(root: Path, source: str, pattern: str | None, skip: Path | None,
                    path_of: Callable[[str], str] | None = None) -> _Listing:
+    _refuse_pseudo_folder(root, source)
     root = root.absolute()
     path_of = path_of or (lambda relative: str(root / relative))
     skip = skip.absolute() if skip is not None else None
@@ -157,7 +157,7 @@ def _local_listing(root: Path, source: str, pattern: str | None, skip: Path | No
     return listing
 
 
-def _uri_listing(folder: Location, source: str, base: str, query: str, pattern: str | None) -> _Listing:
+def _uri_listing(folder: Location, source: str, path_of: Callable[[str], str], pattern: str | None) -> _Listing:
     infos = folder.fs.get_file_info(pafs.FileSelector(folder.path, recursive=True, allow_not_found=True))
     files = sorted(info.path[len(folder.path):].lstrip("/") for info in infos if info.type == pafs.FileType.File)
     names_in: dict[str, set[str]] = {}  # folder (relative, "" for the top) -> the names directly in it
@@ -172,7 +172,7 @@ def _uri_listing(folder: Location, source: str, base: str, query: str, pattern: 
     listing = _Listing(job_folders=outermost)
     for relative in files:
         if _selected(relative, pattern) and not any(relative.startswith(f"{f}/") for f in outermost):
-            listing.rows.append({"id": relative, "path": f"{base}/{relative}" + (f"?{query}" if query else "")})
+            listing.rows.append({"id": relative, "path": path_of(relative)})
     return listing
 
 

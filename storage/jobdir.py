@@ -91,12 +91,8 @@ def new_job_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
 
 
-def _temp_name(target: Location) -> str:
-    return f".{target.name}.{secrets.token_hex(4)}.tmp"
-
-
 def _write_json(target: Location, payload: dict[str, Any]) -> None:
-    target.write_bytes_atomic(json.dumps(payload, indent=2).encode(), _temp_name(target))
+    target.write_bytes_atomic(json.dumps(payload, indent=2).encode())
 
 
 def _file_in_the_way(job: JobDir) -> Path | None:
@@ -183,11 +179,11 @@ def create_job(job: JobDir, info: JobInfo, manifest_table: pa.Table, rejected: p
     for folder in (job.path, job.events, job.results):
         folder.makedirs()
     for name, data in (copies or {}).items():
-        (job.path / name).write_bytes_atomic(data, _temp_name(job.path / name))
+        (job.path / name).write_bytes_atomic(data)
     if rejected.num_rows:
         write_part(job.results, rejected)
     table = manifest_table.cast(MANIFEST_SCHEMA)
-    job.manifest.write_atomic(lambda handle: pq.write_table(table, handle), _temp_name(job.manifest))
+    job.manifest.write_atomic(lambda handle: pq.write_table(table, handle))
     payload = {
         "job_id": info.job_id,
         "created": info.created,

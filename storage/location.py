@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
@@ -197,14 +198,16 @@ class Location:
         with suppress(FileNotFoundError), self._user_errors():
             self.fs.delete_file(self.path)
 
-    def write_atomic(self, write: Callable[[BinaryIO], None], temp_name: str, fence: Fence = no_fence) -> None:
+    def write_atomic(self, write: Callable[[BinaryIO], None], temp_name: str | None = None,
+                     fence: Fence = no_fence) -> None:
         """Publish what `write` writes as this file, whole or not at all.
 
-        `temp_name` (a sibling name readers never list) holds the bytes until they are complete.
-        `fence` is called before anything is written and again just before the publishing rename.
+        `temp_name` (a sibling name readers never list; a random hidden one by default) holds the bytes
+        until they are complete. `fence` is called before anything is written and again just before the
+        publishing rename.
         """
         fence()
-        temp = self.parent / temp_name
+        temp = self.parent / (temp_name or f".{self.name}.{secrets.token_hex(4)}.tmp")
         try:
             if self.is_local:
                 with open(temp.path, "wb") as handle:
@@ -225,7 +228,7 @@ class Location:
                 temp.delete()
             raise
 
-    def write_bytes_atomic(self, data: bytes, temp_name: str, fence: Fence = no_fence) -> None:
+    def write_bytes_atomic(self, data: bytes, temp_name: str | None = None, fence: Fence = no_fence) -> None:
         self.write_atomic(lambda handle: handle.write(data), temp_name, fence)
 
 

@@ -27,11 +27,9 @@ class JobLockedError(RuntimeError):
 
 
 def parse_owner(raw: bytes) -> ProcessOwner | None:
-    if not raw.strip():
-        return None
     try:
         return ProcessOwner.from_dict(json.loads(raw))
-    except ValueError:  # a torn or foreign record names nobody; the flock is what counts
+    except ValueError:  # an empty, torn or foreign record names nobody; the flock is what counts
         return None
 
 
