@@ -13,8 +13,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 
 from storage.location import fsync_directory
@@ -29,7 +28,13 @@ def build_folder_once(dest: Path, build: Callable[[Path], None], message: str, a
     if dest.is_dir():
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
-    with _exclusive_lock(dest.parent / f".{dest.name}.lock", dest.name, announce):
+    lock = dest.parent / f".{dest.name}.lock"
+    with open(lock, "a+b") as handle:  # closing it releases the lock
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            announce(f"waiting for another process that is preparing {dest.name} (lock {lock})...")
+            fcntl.flock(handle, fcntl.LOCK_EX)
         if dest.is_dir():
             return dest
         for stale in dest.parent.glob(f".{dest.name}.tmp-*"):
@@ -48,17 +53,6 @@ def build_folder_once(dest: Path, build: Callable[[Path], None], message: str, a
             raise
         announce(f"done in {time.perf_counter() - started:.1f} s: {dest}")
     return dest
-
-
-@contextmanager
-def _exclusive_lock(path: Path, what: str, announce: Announce) -> Iterator[None]:
-    with open(path, "a+b") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            announce(f"waiting for another process that is preparing {what} (lock {path})...")
-            fcntl.flock(handle, fcntl.LOCK_EX)
-        yield  # closing the file releases the lock
 
 
 def _fsync_tree(root: Path) -> None:

@@ -11,6 +11,7 @@ says where it lies. `compression: none` blocks are read back through mmap withou
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 import threading
@@ -122,12 +123,7 @@ class _ZstdContexts(threading.local):
 
     def __init__(self) -> None:
         self.decompressor = zstandard.ZstdDecompressor()
-        self._compressors: dict[int, zstandard.ZstdCompressor] = {}
-
-    def compressor(self, level: int) -> zstandard.ZstdCompressor:
-        if level not in self._compressors:
-            self._compressors[level] = zstandard.ZstdCompressor(level=level)
-        return self._compressors[level]
+        self.compressor = functools.cache(lambda level: zstandard.ZstdCompressor(level=level))
 
 
 _zstd = _ZstdContexts()

@@ -16,6 +16,7 @@ import logging
 import os
 import time
 from abc import ABC, abstractmethod
+from contextlib import suppress
 
 from storage.location import Location, Where
 from storage.owner import OwnerLiveness, ProcessOwner
@@ -157,12 +158,9 @@ class JobLock(HeldLock):
                 holder = _read_owner(fd)
                 os.close(fd)
                 raise JobLockedError(self._refusal(holder)) from None
-            try:
-                same_file = os.path.samestat(os.fstat(fd), os.stat(self.path))
-            except FileNotFoundError:
-                same_file = False
-            if same_file:
-                return fd
+            with suppress(FileNotFoundError):
+                if os.path.samestat(os.fstat(fd), os.stat(self.path)):
+                    return fd
             os.close(fd)
 
     def release(self) -> None:

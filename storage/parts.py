@@ -81,9 +81,8 @@ def write_part(directory: Where, table: pa.Table, replaces: Sequence[str] = (), 
     directory.makedirs()
     name = _next_part_name()
     if replaces:
-        metadata = dict(table.schema.metadata or {})
-        metadata[_REPLACES_KEY] = json.dumps(sorted(replaces)).encode()
-        table = table.replace_schema_metadata(metadata)
+        replaced = json.dumps(sorted(replaces)).encode()
+        table = table.replace_schema_metadata({**(table.schema.metadata or {}), _REPLACES_KEY: replaced})
     final = directory / name
     final.write_atomic(lambda handle: pq.write_table(table, handle), f"{TEMP_PREFIX}{name}", fence)
     return final

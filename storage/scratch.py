@@ -295,19 +295,13 @@ def _orphan_reason(task_fd: int, job_id: str) -> tuple[str, str] | None:
     return owner.describe(), f"owner process {liveness.value}"
 
 
-def _sweep_task_dir(job_fd: int, name: str, path: Path, job_id: str) -> SweptDir | None:
-    """Remove the orphaned task dir `name` of the job dir `job_fd`; None when it is not one."""
-    task_fd = _open_dir(name, job_fd)
-    if task_fd is None:
+def _sweep_task_dir(job_fd: int, name: str, task_fd: int, path: Path, job_id: str) -> SweptDir | None:
+    """Remove the orphaned task dir `name` (`task_fd`) of the job dir `job_fd`; None when it is not one."""
+    orphan = _orphan_reason(task_fd, job_id)
+    if orphan is None:
         return None
-    try:
-        orphan = _orphan_reason(task_fd, job_id)
-        if orphan is None:
-            return None
-        size = _tree_bytes(task_fd)
-        judged = os.fstat(task_fd)
-    finally:
-        os.close(task_fd)
+    size = _tree_bytes(task_fd)
+    judged = os.fstat(task_fd)
     try:  # the entry must still be the directory that was judged
         if not os.path.samestat(judged, os.stat(name, dir_fd=job_fd, follow_symlinks=False)):
             return None
@@ -317,35 +311,21 @@ def _sweep_task_dir(job_fd: int, name: str, path: Path, job_id: str) -> SweptDir
     return SweptDir(path, job_id, orphan[0], orphan[1], size)
 
 
-def _open_root(offload_root: Path, root: Path) -> int:
-    root_fd = _open_dir(root)
-    if root_fd is None:
-        raise _not_a_kvbatch_root(offload_root)
-    try:
-        try:
-            marked = stat.S_ISREG(os.stat(ROOT_MARKER, dir_fd=root_fd, follow_symlinks=False).st_mode)
-        except FileNotFoundError:
-            marked = False
-        if not marked:
-            raise _not_a_kvbatch_root(offload_root)
-        _check_private(offload_root, os.fstat(root_fd))
-    except BaseException:
-        os.close(root_fd)
-        raise
-    return root_fd
-
-
-def _task_dirs(root_fd: int, job_id: str | None = None, prune: bool = False) -> Iterator[tuple[int, str, str]]:
-    """(job dir fd, job name, task dir name) of each task dir under the root `root_fd` (only `job_id`'s
-    when given); `prune` removes each job dir that is left empty."""
+def _task_dirs(root_fd: int, job_id: str | None = None, prune: bool = False) -> Iterator[tuple[int, str, str, int]]:
+    """(job dir fd, job name, task dir name, task dir fd) of each task dir under the root `root_fd` (only
+    `job_id`'s when given); `prune` removes each job dir that is left empty."""
     for job_name in _subdir_names(root_fd):
         job_fd = _open_dir(job_name, root_fd) if job_id in (None, job_name) else None
         if job_fd is None:
             continue
         try:
             for task_name in _subdir_names(job_fd):
-                if _TASK_DIR_NAME.fullmatch(task_name):
-                    yield job_fd, job_name, task_name
+                task_fd = _open_dir(task_name, job_fd) if _TASK_DIR_NAME.fullmatch(task_name) else None
+                if task_fd is not None:
+                    try:
+                        yield job_fd, job_name, task_name, task_fd
+                    finally:
+                        os.close(task_fd)
         finally:
             os.close(job_fd)
         if prune:
@@ -358,10 +338,19 @@ def sweep_orphans(offload_root: Path, job_id: str | None = None) -> list[SweptDi
     root = _check_not_filesystem_root(offload_root)
     if not root.exists():
         return []
-    root_fd = _open_root(offload_root, root)
+    root_fd = _open_dir(root)
+    if root_fd is None:
+        raise _not_a_kvbatch_root(offload_root)
     try:
-        swept = [_sweep_task_dir(job_fd, task, root / job / task, job)
-                 for job_fd, job, task in _task_dirs(root_fd, job_id, prune=True)]
+        try:
+            marked = stat.S_ISREG(os.stat(ROOT_MARKER, dir_fd=root_fd, follow_symlinks=False).st_mode)
+        except FileNotFoundError:
+            marked = False
+        if not marked:
+            raise _not_a_kvbatch_root(offload_root)
+        _check_private(offload_root, os.fstat(root_fd))
+        swept = [_sweep_task_dir(job_fd, task, task_fd, root / job / task, job)
+                 for job_fd, job, task, task_fd in _task_dirs(root_fd, job_id, prune=True)]
     finally:
         os.close(root_fd)
     return [done for done in swept if done]
@@ -386,25 +375,19 @@ def live_claims(root: Path) -> tuple[Claim, ...]:
     if root_fd is None:
         return ()
     try:
-        claims = [_claim_of(job_fd, task) for job_fd, _, task in _task_dirs(root_fd)]
+        claims = [_claim_of(task_fd) for _, _, _, task_fd in _task_dirs(root_fd)]
     finally:
         os.close(root_fd)
     return tuple(claim for claim in claims if claim)
 
 
-def _claim_of(job_fd: int, name: str) -> Claim | None:
-    task_fd = _open_dir(name, job_fd)
-    if task_fd is None:
+def _claim_of(task_fd: int) -> Claim | None:
+    record = _read_owner(task_fd)
+    claimed = record.get("claimed_bytes") if record else None
+    if not isinstance(claimed, int) or claimed <= 0:
         return None
     try:
-        record = _read_owner(task_fd)
-        claimed = record.get("claimed_bytes") if record else None
-        if not isinstance(claimed, int) or claimed <= 0:
-            return None
-        try:
-            alive = ProcessOwner.from_dict(record).liveness() in (OwnerLiveness.ALIVE, OwnerLiveness.OTHER_HOST)
-        except ValueError:
-            return None
-        return Claim(claimed, _tree_bytes(task_fd)) if alive else None
-    finally:
-        os.close(task_fd)
+        alive = ProcessOwner.from_dict(record).liveness() in (OwnerLiveness.ALIVE, OwnerLiveness.OTHER_HOST)
+    except ValueError:
+        return None
+    return Claim(claimed, _tree_bytes(task_fd)) if alive else None

@@ -34,11 +34,6 @@ class Claim:
     claimed_bytes: int
     used_bytes: int
 
-    @property
-    def unwritten_bytes(self) -> int:
-        """Still to be written: taken from the free space although no file holds it yet."""
-        return max(0, self.claimed_bytes - self.used_bytes)
-
 
 @dataclass(frozen=True)
 class Room:
@@ -51,7 +46,8 @@ class Room:
 
     @property
     def promised_bytes(self) -> int:
-        return sum(claim.unwritten_bytes for claim in self.claims)
+        """Claimed but not written yet: taken from the free space although no file holds it yet."""
+        return sum(max(0, claim.claimed_bytes - claim.used_bytes) for claim in self.claims)
 
     @property
     def fits(self) -> bool:
