@@ -1,17 +1,12 @@
 """The job's checkpoint log: task events, results and finished passes as append-only Parquet parts.
 
-What the log is told is kept is on disk before the call returns: a result row (the "done" record) and a
-document's finished passes are published by `add_result`/`add_passes` themselves, so whatever job.log,
-the progress bar or `status` announce after it survives a `kill -9`; a kill loses only the work still
-in flight. Callers that finish at the same moment share one write (a group commit: whoever takes the
-writer's turn publishes every row added so far, and a caller whose row went out in another's write
-returns at once), so many feeding threads do not cost one fsynced part each. Task events (running,
-retrying) only describe the way there and are buffered: published with the next result or pass, every
-`flush_every` rows or after `flush_interval_s` seconds, and on close. Results are published before the
-events and passes of the same write, and a document's passes only while it has no result: those of a
-document whose result goes out in the same write are dropped. While a run goes on, every
-`merge_every` parts the log wrote are merged into one, which keeps the number of files a resume has to
-read small even after a crash; `compact` merges everything once the job ends.
+`add_result`/`add_passes` return once their rows are on disk, so whatever job.log, the progress bar or
+`status` announce after them survives a `kill -9`. Callers finishing at once share one fsynced write (a
+group commit: the writer's turn publishes every row added so far). Task events only describe the way
+there: buffered until the next result or pass, `flush_every` rows, `flush_interval_s` seconds, or close.
+Results go before the events and passes of the same write, and the passes of a document whose result
+goes out are dropped. Every `merge_every` parts the log wrote are merged into one, so a resume reads
+few files even after a crash; `compact` merges everything once the job ends.
 """
 
 from __future__ import annotations
@@ -291,12 +286,8 @@ class JobState:
 
 
 def _winning_result_rows(results: pa.Table) -> np.ndarray:
-    """Row indices (in write order) of each task's winning result.
-
-    A done row beats any other, and the first done row wins (a later duplicate comes from a task
-    that finished twice, e.g. after a timeout). Without a done row, the latest row wins: a rerun's
-    failure supersedes the earlier one.
-    """
+    """Row indices (in write order) of each task's winning result: its first done row (a later one
+is a task that finished twice, e.g. after a timeout), else its latest row (a rerun's failure wins)."""
     n = results.num_rows
     index = np.arange(n, dtype=np.int64)
     is_done = pc.equal(results["status"], TaskState.DONE.value).fill_null(False).to_numpy(zero_copy_only=False)
@@ -335,11 +326,8 @@ def load_state(job_dir: Where) -> JobState:
 
 
 def compact(job_dir: Where, fence: Fence = no_fence) -> None:
-    """Merge each of events/ and results/ into one part; call with the job lock held, log closed.
-
-    Every row is kept (deduplication is load_state's job). Temporary files left by crashed writers
-    are removed: with the lock held and the log closed, nothing else can be writing them.
-    """
+    """Merge each of events/ and results/ into one part, keeping every row (load_state deduplicates),
+and remove the temporary files of crashed writers: call with the job lock held and the log closed."""
     job_dir = Location.of(job_dir)
     for directory, schema in ((job_dir / RESULTS_DIR, RESULT_SCHEMA), (job_dir / EVENTS_DIR, EVENT_SCHEMA)):
         merge_parts(directory, schema, fence)

@@ -40,10 +40,8 @@ FORMATS: tuple[ExportFormat, ...] = ("jsonl", "csv", "parquet")
 
 
 def format_for(path: Path | str | None, requested: str | None) -> ExportFormat:
-    """--format wins; else the output file's extension (none: JSON lines); else JSON lines.
-
-    An extension that names no format kvbatch writes (`.xlsx`, `.gz`) is refused rather than filled
-    with JSON lines; --format writes that format under any name."""
+    """--format wins; else the output file's extension (none: JSON lines). An extension that names no
+format kvbatch writes (`.xlsx`, `.gz`) is refused rather than filled with JSON lines."""
     if requested:
         if requested not in FORMATS:
             raise ConfigError(f"--format {requested}: choose jsonl, csv or parquet")
@@ -61,10 +59,8 @@ def format_for(path: Path | str | None, requested: str | None) -> ExportFormat:
 
 
 def _texts(job_dir: Where, task_ids: list[str]) -> list[str | None]:
-    """The text each task's model was given, extracted again (and checked against its fingerprint).
-
-    Null for a rejected row, and for a document that changed or vanished since (said on stderr).
-    """
+    """The text each task's model was given, extracted again and checked against its fingerprint: null
+for a rejected row, and for a document that changed or vanished since (said on stderr)."""
     tasks = {t.task_id: t for t in tasks_from_table(read_manifest_table(JobDir(job_dir)))}
     texts: list[str | None] = []
     for task_id in task_ids:
@@ -87,11 +83,8 @@ def _as_text(value: Any) -> str | None:
 
 
 def metadata_column(values: list[Any]) -> pa.Array:
-    """One metadata key's values: typed when they share a type Arrow holds exactly, else as text.
-
-    Manifests are ragged (`"team": "legal"` on one row, `5` on the next; ids above 2^63), and every
-    export format must take them; JSON text keeps what a typed column cannot.
-    """
+    """One metadata key's values: typed when they share a type Arrow holds exactly, else JSON text
+(manifests are ragged: `"legal"` on one row, `5` on the next, ids above 2^63)."""
     kinds = {type(v) for v in values if v is not None}
     ints = [v for v in values if type(v) is int]
     if kinds <= {str} or kinds == {bool}:

@@ -1,9 +1,8 @@
 """A folder built once per machine and published whole: safe when many processes want it at once.
 
-`dest` only ever appears by an atomic rename of a finished, fsynced temp folder, so its existence
-means it is complete. Builders serialise on an fcntl lock next to it (which the kernel drops when a
-holder dies); whoever gets the lock second finds `dest` there and skips the work. Temp folders left
-by a killed builder are removed by the next lock holder.
+`dest` only appears by an atomic rename of a finished, fsynced temp folder, so if it exists it is
+complete. Builders take turns under a flock beside it (dropped when a holder dies): the second finds
+`dest` and skips the work, and the next holder removes temp folders a killed builder left.
 """
 
 from __future__ import annotations

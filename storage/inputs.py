@@ -1,13 +1,11 @@
 """What `kvbatch submit` is given: a manifest, a folder of documents, or either on shared storage.
 
-A folder becomes a manifest of one row per file: id = the file's path relative to the folder (with
-`/`), path = where it is. Hidden files and folders (names starting with `.`) are left out, and
-`--glob` keeps only relative paths matching it (`fnmatch`: `*` also crosses `/`, so `*.pdf` finds
-PDFs at any depth). kvbatch job folders inside it (earlier runs) are left out, and so are symlinked
-subfolders of a local folder, given as a path or a file:// URI (not followed: a link can loop, or
-bring a tree in twice); both are
-named in `StagedManifest.notes` for submit to print. A manifest on shared storage is copied to a
-local file to be read; its relative document paths are read from beside it there.
+A folder becomes a manifest of one row per file: id = its path relative to the folder (with `/`), path
+= where it is. Hidden names are left out; `--glob` keeps matching relative paths (`fnmatch`: `*` crosses
+`/`, so `*.pdf` finds PDFs at any depth). Job folders of earlier runs inside it, and symlinked subfolders
+of a local folder (a link can loop, or bring a tree in twice), are left out and named in
+`StagedManifest.notes`. A manifest on shared storage is copied to a local file; its relative document
+paths are read from beside it there.
 """
 
 from __future__ import annotations
@@ -61,10 +59,8 @@ class _Listing:
 
 
 def stage_input(source: str, pattern: str | None, workdir: Path, skip: Path | None = None) -> StagedManifest:
-    """A local manifest for `source` (written under `workdir` when it has to be made or fetched).
-
-    `skip`: a folder left out of a listing (the job folder, when it lies inside the documents' folder).
-    """
+    """A local manifest for `source` (written under `workdir` when made or fetched); `skip`: a folder
+left out of a listing (the job folder, when it lies inside the documents' folder)."""
     if is_uri(source):
         return _stage_uri(source, pattern, workdir)
     path = Path(source).expanduser()

@@ -1,12 +1,10 @@
 """KV block files: the codec (byte-plane shuffle + zstd) and one task's append-only block store.
 
-KV values are 16/32-bit floats whose high bytes (sign, exponent) barely vary while the low
-mantissa bytes look random; zstd on the raw interleaved bytes finds little to share. Writing all
-first bytes, then all second bytes, ... (a lossless byte-plane shuffle) puts the exponents side by
-side, where they compress well. Works on numpy arrays and bytes only: no torch here.
-
-Each layer has one append-only file; a full block is encoded once and appended, and a `BlockRef`
-says where it lies. `compression: none` blocks are read back through mmap without a copy.
+In 16/32-bit floats the high bytes (sign, exponent) barely vary while the low mantissa bytes look
+random, so zstd finds little to share in the interleaved bytes. A lossless byte-plane shuffle (all
+first bytes, then all second bytes, ...) puts the exponents side by side, where they compress well.
+Numpy and bytes only: no torch here. Each layer has one append-only file; a `BlockRef` says where a
+block lies. `compression: none` blocks are read back through mmap without a copy.
 """
 
 from __future__ import annotations
@@ -66,10 +64,9 @@ _PLANE_LENGTH = np.dtype("<u4")
 class BlockCodec:
     """How a block's bytes are stored: zstd at `level` after an optional shuffle, or raw.
 
-    Shuffled blocks compress each byte plane as its own zstd frame: the exponent plane then gets
-    entropy tables of its own instead of sharing them with the near-random mantissa bytes
-    (SmolLM2's bf16 KV: 1.36x with one frame, 1.46x with a frame per plane).
-    Payload: the frame lengths (uint32 each, one per plane), then the frames.
+    Shuffled, each byte plane is its own zstd frame, so the exponent plane gets its own entropy tables
+    (SmolLM2's bf16 KV: 1.36x with one frame, 1.46x with a frame per plane). Payload: the frame
+    lengths (uint32, one per plane), then the frames.
     """
 
     compression: Compression = "zstd"

@@ -1,20 +1,16 @@
 """The job lock on object storage: a lease object written only under a condition, and kept renewed.
 
-Object stores have no flock. The lease `.lock` is created with `If-None-Match: *` (exactly one of
-any number of racing coordinators creates it) and every later write is `If-Match: <ETag>` of the
-version the writer last saw, so a renewal or a takeover never overwrites a version it did not see.
+Object stores have no flock. The lease `.lock` is created with `If-None-Match: *` (one of any number of
+racing coordinators wins) and every later write is `If-Match: <ETag>` of the version the writer last
+saw, so a renewal or a takeover never overwrites a version it did not see.
 
-Expiry compares no clocks across machines. A would-be taker that finds the lease held by a process
-on another host (or one it cannot judge) watches the lease's ETag on its own clock: a change means
-the holder is renewing (refused at once); a full TTL without a change means the holder stopped, and
-it takes over that exact version. The holder, in turn, counts its lease valid for less than a TTL
-after it *sent* its last successful renewal (on CLOCK_BOOTTIME, which also runs while a machine is
-suspended), so it stops writing before any taker can start. Every part publish, compaction and
-job.log upload first calls `check()` (the fence); a holder that lost the lease (a renewal refused,
-or no renewal for too long: paused, partitioned) raises LeaseLostError there and writes nothing.
-
-A holder on this host whose process is verifiably gone is taken over at once; one that is alive
-here is refused at once. A storage error while reading the lease is an error, never "no lease".
+No clocks are compared across machines. A taker that finds the lease held from another host (or by a
+holder it cannot judge) watches its ETag on its own clock: a change means the holder renews (refused); a
+full TTL without one means it stopped, and that exact version is taken over. The holder counts its
+lease valid for less than a TTL after it *sent* its last renewal (CLOCK_BOOTTIME runs through a
+suspend), so it stops writing before any taker can start: every publish first calls `check()` (the
+fence), which raises LeaseLostError once a renewal was refused or none came for too long. A holder on
+this host is refused while alive, taken over at once when gone. A storage error is never "no lease".
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """Where a job folder's files live: a local folder, or a prefix on shared storage.
 
-`s3://bucket/prefix` and `file:///path` go through pyarrow's filesystems (gs:// is refused), so
-a coordinator on any machine of a cluster (or a later one, after a crash) reads and writes the same
-job. A local folder keeps POSIX durability: a file is fsynced before its rename publishes it, and
-the folder is fsynced after. On an object store a write goes to a temporary key and is then moved
-(a server-side copy) to its final key, so readers, who only list final names, never see half of it.
+`s3://` and `file://` URIs go through pyarrow's filesystems (gs:// is refused), so a coordinator on any
+machine (or a later one, after a crash) works on the same job. Locally a file is fsynced before its
+rename publishes it, and the folder after. On an object store a write goes to a temporary key and is
+then moved to its final key, so readers, who only list final names, never see half of it.
 """
 
 from __future__ import annotations
@@ -200,12 +199,8 @@ class Location:
 
     def write_atomic(self, write: Callable[[BinaryIO], None], temp_name: str | None = None,
                      fence: Fence = no_fence) -> None:
-        """Publish what `write` writes as this file, whole or not at all.
-
-        `temp_name` (a sibling name readers never list; a random hidden one by default) holds the bytes
-        until they are complete. `fence` is called before anything is written and again just before the
-        publishing rename.
-        """
+        """Publish what `write` writes as this file, whole or not at all: the bytes wait under `temp_name` (a
+        sibling name readers never list; random by default). `fence` is called first and before the rename."""
         fence()
         temp = self.parent / (temp_name or f".{self.name}.{secrets.token_hex(4)}.tmp")
         try:

@@ -1,11 +1,9 @@
 """JOB_DIR/.lock: one coordinator per job folder.
 
-Mutual exclusion comes from an exclusive flock on the lock file, which the kernel drops when the
-holder dies however it dies (SIGKILL included), so a lock can never be held by a dead process.
-The file's content (host, pid, process start time) is for people and messages: it names who holds
-the lock, and says whose lock was taken over when a dead coordinator left its record behind.
-As a guard for filesystems where flock is a no-op, a record whose owner is verifiably alive on
-this host is respected even when the flock was granted.
+Exclusion is a flock on the lock file, which the kernel drops however the holder dies (SIGKILL too),
+so no dead process holds it. The file's record (host, pid, process start) names the holder in messages,
+and whose lock was taken over. Where flock is a no-op, a record whose owner is verifiably alive on this
+host is respected even when the flock was granted.
 """
 
 from __future__ import annotations
@@ -58,10 +56,8 @@ def lock_holder(path: Where) -> ProcessOwner | None:
 
 
 class HeldLock(ABC):
-    """What every kind of job lock shares: the messages and the context-manager protocol.
-
-    `takeover_message` says whose stale lock was replaced, when one was.
-    """
+    """What every kind of job lock shares: the messages and the context-manager protocol;
+    `takeover_message` says whose stale lock was replaced, when one was."""
 
     takeover_message: str | None = None
 

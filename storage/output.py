@@ -1,14 +1,12 @@
 """Files the user names with `-o`: written where the name points, whole or not at all.
 
-A symlink's target is written (the link stays a link); a FIFO, `/dev/null` or another character
-device is written into as it is (replacing it would turn a device node or a pipe into a plain file);
-a name of one of this process's open descriptors (`/dev/stdout`, `/dev/stderr`, `/dev/fd/N`,
-`/proc/self/fd/N`) is written into that descriptor as the shell opened it: a pipe stays a pipe, and a
-file keeps its inode and its position (`>> log` appends, `{ echo HEADER; kvbatch ...; } > f` keeps
-the header). A regular file, or a new one, is written to a temporary file beside its target, fsynced
-and renamed over it, so a write that fails (a full disk) leaves the old file, or none, never a
-truncated one. The temporary file has a random name and is created exclusively (never through a
-symlink someone planted in a shared folder), and is removed if anything fails.
+A symlink's target is written (the link stays a link). A FIFO or a character device (`/dev/null`) is
+written into, never replaced by a plain file. A name of one of this process's descriptors
+(`/dev/stdout`, `/dev/fd/N`, `/proc/self/fd/N`) is written into that descriptor as the shell opened it:
+a pipe stays a pipe, a file keeps its inode and position (`>> log` appends). A regular or new file is
+written to a temporary file beside it, fsynced and renamed over it, so a failed write (a full disk)
+never leaves a truncated file. The temporary name is random and created exclusively (never through a
+symlink planted in a shared folder), and removed if anything fails.
 """
 
 from __future__ import annotations

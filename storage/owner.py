@@ -1,15 +1,11 @@
 """Who owns a lock or a scratch dir: host, pid and when the process started, in a clock-free form.
 
-A pid alone is not an identity: pids are reused, so a dead owner's pid may belong to an unrelated
-process later. Host + pid + start identifies one process for its whole life, which is what lets a
-stale lock or an orphaned scratch dir be reclaimed without ever touching a live owner's.
-
-The start is compared as the kernel records it: clock ticks since boot (`/proc/<pid>/stat` field
-22) within one boot (`/proc/sys/kernel/random/boot_id`). Neither moves when the wall clock is
-stepped (NTP, VM resume), whereas a wall-clock start time (psutil's `create_time`, which adds the
-boot time the kernel derives from the current clock) shifts with every step, and a 1 s shift would
-make a live owner look like a reused pid. `start_time` (wall clock) is kept for people and for
-records written where /proc is not available.
+Pids are reused, so a pid alone is no identity; host + pid + start is one process for its whole life,
+which lets a stale lock or an orphaned scratch dir be reclaimed without touching a live owner's.
+The start is compared as the kernel records it: clock ticks since boot (`/proc/<pid>/stat` field 22)
+within one boot (`/proc/sys/kernel/random/boot_id`). Neither moves when the wall clock is stepped (NTP,
+VM resume), whereas psutil's `create_time` does, and a 1 s step would make a live owner look like a
+reused pid. `start_time` (wall clock) is kept for people and for records written without /proc.
 """
 
 from __future__ import annotations

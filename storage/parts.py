@@ -1,12 +1,10 @@
 """Append-only Parquet part files that are either wholly visible or not there at all.
 
-A part is written under a hidden temporary name in its final directory, flushed, fsynced and
-renamed; the directory is fsynced after the rename. A crash at any instant therefore leaves either
-the complete part or only a temporary file, which readers never look at.
-
-Part names sort in write order (`part-<time_ns>-<seq>-<pid>-<random>.parquet`), which is the order
-readers return rows in. A merged part records the parts it replaces in its Parquet metadata, so a
-crash between publishing a merged part and deleting its inputs never yields duplicate rows.
+A part is written under a hidden temporary name in its directory, fsynced, renamed, and the directory
+fsynced: a crash leaves the whole part or only a temporary file, which readers never look at. Part
+names sort in write order (`part-<time_ns>-<seq>-<pid>-<random>.parquet`), the order rows are read in.
+A merged part names the parts it replaces in its metadata, so a crash between publishing it and
+deleting its inputs never yields duplicate rows.
 """
 
 from __future__ import annotations
@@ -73,10 +71,7 @@ def _next_part_name() -> str:
 
 def write_part(directory: Where, table: pa.Table, replaces: Sequence[str] = (), fence: Fence = no_fence) -> Location:
     """Publish `table` as a new part in `directory` (created if missing) and return where it is.
-
-    `replaces` names parts in the same directory whose rows this part contains (a merge); readers
-    skip those while both exist. `fence` is called before the part is written and published.
-    """
+    `replaces`: parts of the directory whose rows it holds (a merge), skipped by readers while both exist."""
     directory = Location.of(directory)
     directory.makedirs()
     name = _next_part_name()
@@ -171,9 +166,8 @@ class PartSet:
 def scan_parts(directory: Where, schema: pa.Schema) -> PartSet:
     """Read every part of `directory`, sorting out superseded and corrupt ones.
 
-    A live writer (a `status` during a run) may merge parts while they are read. A merged part is
-    published before its inputs are removed, so listing again until nothing new shows up finds
-    the merged part of every input that vanished; superseded parts are then skipped as usual.
+    A live writer may merge parts while they are read; a merged part is published before its inputs
+    go, so listing again until nothing new shows up finds the merged part of every vanished input.
     """
     read: dict[Location, _ReadPart] = {}
     for listing in range(_MAX_LISTINGS):
@@ -206,11 +200,8 @@ def read_parts(directory: Where, schema: pa.Schema) -> tuple[pa.Table, list[Corr
 
 
 def replace_parts(directory: Where, merged: pa.Table, obsolete: Sequence[Location], fence: Fence = no_fence) -> Location:
-    """Publish `merged` (the rows of `obsolete`, in order), then delete `obsolete`.
-
-    If the process dies in between, the obsolete parts are superseded (skipped by readers) and the
-    next merge deletes them.
-    """
+    """Publish `merged` (the rows of `obsolete`, in order), then delete `obsolete`; after a crash in
+    between they are superseded (skipped by readers) and the next merge deletes them."""
     part = write_part(directory, merged, replaces=[path.name for path in obsolete], fence=fence)
     fence()
     _remove(obsolete)
@@ -225,11 +216,8 @@ def _remove(paths: Sequence[Location]) -> None:
 
 
 def merge_parts(directory: Where, schema: pa.Schema, fence: Fence = no_fence) -> Location | None:
-    """Replace all of `directory`'s parts by one, keeping every row and its order.
-
-    Corrupt parts are left where they are, so they keep being reported until someone looks at
-    them. Returns the merged part, or None when there was nothing to merge.
-    """
+    """Replace all of `directory`'s parts by one, keeping every row and its order; corrupt parts stay
+    (still reported until someone looks). The merged part, or None when there was nothing to merge."""
     parts = scan_parts(directory, schema)
     if len(parts.tables) <= 1:
         fence()

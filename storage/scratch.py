@@ -1,12 +1,10 @@
 """Per-task scratch dirs: `<offload_root>/<job_id>/<task_id>.<attempt>/`, one per task attempt.
 
-Each dir holds an owner file (host, pid, process start, job id) and the task's KV blocks. It is
-removed when the task's block ends, however it ends; a dir whose owner process died (SIGKILL, OOM
-killer, power loss) is swept later by `sweep_orphans`. Sweeping only ever deletes
-`<job_id>/t<digits>.<attempt>` dirs that carry kvbatch's owner file naming that job, whose owner
-on this host is verifiably gone, under a root that carries the kvbatch marker file and that only
-this user can write. It walks and deletes through directory file descriptors opened with
-O_NOFOLLOW, so a folder swapped for a symlink while the sweep runs is never followed.
+Each holds an owner file (host, pid, process start, job id) and the task's KV blocks, and is removed
+when the task's block ends; a dir whose owner died (SIGKILL, OOM killer, power loss) is swept later by
+`sweep_orphans`. Sweeping only deletes `<job_id>/t<digits>.<attempt>` dirs whose owner file names that
+job and whose owner on this host is verifiably gone, under a marked root only this user can write. It
+walks and deletes through O_NOFOLLOW directory fds, so a folder swapped for a symlink is never followed.
 """
 
 from __future__ import annotations
@@ -69,14 +67,10 @@ class SweptDir:
 
 
 def default_offload_root(job_dir: Where) -> Path:
-    """$KVBATCH_OFFLOAD_ROOT when set, else JOB_DIR/scratch/kvbatch; for a job folder on shared
-    storage (scratch must be node-local) a private per-user folder, $XDG_CACHE_HOME/kvbatch/offload
-    (~/.cache/kvbatch/offload), created with mode 0700: never a predictable name in a shared /tmp.
-
-    The fallback keeps the scratch on the job folder's disk and goes away with the job folder; for
-    KV offload, point the variable (or `cache.offload_root`) at a node-local NVMe folder such as
-    /mnt/nvme/kvbatch.
-    """
+    """$KVBATCH_OFFLOAD_ROOT when set, else JOB_DIR/scratch/kvbatch (on the job folder's disk, gone
+    with it; point the variable or `cache.offload_root` at a node-local NVMe folder for KV offload). For a
+    job folder on shared storage (scratch must be node-local): $XDG_CACHE_HOME/kvbatch/offload, private
+    to the user (mode 0700), never a predictable name in a shared /tmp."""
     configured = os.environ.get(OFFLOAD_ROOT_ENV, "").strip()
     if configured:
         return Path(configured)
@@ -188,13 +182,9 @@ def _make_task_dir(job_dir: Path, task_dir: Path) -> None:
 def task_scratch(offload_root: Path, job_id: str, task_id: str, attempt: int, claim_bytes: int = 0,
                  wait_s: float = 0.0, pass_at: tuple[int, int] | None = None) -> Iterator[Path]:
     """A fresh dir for one task attempt (or one pass of it, `pass_at` its level and index: several run at
-    once), removed when the block ends however it ends.
-
-    `claim_bytes` is what the task will write there: it is claimed on the root's filesystem against
-    what the other live task dirs claimed (storage.scratch_space), waiting up to `wait_s` for them
-    when they hold the room; ScratchSpaceError when it cannot fit. A dir that claims nothing (its
-    task writes no KV there) is made without a look at the room.
-    """
+    once), removed when the block ends however it ends. `claim_bytes`, what the task will write there,
+    is claimed against the live task dirs' claims (storage.scratch_space), waiting up to `wait_s` for
+    room they hold; ScratchSpaceError when it cannot fit. A dir that claims nothing skips the look."""
     if not _SAFE_NAME.fullmatch(job_id):
         raise ScratchError(
             f"job id {job_id!r} cannot name a scratch dir: use letters, digits, '_', '-' and '.' "

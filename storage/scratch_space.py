@@ -1,13 +1,11 @@
 """Room on an offload root's filesystem, shared fairly by the task dirs that write there at once.
 
-A task's KV reaches its disk over its whole decode, so the filesystem's free space at the moment a
-task starts says nothing about what its running neighbours (batch-mates in this worker, other
-workers, other jobs on the same root) will still write. Each task dir therefore records the bytes it
-claimed, and a new claim counts what the live dirs claimed and have not written yet as taken.
-Claims are decided one at a time under an exclusive `flock` of a file of the root (its marker; the
-kernel drops the lock when a process dies). A claim that would fit once the live dirs are gone waits
-for them (bounded) instead of failing: without that, which task of a batch ran at a shorter context
-would depend on which one reached the disk first.
+A task's KV reaches the disk over its whole decode, so the free space when a task starts says nothing
+about what its running neighbours (batch-mates, other workers, other jobs on the root) will still
+write. Each task dir records the bytes it claimed; a new claim counts what live dirs claimed and have
+not written yet as taken. Claims are decided one at a time under a `flock` of the root's marker (the
+kernel drops it when a process dies). A claim that would fit once the live dirs are gone waits for
+them (bounded): otherwise which task of a batch ran at a shorter context would depend on who wrote first.
 """
 
 from __future__ import annotations
@@ -64,10 +62,9 @@ class Room:
 @contextmanager
 def room_claimed(root: Path, lock_file: Path, needed_bytes: int, wait_s: float,
                  live_claims: Callable[[], tuple[Claim, ...]], refuse: Callable[[Room], Exception]) -> Iterator[Room]:
-    """Held while the caller records its claim (its task dir and the claim in it), with `lock_file`
-    (an existing file on the root) locked, so that no other claim is decided in between. Waits up
-    to `wait_s` while the room is held by live claims that would leave enough when they end; raises
-    `refuse(room)` when it does not fit then, or at once when it would not fit even without them."""
+    """Held, with `lock_file` (a file on the root) locked, while the caller records its claim, so no
+    other claim is decided in between. Waits up to `wait_s` while live claims hold room they would leave
+    when they end; raises `refuse(room)` then, or at once when it would not fit even without them."""
     deadline = time.monotonic() + wait_s
     while True:
         fd = os.open(lock_file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
