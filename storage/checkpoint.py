@@ -93,8 +93,7 @@ class _Stream:
 
 
 class CheckpointLog:
-    """Thread-safe writer of a job's events/, results/ and passes/ parts (see the module): the only
-    writer of a job folder while its coordinator runs."""
+    """Thread-safe writer of a job's events/, results/ and passes/ (see the module): the job folder's only writer."""
 
     def __init__(
         self,
@@ -173,8 +172,7 @@ class CheckpointLog:
         return len(self._results.pending) + len(self._events.pending) + sum(map(len, self._passes.values()))
 
     def _commit(self, ticket: int | None = None) -> None:
-        """Publish the rows added up to `ticket` (None: every row): in this thread, unless the write of
-        another caller took them out meanwhile."""
+        """Publish the rows added up to `ticket` (None: all) unless another caller's write took them meanwhile."""
         with self._turn:
             if ticket is None or self._published < ticket:
                 self._write()

@@ -147,8 +147,7 @@ def results_table(job_dir: Where, errors_only: bool, with_text: bool = False) ->
 
 
 def result_rows(job_dir: Where, errors_only: bool, with_text: bool = False) -> list[dict[str, Any]]:
-    """The rows of the JSON lines export, as dicts: every metadata value as the manifest gave it (mixed
-    types, big integers), timestamps as ISO 8601 text."""
+    """The JSON lines export's rows as dicts: metadata as the manifest gave it, timestamps as ISO 8601 text."""
     table, metas, names = _results_and_metadata(job_dir, errors_only, with_text)
     rows = table.to_pylist()
     for row, meta in zip(rows, metas):

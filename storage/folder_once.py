@@ -22,8 +22,7 @@ Announce = Callable[[str], None]
 
 
 def build_folder_once(dest: Path, build: Callable[[Path], None], message: str, announce: Announce) -> Path:
-    """Return `dest`, calling `build(temp_folder)` first if it is not there yet; `message` is
-    announced when the build starts."""
+    """`dest`, built by `build(temp_folder)` (announcing `message`) first if it is not there yet."""
     if dest.is_dir():
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)

@@ -278,8 +278,7 @@ class KVBlockStore:
         return values
 
     def read_into(self, ref: BlockRef, out: np.ndarray) -> int:
-        """Decode the block straight into `out`, which has the shape it was appended with; returns
-        the bytes written into `out`."""
+        """Decode the block straight into `out` (the shape it was appended with); returns the bytes written."""
         start = time.perf_counter()
         self._check_size(ref, out.nbytes)
         self.codec.decode_into(self._payload(ref), out)

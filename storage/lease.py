@@ -180,8 +180,7 @@ class JobLease(HeldLock):
         return "still"
 
     def acquire(self) -> None:
-        """Take the lease or raise JobLockedError naming the holder (LeaseStorageError when the
-        store cannot be read: not knowing is never taken for 'free')."""
+        """Take the lease or raise JobLockedError naming the holder (an unreadable store is never 'free')."""
         for _ in range(10):
             sent = _clock()
             created = self._store.create(self._record())
@@ -200,9 +199,8 @@ class JobLease(HeldLock):
             liveness = holder.liveness() if holder else None
             if liveness == OwnerLiveness.ALIVE:
                 raise JobLockedError(self._refusal(holder))
-            if liveness in (OwnerLiveness.DEAD, OwnerLiveness.PID_REUSED):
-                why = None
-            else:
+            why = None
+            if liveness not in (OwnerLiveness.DEAD, OwnerLiveness.PID_REUSED):
                 logger.warning("job lease %s is held by %s: waiting up to %.0f s for it to be renewed",
                                self.location, holder.describe() if holder else "an unreadable record", ttl_s)
                 seen = self._watch(etag, ttl_s)

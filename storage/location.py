@@ -23,8 +23,7 @@ from jobs.uris import S3_ENDPOINT_ENV, UnsupportedURIError, filesystem_of, is_ur
 
 
 class StorageError(OSError):
-    """A storage problem the user fixes (no bucket, credentials, permission, endpoint); the message,
-    one line, names the URI and the fix."""
+    """A storage problem the user fixes (bucket, credentials, endpoint): one line naming the URI and the fix."""
 
 
 _CREDENTIAL_SOURCES = ("AWS_ACCESS_KEY_ID", "AWS_PROFILE", "AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_CONTAINER_CREDENTIALS_FULL_URI",
@@ -181,8 +180,7 @@ class Location:
         return [self / name for name in names if name.startswith(prefix) and name.endswith(suffix)]
 
     def folders(self) -> list[str]:
-        """Names of the folders directly in this folder, sorted; none if it is missing. On an object
-        store a folder is a common prefix of its keys."""
+        """Sorted names of the folders directly in this one (on an object store: key prefixes); none if missing."""
         return self._names(pafs.FileType.Directory)
 
     # --- writing ------------------------------------------------------------------------------

@@ -45,8 +45,7 @@ def record_expiry(raw: bytes) -> float | None:
 
 
 def lock_holder(path: Where) -> ProcessOwner | None:
-    """Who the lock record names, read without taking or touching the lock (for `status`); nobody
-    when the record is a lease (object storage) that has expired."""
+    """Who the lock record names, read without touching the lock (for `status`); nobody for an expired lease."""
     try:
         raw = Location.of(path).read_bytes()
     except OSError:
@@ -56,8 +55,7 @@ def lock_holder(path: Where) -> ProcessOwner | None:
 
 
 class HeldLock(ABC):
-    """What every kind of job lock shares: the messages and the context-manager protocol;
-    `takeover_message` says whose stale lock was replaced, when one was."""
+    """What every job lock shares: messages, context manager; `takeover_message` names a replaced stale lock."""
 
     takeover_message: str | None = None
 

@@ -89,8 +89,7 @@ def list_parts(directory: Where) -> list[Location]:
 
 
 def is_own_part_name(name: str) -> bool:
-    """Whether `name` is one kvbatch gives a part or the temporary file of its write (any other file in
-    a folder of parts is someone else's, and kvbatch leaves it alone)."""
+    """Whether kvbatch names a part or its write's temporary file so; any other file is someone else's."""
     return _OWN_PART_NAME.fullmatch(name) is not None
 
 

@@ -119,16 +119,8 @@ def _check_private(offload_root: Path, info: os.stat_result) -> None:
         )
 
 
-def _holds_foreign_entries(root: Path) -> bool:
-    """Unmarked and not empty: a folder kvbatch did not create (another worker may have just marked
-    it and started a task, so the marker is looked for again after the listing)."""
-    marker = root / ROOT_MARKER
-    return not marker.is_file() and any(e.name != ROOT_MARKER for e in os.scandir(root)) and not marker.is_file()
-
-
 def ensure_offload_root(offload_root: Path) -> Path:
-    """Create (or adopt, when empty or marked) the root and its marker; refuse '/', foreign folders
-    and folders that are not this user's alone."""
+    """Create (or adopt, when empty or marked) the root and its marker; refuse '/', foreign or shared folders."""
     root = _check_not_filesystem_root(offload_root)
     root.mkdir(mode=0o700, parents=True, exist_ok=True)
     check_offload_root(offload_root)
@@ -139,8 +131,7 @@ def ensure_offload_root(offload_root: Path) -> Path:
 
 
 def check_offload_root(offload_root: Path) -> None:
-    """What `ensure_offload_root` would refuse, checked at submit without creating anything: a root
-    that does not exist yet is fine (the workers create it)."""
+    """What `ensure_offload_root` would refuse, checked at submit without creating anything (none yet is fine)."""
     root = _check_not_filesystem_root(offload_root)
     if not root.exists():
         return
@@ -150,16 +141,11 @@ def check_offload_root(offload_root: Path) -> None:
             f"(or ${OFFLOAD_ROOT_ENV}) at a new or empty folder"
         )
     _check_private(offload_root, os.stat(root))
-    if _holds_foreign_entries(root):
+    marker = root / ROOT_MARKER
+    # unmarked and not empty: a folder kvbatch did not create (another worker may have just marked it
+    # and started a task, so the marker is looked for again after the listing)
+    if not marker.is_file() and any(e.name != ROOT_MARKER for e in os.scandir(root)) and not marker.is_file():
         raise _not_a_kvbatch_root(offload_root)
-
-
-def _write_owner_file(task_dir: Path, job_id: str, claimed_bytes: int) -> None:
-    record = {**ProcessOwner.current().to_dict(), "job_id": job_id, "created": time.time(),
-              "claimed_bytes": claimed_bytes}
-    temp = task_dir / f"{OWNER_FILE}.tmp"
-    temp.write_text(json.dumps(record))
-    os.rename(temp, task_dir / OWNER_FILE)  # a sweeper sees the whole record or none
 
 
 def _make_task_dir(job_dir: Path, task_dir: Path) -> None:
@@ -202,7 +188,11 @@ def task_scratch(offload_root: Path, job_id: str, task_id: str, attempt: int, cl
     with claimed:
         _make_task_dir(job_dir, task_dir)
         try:
-            _write_owner_file(task_dir, job_id, claim_bytes)
+            record = {**ProcessOwner.current().to_dict(), "job_id": job_id, "created": time.time(),
+                      "claimed_bytes": claim_bytes}
+            temp = task_dir / f"{OWNER_FILE}.tmp"
+            temp.write_text(json.dumps(record))
+            os.rename(temp, task_dir / OWNER_FILE)  # a sweeper sees the whole record or none
         except BaseException:
             _remove_task_dir(job_dir, task_dir)
             raise
@@ -262,8 +252,7 @@ def _read_owner(task_fd: int) -> dict | None:
 
 
 def _orphan_reason(task_fd: int, job_id: str) -> tuple[str, str] | None:
-    """(owner, reason) when the dir's owner is gone, None when it is (or may be) alive, or when
-    the dir is not verifiably kvbatch's."""
+    """(owner, reason) when the dir's owner is gone; None when it may be alive or the dir is not surely ours."""
     record = _read_owner(task_fd)
     if record is None:
         # the remains of a crash between mkdir and publishing the owner file hold nothing else
@@ -359,8 +348,7 @@ def _no_room(offload_root: Path, room: Room) -> ScratchSpaceError:
 
 
 def live_claims(root: Path) -> tuple[Claim, ...]:
-    """What the root's task dirs whose owner may be alive claimed, and what they hold now: a dir
-    of a dead owner claims nothing (its files already count as used)."""
+    """Claims of the root's task dirs whose owner may be alive (a dead owner's files already count as used)."""
     root_fd = _open_dir(root)
     if root_fd is None:
         return ()

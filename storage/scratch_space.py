@@ -53,8 +53,7 @@ class Room:
 
     @property
     def fits_once_claims_end(self) -> bool:
-        """Whether the claim fits when every live claim has ended and its files are gone (so it is
-        worth waiting for them)."""
+        """Whether it fits once every live claim has ended and its files are gone (worth waiting for)."""
         used = sum(claim.used_bytes for claim in self.claims)
         return self.needed_bytes + self.reserve_bytes <= self.free_bytes + used
 
