@@ -233,8 +233,7 @@ class CheckpointLog:
                 with self._turn:
                     self._write()
             except Exception as exc:  # unpublished rows stay buffered for the next flush
-                # the next caller raises it and says what to do (a full disk: submit's exit 6); a
-                # traceback on the console here came before that line
+                # the next caller raises it and says what to do (a full disk: exit 6): no traceback here
                 logger.debug("periodic checkpoint flush of %s failed", self._results.directory.parent,
                              exc_info=True)
                 with self._lock:

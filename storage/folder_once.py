@@ -43,7 +43,11 @@ def build_folder_once(dest: Path, build: Callable[[Path], None], message: str, a
             started = time.perf_counter()
             build(tmp)
             tmp.chmod(0o755)  # mkdtemp makes it private; the folder is shared by every user's processes
-            _fsync_tree(tmp)
+            for path in tmp.rglob("*"):
+                if path.is_file():
+                    with open(path, "rb") as handle:
+                        os.fsync(handle.fileno())
+            fsync_directory(tmp)
             os.rename(tmp, dest)
             fsync_directory(dest.parent)
         except BaseException:
@@ -51,11 +55,3 @@ def build_folder_once(dest: Path, build: Callable[[Path], None], message: str, a
             raise
         announce(f"done in {time.perf_counter() - started:.1f} s: {dest}")
     return dest
-
-
-def _fsync_tree(root: Path) -> None:
-    for path in root.rglob("*"):
-        if path.is_file():
-            with open(path, "rb") as handle:
-                os.fsync(handle.fileno())
-    fsync_directory(root)

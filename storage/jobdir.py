@@ -104,8 +104,7 @@ def _file_in_the_way(job: JobDir) -> Path | None:
     return existing if existing is not None and not os.path.isdir(existing) else None
 
 
-#: What a submit that stopped before publishing its manifest leaves in a job folder (the lock, the
-#: folders of the first writes): a folder holding only these may take a new job.
+#: What a submit stopped before its manifest was published leaves: a folder holding only these may take a job.
 _CREATION_NAMES = {".lock", "events", "results"}
 
 
@@ -123,11 +122,6 @@ def _entry_names(job: JobDir) -> set[str]:
     return {f.name for f in job.path.files()} | set(job.path.folders())
 
 
-def _shown(names: set[str], job: JobDir, most: int = 3) -> str:
-    shown = [f"{name}/" if (job.path / name).is_dir() else name for name in sorted(names)[:most]]
-    return ", ".join(shown) + (f" and {len(names) - most} more" if len(names) > most else "")
-
-
 def check_new_job_folder(job: JobDir) -> None:
     """Refuse, before anything is read or written, a job folder path that is a file, already holds a
     job, or is a folder that is not empty and not a kvbatch job folder (kvbatch removes files in its
@@ -141,8 +135,10 @@ def check_new_job_folder(job: JobDir) -> None:
         )
     names = _entry_names(job)
     if names and not holds_job(names) and not names <= _CREATION_NAMES:
+        shown = ", ".join(f"{name}/" if (job.path / name).is_dir() else name for name in sorted(names)[:3])
+        more = f" and {len(names) - 3} more" if len(names) > 3 else ""
         raise JobDirError(
-            f"{job.path} is not empty and is not a kvbatch job folder (it holds {_shown(names, job)}): "
+            f"{job.path} is not empty and is not a kvbatch job folder (it holds {shown}{more}): "
             "give -j a new or empty folder, or leave -j out to make runs/<job-id>"
         )
 

@@ -33,8 +33,7 @@ LEASE_TTL_S = 60.0
 LEASE_TTL_ENV = "KVBATCH_LEASE_TTL_S"
 #: A holder renews this often (in TTLs): several tries fit in its validity.
 _RENEW_EVERY = 0.2
-#: A holder counts its lease valid this long (in TTLs) after sending its last successful renewal:
-#: the margin covers clock-rate differences between the holder and a taker.
+#: A holder's lease is valid this long (in TTLs) after it sent its last renewal: a margin for clock-rate drift.
 _VALID_FOR = 0.8
 _READ_TRIES = 5
 
@@ -139,7 +138,6 @@ class JobLease(HeldLock):
         self._guard = threading.Lock()
         self._renewer: threading.Thread | None = None
 
-    # -- what is written -------------------------------------------------------------------
     def _record(self) -> bytes:
         self._seq += 1
         now = time.time()
@@ -153,7 +151,6 @@ class JobLease(HeldLock):
         self._etag = etag
         self._valid_until = sent + self.ttl_s * _VALID_FOR
 
-    # -- taking it ---------------------------------------------------------------------------
     def _read(self) -> tuple[bytes, str] | None:
         """The lease's content and version; retried, and a persistent error raised, never 'no lease'."""
         for attempt in range(_READ_TRIES - 1):
@@ -235,7 +232,6 @@ class JobLease(HeldLock):
             return self._refusal(holder) + " (it keeps renewing its lease)"
         return self._refusal(holder, record_expiry(current[0])) + " (it took the lease over while this one waited)"
 
-    # -- holding it --------------------------------------------------------------------------
     def _lose(self, why: str) -> None:
         with self._guard:
             if self._lost is None:
@@ -288,4 +284,3 @@ class JobLease(HeldLock):
         self._renewer = None
         if self._lost is None and self._etag is not None:
             self._store.delete(self._etag)
-

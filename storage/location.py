@@ -140,8 +140,6 @@ class Location:
                 raise
             raise fixable from e
 
-    # --- reading ------------------------------------------------------------------------------
-
     def _info(self) -> pafs.FileInfo:
         with self._user_errors():
             return self.fs.get_file_info(self.path)
@@ -182,8 +180,6 @@ class Location:
     def folders(self) -> list[str]:
         """Sorted names of the folders directly in this one (on an object store: key prefixes); none if missing."""
         return self._names(pafs.FileType.Directory)
-
-    # --- writing ------------------------------------------------------------------------------
 
     def makedirs(self) -> None:
         """Create the folder (object stores have no folders: nothing to do there)."""

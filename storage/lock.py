@@ -32,10 +32,6 @@ def parse_owner(raw: bytes) -> ProcessOwner | None:
         return None
 
 
-def _read_owner(fd: int) -> ProcessOwner | None:
-    return parse_owner(os.pread(fd, 65536, 0))  # a record is a few hundred bytes
-
-
 def record_expiry(raw: bytes) -> float | None:
     """The wall-clock expiry a lease record states, for people: no lease decision compares it."""
     try:
@@ -126,7 +122,7 @@ class JobLock(HeldLock):
             raise RuntimeError(f"{self.path} is already held by this JobLock")
         fd = self._open_locked()
         try:
-            previous = _read_owner(fd)
+            previous = parse_owner(os.pread(fd, 65536, 0))  # a record is a few hundred bytes
             me = ProcessOwner.current()
             if previous is not None and previous != me and previous.liveness() == OwnerLiveness.ALIVE:
                 raise JobLockedError(self._refusal(previous))
@@ -149,7 +145,7 @@ class JobLock(HeldLock):
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                holder = _read_owner(fd)
+                holder = parse_owner(os.pread(fd, 65536, 0))
                 os.close(fd)
                 raise JobLockedError(self._refusal(holder)) from None
             with suppress(FileNotFoundError):

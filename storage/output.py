@@ -29,8 +29,7 @@ STDOUT = "-"
 
 _DESCRIPTOR_NAMES = {"/dev/stdin": 0, "/dev/stdout": 1, "/dev/stderr": 2}
 _DESCRIPTOR_PATH = re.compile(r"/dev/fd/(\d+)|/proc/(?:self|thread-self|(\d+))/fd/(\d+)")
-#: creating the temporary file: exclusively (an existing name, a symlink included, is an error) and
-#: never through a symlink
+#: the temporary file is created exclusively (an existing name, a symlink too, is an error), never through a link
 _EXCLUSIVE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 _TEMP_TRIES = 100
 

@@ -28,8 +28,7 @@ from storage.location import Fence, Location, Where, fsync_directory, no_fence
 
 PART_PREFIX, PART_SUFFIX = "part-", ".parquet"
 TEMP_PREFIX = ".tmp-"
-#: The names kvbatch gives a part, and the temporary name of its write (`_next_part_name`, `write_part`):
-#: removing a document's passes (storage/passes.py) deletes only files named so.
+#: The names kvbatch gives a part or its write's temporary file: removing passes deletes only files named so.
 _OWN_PART_NAME = re.compile(r"(?:\.tmp-)?part-\d{20,}-\d{8,}-\d+-[0-9a-f]{6}\.parquet")
 _REPLACES_KEY = b"kvbatch.replaces"
 _READ_THREADS = 4  # small parts are dominated by per-file latency; a few threads overlap it

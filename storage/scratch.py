@@ -29,8 +29,7 @@ from storage.scratch_space import Claim, Room, room_claimed
 OFFLOAD_ROOT_ENV = "KVBATCH_OFFLOAD_ROOT"
 ROOT_MARKER = ".kvbatch-offload-root"
 OWNER_FILE = ".owner.json"
-#: A dir without a readable owner file is one being created right now, or the remains of a crash
-#: between mkdir and writing the owner file; only the latter is this old.
+#: A dir with no owner file is being created now, or a crash left it after mkdir; only the latter is this old.
 OWNERLESS_GRACE_S = 300.0
 
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}")
@@ -142,8 +141,7 @@ def check_offload_root(offload_root: Path) -> None:
         )
     _check_private(offload_root, os.stat(root))
     marker = root / ROOT_MARKER
-    # unmarked and not empty: a folder kvbatch did not create (another worker may have just marked it
-    # and started a task, so the marker is looked for again after the listing)
+    # unmarked and not empty: not kvbatch's (the marker is looked for again: another worker may have just made it)
     if not marker.is_file() and any(e.name != ROOT_MARKER for e in os.scandir(root)) and not marker.is_file():
         raise _not_a_kvbatch_root(offload_root)
 
