@@ -55,8 +55,7 @@ class _Stream:
         self.unmerged: list[tuple[Location, pa.Table]] = []  # parts this log wrote, kept to merge without rereading
 
     def check_keys(self, row: dict[str, Any]) -> None:
-        unknown = row.keys() - self.columns
-        if unknown:
+        if unknown := row.keys() - self.columns:
             raise CheckpointRowError(
                 f"{_row_label(row)}: unknown {self.directory.name} column(s) {sorted(unknown)}; "
                 f"allowed: {', '.join(self.schema.names)}"
@@ -78,8 +77,6 @@ class _Stream:
 
     def publish(self, rows: list[dict[str, Any]]) -> tuple[list[str], list[str]]:
         """Write `rows` as one part: the task ids written, and a description of each row left out."""
-        if not rows:
-            return [], []
         table, rejected = self._convert(rows)
         if table.num_rows:
             self.unmerged.append((write_part(self.directory, table, fence=self.fence), table))

@@ -184,8 +184,7 @@ class JobLease(HeldLock):
             if created is not None:
                 self._took(created, sent)
                 break
-            current = self._read()
-            if current is None:
+            if (current := self._read()) is None:
                 continue  # released between our create and our read: try again
             raw, etag = current
             holder = parse_owner(raw)
@@ -224,8 +223,7 @@ class JobLease(HeldLock):
     def _refusal_now(self, watched: ProcessOwner | None) -> str:
         """The refusal naming whom the lease names now, not the `watched` record: while this taker
         watched a dead coordinator's lease, another taker may have taken it over."""
-        current = self._read()
-        if current is None:
+        if (current := self._read()) is None:
             return self._refusal(None)
         holder = parse_owner(current[0])
         if holder is not None and holder == watched:
@@ -267,8 +265,7 @@ class JobLease(HeldLock):
         return self._lost
 
     def check(self) -> None:
-        why = self.lost
-        if why is not None:
+        if (why := self.lost) is not None:
             raise LeaseLostError(
                 f"this coordinator lost the job lease of {self.location.parent} ({why}); it wrote nothing "
                 f"since. Another coordinator runs the job now: check with `kvbatch status {self.location.parent}`, "

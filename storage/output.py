@@ -48,8 +48,7 @@ def descriptor_of(path: Path | str) -> int | None:
     text = os.path.normpath(os.path.abspath(os.fspath(path)))
     if text in _DESCRIPTOR_NAMES:
         return _DESCRIPTOR_NAMES[text]
-    match = _DESCRIPTOR_PATH.fullmatch(text)
-    if match is None:
+    if (match := _DESCRIPTOR_PATH.fullmatch(text)) is None:
         return None
     fd_dev, pid, fd_proc = match.groups()
     if pid is not None and int(pid) != os.getpid():

@@ -107,11 +107,9 @@ class _ReadPart:
 
 def _schema_problem(found: pa.Schema, expected: pa.Schema) -> str | None:
     """Parts written before a column was added lack it and stay readable; key columns must be there."""
-    missing = [name for name in expected.names if name not in found.names and name in KEY_COLUMNS]
-    if missing:
+    if missing := [name for name in expected.names if name not in found.names and name in KEY_COLUMNS]:
         return f"wrong schema: missing column(s) {', '.join(missing)}"
-    extra = [name for name in found.names if name not in expected.names]
-    if extra:
+    if extra := [name for name in found.names if name not in expected.names]:
         return f"wrong schema: unexpected column(s) {', '.join(extra)}"
     for field in expected:
         if field.name not in found.names:
@@ -132,8 +130,7 @@ def _read_one(path: Location, schema: pa.Schema) -> _ReadPart:
         return _ReadPart(path)
     except (OSError, pa.ArrowException) as exc:
         return _ReadPart(path, problem=f"unreadable Parquet ({type(exc).__name__}: {exc})")
-    problem = _schema_problem(table.schema, schema)
-    if problem:
+    if problem := _schema_problem(table.schema, schema):
         return _ReadPart(path, problem=problem)
     metadata = table.schema.metadata or {}
     try:

@@ -70,8 +70,7 @@ def default_offload_root(job_dir: Where) -> Path:
     with it; point the variable or `cache.offload_root` at a node-local NVMe folder for KV offload). For a
     job folder on shared storage (scratch must be node-local): $XDG_CACHE_HOME/kvbatch/offload, private
     to the user (mode 0700), never a predictable name in a shared /tmp."""
-    configured = os.environ.get(OFFLOAD_ROOT_ENV, "").strip()
-    if configured:
+    if configured := os.environ.get(OFFLOAD_ROOT_ENV, "").strip():
         return Path(configured)
     job = Location.of(job_dir)
     if job.is_local:
@@ -315,8 +314,7 @@ def sweep_orphans(offload_root: Path, job_id: str | None = None) -> list[SweptDi
     root = _check_not_filesystem_root(offload_root)
     if not root.exists():
         return []
-    root_fd = _open_dir(root)
-    if root_fd is None:
+    if (root_fd := _open_dir(root)) is None:
         raise _not_a_kvbatch_root(offload_root)
     try:
         try:
@@ -347,8 +345,7 @@ def _no_room(offload_root: Path, room: Room) -> ScratchSpaceError:
 
 def live_claims(root: Path) -> tuple[Claim, ...]:
     """Claims of the root's task dirs whose owner may be alive (a dead owner's files already count as used)."""
-    root_fd = _open_dir(root)
-    if root_fd is None:
+    if (root_fd := _open_dir(root)) is None:
         return ()
     try:
         claims = [_claim_of(task_fd) for _, _, _, task_fd in _task_dirs(root_fd)]
