@@ -114,8 +114,7 @@ def metadata_names(keys: list[str], result_columns: list[str]) -> dict[str, str]
 
 def _results_and_metadata(job_dir: Where, errors_only: bool, with_text: bool
                           ) -> tuple[pa.Table, list[dict[str, Any]], dict[str, str]]:
-    """Deduplicated result rows without their metadata (`with_text`: plus the text each model was given);
-    each row's metadata; its column names."""
+    """Deduplicated result rows without `meta` (`with_text`: plus `text`), each row's metadata, its names."""
     check_job_folder(JobDir(job_dir))
     table = in_manifest_order(load_state(job_dir).results)
     if errors_only:

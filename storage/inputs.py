@@ -119,8 +119,7 @@ def _not_documents(source: str) -> ManifestError:
 
 
 def _uri_of(base: str, query: str) -> Callable[[str], str]:
-    """The URI of a file in the folder `base` (a file:// one is listed as a local folder: pyarrow's recursive
-    listing would follow symlinked folders)."""
+    """The URI of a file of the folder `base` (a file:// folder is listed locally: pyarrow would follow links)."""
     return lambda relative: f"{base.rstrip('/')}/{relative}" + (f"?{query}" if query else "")
 
 

@@ -123,9 +123,8 @@ def _entry_names(job: JobDir) -> set[str]:
 
 
 def check_new_job_folder(job: JobDir) -> None:
-    """Refuse, before anything is read or written, a job folder path that is a file, already holds a
-    job, or is a folder that is not empty and not a kvbatch job folder (kvbatch removes files in its
-    job folder: it must never be someone's folder of other things)."""
+    """Refuse, before anything is read or written, a path that is a file, holds a job, or is a non-empty
+    folder that is no job folder (kvbatch removes files in its job folder: never in someone's other folder)."""
     if (blocking := _file_in_the_way(job)) is not None:
         raise JobDirError(f"{blocking} is a file, not a folder: give -j the path of a new job folder")
     if job.job_json.exists():

@@ -267,8 +267,7 @@ class KVBlockStore:
             )
 
     def read(self, ref: BlockRef, dtype: np.dtype) -> np.ndarray:
-        """The block's values as a flat array (a view of the mapping for `none`, unless reads are
-        kept cold: then a copy, as the mapped pages are dropped)."""
+        """The block's values, flat (for `none` a view of the mapping; a copy when reads are kept cold)."""
         start = time.perf_counter()
         values = self.codec.decode(self._payload(ref), dtype)
         self._check_size(ref, values.nbytes)

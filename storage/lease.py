@@ -84,9 +84,8 @@ class _S3Object:
         )
 
     def _call(self, action: str, method: str, **arguments: str | bytes) -> dict | None:
-        """The client's answer; None when the store refused: the condition did not hold (412), a concurrent
-        conditional write won (409), or no object (404; a missing bucket answers 404 too, and is an error,
-        not an absent lease). Other errors name the URI, and the fix when the user can fix it."""
+        """The client's answer; None when the store refused: the condition failed (412), a concurrent conditional
+        write won (409) or no object (404, but a missing bucket is an error). Other errors name the URI and fix."""
         from botocore.exceptions import ClientError
 
         try:
@@ -221,8 +220,7 @@ class JobLease(HeldLock):
         self._renewer.start()
 
     def _refusal_now(self, watched: ProcessOwner | None) -> str:
-        """The refusal naming whom the lease names now, not the `watched` record: while this taker
-        watched a dead coordinator's lease, another taker may have taken it over."""
+        """The refusal naming whom the lease names now: while this taker watched, another may have taken it."""
         if (current := self._read()) is None:
             return self._refusal(None)
         holder = parse_owner(current[0])

@@ -135,8 +135,7 @@ class Location:
         except (FileNotFoundError, StorageError):
             raise
         except OSError as e:
-            fixable = None if self.is_local else storage_error(self.uri, e)
-            if fixable is None:
+            if (fixable := None if self.is_local else storage_error(self.uri, e)) is None:
                 raise
             raise fixable from e
 

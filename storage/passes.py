@@ -54,9 +54,8 @@ def _job_task_ids(job_dir: Where) -> set[str] | None:
 
 
 def tasks_with_passes(job_dir: Where) -> list[str]:
-    """The job's task ids that have a passes folder. A folder named after no task of the job's manifest
-    is not kvbatch's: it is neither listed nor ever emptied. (A folder that holds no manifest, which no
-    coordinator runs in, has no task list to check against: each of its passes folders is listed.)"""
+    """The job's task ids that have a passes folder; one named after no task of the job's manifest is not
+    kvbatch's, neither listed nor emptied (a folder with no manifest, where no job runs, lists them all)."""
     folders = (Location.of(job_dir) / PASSES_DIR).folders()
     if not folders or (tasks := _job_task_ids(job_dir)) is None:
         return folders

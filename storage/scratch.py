@@ -66,10 +66,9 @@ class SweptDir:
 
 
 def default_offload_root(job_dir: Where) -> Path:
-    """$KVBATCH_OFFLOAD_ROOT when set, else JOB_DIR/scratch/kvbatch (on the job folder's disk, gone
-    with it; point the variable or `cache.offload_root` at a node-local NVMe folder for KV offload). For a
-    job folder on shared storage (scratch must be node-local): $XDG_CACHE_HOME/kvbatch/offload, private
-    to the user (mode 0700), never a predictable name in a shared /tmp."""
+    """$KVBATCH_OFFLOAD_ROOT when set, else JOB_DIR/scratch/kvbatch (gone with the job folder; point the variable
+    or `cache.offload_root` at a node-local NVMe folder for KV offload); for a job folder on shared storage,
+    $XDG_CACHE_HOME/kvbatch/offload, private to the user (0700), never a predictable name in a shared /tmp."""
     if configured := os.environ.get(OFFLOAD_ROOT_ENV, "").strip():
         return Path(configured)
     job = Location.of(job_dir)
