@@ -1,17 +1,12 @@
 """The job's checkpoint log: task events, results and finished passes as append-only Parquet parts.
 
-What the log is told is kept is on disk before the call returns: a result row (the "done" record) and a
-document's finished passes are published by `add_result`/`add_passes` themselves, so whatever job.log,
-the progress bar or `status` announce after it survives a `kill -9`; a kill loses only the work still
-in flight. Callers that finish at the same moment share one write (a group commit: whoever takes the
-writer's turn publishes every row added so far, and a caller whose row went out in another's write
-returns at once), so many feeding threads do not cost one fsynced part each. Task events (running,
-retrying) only describe the way there and are buffered: published with the next result or pass, every
-`flush_every` rows or after `flush_interval_s` seconds, and on close. Results are published before the
-events and passes of the same write, and a document's passes only while it has no result: those of a
-document whose result goes out in the same write are dropped. While a run goes on, every
-`merge_every` parts the log wrote are merged into one, which keeps the number of files a resume has to
-read small even after a crash; `compact` merges everything once the job ends.
+`add_result`/`add_passes` return once their rows are on disk, so whatever job.log, the progress bar or
+`status` announce after them survives a `kill -9`. Callers finishing at once share one fsynced write (a
+group commit: the writer's turn publishes every row added so far). Task events only describe the way
+there: buffered until the next result or pass, `flush_every` rows, `flush_interval_s` seconds, or close.
+Results go before the events and passes of the same write, and the passes of a document whose result
+goes out are dropped. Every `merge_every` parts the log wrote are merged into one, so a resume reads
+few files even after a crash; `compact` merges everything once the job ends.
 """
 
 from __future__ import annotations
@@ -21,7 +16,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from types import TracebackType
 from typing import Any
 
 import numpy as np
@@ -61,8 +55,7 @@ class _Stream:
         self.unmerged: list[tuple[Location, pa.Table]] = []  # parts this log wrote, kept to merge without rereading
 
     def check_keys(self, row: dict[str, Any]) -> None:
-        unknown = row.keys() - self.columns
-        if unknown:
+        if unknown := row.keys() - self.columns:
             raise CheckpointRowError(
                 f"{_row_label(row)}: unknown {self.directory.name} column(s) {sorted(unknown)}; "
                 f"allowed: {', '.join(self.schema.names)}"
@@ -84,8 +77,6 @@ class _Stream:
 
     def publish(self, rows: list[dict[str, Any]]) -> tuple[list[str], list[str]]:
         """Write `rows` as one part: the task ids written, and a description of each row left out."""
-        if not rows:
-            return [], []
         table, rejected = self._convert(rows)
         if table.num_rows:
             self.unmerged.append((write_part(self.directory, table, fence=self.fence), table))
@@ -98,19 +89,8 @@ class _Stream:
             self.unmerged = []
 
 
-@dataclass
-class _Write:
-    """The rows one turn of the writer publishes; what is still here when it fails goes back to the queue."""
-
-    results: list[dict[str, Any]]
-    passes: dict[str, list[PassRow]]
-    events: list[dict[str, Any]]
-    upto: int  # rows added before it: a caller whose row is older finds it published
-
-
 class CheckpointLog:
-    """Thread-safe writer of a job's events/, results/ and passes/ parts (see the module): the only
-    writer of a job folder while its coordinator runs."""
+    """Thread-safe writer of a job's events/, results/ and passes/ (see the module): the job folder's only writer."""
 
     def __init__(
         self,
@@ -189,57 +169,53 @@ class CheckpointLog:
         return len(self._results.pending) + len(self._events.pending) + sum(map(len, self._passes.values()))
 
     def _commit(self, ticket: int | None = None) -> None:
-        """Publish the rows added up to `ticket` (None: every row): in this thread, unless the write of
-        another caller took them out meanwhile."""
+        """Publish the rows added up to `ticket` (None: all) unless another caller's write took them meanwhile."""
         with self._turn:
             if ticket is None or self._published < ticket:
                 self._write()
         self._raise_background_error()
 
     def _write(self) -> None:
-        """One turn of the writer (holding `_turn`): every queued row, results first."""
+        """One turn of the writer (holding `_turn`): every queued row, results first. What is not published
+        when it fails goes back to the queue; `upto`, the rows added before it, tells callers theirs went out."""
         with self._lock:
-            write = _Write(self._results.pending, self._passes, self._events.pending, self._added)
+            results, passes, events, upto = self._results.pending, self._passes, self._events.pending, self._added
             self._results.pending, self._passes, self._events.pending = [], {}, []
             self._oldest_pending = None
         rejected: dict[str, list[str]] = {}
         try:
-            published, rejected[RESULTS_DIR] = self._results.publish(write.results)  # the done record: first
-            write.results = []
+            published, rejected[RESULTS_DIR] = self._results.publish(results)  # the done record: first
+            results = []
             if published:
                 with self._lock:
                     for task_id in published:  # their passes are not needed any more
-                        write.passes.pop(task_id, None)
+                        passes.pop(task_id, None)
                         self._passes.pop(task_id, None)
                 if self._after_results is not None:
                     self._after_results(published)
-            while write.passes:
-                task_id, rows = next(iter(write.passes.items()))
+            while passes:
+                task_id, rows = next(iter(passes.items()))
                 write_passes(self._job_dir, task_id, rows, self._fence)
-                del write.passes[task_id]
-            rejected[EVENTS_DIR] = self._events.publish(write.events)[1]
-            write.events = []
+                del passes[task_id]
+            rejected[EVENTS_DIR] = self._events.publish(events)[1]
+            events = []
             for stream in (self._results, self._events):
                 stream.merge_if_due(self.merge_every)
         finally:
             with self._lock:
-                if write.results or write.passes or write.events:  # back in front of what came meanwhile
-                    self._results.pending[:0] = write.results
-                    for task_id, rows in write.passes.items():
+                if results or passes or events:  # back in front of what came meanwhile
+                    self._results.pending[:0] = results
+                    for task_id, rows in passes.items():
                         self._passes[task_id] = rows + self._passes.get(task_id, [])
-                    self._events.pending[:0] = write.events
+                    self._events.pending[:0] = events
                     self._oldest_pending = time.monotonic()  # the interval flusher tries again after a while
                 else:
-                    self._published = write.upto
+                    self._published = upto
         if any(rejected.values()):
             raise CheckpointRowError("; ".join(
                 f"{len(rows)} {name} row(s) do not fit the schema and were not written: " + "; ".join(rows)
                 for name, rows in rejected.items() if rows
             ))
-
-    def flush(self) -> None:
-        """Publish every buffered row now."""
-        self._commit()
 
     def _raise_background_error(self) -> None:
         """Hand an error of the interval flusher to the next caller, who can act on it."""
@@ -254,8 +230,7 @@ class CheckpointLog:
                 with self._turn:
                     self._write()
             except Exception as exc:  # unpublished rows stay buffered for the next flush
-                # the next caller raises it and says what to do (a full disk: submit's exit 6); a
-                # traceback on the console here came before that line
+                # the next caller raises it and says what to do (a full disk: exit 6): no traceback here
                 logger.debug("periodic checkpoint flush of %s failed", self._results.directory.parent,
                              exc_info=True)
                 with self._lock:
@@ -287,9 +262,7 @@ class CheckpointLog:
     def __enter__(self) -> CheckpointLog:
         return self
 
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
@@ -307,12 +280,8 @@ class JobState:
 
 
 def _winning_result_rows(results: pa.Table) -> np.ndarray:
-    """Row indices (in write order) of each task's winning result.
-
-    A done row beats any other, and the first done row wins (a later duplicate comes from a task
-    that finished twice, e.g. after a timeout). Without a done row, the latest row wins: a rerun's
-    failure supersedes the earlier one.
-    """
+    """Row indices (in write order) of each task's winning result: its first done row (a later one
+is a task that finished twice, e.g. after a timeout), else its latest row (a rerun's failure wins)."""
     n = results.num_rows
     index = np.arange(n, dtype=np.int64)
     is_done = pc.equal(results["status"], TaskState.DONE.value).fill_null(False).to_numpy(zero_copy_only=False)
@@ -351,11 +320,8 @@ def load_state(job_dir: Where) -> JobState:
 
 
 def compact(job_dir: Where, fence: Fence = no_fence) -> None:
-    """Merge each of events/ and results/ into one part; call with the job lock held, log closed.
-
-    Every row is kept (deduplication is load_state's job). Temporary files left by crashed writers
-    are removed: with the lock held and the log closed, nothing else can be writing them.
-    """
+    """Merge each of events/ and results/ into one part, keeping every row (load_state deduplicates),
+and remove the temporary files of crashed writers: call with the job lock held and the log closed."""
     job_dir = Location.of(job_dir)
     for directory, schema in ((job_dir / RESULTS_DIR, RESULT_SCHEMA), (job_dir / EVENTS_DIR, EVENT_SCHEMA)):
         merge_parts(directory, schema, fence)

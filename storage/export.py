@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import sys
@@ -22,7 +23,7 @@ from jobs.schema import TaskState
 from storage.checkpoint import load_state
 from storage.jobdir import JobDir, check_job_folder, read_manifest_table
 from storage.location import Where
-from storage.output import STDOUT, descriptor_of, write_output, write_stdout
+from storage.output import STDOUT, descriptor_of, write_descriptor, write_output
 
 ExportFormat = Literal["jsonl", "csv", "parquet"]
 #: Columns of seconds since the epoch: text a person reads (ISO 8601, UTC) in JSON lines and CSV.
@@ -39,17 +40,13 @@ FORMATS: tuple[ExportFormat, ...] = ("jsonl", "csv", "parquet")
 
 
 def format_for(path: Path | str | None, requested: str | None) -> ExportFormat:
-    """--format wins; else the output file's extension (none: JSON lines); else JSON lines.
-
-    An extension that names no format kvbatch writes (`.xlsx`, `.gz`) is refused rather than filled
-    with JSON lines; --format writes that format under any name."""
+    """--format wins; else the output file's extension (none: JSON lines). An extension that names no
+format kvbatch writes (`.xlsx`, `.gz`) is refused rather than filled with JSON lines."""
     if requested:
         if requested not in FORMATS:
             raise ConfigError(f"--format {requested}: choose jsonl, csv or parquet")
         return requested  # type: ignore[return-value]
-    if path is None or os.fspath(path) == STDOUT:
-        return "jsonl"
-    suffix = Path(path).suffix
+    suffix = Path(path).suffix if path is not None else ""  # `-` (stdout) has none
     if not suffix:
         return "jsonl"
     if suffix.lower() not in FORMAT_OF_EXTENSION:
@@ -62,10 +59,8 @@ def format_for(path: Path | str | None, requested: str | None) -> ExportFormat:
 
 
 def _texts(job_dir: Where, task_ids: list[str]) -> list[str | None]:
-    """The text each task's model was given, extracted again (and checked against its fingerprint).
-
-    Null for a rejected row, and for a document that changed or vanished since (said on stderr).
-    """
+    """The text each task's model was given, extracted again and checked against its fingerprint: null
+for a rejected row, and for a document that changed or vanished since (said on stderr)."""
     tasks = {t.task_id: t for t in tasks_from_table(read_manifest_table(JobDir(job_dir)))}
     texts: list[str | None] = []
     for task_id in task_ids:
@@ -88,11 +83,8 @@ def _as_text(value: Any) -> str | None:
 
 
 def metadata_column(values: list[Any]) -> pa.Array:
-    """One metadata key's values: typed when they share a type Arrow holds exactly, else as text.
-
-    Manifests are ragged (`"team": "legal"` on one row, `5` on the next; ids above 2^63), and every
-    export format must take them; JSON text keeps what a typed column cannot.
-    """
+    """One metadata key's values: typed when they share a type Arrow holds exactly, else JSON text
+(manifests are ragged: `"legal"` on one row, `5` on the next, ids above 2^63)."""
     kinds = {type(v) for v in values if v is not None}
     ints = [v for v in values if type(v) is int]
     if kinds <= {str} or kinds == {bool}:
@@ -122,8 +114,7 @@ def metadata_names(keys: list[str], result_columns: list[str]) -> dict[str, str]
 
 def _results_and_metadata(job_dir: Where, errors_only: bool, with_text: bool
                           ) -> tuple[pa.Table, list[dict[str, Any]], dict[str, str]]:
-    """Deduplicated result rows without their metadata (`with_text`: plus the text each model was given);
-    each row's metadata; its column names."""
+    """Deduplicated result rows without `meta` (`with_text`: plus `text`), each row's metadata, its names."""
     check_job_folder(JobDir(job_dir))
     table = in_manifest_order(load_state(job_dir).results)
     if errors_only:
@@ -155,8 +146,7 @@ def results_table(job_dir: Where, errors_only: bool, with_text: bool = False) ->
 
 
 def result_rows(job_dir: Where, errors_only: bool, with_text: bool = False) -> list[dict[str, Any]]:
-    """The rows of the JSON lines export, as dicts: every metadata value as the manifest gave it (mixed
-    types, big integers), timestamps as ISO 8601 text."""
+    """The JSON lines export's rows as dicts: metadata as the manifest gave it, timestamps as ISO 8601 text."""
     table, metas, names = _results_and_metadata(job_dir, errors_only, with_text)
     rows = table.to_pylist()
     for row, meta in zip(rows, metas):
@@ -165,38 +155,33 @@ def result_rows(job_dir: Where, errors_only: bool, with_text: bool = False) -> l
     return rows
 
 
-def _jsonl(job_dir: Where, errors_only: bool, with_text: bool) -> tuple[str, int]:
-    rows = result_rows(job_dir, errors_only, with_text)
-    return "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows), len(rows)
-
-
-def _to_stdout(out: Path | str | None) -> bool:
-    return out is not None and os.fspath(out) == STDOUT
-
-
 def export_results(job_dir: Where, out: Path | str | None, fmt: ExportFormat, errors_only: bool,
                    with_text: bool = False) -> int:
     """Writes the rows to `out` and returns the row count. `out` None: to sys.stdout (not parquet);
     `-` (like `/dev/stdout`): into descriptor 1 as it is, parquet too."""
+    to_stdout = out is not None and os.fspath(out) == STDOUT
+
     def write(data: Callable[[BinaryIO], object]) -> None:
-        if _to_stdout(out):
-            write_stdout(data)
+        if out is None:  # text, through sys.stdout
+            buffer = io.BytesIO()
+            data(buffer)
+            sys.stdout.write(buffer.getvalue().decode("utf-8"))
+        elif to_stdout:
+            write_descriptor("stdout", 1, data)
         else:
             write_output(out, data)  # type: ignore[arg-type]
 
     if fmt == "jsonl":
-        lines, n = _jsonl(job_dir, errors_only, with_text)
-        if out is None:
-            sys.stdout.write(lines)
-        else:
-            write(lambda handle: handle.write(lines.encode("utf-8")))
-        return n
+        rows = result_rows(job_dir, errors_only, with_text)
+        lines = "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+        write(lambda handle: handle.write(lines.encode("utf-8")))
+        return len(rows)
     table = results_table(job_dir, errors_only, with_text)
     if fmt == "parquet":
         if out is None:
             raise ConfigError("parquet output needs a file: add -o results.parquet (or -o - to write it to stdout)")
-        fd = 1 if _to_stdout(out) else descriptor_of(out)
-        if fd is not None and _is_terminal(fd):
+        fd = 1 if to_stdout else descriptor_of(out)
+        if fd is not None and os.isatty(fd):
             raise ConfigError(f"-o {out} is a terminal and parquet is binary: redirect it to a file or a pipe, "
                               "or give -o results.parquet")
         write(lambda handle: pq.write_table(table, handle))
@@ -208,17 +193,5 @@ def export_results(job_dir: Where, out: Path | str | None, fmt: ExportFormat, er
         for column in TIMESTAMP_COLUMNS:
             flat = flat.set_column(flat.schema.get_field_index(column), column,
                                    pa.array([iso_time(v) for v in flat[column].to_pylist()], pa.string()))
-        if out is None:
-            sink = pa.BufferOutputStream()
-            pacsv.write_csv(flat, sink)
-            sys.stdout.write(sink.getvalue().to_pybytes().decode())
-        else:
-            write(lambda handle: pacsv.write_csv(flat, handle))
+        write(lambda handle: pacsv.write_csv(flat, handle))
     return table.num_rows
-
-
-def _is_terminal(fd: int) -> bool:
-    try:
-        return os.isatty(fd)
-    except OSError:
-        return False

@@ -1,9 +1,8 @@
 """A folder built once per machine and published whole: safe when many processes want it at once.
 
-`dest` only ever appears by an atomic rename of a finished, fsynced temp folder, so its existence
-means it is complete. Builders serialise on an fcntl lock next to it (which the kernel drops when a
-holder dies); whoever gets the lock second finds `dest` there and skips the work. Temp folders left
-by a killed builder are removed by the next lock holder.
+`dest` only appears by an atomic rename of a finished, fsynced temp folder, so if it exists it is
+complete. Builders take turns under a flock beside it (dropped when a holder dies): the second finds
+`dest` and skips the work, and the next holder removes temp folders a killed builder left.
 """
 
 from __future__ import annotations
@@ -13,8 +12,7 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 
 from storage.location import fsync_directory
@@ -24,12 +22,17 @@ Announce = Callable[[str], None]
 
 
 def build_folder_once(dest: Path, build: Callable[[Path], None], message: str, announce: Announce) -> Path:
-    """Return `dest`, calling `build(temp_folder)` first if it is not there yet; `message` is
-    announced when the build starts."""
+    """`dest`, built by `build(temp_folder)` (announcing `message`) first if it is not there yet."""
     if dest.is_dir():
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
-    with _exclusive_lock(dest.parent / f".{dest.name}.lock", dest.name, announce):
+    lock = dest.parent / f".{dest.name}.lock"
+    with open(lock, "a+b") as handle:  # closing it releases the lock
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            announce(f"waiting for another process that is preparing {dest.name} (lock {lock})...")
+            fcntl.flock(handle, fcntl.LOCK_EX)
         if dest.is_dir():
             return dest
         for stale in dest.parent.glob(f".{dest.name}.tmp-*"):
@@ -40,7 +43,11 @@ def build_folder_once(dest: Path, build: Callable[[Path], None], message: str, a
             started = time.perf_counter()
             build(tmp)
             tmp.chmod(0o755)  # mkdtemp makes it private; the folder is shared by every user's processes
-            _fsync_tree(tmp)
+            for path in tmp.rglob("*"):
+                if path.is_file():
+                    with open(path, "rb") as handle:
+                        os.fsync(handle.fileno())
+            fsync_directory(tmp)
             os.rename(tmp, dest)
             fsync_directory(dest.parent)
         except BaseException:
@@ -48,25 +55,3 @@ def build_folder_once(dest: Path, build: Callable[[Path], None], message: str, a
             raise
         announce(f"done in {time.perf_counter() - started:.1f} s: {dest}")
     return dest
-
-
-@contextmanager
-def _exclusive_lock(path: Path, what: str, announce: Announce) -> Iterator[None]:
-    with open(path, "a+b") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            announce(f"waiting for another process that is preparing {what} (lock {path})...")
-            fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-def _fsync_tree(root: Path) -> None:
-    for path in root.rglob("*"):
-        if path.is_file():
-            with open(path, "rb") as handle:
-                os.fsync(handle.fileno())
-    fsync_directory(root)

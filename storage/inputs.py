@@ -1,13 +1,11 @@
 """What `kvbatch submit` is given: a manifest, a folder of documents, or either on shared storage.
 
-A folder becomes a manifest of one row per file: id = the file's path relative to the folder (with
-`/`), path = where it is. Hidden files and folders (names starting with `.`) are left out, and
-`--glob` keeps only relative paths matching it (`fnmatch`: `*` also crosses `/`, so `*.pdf` finds
-PDFs at any depth). kvbatch job folders inside it (earlier runs) are left out, and so are symlinked
-subfolders of a local folder, given as a path or a file:// URI (not followed: a link can loop, or
-bring a tree in twice); both are
-named in `StagedManifest.notes` for submit to print. A manifest on shared storage is copied to a
-local file to be read; its relative document paths are read from beside it there.
+A folder becomes a manifest of one row per file: id = its path relative to the folder (with `/`), path
+= where it is. Hidden names are left out; `--glob` keeps matching relative paths (`fnmatch`: `*` crosses
+`/`, so `*.pdf` finds PDFs at any depth). Job folders of earlier runs inside it, and symlinked subfolders
+of a local folder (a link can loop, or bring a tree in twice), are left out and named in
+`StagedManifest.notes`. A manifest on shared storage is copied to a local file; its relative document
+paths are read from beside it there.
 """
 
 from __future__ import annotations
@@ -61,15 +59,12 @@ class _Listing:
 
 
 def stage_input(source: str, pattern: str | None, workdir: Path, skip: Path | None = None) -> StagedManifest:
-    """A local manifest for `source` (written under `workdir` when it has to be made or fetched).
-
-    `skip`: a folder left out of a listing (the job folder, when it lies inside the documents' folder).
-    """
+    """A local manifest for `source` (written under `workdir` when made or fetched); `skip`: a folder
+left out of a listing (the job folder, when it lies inside the documents' folder)."""
     if is_uri(source):
         return _stage_uri(source, pattern, workdir)
     path = Path(source).expanduser()
     if path.is_dir():
-        _refuse_pseudo_folder(path, source)
         return _write_rows(_local_listing(path, source, pattern, skip), source, pattern, workdir)
     if pattern is not None:
         raise ManifestError(f"--glob selects files of a folder, but {source} is not a folder: drop --glob or give a folder")
@@ -82,10 +77,9 @@ def _stage_uri(source: str, pattern: str | None, workdir: Path) -> StagedManifes
         location = Location.of(source)
         kind = location.fs.get_file_info(location.path).type
         if source.endswith("/") or base.endswith("/") or kind == pafs.FileType.Directory:
-            if location.is_local:
-                _refuse_pseudo_folder(location.local_path, source)
-            listing = (_local_listing(location.local_path, source, pattern, None, _uri_of(base, query))
-                       if location.is_local else _uri_listing(location, source, base.rstrip("/"), query, pattern))
+            path_of = _uri_of(base, query)
+            listing = (_local_listing(location.local_path, source, pattern, None, path_of)
+                       if location.is_local else _uri_listing(location, source, path_of, pattern))
             return _write_rows(listing, source, pattern, workdir)
         if pattern is not None:
             raise ManifestError(f"--glob selects files of a folder, but {source} is a file: drop --glob or give a folder")
@@ -125,12 +119,13 @@ def _not_documents(source: str) -> ManifestError:
 
 
 def _uri_of(base: str, query: str) -> Callable[[str], str]:
-    """A file:// folder's rows keep their URIs (pyarrow's recursive listing would follow symlinked folders)."""
+    """The URI of a file of the folder `base` (a file:// folder is listed locally: pyarrow would follow links)."""
     return lambda relative: f"{base.rstrip('/')}/{relative}" + (f"?{query}" if query else "")
 
 
 def _local_listing(root: Path, source: str, pattern: str | None, skip: Path | None,
                    path_of: Callable[[str], str] | None = None) -> _Listing:
+    _refuse_pseudo_folder(root, source)
     root = root.absolute()
     path_of = path_of or (lambda relative: str(root / relative))
     skip = skip.absolute() if skip is not None else None
@@ -157,7 +152,7 @@ def _local_listing(root: Path, source: str, pattern: str | None, skip: Path | No
     return listing
 
 
-def _uri_listing(folder: Location, source: str, base: str, query: str, pattern: str | None) -> _Listing:
+def _uri_listing(folder: Location, source: str, path_of: Callable[[str], str], pattern: str | None) -> _Listing:
     infos = folder.fs.get_file_info(pafs.FileSelector(folder.path, recursive=True, allow_not_found=True))
     files = sorted(info.path[len(folder.path):].lstrip("/") for info in infos if info.type == pafs.FileType.File)
     names_in: dict[str, set[str]] = {}  # folder (relative, "" for the top) -> the names directly in it
@@ -172,7 +167,7 @@ def _uri_listing(folder: Location, source: str, base: str, query: str, pattern: 
     listing = _Listing(job_folders=outermost)
     for relative in files:
         if _selected(relative, pattern) and not any(relative.startswith(f"{f}/") for f in outermost):
-            listing.rows.append({"id": relative, "path": f"{base}/{relative}" + (f"?{query}" if query else "")})
+            listing.rows.append({"id": relative, "path": path_of(relative)})
     return listing
 
 

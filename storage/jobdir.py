@@ -91,12 +91,8 @@ def new_job_id() -> str:
     return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(3)
 
 
-def _temp_name(target: Location) -> str:
-    return f".{target.name}.{secrets.token_hex(4)}.tmp"
-
-
 def _write_json(target: Location, payload: dict[str, Any]) -> None:
-    target.write_bytes_atomic(json.dumps(payload, indent=2).encode(), _temp_name(target))
+    target.write_bytes_atomic(json.dumps(payload, indent=2).encode())
 
 
 def _file_in_the_way(job: JobDir) -> Path | None:
@@ -108,8 +104,7 @@ def _file_in_the_way(job: JobDir) -> Path | None:
     return existing if existing is not None and not os.path.isdir(existing) else None
 
 
-#: What a submit that stopped before publishing its manifest leaves in a job folder (the lock, the
-#: folders of the first writes): a folder holding only these may take a new job.
+#: What a submit stopped before its manifest was published leaves: a folder holding only these may take a job.
 _CREATION_NAMES = {".lock", "events", "results"}
 
 
@@ -127,15 +122,9 @@ def _entry_names(job: JobDir) -> set[str]:
     return {f.name for f in job.path.files()} | set(job.path.folders())
 
 
-def _shown(names: set[str], job: JobDir, most: int = 3) -> str:
-    shown = [f"{name}/" if (job.path / name).is_dir() else name for name in sorted(names)[:most]]
-    return ", ".join(shown) + (f" and {len(names) - most} more" if len(names) > most else "")
-
-
 def check_new_job_folder(job: JobDir) -> None:
-    """Refuse, before anything is read or written, a job folder path that is a file, already holds a
-    job, or is a folder that is not empty and not a kvbatch job folder (kvbatch removes files in its
-    job folder: it must never be someone's folder of other things)."""
+    """Refuse, before anything is read or written, a path that is a file, holds a job, or is a non-empty
+    folder that is no job folder (kvbatch removes files in its job folder: never in someone's other folder)."""
     if (blocking := _file_in_the_way(job)) is not None:
         raise JobDirError(f"{blocking} is a file, not a folder: give -j the path of a new job folder")
     if job.job_json.exists():
@@ -145,8 +134,10 @@ def check_new_job_folder(job: JobDir) -> None:
         )
     names = _entry_names(job)
     if names and not holds_job(names) and not names <= _CREATION_NAMES:
+        shown = ", ".join(f"{name}/" if (job.path / name).is_dir() else name for name in sorted(names)[:3])
+        more = f" and {len(names) - 3} more" if len(names) > 3 else ""
         raise JobDirError(
-            f"{job.path} is not empty and is not a kvbatch job folder (it holds {_shown(names, job)}): "
+            f"{job.path} is not empty and is not a kvbatch job folder (it holds {shown}{more}): "
             "give -j a new or empty folder, or leave -j out to make runs/<job-id>"
         )
 
@@ -165,10 +156,9 @@ def create_job(job: JobDir, info: JobInfo, manifest_table: pa.Table, rejected: p
                copies: dict[str, bytes] | None = None) -> None:
     """Create the job's files; call with the job lock held. Refuses a folder that holds (part of) a job.
 
-    `copies`: files kept in the job folder by name (the manifest made from a folder), written only
-    once the folder is known to hold no job, so a refused submit changes nothing. The rejected rows'
-    results part and manifest.parquet are published before job.json: a job.json is the promise
-    that everything the manifest said is in the folder, so a crash at any instant loses no row.
+    `copies` (files kept by name: the manifest made from a folder) are written only once the folder is
+    known to hold no job, so a refused submit changes nothing. job.json, the promise that everything the
+    manifest said is in the folder, is published last, so a crash at any instant loses no row.
     """
     check_new_job_folder(job)
     leftovers = [f.name for f in (job.manifest,) if f.exists()] + [
@@ -183,11 +173,11 @@ def create_job(job: JobDir, info: JobInfo, manifest_table: pa.Table, rejected: p
     for folder in (job.path, job.events, job.results):
         folder.makedirs()
     for name, data in (copies or {}).items():
-        (job.path / name).write_bytes_atomic(data, _temp_name(job.path / name))
+        (job.path / name).write_bytes_atomic(data)
     if rejected.num_rows:
         write_part(job.results, rejected)
     table = manifest_table.cast(MANIFEST_SCHEMA)
-    job.manifest.write_atomic(lambda handle: pq.write_table(table, handle), _temp_name(job.manifest))
+    job.manifest.write_atomic(lambda handle: pq.write_table(table, handle))
     payload = {
         "job_id": info.job_id,
         "created": info.created,
@@ -222,19 +212,14 @@ def read_job(job: JobDir) -> JobInfo:
         ) from None
 
 
-def _not_a_job_folder(job: JobDir) -> JobDirError:
-    """The error for a job folder that is not there: a file in its place, or nothing."""
-    if (blocking := _file_in_the_way(job)) is not None:
-        return JobDirError(f"{job.path} is not a job folder ({blocking} is a file): give the job's folder (the -j of submit)")
-    return JobDirError(f"{job.path} is not a job folder (it does not exist): check the path")
-
-
 def check_job_folder(job: JobDir) -> None:
     """Raise JobDirError unless `job` holds a job: a job.json, or the results of one whose job.json is lost."""
     if job.job_json.exists() or list_parts(job.results):
         return
+    if (blocking := _file_in_the_way(job)) is not None:
+        raise JobDirError(f"{job.path} is not a job folder ({blocking} is a file): give the job's folder (the -j of submit)")
     if not job.path.is_dir():
-        raise _not_a_job_folder(job)
+        raise JobDirError(f"{job.path} is not a job folder (it does not exist): check the path")
     raise JobDirError(f"{job.path} is not a job folder (it has no job.json and no results/): check the path")
 
 

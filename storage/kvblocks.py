@@ -1,20 +1,20 @@
 """KV block files: the codec (byte-plane shuffle + zstd) and one task's append-only block store.
 
-KV values are 16/32-bit floats whose high bytes (sign, exponent) barely vary while the low
-mantissa bytes look random; zstd on the raw interleaved bytes finds little to share. Writing all
-first bytes, then all second bytes, ... (a lossless byte-plane shuffle) puts the exponents side by
-side, where they compress well. Works on numpy arrays and bytes only: no torch here.
-
-Each layer has one append-only file; a full block is encoded once and appended, and a `BlockRef`
-says where it lies. `compression: none` blocks are read back through mmap without a copy.
+In 16/32-bit floats the high bytes (sign, exponent) barely vary while the low mantissa bytes look
+random, so zstd finds little to share in the interleaved bytes. A lossless byte-plane shuffle (all
+first bytes, then all second bytes, ...) puts the exponents side by side, where they compress well.
+Numpy and bytes only: no torch here. Each layer has one append-only file; a `BlockRef` says where a
+block lies. `compression: none` blocks are read back through mmap without a copy.
 """
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 import threading
 import time
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -64,10 +64,9 @@ _PLANE_LENGTH = np.dtype("<u4")
 class BlockCodec:
     """How a block's bytes are stored: zstd at `level` after an optional shuffle, or raw.
 
-    Shuffled blocks compress each byte plane as its own zstd frame: the exponent plane then gets
-    entropy tables of its own instead of sharing them with the near-random mantissa bytes
-    (SmolLM2's bf16 KV: 1.36x with one frame, 1.46x with a frame per plane).
-    Payload: the frame lengths (uint32 each, one per plane), then the frames.
+    Shuffled, each byte plane is its own zstd frame, so the exponent plane gets its own entropy tables
+    (SmolLM2's bf16 KV: 1.36x with one frame, 1.46x with a frame per plane). Payload: the frame
+    lengths (uint32, one per plane), then the frames.
     """
 
     compression: Compression = "zstd"
@@ -121,12 +120,7 @@ class _ZstdContexts(threading.local):
 
     def __init__(self) -> None:
         self.decompressor = zstandard.ZstdDecompressor()
-        self._compressors: dict[int, zstandard.ZstdCompressor] = {}
-
-    def compressor(self, level: int) -> zstandard.ZstdCompressor:
-        if level not in self._compressors:
-            self._compressors[level] = zstandard.ZstdCompressor(level=level)
-        return self._compressors[level]
+        self.compressor = functools.cache(lambda level: zstandard.ZstdCompressor(level=level))
 
 
 _zstd = _ZstdContexts()
@@ -260,9 +254,10 @@ class KVBlockStore:
         self.bytes_read += len(payload)  # what the read or the mapping handed over
         return payload
 
-    def _after_read(self, ref: BlockRef) -> None:
+    def _after_read(self, ref: BlockRef, started: float) -> None:
         if self._drop_after_reads:
             self._file(ref.layer).drop_cached_range(ref.offset, ref.stored_bytes)
+        self.read_s += time.perf_counter() - started
 
     def _check_size(self, ref: BlockRef, nbytes: int) -> None:
         if nbytes != ref.raw_bytes:
@@ -272,25 +267,21 @@ class KVBlockStore:
             )
 
     def read(self, ref: BlockRef, dtype: np.dtype) -> np.ndarray:
-        """The block's values as a flat array (a view of the mapping for `none`, unless reads are
-        kept cold: then a copy, as the mapped pages are dropped)."""
+        """The block's values, flat (for `none` a view of the mapping; a copy when reads are kept cold)."""
         start = time.perf_counter()
         values = self.codec.decode(self._payload(ref), dtype)
         self._check_size(ref, values.nbytes)
         if self._drop_after_reads and self.codec.compression == "none":
             values = values.copy()
-        self._after_read(ref)
-        self.read_s += time.perf_counter() - start
+        self._after_read(ref, start)
         return values
 
     def read_into(self, ref: BlockRef, out: np.ndarray) -> int:
-        """Decode the block straight into `out`, which has the shape it was appended with; returns
-        the bytes written into `out`."""
+        """Decode the block straight into `out` (the shape it was appended with); returns the bytes written."""
         start = time.perf_counter()
         self._check_size(ref, out.nbytes)
         self.codec.decode_into(self._payload(ref), out)
-        self._after_read(ref)
-        self.read_s += time.perf_counter() - start
+        self._after_read(ref, start)
         return out.nbytes
 
     def truncate(self, ref: BlockRef) -> None:
@@ -310,7 +301,5 @@ class KVBlockStore:
             file.close()
         self._files.clear()
         if self._created_dir:
-            try:
+            with suppress(OSError):  # something else lives there now; it is not ours to remove
                 self.directory.rmdir()
-            except OSError:
-                pass  # something else lives there now; it is not ours to remove

@@ -1,20 +1,16 @@
 """The job lock on object storage: a lease object written only under a condition, and kept renewed.
 
-Object stores have no flock. The lease `.lock` is created with `If-None-Match: *` (exactly one of
-any number of racing coordinators creates it) and every later write is `If-Match: <ETag>` of the
-version the writer last saw, so a renewal or a takeover never overwrites a version it did not see.
+Object stores have no flock. The lease `.lock` is created with `If-None-Match: *` (one of any number of
+racing coordinators wins) and every later write is `If-Match: <ETag>` of the version the writer last
+saw, so a renewal or a takeover never overwrites a version it did not see.
 
-Expiry compares no clocks across machines. A would-be taker that finds the lease held by a process
-on another host (or one it cannot judge) watches the lease's ETag on its own clock: a change means
-the holder is renewing (refused at once); a full TTL without a change means the holder stopped, and
-it takes over that exact version. The holder, in turn, counts its lease valid for less than a TTL
-after it *sent* its last successful renewal (on CLOCK_BOOTTIME, which also runs while a machine is
-suspended), so it stops writing before any taker can start. Every part publish, compaction and
-job.log upload first calls `check()` (the fence); a holder that lost the lease (a renewal refused,
-or no renewal for too long: paused, partitioned) raises LeaseLostError there and writes nothing.
-
-A holder on this host whose process is verifiably gone is taken over at once; one that is alive
-here is refused at once. A storage error while reading the lease is an error, never "no lease".
+No clocks are compared across machines. A taker that finds the lease held from another host (or by a
+holder it cannot judge) watches its ETag on its own clock: a change means the holder renews (refused); a
+full TTL without one means it stopped, and that exact version is taken over. The holder counts its
+lease valid for less than a TTL after it *sent* its last renewal (CLOCK_BOOTTIME runs through a
+suspend), so it stops writing before any taker can start: every publish first calls `check()` (the
+fence), which raises LeaseLostError once a renewal was refused or none came for too long. A holder on
+this host is refused while alive, taken over at once when gone. A storage error is never "no lease".
 """
 
 from __future__ import annotations
@@ -27,7 +23,7 @@ import threading
 import time
 
 from storage.location import Location, Where, storage_error
-from storage.lock import HeldLock, JobLock, JobLockedError, parse_owner
+from storage.lock import HeldLock, JobLock, JobLockedError, parse_owner, record_expiry
 from storage.owner import OwnerLiveness, ProcessOwner
 
 logger = logging.getLogger(__name__)
@@ -37,8 +33,7 @@ LEASE_TTL_S = 60.0
 LEASE_TTL_ENV = "KVBATCH_LEASE_TTL_S"
 #: A holder renews this often (in TTLs): several tries fit in its validity.
 _RENEW_EVERY = 0.2
-#: A holder counts its lease valid this long (in TTLs) after sending its last successful renewal:
-#: the margin covers clock-rate differences between the holder and a taker.
+#: A holder's lease is valid this long (in TTLs) after it sent its last renewal: a margin for clock-rate drift.
 _VALID_FOR = 0.8
 _READ_TRIES = 5
 
@@ -66,14 +61,6 @@ def job_lock(path: Where, ttl_s: float | None = None) -> HeldLock:
     return JobLease(location, ttl_s)
 
 
-def _expires(raw: bytes) -> float | None:
-    """The wall-clock expiry a lease record states, for people: no decision compares it."""
-    try:
-        return float(json.loads(raw)["expires"])
-    except (ValueError, KeyError, TypeError):
-        return None
-
-
 class _S3Object:
     """One S3 object that is only ever written under a condition (boto3: pyarrow sends no If-Match)."""
 
@@ -96,61 +83,42 @@ class _S3Object:
             config=Config(retries={"max_attempts": 3, "mode": "standard"}, connect_timeout=5, read_timeout=15),
         )
 
-    def _failed(self, action: str, exc: Exception) -> OSError:
-        """One line naming the URI and the fix when the user can fix it (no bucket, credentials, endpoint)."""
-        return storage_error(self.uri, exc) or LeaseStorageError(
-            f"could not {action} the job lease {self.uri}: {type(exc).__name__}: {exc}")
-
-    @staticmethod
-    def _refused(exc: Exception) -> bool:
-        """The condition did not hold (412), a concurrent conditional write won (409), or no object (404;
-        a missing bucket answers 404 too, and is an error, not an absent lease)."""
+    def _call(self, action: str, method: str, **arguments: str | bytes) -> dict | None:
+        """The client's answer; None when the store refused: the condition failed (412), a concurrent conditional
+        write won (409) or no object (404, but a missing bucket is an error). Other errors name the URI and fix."""
         from botocore.exceptions import ClientError
 
-        return (isinstance(exc, ClientError) and exc.response.get("Error", {}).get("Code") != "NoSuchBucket"
-                and exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") in (404, 409, 412))
-
-    def _put(self, body: bytes, **condition: str) -> str | None:
         try:
-            return self._client.put_object(Bucket=self.bucket, Key=self.key, Body=body, **condition)["ETag"]
+            return getattr(self._client, method)(Bucket=self.bucket, Key=self.key, **arguments)
         except Exception as exc:  # noqa: BLE001 - botocore raises several unrelated types
-            if self._refused(exc):
+            if (isinstance(exc, ClientError) and exc.response.get("Error", {}).get("Code") != "NoSuchBucket"
+                    and exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode") in (404, 409, 412)):
                 return None
-            raise self._failed("write", exc) from None
+            raise storage_error(self.uri, exc) or LeaseStorageError(
+                f"could not {action} the job lease {self.uri}: {type(exc).__name__}: {exc}") from None
 
     def create(self, body: bytes) -> str | None:
         """The new version's ETag, or None when the object exists."""
-        return self._put(body, IfNoneMatch="*")
+        answer = self._call("write", "put_object", Body=body, IfNoneMatch="*")
+        return None if answer is None else answer["ETag"]
 
     def replace(self, body: bytes, etag: str) -> str | None:
         """The new version's ETag, or None when the object is no longer version `etag`."""
-        return self._put(body, IfMatch=etag)
+        answer = self._call("write", "put_object", Body=body, IfMatch=etag)
+        return None if answer is None else answer["ETag"]
 
     def read(self) -> tuple[bytes, str] | None:
         """(content, ETag), or None when there is no lease object."""
-        try:
-            answer = self._client.get_object(Bucket=self.bucket, Key=self.key)
-            return answer["Body"].read(), answer["ETag"]
-        except Exception as exc:  # noqa: BLE001
-            if self._refused(exc):
-                return None
-            raise self._failed("read", exc) from None
+        answer = self._call("read", "get_object")
+        return None if answer is None else (answer["Body"].read(), answer["ETag"])
 
     def etag(self) -> str | None:
-        try:
-            return self._client.head_object(Bucket=self.bucket, Key=self.key)["ETag"]
-        except Exception as exc:  # noqa: BLE001
-            if self._refused(exc):
-                return None
-            raise self._failed("read", exc) from None
+        answer = self._call("read", "head_object")
+        return None if answer is None else answer["ETag"]
 
     def delete(self, etag: str) -> None:
         """Remove version `etag` (nothing happens when the object has changed since)."""
-        try:
-            self._client.delete_object(Bucket=self.bucket, Key=self.key, IfMatch=etag)
-        except Exception as exc:  # noqa: BLE001
-            if not self._refused(exc):
-                raise self._failed("remove", exc) from None
+        self._call("remove", "delete_object", IfMatch=etag)
 
 
 class JobLease(HeldLock):
@@ -169,7 +137,6 @@ class JobLease(HeldLock):
         self._guard = threading.Lock()
         self._renewer: threading.Thread | None = None
 
-    # -- what is written -------------------------------------------------------------------
     def _record(self) -> bytes:
         self._seq += 1
         now = time.time()
@@ -183,17 +150,14 @@ class JobLease(HeldLock):
         self._etag = etag
         self._valid_until = sent + self.ttl_s * _VALID_FOR
 
-    # -- taking it ---------------------------------------------------------------------------
     def _read(self) -> tuple[bytes, str] | None:
         """The lease's content and version; retried, and a persistent error raised, never 'no lease'."""
-        for attempt in range(_READ_TRIES):
+        for attempt in range(_READ_TRIES - 1):
             try:
                 return self._store.read()
             except LeaseStorageError:
-                if attempt + 1 == _READ_TRIES:
-                    raise
                 time.sleep(min(2.0, 0.1 * 2**attempt))
-        raise AssertionError("unreachable")
+        return self._store.read()
 
     def _watch(self, etag: str, ttl_s: float) -> str:
         """Watch version `etag` for a full TTL on this machine's clock: 'changed', 'gone' or 'still'."""
@@ -212,16 +176,14 @@ class JobLease(HeldLock):
         return "still"
 
     def acquire(self) -> None:
-        """Take the lease or raise JobLockedError naming the holder (LeaseStorageError when the
-        store cannot be read: not knowing is never taken for 'free')."""
+        """Take the lease or raise JobLockedError naming the holder (an unreadable store is never 'free')."""
         for _ in range(10):
             sent = _clock()
             created = self._store.create(self._record())
             if created is not None:
                 self._took(created, sent)
                 break
-            current = self._read()
-            if current is None:
+            if (current := self._read()) is None:
                 continue  # released between our create and our read: try again
             raw, etag = current
             holder = parse_owner(raw)
@@ -232,9 +194,8 @@ class JobLease(HeldLock):
             liveness = holder.liveness() if holder else None
             if liveness == OwnerLiveness.ALIVE:
                 raise JobLockedError(self._refusal(holder))
-            if liveness in (OwnerLiveness.DEAD, OwnerLiveness.PID_REUSED):
-                why = None
-            else:
+            why = None
+            if liveness not in (OwnerLiveness.DEAD, OwnerLiveness.PID_REUSED):
                 logger.warning("job lease %s is held by %s: waiting up to %.0f s for it to be renewed",
                                self.location, holder.describe() if holder else "an unreadable record", ttl_s)
                 seen = self._watch(etag, ttl_s)
@@ -259,17 +220,14 @@ class JobLease(HeldLock):
         self._renewer.start()
 
     def _refusal_now(self, watched: ProcessOwner | None) -> str:
-        """The refusal naming whom the lease names now, not the `watched` record: while this taker
-        watched a dead coordinator's lease, another taker may have taken it over."""
-        current = self._read()
-        if current is None:
+        """The refusal naming whom the lease names now: while this taker watched, another may have taken it."""
+        if (current := self._read()) is None:
             return self._refusal(None)
         holder = parse_owner(current[0])
         if holder is not None and holder == watched:
             return self._refusal(holder) + " (it keeps renewing its lease)"
-        return self._refusal(holder, _expires(current[0])) + " (it took the lease over while this one waited)"
+        return self._refusal(holder, record_expiry(current[0])) + " (it took the lease over while this one waited)"
 
-    # -- holding it --------------------------------------------------------------------------
     def _lose(self, why: str) -> None:
         with self._guard:
             if self._lost is None:
@@ -279,15 +237,10 @@ class JobLease(HeldLock):
     def _renew(self) -> None:
         interval = self.ttl_s * _RENEW_EVERY
         while not self._stop.wait(interval):
-            with self._guard:
-                if self._lost is not None:
-                    return
-                etag = self._etag
             sent = _clock()
-            if sent > self._valid_until:  # paused or cut off longer than our validity: a taker may hold it
-                self._lose(f"no renewal for over {self.ttl_s * _VALID_FOR:.0f} s (this process was paused "
-                           f"or could not reach the store)")
+            if self.lost is not None:  # refused, or paused or cut off longer than our validity: a taker may hold it
                 return
+            etag = self._etag  # only this thread changes it while the lease is held
             try:
                 renewed = self._store.replace(self._record(), etag)
             except LeaseStorageError:
@@ -310,8 +263,7 @@ class JobLease(HeldLock):
         return self._lost
 
     def check(self) -> None:
-        why = self.lost
-        if why is not None:
+        if (why := self.lost) is not None:
             raise LeaseLostError(
                 f"this coordinator lost the job lease of {self.location.parent} ({why}); it wrote nothing "
                 f"since. Another coordinator runs the job now: check with `kvbatch status {self.location.parent}`, "
@@ -327,4 +279,3 @@ class JobLease(HeldLock):
         self._renewer = None
         if self._lost is None and self._etag is not None:
             self._store.delete(self._etag)
-

@@ -1,18 +1,18 @@
 """Where a job folder's files live: a local folder, or a prefix on shared storage.
 
-`s3://bucket/prefix` and `file:///path` go through pyarrow's filesystems (gs:// is refused), so
-a coordinator on any machine of a cluster (or a later one, after a crash) reads and writes the same
-job. A local folder keeps POSIX durability: a file is fsynced before its rename publishes it, and
-the folder is fsynced after. On an object store a write goes to a temporary key and is then moved
-(a server-side copy) to its final key, so readers, who only list final names, never see half of it.
+`s3://` and `file://` URIs go through pyarrow's filesystems (gs:// is refused), so a coordinator on any
+machine (or a later one, after a crash) works on the same job. Locally a file is fsynced before its
+rename publishes it, and the folder after. On an object store a write goes to a temporary key and is
+then moved to its final key, so readers, who only list final names, never see half of it.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import secrets
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, Union
@@ -23,8 +23,7 @@ from jobs.uris import S3_ENDPOINT_ENV, UnsupportedURIError, filesystem_of, is_ur
 
 
 class StorageError(OSError):
-    """A storage problem the user fixes (no bucket, credentials, permission, endpoint); the message,
-    one line, names the URI and the fix."""
+    """A storage problem the user fixes (bucket, credentials, endpoint): one line naming the URI and the fix."""
 
 
 _CREDENTIAL_SOURCES = ("AWS_ACCESS_KEY_ID", "AWS_PROFILE", "AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_CONTAINER_CREDENTIALS_FULL_URI",
@@ -58,7 +57,6 @@ def storage_error(uri: str, error: BaseException) -> StorageError | None:
         where = f"the storage endpoint {endpoint}" if endpoint else "the storage service"
         return StorageError(f"{uri}: cannot reach {where}: check the network, or the endpoint setting (AWS_ENDPOINT_URL)")
     return None
-
 
 
 Fence = Callable[[], None]
@@ -137,12 +135,9 @@ class Location:
         except (FileNotFoundError, StorageError):
             raise
         except OSError as e:
-            fixable = None if self.is_local else storage_error(self.uri, e)
-            if fixable is None:
+            if (fixable := None if self.is_local else storage_error(self.uri, e)) is None:
                 raise
             raise fixable from e
-
-    # --- reading ------------------------------------------------------------------------------
 
     def _info(self) -> pafs.FileInfo:
         with self._user_errors():
@@ -170,57 +165,37 @@ class Location:
         with self._user_errors():
             return self.fs.open_input_file(self.path)
 
+    def _names(self, kind: pafs.FileType) -> list[str]:
+        """Sorted names of the entries of `kind` directly in this folder; none if it is missing."""
+        with self._user_errors():
+            infos = self.fs.get_file_info(pafs.FileSelector(self.path, allow_not_found=True))
+        return sorted(info.base_name for info in infos if info.type == kind)
+
     def files(self, prefix: str = "", suffix: str = "") -> list["Location"]:
         """Files directly in this folder whose names match, sorted by name; none if it is missing."""
-        selector = pafs.FileSelector(self.path, allow_not_found=True)
-        with self._user_errors():
-            infos = self.fs.get_file_info(selector)
-        names = sorted(
-            info.base_name
-            for info in infos
-            if info.type == pafs.FileType.File and info.base_name.startswith(prefix)
-            and info.base_name.endswith(suffix)
-        )
-        return [self / name for name in names]
+        names = self._names(pafs.FileType.File)
+        return [self / name for name in names if name.startswith(prefix) and name.endswith(suffix)]
 
     def folders(self) -> list[str]:
-        """Names of the folders directly in this folder, sorted; none if it is missing. On an object
-        store a folder is a common prefix of its keys."""
-        selector = pafs.FileSelector(self.path, allow_not_found=True)
-        with self._user_errors():
-            infos = self.fs.get_file_info(selector)
-        return sorted(info.base_name for info in infos if info.type == pafs.FileType.Directory)
-
-    # --- writing ------------------------------------------------------------------------------
+        """Sorted names of the folders directly in this one (on an object store: key prefixes); none if missing."""
+        return self._names(pafs.FileType.Directory)
 
     def makedirs(self) -> None:
         """Create the folder (object stores have no folders: nothing to do there)."""
         if self.is_local:
             Path(self.path).mkdir(parents=True, exist_ok=True)
 
-    def touch(self) -> None:
-        """An empty file here: a marker, with no bytes to tear, so neither a temp name nor an fsync."""
-        self.parent.makedirs()
-        with self._user_errors():
-            with self.fs.open_output_stream(self.path):
-                pass
-
     def delete(self) -> None:
         """Remove the file if it is there."""
-        try:
-            with self._user_errors():
-                self.fs.delete_file(self.path)
-        except FileNotFoundError:
-            pass
+        with suppress(FileNotFoundError), self._user_errors():
+            self.fs.delete_file(self.path)
 
-    def write_atomic(self, write: Callable[[BinaryIO], None], temp_name: str, fence: Fence = no_fence) -> None:
-        """Publish what `write` writes as this file, whole or not at all.
-
-        `temp_name` (a sibling name readers never list) holds the bytes until they are complete.
-        `fence` is called before anything is written and again just before the publishing rename.
-        """
+    def write_atomic(self, write: Callable[[BinaryIO], None], temp_name: str | None = None,
+                     fence: Fence = no_fence) -> None:
+        """Publish what `write` writes as this file, whole or not at all: the bytes wait under `temp_name` (a
+        sibling name readers never list; random by default). `fence` is called first and before the rename."""
         fence()
-        temp = self.parent / temp_name
+        temp = self.parent / (temp_name or f".{self.name}.{secrets.token_hex(4)}.tmp")
         try:
             if self.is_local:
                 with open(temp.path, "wb") as handle:
@@ -237,13 +212,11 @@ class Location:
                     fence()
                     self.fs.move(temp.path, self.path)
         except BaseException:
-            try:
+            with suppress(OSError):  # the store that failed the write may fail this too: the write's error counts
                 temp.delete()
-            except OSError:  # the store that failed the write may fail this too: the write's error is what counts
-                pass
             raise
 
-    def write_bytes_atomic(self, data: bytes, temp_name: str, fence: Fence = no_fence) -> None:
+    def write_bytes_atomic(self, data: bytes, temp_name: str | None = None, fence: Fence = no_fence) -> None:
         self.write_atomic(lambda handle: handle.write(data), temp_name, fence)
 
 

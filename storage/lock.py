@@ -1,11 +1,9 @@
 """JOB_DIR/.lock: one coordinator per job folder.
 
-Mutual exclusion comes from an exclusive flock on the lock file, which the kernel drops when the
-holder dies however it dies (SIGKILL included), so a lock can never be held by a dead process.
-The file's content (host, pid, process start time) is for people and messages: it names who holds
-the lock, and says whose lock was taken over when a dead coordinator left its record behind.
-As a guard for filesystems where flock is a no-op, a record whose owner is verifiably alive on
-this host is respected even when the flock was granted.
+Exclusion is a flock on the lock file, which the kernel drops however the holder dies (SIGKILL too),
+so no dead process holds it. The file's record (host, pid, process start) names the holder in messages,
+and whose lock was taken over. Where flock is a no-op, a record whose owner is verifiably alive on this
+host is respected even when the flock was granted.
 """
 
 from __future__ import annotations
@@ -16,7 +14,7 @@ import logging
 import os
 import time
 from abc import ABC, abstractmethod
-from types import TracebackType
+from contextlib import suppress
 
 from storage.location import Location, Where
 from storage.owner import OwnerLiveness, ProcessOwner
@@ -28,43 +26,32 @@ class JobLockedError(RuntimeError):
 
 
 def parse_owner(raw: bytes) -> ProcessOwner | None:
-    if not raw.strip():
-        return None
     try:
         return ProcessOwner.from_dict(json.loads(raw))
-    except ValueError:  # a torn or foreign record names nobody; the flock is what counts
+    except ValueError:  # an empty, torn or foreign record names nobody; the flock is what counts
         return None
 
 
-def _read_owner(fd: int) -> ProcessOwner | None:
-    os.lseek(fd, 0, os.SEEK_SET)
-    raw = b""
-    while chunk := os.read(fd, 65536):
-        raw += chunk
-    return parse_owner(raw)
+def record_expiry(raw: bytes) -> float | None:
+    """The wall-clock expiry a lease record states, for people: no lease decision compares it."""
+    try:
+        return float(json.loads(raw)["expires"])
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def lock_holder(path: Where) -> ProcessOwner | None:
-    """Who the lock record names, read without taking or touching the lock (for `status`); nobody
-    when the record is a lease (object storage) that has expired."""
+    """Who the lock record names, read without touching the lock (for `status`); nobody for an expired lease."""
     try:
         raw = Location.of(path).read_bytes()
     except OSError:
         return None
-    try:
-        expires = json.loads(raw).get("expires")
-    except (ValueError, AttributeError):
-        expires = None
-    if expires is not None and float(expires) < time.time():
-        return None
-    return parse_owner(raw)
+    expires = record_expiry(raw)
+    return None if expires is not None and expires < time.time() else parse_owner(raw)
 
 
 class HeldLock(ABC):
-    """What every kind of job lock shares: the messages and the context-manager protocol.
-
-    `takeover_message` says whose stale lock was replaced, when one was.
-    """
+    """What every job lock shares: messages, context manager; `takeover_message` names a replaced stale lock."""
 
     takeover_message: str | None = None
 
@@ -117,9 +104,7 @@ class HeldLock(ABC):
         self.acquire()
         return self
 
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.release()
 
 
@@ -137,7 +122,7 @@ class JobLock(HeldLock):
             raise RuntimeError(f"{self.path} is already held by this JobLock")
         fd = self._open_locked()
         try:
-            previous = _read_owner(fd)
+            previous = parse_owner(os.pread(fd, 65536, 0))  # a record is a few hundred bytes
             me = ProcessOwner.current()
             if previous is not None and previous != me and previous.liveness() == OwnerLiveness.ALIVE:
                 raise JobLockedError(self._refusal(previous))
@@ -160,15 +145,12 @@ class JobLock(HeldLock):
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                holder = _read_owner(fd)
+                holder = parse_owner(os.pread(fd, 65536, 0))
                 os.close(fd)
                 raise JobLockedError(self._refusal(holder)) from None
-            try:
-                same_file = os.path.samestat(os.fstat(fd), os.stat(self.path))
-            except FileNotFoundError:
-                same_file = False
-            if same_file:
-                return fd
+            with suppress(FileNotFoundError):
+                if os.path.samestat(os.fstat(fd), os.stat(self.path)):
+                    return fd
             os.close(fd)
 
     def release(self) -> None:

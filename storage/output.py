@@ -1,14 +1,12 @@
 """Files the user names with `-o`: written where the name points, whole or not at all.
 
-A symlink's target is written (the link stays a link); a FIFO, `/dev/null` or another character
-device is written into as it is (replacing it would turn a device node or a pipe into a plain file);
-a name of one of this process's open descriptors (`/dev/stdout`, `/dev/stderr`, `/dev/fd/N`,
-`/proc/self/fd/N`) is written into that descriptor as the shell opened it: a pipe stays a pipe, and a
-file keeps its inode and its position (`>> log` appends, `{ echo HEADER; kvbatch ...; } > f` keeps
-the header). A regular file, or a new one, is written to a temporary file beside its target, fsynced
-and renamed over it, so a write that fails (a full disk) leaves the old file, or none, never a
-truncated one. The temporary file has a random name and is created exclusively (never through a
-symlink someone planted in a shared folder), and is removed if anything fails.
+A symlink's target is written (the link stays a link). A FIFO or a character device (`/dev/null`) is
+written into, never replaced by a plain file. A name of one of this process's descriptors
+(`/dev/stdout`, `/dev/fd/N`, `/proc/self/fd/N`) is written into that descriptor as the shell opened it:
+a pipe stays a pipe, a file keeps its inode and position (`>> log` appends). A regular or new file is
+written to a temporary file beside it, fsynced and renamed over it, so a failed write (a full disk)
+never leaves a truncated file. The temporary name is random and created exclusively (never through a
+symlink planted in a shared folder), and removed if anything fails.
 """
 
 from __future__ import annotations
@@ -20,6 +18,7 @@ import secrets
 import stat
 import sys
 from collections.abc import Callable
+from contextlib import suppress
 from pathlib import Path
 from typing import BinaryIO
 
@@ -30,8 +29,7 @@ STDOUT = "-"
 
 _DESCRIPTOR_NAMES = {"/dev/stdin": 0, "/dev/stdout": 1, "/dev/stderr": 2}
 _DESCRIPTOR_PATH = re.compile(r"/dev/fd/(\d+)|/proc/(?:self|thread-self|(\d+))/fd/(\d+)")
-#: creating the temporary file: exclusively (an existing name, a symlink included, is an error) and
-#: never through a symlink
+#: the temporary file is created exclusively (an existing name, a symlink too, is an error), never through a link
 _EXCLUSIVE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
 _TEMP_TRIES = 100
 
@@ -50,8 +48,7 @@ def descriptor_of(path: Path | str) -> int | None:
     text = os.path.normpath(os.path.abspath(os.fspath(path)))
     if text in _DESCRIPTOR_NAMES:
         return _DESCRIPTOR_NAMES[text]
-    match = _DESCRIPTOR_PATH.fullmatch(text)
-    if match is None:
+    if (match := _DESCRIPTOR_PATH.fullmatch(text)) is None:
         return None
     fd_dev, pid, fd_proc = match.groups()
     if pid is not None and int(pid) != os.getpid():
@@ -83,20 +80,13 @@ def write_output(path: Path | str, write: Callable[[BinaryIO], object]) -> None:
         raise output_error(path, e) from None
 
 
-def write_stdout(write: Callable[[BinaryIO], object]) -> None:
-    """`-o -`: into standard output as it is (a pipe, a terminal, a file the shell opened)."""
-    write_descriptor("stdout", 1, write)
-
-
 def write_descriptor(name: Path | str, fd: int, write: Callable[[BinaryIO], object]) -> None:
     """Writes into the already open descriptor `fd` (through a copy of it, so it stays open): its file
     keeps its inode, its position and its O_APPEND; what Python buffered for stdout or stderr goes first."""
     for stream in (sys.stdout, sys.stderr):
-        try:
+        with suppress(OSError, ValueError):  # a stream with no descriptor (a captured one) or a closed one
             if stream is not None and stream.fileno() == fd:
                 stream.flush()
-        except (OSError, ValueError):  # a stream with no descriptor (a captured one) or a closed one
-            pass
     try:
         with os.fdopen(os.dup(fd), "wb") as handle:
             write(handle)

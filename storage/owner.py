@@ -1,15 +1,11 @@
 """Who owns a lock or a scratch dir: host, pid and when the process started, in a clock-free form.
 
-A pid alone is not an identity: pids are reused, so a dead owner's pid may belong to an unrelated
-process later. Host + pid + start identifies one process for its whole life, which is what lets a
-stale lock or an orphaned scratch dir be reclaimed without ever touching a live owner's.
-
-The start is compared as the kernel records it: clock ticks since boot (`/proc/<pid>/stat` field
-22) within one boot (`/proc/sys/kernel/random/boot_id`). Neither moves when the wall clock is
-stepped (NTP, VM resume), whereas a wall-clock start time (psutil's `create_time`, which adds the
-boot time the kernel derives from the current clock) shifts with every step, and a 1 s shift would
-make a live owner look like a reused pid. `start_time` (wall clock) is kept for people and for
-records written where /proc is not available.
+Pids are reused, so a pid alone is no identity; host + pid + start is one process for its whole life,
+which lets a stale lock or an orphaned scratch dir be reclaimed without touching a live owner's.
+The start is compared as the kernel records it: clock ticks since boot (`/proc/<pid>/stat` field 22)
+within one boot (`/proc/sys/kernel/random/boot_id`). Neither moves when the wall clock is stepped (NTP,
+VM resume), whereas psutil's `create_time` does, and a 1 s step would make a live owner look like a
+reused pid. `start_time` (wall clock) is kept for people and for records written without /proc.
 """
 
 from __future__ import annotations
@@ -43,8 +39,7 @@ def boot_id() -> str | None:
 
 
 def _stat_fields(pid: int) -> list[str] | None:
-    """/proc/<pid>/stat after the command name (which may hold spaces and parentheses); None when
-    there is no such process."""
+    """/proc/<pid>/stat after the command name (which may hold spaces and ')'); None without that process."""
     try:
         raw = (_PROC / str(pid) / "stat").read_bytes()
     except (FileNotFoundError, ProcessLookupError):
@@ -97,21 +92,13 @@ class ProcessOwner:
             return OwnerLiveness.OTHER_HOST
         current_boot = boot_id()
         if self.start_ticks is not None and self.boot_id is not None and current_boot is not None:
-            return self._liveness_by_ticks(current_boot)
-        return self._liveness_by_wall_clock()
-
-    def _liveness_by_ticks(self, current_boot: str) -> OwnerLiveness:
-        if self.boot_id != current_boot:  # every process of an earlier boot is gone
-            return OwnerLiveness.DEAD
-        fields = _stat_fields(self.pid)
-        if fields is None or fields[0] in ("Z", "X"):  # zombie: killed, not yet reaped by its parent
-            return OwnerLiveness.DEAD
-        if int(fields[19]) != self.start_ticks:
-            return OwnerLiveness.PID_REUSED
-        return OwnerLiveness.ALIVE
-
-    def _liveness_by_wall_clock(self) -> OwnerLiveness:
-        """For records written without ticks (older kvbatch, no /proc): a clock step can fool this."""
+            if self.boot_id != current_boot:  # every process of an earlier boot is gone
+                return OwnerLiveness.DEAD
+            fields = _stat_fields(self.pid)
+            if fields is None or fields[0] in ("Z", "X"):  # zombie: killed, not yet reaped by its parent
+                return OwnerLiveness.DEAD
+            return OwnerLiveness.ALIVE if int(fields[19]) == self.start_ticks else OwnerLiveness.PID_REUSED
+        # a record written without ticks (older kvbatch, no /proc): a clock step can fool this
         try:
             process = psutil.Process(self.pid)
             started = process.create_time()
@@ -119,9 +106,8 @@ class ProcessOwner:
                 return OwnerLiveness.DEAD
         except psutil.NoSuchProcess:
             return OwnerLiveness.DEAD
-        if abs(started - self.start_time) > _START_TIME_TOLERANCE_S:
-            return OwnerLiveness.PID_REUSED
-        return OwnerLiveness.ALIVE
+        reused = abs(started - self.start_time) > _START_TIME_TOLERANCE_S
+        return OwnerLiveness.PID_REUSED if reused else OwnerLiveness.ALIVE
 
     def describe(self) -> str:
         return f"pid {self.pid} on host {self.host}"

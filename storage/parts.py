@@ -1,12 +1,10 @@
 """Append-only Parquet part files that are either wholly visible or not there at all.
 
-A part is written under a hidden temporary name in its final directory, flushed, fsynced and
-renamed; the directory is fsynced after the rename. A crash at any instant therefore leaves either
-the complete part or only a temporary file, which readers never look at.
-
-Part names sort in write order (`part-<time_ns>-<seq>-<pid>-<random>.parquet`), which is the order
-readers return rows in. A merged part records the parts it replaces in its Parquet metadata, so a
-crash between publishing a merged part and deleting its inputs never yields duplicate rows.
+A part is written under a hidden temporary name in its directory, fsynced, renamed, and the directory
+fsynced: a crash leaves the whole part or only a temporary file, which readers never look at. Part
+names sort in write order (`part-<time_ns>-<seq>-<pid>-<random>.parquet`), the order rows are read in.
+A merged part names the parts it replaces in its metadata, so a crash between publishing it and
+deleting its inputs never yields duplicate rows.
 """
 
 from __future__ import annotations
@@ -30,8 +28,7 @@ from storage.location import Fence, Location, Where, fsync_directory, no_fence
 
 PART_PREFIX, PART_SUFFIX = "part-", ".parquet"
 TEMP_PREFIX = ".tmp-"
-#: The names kvbatch gives a part, and the temporary name of its write (`_next_part_name`, `write_part`):
-#: removing a document's passes (storage/passes.py) deletes only files named so.
+#: The names kvbatch gives a part or its write's temporary file: removing passes deletes only files named so.
 _OWN_PART_NAME = re.compile(r"(?:\.tmp-)?part-\d{20,}-\d{8,}-\d+-[0-9a-f]{6}\.parquet")
 _REPLACES_KEY = b"kvbatch.replaces"
 _READ_THREADS = 4  # small parts are dominated by per-file latency; a few threads overlap it
@@ -73,17 +70,13 @@ def _next_part_name() -> str:
 
 def write_part(directory: Where, table: pa.Table, replaces: Sequence[str] = (), fence: Fence = no_fence) -> Location:
     """Publish `table` as a new part in `directory` (created if missing) and return where it is.
-
-    `replaces` names parts in the same directory whose rows this part contains (a merge); readers
-    skip those while both exist. `fence` is called before the part is written and published.
-    """
+    `replaces`: parts of the directory whose rows it holds (a merge), skipped by readers while both exist."""
     directory = Location.of(directory)
     directory.makedirs()
     name = _next_part_name()
     if replaces:
-        metadata = dict(table.schema.metadata or {})
-        metadata[_REPLACES_KEY] = json.dumps(sorted(replaces)).encode()
-        table = table.replace_schema_metadata(metadata)
+        replaced = json.dumps(sorted(replaces)).encode()
+        table = table.replace_schema_metadata({**(table.schema.metadata or {}), _REPLACES_KEY: replaced})
     final = directory / name
     final.write_atomic(lambda handle: pq.write_table(table, handle), f"{TEMP_PREFIX}{name}", fence)
     return final
@@ -95,8 +88,7 @@ def list_parts(directory: Where) -> list[Location]:
 
 
 def is_own_part_name(name: str) -> bool:
-    """Whether `name` is one kvbatch gives a part or the temporary file of its write (any other file in
-    a folder of parts is someone else's, and kvbatch leaves it alone)."""
+    """Whether kvbatch names a part or its write's temporary file so; any other file is someone else's."""
     return _OWN_PART_NAME.fullmatch(name) is not None
 
 
@@ -108,18 +100,16 @@ def list_temp_files(directory: Where) -> list[Location]:
 @dataclass(frozen=True)
 class _ReadPart:
     path: Location
-    table: pa.Table | None
-    replaces: frozenset[str]
-    problem: str | None
+    table: pa.Table | None = None  # None: gone since the listing (merged away), or `problem`
+    replaces: frozenset[str] = frozenset()
+    problem: str | None = None
 
 
 def _schema_problem(found: pa.Schema, expected: pa.Schema) -> str | None:
     """Parts written before a column was added lack it and stay readable; key columns must be there."""
-    missing = [name for name in expected.names if name not in found.names and name in KEY_COLUMNS]
-    if missing:
+    if missing := [name for name in expected.names if name not in found.names and name in KEY_COLUMNS]:
         return f"wrong schema: missing column(s) {', '.join(missing)}"
-    extra = [name for name in found.names if name not in expected.names]
-    if extra:
+    if extra := [name for name in found.names if name not in expected.names]:
         return f"wrong schema: unexpected column(s) {', '.join(extra)}"
     for field in expected:
         if field.name not in found.names:
@@ -131,21 +121,17 @@ def _schema_problem(found: pa.Schema, expected: pa.Schema) -> str | None:
 
 
 def _read_one(path: Location, schema: pa.Schema) -> _ReadPart:
-    def broken(problem: str) -> _ReadPart:
-        return _ReadPart(path, None, frozenset(), problem)
-
     try:
         if path.size() == 0:
-            return broken("empty file (0 bytes)")
+            return _ReadPart(path, problem="empty file (0 bytes)")
         with path.open_input() as source:
             table = pq.ParquetFile(source).read()
     except FileNotFoundError:  # merged away by a live writer since the listing
-        return _ReadPart(path, None, frozenset(), problem=None)
+        return _ReadPart(path)
     except (OSError, pa.ArrowException) as exc:
-        return broken(f"unreadable Parquet ({type(exc).__name__}: {exc})")
-    problem = _schema_problem(table.schema, schema)
-    if problem:
-        return broken(problem)
+        return _ReadPart(path, problem=f"unreadable Parquet ({type(exc).__name__}: {exc})")
+    if problem := _schema_problem(table.schema, schema):
+        return _ReadPart(path, problem=problem)
     metadata = table.schema.metadata or {}
     try:
         replaces = frozenset(json.loads(metadata[_REPLACES_KEY])) if _REPLACES_KEY in metadata else frozenset()
@@ -154,7 +140,7 @@ def _read_one(path: Location, schema: pa.Schema) -> _ReadPart:
                 table = table.append_column(field, pa.nulls(table.num_rows, field.type))
         table = table.select(schema.names).cast(schema)
     except (ValueError, TypeError, pa.ArrowException) as exc:
-        return broken(f"unusable part metadata or columns ({type(exc).__name__}: {exc})")
+        return _ReadPart(path, problem=f"unusable part metadata or columns ({type(exc).__name__}: {exc})")
     return _ReadPart(path, table, replaces, None)
 
 
@@ -175,9 +161,8 @@ class PartSet:
 def scan_parts(directory: Where, schema: pa.Schema) -> PartSet:
     """Read every part of `directory`, sorting out superseded and corrupt ones.
 
-    A live writer (a `status` during a run) may merge parts while they are read. A merged part is
-    published before its inputs are removed, so listing again until nothing new shows up finds
-    the merged part of every input that vanished; superseded parts are then skipped as usual.
+    A live writer may merge parts while they are read; a merged part is published before its inputs
+    go, so listing again until nothing new shows up finds the merged part of every vanished input.
     """
     read: dict[Location, _ReadPart] = {}
     for listing in range(_MAX_LISTINGS):
@@ -210,11 +195,8 @@ def read_parts(directory: Where, schema: pa.Schema) -> tuple[pa.Table, list[Corr
 
 
 def replace_parts(directory: Where, merged: pa.Table, obsolete: Sequence[Location], fence: Fence = no_fence) -> Location:
-    """Publish `merged` (the rows of `obsolete`, in order), then delete `obsolete`.
-
-    If the process dies in between, the obsolete parts are superseded (skipped by readers) and the
-    next merge deletes them.
-    """
+    """Publish `merged` (the rows of `obsolete`, in order), then delete `obsolete`; after a crash in
+    between they are superseded (skipped by readers) and the next merge deletes them."""
     part = write_part(directory, merged, replaces=[path.name for path in obsolete], fence=fence)
     fence()
     _remove(obsolete)
@@ -229,11 +211,8 @@ def _remove(paths: Sequence[Location]) -> None:
 
 
 def merge_parts(directory: Where, schema: pa.Schema, fence: Fence = no_fence) -> Location | None:
-    """Replace all of `directory`'s parts by one, keeping every row and its order.
-
-    Corrupt parts are left where they are, so they keep being reported until someone looks at
-    them. Returns the merged part, or None when there was nothing to merge.
-    """
+    """Replace all of `directory`'s parts by one, keeping every row and its order; corrupt parts stay
+    (still reported until someone looks). The merged part, or None when there was nothing to merge."""
     parts = scan_parts(directory, schema)
     if len(parts.tables) <= 1:
         fence()

@@ -1,23 +1,19 @@
-"""Finished passes of long documents: `JOB_DIR/passes/<task_id>/part-*.parquet`.
+"""Finished passes of long documents (jobs/passes.py): `JOB_DIR/passes/<task_id>/part-*.parquet`.
 
-A document longer than its context is summarised in passes (its chunks, then merges of their
-summaries; jobs/passes.py). A finished pass is its worker's answer to the coordinator, which alone
-writes the job folder: it publishes each here, fenced by its lease and atomically like every part
-(storage/parts.py), so a crash at any instant leaves each part whole or absent. A resume reads them
-back and runs only the passes whose key is not kept. A pass's key covers everything that decides
-its tokens, so reusing one never changes a summary. The folder
-goes once the document's result has been published; a crash in between leaves it for the next run's
-sweep.
+The coordinator, the job folder's only writer, publishes each pass a worker finished as a part (fenced
+by its lease, whole or absent after a crash: storage/parts.py). A resume runs only the passes whose key
+is not kept; a key covers everything that decides a pass's tokens, so reuse never changes a summary.
+The folder goes once the document's result is published (after a crash, at the next run's sweep).
 
-Only what kvbatch wrote is ever removed: in the folders of the job's own tasks (those its
-manifest.parquet lists), only files named as kvbatch names a part or the temporary file of its write.
-Any other folder or file under `passes/` is left where it is (submit refuses a folder that is not
-empty and holds no job, storage/jobdir.py; this is the second line of that defence).
+Only what kvbatch wrote is removed: in folders of tasks the manifest.parquet lists, files named as
+kvbatch names a part or its temporary file. Anything else under `passes/` stays (the second line of
+defence after submit's refusal of a non-empty folder that holds no job, storage/jobdir.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from contextlib import suppress
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -58,9 +54,8 @@ def _job_task_ids(job_dir: Where) -> set[str] | None:
 
 
 def tasks_with_passes(job_dir: Where) -> list[str]:
-    """The job's task ids that have a passes folder. A folder named after no task of the job's manifest
-    is not kvbatch's: it is neither listed nor ever emptied. (A folder that holds no manifest, which no
-    coordinator runs in, has no task list to check against: each of its passes folders is listed.)"""
+    """The job's task ids that have a passes folder; one named after no task of the job's manifest is not
+    kvbatch's, neither listed nor emptied (a folder with no manifest, where no job runs, lists them all)."""
     folders = (Location.of(job_dir) / PASSES_DIR).folders()
     if not folders or (tasks := _job_task_ids(job_dir)) is None:
         return folders
@@ -68,10 +63,8 @@ def tasks_with_passes(job_dir: Where) -> list[str]:
 
 
 def remove_passes(job_dir: Where, task_ids: Iterable[str], fence: Fence = no_fence) -> None:
-    """Remove each task's passes (and writes of them that never completed); `fence` is checked first.
-
-    Only files named as kvbatch names a part (or its temporary file) go, and the task's folder once it
-    is empty: a file someone else put there stays, and so does its folder."""
+    """Remove each task's passes (and unfinished writes of them) once `fence` allows, and its folder
+    once empty: only files named as kvbatch names a part go; anything else, and its folder, stays."""
     for task_id in task_ids:
         folder = _task_folder(job_dir, task_id)
         # its parts and any unfinished write of one, in one listing
@@ -81,7 +74,5 @@ def remove_passes(job_dir: Where, task_ids: Iterable[str], fence: Fence = no_fen
         for part in files:
             part.delete()
         if folder.is_local:
-            try:
+            with suppress(OSError):  # gone already, or holds files that are not kvbatch's: left as it is
                 folder.local_path.rmdir()
-            except OSError:  # gone already, or holds files that are not kvbatch's: left as it is
-                pass

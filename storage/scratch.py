@@ -1,12 +1,10 @@
 """Per-task scratch dirs: `<offload_root>/<job_id>/<task_id>.<attempt>/`, one per task attempt.
 
-Each dir holds an owner file (host, pid, process start, job id) and the task's KV blocks. It is
-removed when the task's block ends, however it ends; a dir whose owner process died (SIGKILL, OOM
-killer, power loss) is swept later by `sweep_orphans`. Sweeping only ever deletes
-`<job_id>/t<digits>.<attempt>` dirs that carry kvbatch's owner file naming that job, whose owner
-on this host is verifiably gone, under a root that carries the kvbatch marker file and that only
-this user can write. It walks and deletes through directory file descriptors opened with
-O_NOFOLLOW, so a folder swapped for a symlink while the sweep runs is never followed.
+Each holds an owner file (host, pid, process start, job id) and the task's KV blocks, and is removed
+when the task's block ends; a dir whose owner died (SIGKILL, OOM killer, power loss) is swept later by
+`sweep_orphans`. Sweeping only deletes `<job_id>/t<digits>.<attempt>` dirs whose owner file names that
+job and whose owner on this host is verifiably gone, under a marked root only this user can write. It
+walks and deletes through O_NOFOLLOW directory fds, so a folder swapped for a symlink is never followed.
 """
 
 from __future__ import annotations
@@ -19,7 +17,7 @@ import socket
 import stat
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext, suppress
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -31,8 +29,7 @@ from storage.scratch_space import Claim, Room, room_claimed
 OFFLOAD_ROOT_ENV = "KVBATCH_OFFLOAD_ROOT"
 ROOT_MARKER = ".kvbatch-offload-root"
 OWNER_FILE = ".owner.json"
-#: A dir without a readable owner file is one being created right now, or the remains of a crash
-#: between mkdir and writing the owner file; only the latter is this old.
+#: A dir with no owner file is being created now, or a crash left it after mkdir; only the latter is this old.
 OWNERLESS_GRACE_S = 300.0
 
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}")
@@ -69,16 +66,10 @@ class SweptDir:
 
 
 def default_offload_root(job_dir: Where) -> Path:
-    """$KVBATCH_OFFLOAD_ROOT when set, else JOB_DIR/scratch/kvbatch; for a job folder on shared
-    storage (scratch must be node-local) a private per-user folder, $XDG_CACHE_HOME/kvbatch/offload
-    (~/.cache/kvbatch/offload), created with mode 0700: never a predictable name in a shared /tmp.
-
-    The fallback keeps the scratch on the job folder's disk and goes away with the job folder; for
-    KV offload, point the variable (or `cache.offload_root`) at a node-local NVMe folder such as
-    /mnt/nvme/kvbatch.
-    """
-    configured = os.environ.get(OFFLOAD_ROOT_ENV, "").strip()
-    if configured:
+    """$KVBATCH_OFFLOAD_ROOT when set, else JOB_DIR/scratch/kvbatch (gone with the job folder; point the variable
+    or `cache.offload_root` at a node-local NVMe folder for KV offload); for a job folder on shared storage,
+    $XDG_CACHE_HOME/kvbatch/offload, private to the user (0700), never a predictable name in a shared /tmp."""
+    if configured := os.environ.get(OFFLOAD_ROOT_ENV, "").strip():
         return Path(configured)
     job = Location.of(job_dir)
     if job.is_local:
@@ -125,30 +116,19 @@ def _check_private(offload_root: Path, info: os.stat_result) -> None:
         )
 
 
-def _holds_foreign_entries(root: Path) -> bool:
-    """Unmarked and not empty: a folder kvbatch did not create (another worker may have just marked
-    it and started a task, so the marker is looked for again after the listing)."""
-    marker = root / ROOT_MARKER
-    return not marker.is_file() and any(e.name != ROOT_MARKER for e in os.scandir(root)) and not marker.is_file()
-
-
 def ensure_offload_root(offload_root: Path) -> Path:
-    """Create (or adopt, when empty or marked) the root and its marker; refuse '/', foreign folders
-    and folders that are not this user's alone."""
+    """Create (or adopt, when empty or marked) the root and its marker; refuse '/', foreign or shared folders."""
     root = _check_not_filesystem_root(offload_root)
     root.mkdir(mode=0o700, parents=True, exist_ok=True)
-    _check_private(offload_root, os.stat(root))
+    check_offload_root(offload_root)
     marker = root / ROOT_MARKER
     if not marker.is_file():
-        if _holds_foreign_entries(root):
-            raise _not_a_kvbatch_root(offload_root)
         marker.write_text(f"kvbatch offload root, created {time.ctime()} on {socket.gethostname()}\n")
     return root
 
 
 def check_offload_root(offload_root: Path) -> None:
-    """What `ensure_offload_root` would refuse, checked at submit without creating anything: a root
-    that does not exist yet is fine (the workers create it)."""
+    """What `ensure_offload_root` would refuse, checked at submit without creating anything (none yet is fine)."""
     root = _check_not_filesystem_root(offload_root)
     if not root.exists():
         return
@@ -158,24 +138,10 @@ def check_offload_root(offload_root: Path) -> None:
             f"(or ${OFFLOAD_ROOT_ENV}) at a new or empty folder"
         )
     _check_private(offload_root, os.stat(root))
-    if _holds_foreign_entries(root):
+    marker = root / ROOT_MARKER
+    # unmarked and not empty: not kvbatch's (the marker is looked for again: another worker may have just made it)
+    if not marker.is_file() and any(e.name != ROOT_MARKER for e in os.scandir(root)) and not marker.is_file():
         raise _not_a_kvbatch_root(offload_root)
-
-
-def _check_name(kind: str, value: str) -> None:
-    if not _SAFE_NAME.fullmatch(value):
-        raise ScratchError(
-            f"{kind} {value!r} cannot name a scratch dir: use letters, digits, '_', '-' and '.' "
-            f"(not first), at most 200 characters"
-        )
-
-
-def _write_owner_file(task_dir: Path, job_id: str, claimed_bytes: int) -> None:
-    record = {**ProcessOwner.current().to_dict(), "job_id": job_id, "created": time.time(),
-              "claimed_bytes": claimed_bytes}
-    temp = task_dir / f"{OWNER_FILE}.tmp"
-    temp.write_text(json.dumps(record))
-    os.rename(temp, task_dir / OWNER_FILE)  # a sweeper sees the whole record or none
 
 
 def _make_task_dir(job_dir: Path, task_dir: Path) -> None:
@@ -198,15 +164,14 @@ def _make_task_dir(job_dir: Path, task_dir: Path) -> None:
 def task_scratch(offload_root: Path, job_id: str, task_id: str, attempt: int, claim_bytes: int = 0,
                  wait_s: float = 0.0, pass_at: tuple[int, int] | None = None) -> Iterator[Path]:
     """A fresh dir for one task attempt (or one pass of it, `pass_at` its level and index: several run at
-    once), removed when the block ends however it ends.
-
-    `claim_bytes` is what the task will write there: it is claimed on the root's filesystem against
-    what the other live task dirs claimed (storage.scratch_space), waiting up to `wait_s` for them
-    when they hold the room; ScratchSpaceError when it cannot fit. A dir that claims nothing (its
-    task writes no KV there) is made without a look at the room.
-    """
-    _check_name("job id", job_id)
-    _check_name("task id", task_id)
+    once), removed when the block ends however it ends. `claim_bytes`, what the task will write there,
+    is claimed against the live task dirs' claims (storage.scratch_space), waiting up to `wait_s` for
+    room they hold; ScratchSpaceError when it cannot fit. A dir that claims nothing skips the look."""
+    if not _SAFE_NAME.fullmatch(job_id):
+        raise ScratchError(
+            f"job id {job_id!r} cannot name a scratch dir: use letters, digits, '_', '-' and '.' "
+            f"(not first), at most 200 characters"
+        )
     if not _TASK_ID.fullmatch(task_id):
         raise ScratchError(f"task id {task_id!r} cannot name a scratch dir: task ids are 't' and digits")
     if attempt < 0:
@@ -219,7 +184,11 @@ def task_scratch(offload_root: Path, job_id: str, task_id: str, attempt: int, cl
     with claimed:
         _make_task_dir(job_dir, task_dir)
         try:
-            _write_owner_file(task_dir, job_id, claim_bytes)
+            record = {**ProcessOwner.current().to_dict(), "job_id": job_id, "created": time.time(),
+                      "claimed_bytes": claim_bytes}
+            temp = task_dir / f"{OWNER_FILE}.tmp"
+            temp.write_text(json.dumps(record))
+            os.rename(temp, task_dir / OWNER_FILE)  # a sweeper sees the whole record or none
         except BaseException:
             _remove_task_dir(job_dir, task_dir)
             raise
@@ -231,10 +200,8 @@ def task_scratch(offload_root: Path, job_id: str, task_id: str, attempt: int, cl
 
 def _remove_task_dir(job_dir: Path, task_dir: Path) -> None:
     shutil.rmtree(task_dir, ignore_errors=True)
-    try:
+    with suppress(OSError):
         job_dir.rmdir()  # only succeeds when this was the job's last task dir
-    except OSError:
-        pass
 
 
 def _open_dir(name: str | Path, dir_fd: int | None = None) -> int | None:
@@ -249,11 +216,9 @@ def _subdir_names(dir_fd: int) -> list[str]:
     """Names of the real subdirectories (never symlinks) in the directory `dir_fd`."""
     names = []
     for name in os.listdir(dir_fd):
-        try:
+        with suppress(FileNotFoundError):
             if stat.S_ISDIR(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
                 names.append(name)
-        except FileNotFoundError:
-            pass
     return names
 
 
@@ -261,10 +226,8 @@ def _tree_bytes(dir_fd: int) -> int:
     total = 0
     for _, _, files, folder_fd in os.fwalk(".", dir_fd=dir_fd, follow_symlinks=False):
         for name in files:
-            try:
+            with suppress(FileNotFoundError):
                 total += os.stat(name, dir_fd=folder_fd, follow_symlinks=False).st_size
-            except FileNotFoundError:
-                pass
     return total
 
 
@@ -285,8 +248,7 @@ def _read_owner(task_fd: int) -> dict | None:
 
 
 def _orphan_reason(task_fd: int, job_id: str) -> tuple[str, str] | None:
-    """(owner, reason) when the dir's owner is gone, None when it is (or may be) alive, or when
-    the dir is not verifiably kvbatch's."""
+    """(owner, reason) when the dir's owner is gone; None when it may be alive or the dir is not surely ours."""
     record = _read_owner(task_fd)
     if record is None:
         # the remains of a crash between mkdir and publishing the owner file hold nothing else
@@ -308,19 +270,13 @@ def _orphan_reason(task_fd: int, job_id: str) -> tuple[str, str] | None:
     return owner.describe(), f"owner process {liveness.value}"
 
 
-def _sweep_task_dir(job_fd: int, name: str, path: Path, job_id: str) -> SweptDir | None:
-    """Remove the orphaned task dir `name` of the job dir `job_fd`; None when it is not one."""
-    task_fd = _open_dir(name, job_fd)
-    if task_fd is None:
+def _sweep_task_dir(job_fd: int, name: str, task_fd: int, path: Path, job_id: str) -> SweptDir | None:
+    """Remove the orphaned task dir `name` (`task_fd`) of the job dir `job_fd`; None when it is not one."""
+    orphan = _orphan_reason(task_fd, job_id)
+    if orphan is None:
         return None
-    try:
-        orphan = _orphan_reason(task_fd, job_id)
-        if orphan is None:
-            return None
-        size = _tree_bytes(task_fd)
-        judged = os.fstat(task_fd)
-    finally:
-        os.close(task_fd)
+    size = _tree_bytes(task_fd)
+    judged = os.fstat(task_fd)
     try:  # the entry must still be the directory that was judged
         if not os.path.samestat(judged, os.stat(name, dir_fd=job_fd, follow_symlinks=False)):
             return None
@@ -330,9 +286,34 @@ def _sweep_task_dir(job_fd: int, name: str, path: Path, job_id: str) -> SweptDir
     return SweptDir(path, job_id, orphan[0], orphan[1], size)
 
 
-def _open_root(offload_root: Path, root: Path) -> int:
-    root_fd = _open_dir(root)
-    if root_fd is None:
+def _task_dirs(root_fd: int, job_id: str | None = None, prune: bool = False) -> Iterator[tuple[int, str, str, int]]:
+    """(job dir fd, job name, task dir name, task dir fd) of each task dir under the root `root_fd` (only
+    `job_id`'s when given); `prune` removes each job dir that is left empty."""
+    for job_name in _subdir_names(root_fd):
+        job_fd = _open_dir(job_name, root_fd) if job_id in (None, job_name) else None
+        if job_fd is None:
+            continue
+        try:
+            for task_name in _subdir_names(job_fd):
+                task_fd = _open_dir(task_name, job_fd) if _TASK_DIR_NAME.fullmatch(task_name) else None
+                if task_fd is not None:
+                    try:
+                        yield job_fd, job_name, task_name, task_fd
+                    finally:
+                        os.close(task_fd)
+        finally:
+            os.close(job_fd)
+        if prune:
+            with suppress(OSError):
+                os.rmdir(job_name, dir_fd=root_fd)  # only succeeds when the job has no dir left
+
+
+def sweep_orphans(offload_root: Path, job_id: str | None = None) -> list[SweptDir]:
+    """Remove task dirs (of every job, or just `job_id`) whose owner process on this host is gone."""
+    root = _check_not_filesystem_root(offload_root)
+    if not root.exists():
+        return []
+    if (root_fd := _open_dir(root)) is None:
         raise _not_a_kvbatch_root(offload_root)
     try:
         try:
@@ -342,40 +323,11 @@ def _open_root(offload_root: Path, root: Path) -> int:
         if not marked:
             raise _not_a_kvbatch_root(offload_root)
         _check_private(offload_root, os.fstat(root_fd))
-    except BaseException:
-        os.close(root_fd)
-        raise
-    return root_fd
-
-
-def sweep_orphans(offload_root: Path, job_id: str | None = None) -> list[SweptDir]:
-    """Remove task dirs (of every job, or just `job_id`) whose owner process on this host is gone."""
-    root = _check_not_filesystem_root(offload_root)
-    if not root.exists():
-        return []
-    root_fd = _open_root(offload_root, root)
-    swept: list[SweptDir] = []
-    try:
-        for job_name in _subdir_names(root_fd):
-            if job_id is not None and job_name != job_id:
-                continue
-            job_fd = _open_dir(job_name, root_fd)
-            if job_fd is None:
-                continue
-            try:
-                for task_name in _subdir_names(job_fd):
-                    if _TASK_DIR_NAME.fullmatch(task_name):
-                        done = _sweep_task_dir(job_fd, task_name, root / job_name / task_name, job_name)
-                        swept += [done] if done else []
-            finally:
-                os.close(job_fd)
-            try:
-                os.rmdir(job_name, dir_fd=root_fd)  # only succeeds when the job has no dir left
-            except OSError:
-                pass
+        swept = [_sweep_task_dir(job_fd, task, task_fd, root / job / task, job)
+                 for job_fd, job, task, task_fd in _task_dirs(root_fd, job_id, prune=True)]
     finally:
         os.close(root_fd)
-    return swept
+    return [done for done in swept if done]
 
 
 def _no_room(offload_root: Path, room: Room) -> ScratchSpaceError:
@@ -391,41 +343,23 @@ def _no_room(offload_root: Path, room: Room) -> ScratchSpaceError:
 
 
 def live_claims(root: Path) -> tuple[Claim, ...]:
-    """What the root's task dirs whose owner may be alive claimed, and what they hold now: a dir
-    of a dead owner claims nothing (its files already count as used)."""
-    root_fd = _open_dir(root)
-    if root_fd is None:
+    """Claims of the root's task dirs whose owner may be alive (a dead owner's files already count as used)."""
+    if (root_fd := _open_dir(root)) is None:
         return ()
-    claims: list[Claim] = []
     try:
-        for job_name in _subdir_names(root_fd):
-            job_fd = _open_dir(job_name, root_fd)
-            if job_fd is None:
-                continue
-            try:
-                for task_name in _subdir_names(job_fd):
-                    claim = _claim_of(job_fd, task_name) if _TASK_DIR_NAME.fullmatch(task_name) else None
-                    claims += [claim] if claim else []
-            finally:
-                os.close(job_fd)
+        claims = [_claim_of(task_fd) for _, _, _, task_fd in _task_dirs(root_fd)]
     finally:
         os.close(root_fd)
-    return tuple(claims)
+    return tuple(claim for claim in claims if claim)
 
 
-def _claim_of(job_fd: int, name: str) -> Claim | None:
-    task_fd = _open_dir(name, job_fd)
-    if task_fd is None:
+def _claim_of(task_fd: int) -> Claim | None:
+    record = _read_owner(task_fd)
+    claimed = record.get("claimed_bytes") if record else None
+    if not isinstance(claimed, int) or claimed <= 0:
         return None
     try:
-        record = _read_owner(task_fd)
-        claimed = record.get("claimed_bytes") if record else None
-        if not isinstance(claimed, int) or claimed <= 0:
-            return None
-        try:
-            alive = ProcessOwner.from_dict(record).liveness() in (OwnerLiveness.ALIVE, OwnerLiveness.OTHER_HOST)
-        except ValueError:
-            return None
-        return Claim(claimed, _tree_bytes(task_fd)) if alive else None
-    finally:
-        os.close(task_fd)
+        alive = ProcessOwner.from_dict(record).liveness() in (OwnerLiveness.ALIVE, OwnerLiveness.OTHER_HOST)
+    except ValueError:
+        return None
+    return Claim(claimed, _tree_bytes(task_fd)) if alive else None

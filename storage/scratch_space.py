@@ -1,13 +1,11 @@
 """Room on an offload root's filesystem, shared fairly by the task dirs that write there at once.
 
-A task's KV reaches its disk over its whole decode, so the filesystem's free space at the moment a
-task starts says nothing about what its running neighbours (batch-mates in this worker, other
-workers, other jobs on the same root) will still write. Each task dir therefore records the bytes it
-claimed, and a new claim counts what the live dirs claimed and have not written yet as taken.
-Claims are decided one at a time under an exclusive `flock` of a file of the root (its marker; the
-kernel drops the lock when a process dies). A claim that would fit once the live dirs are gone waits
-for them (bounded) instead of failing: without that, which task of a batch ran at a shorter context
-would depend on which one reached the disk first.
+A task's KV reaches the disk over its whole decode, so the free space when a task starts says nothing
+about what its running neighbours (batch-mates, other workers, other jobs on the root) will still
+write. Each task dir records the bytes it claimed; a new claim counts what live dirs claimed and have
+not written yet as taken. Claims are decided one at a time under a `flock` of the root's marker (the
+kernel drops it when a process dies). A claim that would fit once the live dirs are gone waits for
+them (bounded): otherwise which task of a batch ran at a shorter context would depend on who wrote first.
 """
 
 from __future__ import annotations
@@ -34,11 +32,6 @@ class Claim:
     claimed_bytes: int
     used_bytes: int
 
-    @property
-    def unwritten_bytes(self) -> int:
-        """Still to be written: taken from the free space although no file holds it yet."""
-        return max(0, self.claimed_bytes - self.used_bytes)
-
 
 @dataclass(frozen=True)
 class Room:
@@ -51,7 +44,8 @@ class Room:
 
     @property
     def promised_bytes(self) -> int:
-        return sum(claim.unwritten_bytes for claim in self.claims)
+        """Claimed but not written yet: taken from the free space although no file holds it yet."""
+        return sum(max(0, claim.claimed_bytes - claim.used_bytes) for claim in self.claims)
 
     @property
     def fits(self) -> bool:
@@ -59,42 +53,30 @@ class Room:
 
     @property
     def fits_once_claims_end(self) -> bool:
-        """Whether the claim fits when every live claim has ended and its files are gone (so it is
-        worth waiting for them)."""
+        """Whether it fits once every live claim has ended and its files are gone (worth waiting for)."""
         used = sum(claim.used_bytes for claim in self.claims)
         return self.needed_bytes + self.reserve_bytes <= self.free_bytes + used
-
-
-def look(root: Path, needed_bytes: int, claims: tuple[Claim, ...] = ()) -> Room:
-    """The room for `needed_bytes` on the filesystem of the (existing) `root`."""
-    usage = shutil.disk_usage(root)
-    return Room(usage.free, min(RESERVE_BYTES_MAX, int(usage.total * RESERVE_FRACTION)), needed_bytes, claims)
-
-
-@contextmanager
-def _locked(lock_file: Path) -> Iterator[None]:
-    fd = os.open(lock_file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)  # releases the lock
 
 
 @contextmanager
 def room_claimed(root: Path, lock_file: Path, needed_bytes: int, wait_s: float,
                  live_claims: Callable[[], tuple[Claim, ...]], refuse: Callable[[Room], Exception]) -> Iterator[Room]:
-    """Held while the caller records its claim (its task dir and the claim in it), with `lock_file`
-    (an existing file on the root) locked, so that no other claim is decided in between. Waits up
-    to `wait_s` while the room is held by live claims that would leave enough when they end; raises
-    `refuse(room)` when it does not fit then, or at once when it would not fit even without them."""
+    """Held, with `lock_file` (a file on the root) locked, while the caller records its claim, so no
+    other claim is decided in between. Waits up to `wait_s` while live claims hold room they would leave
+    when they end; raises `refuse(room)` then, or at once when it would not fit even without them."""
     deadline = time.monotonic() + wait_s
     while True:
-        with _locked(lock_file):
-            room = look(root, needed_bytes, live_claims())
+        fd = os.open(lock_file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            usage = shutil.disk_usage(root)
+            reserve = min(RESERVE_BYTES_MAX, int(usage.total * RESERVE_FRACTION))
+            room = Room(usage.free, reserve, needed_bytes, live_claims())
             if room.fits:
                 yield room
                 return
             if not room.fits_once_claims_end or time.monotonic() >= deadline:
                 raise refuse(room)
+        finally:
+            os.close(fd)  # releases the lock
         time.sleep(POLL_S)

@@ -158,11 +158,11 @@ import sys, time
 from storage.location import Location
 real = Location.write_atomic
 when = sys.argv[1]
-def write_atomic(self, write, temp_name, *fence):
+def write_atomic(self, write, *args):
     if self.name == "job.json" and when == "before":
         print("pausing before job.json", flush=True)
         time.sleep(600)
-    real(self, write, temp_name, *fence)
+    real(self, write, *args)
     if self.name == "job.json" and when == "after":
         print("paused after job.json", flush=True)
         time.sleep(600)
