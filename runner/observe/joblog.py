@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import secrets
 import threading
 import time
 from typing import Any
@@ -57,7 +56,7 @@ class JobLog:
 
     def _upload(self) -> None:
         try:
-            self._location.write_bytes_atomic(self._text.encode(), f".job.log.{secrets.token_hex(4)}.tmp", self._fence)
+            self._location.write_bytes_atomic(self._text.encode(), fence=self._fence)
         except JobLockedError:  # the job lease was lost: the log is the new holder's to write now
             self._dirty = False
             return

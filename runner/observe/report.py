@@ -170,7 +170,7 @@ def write_report(job_dir: Where, output: Path | None, console: Console) -> int:
     else:
         out = JobDir(job_dir).path / "report.html"
         try:
-            out.write_bytes_atomic(page, f".{out.name}.tmp")
+            out.write_bytes_atomic(page)
         except StorageError:
             raise
         except OSError as e:
