@@ -12,7 +12,10 @@ import math
 from typing import Any
 
 import torch
-from transformers.cache_utils import DynamicLayer
+from transformers import PretrainedConfig
+from transformers.cache_utils import DynamicLayer, get_layer_types_and_kwargs
+
+from jobs.kvplan import KVShape
 
 GROWTH = 1.5
 """Capacity factor per reallocation: O(n) total copying, at most a third of the buffer left unused."""
@@ -131,6 +134,25 @@ class GrowingLayer(DynamicLayer):
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self._length > 0:
             self._adopt(*(_copied(buffer, self._length, self.capacity, indices) for buffer in self._buffers))
+
+
+def kv_shape(model_config: PretrainedConfig, dtype: torch.dtype | None = None) -> KVShape:
+    """The planner's view of a model; `dtype` defaults to the config's (float32 when it has none)."""
+    text = model_config.get_text_config(decoder=True)
+    heads = text.num_attention_heads
+    if dtype is None:
+        configured = getattr(text, "dtype", None) or getattr(model_config, "dtype", None)
+        dtype = getattr(torch, configured) if isinstance(configured, str) else configured or torch.float32
+    layer_types, layer_kwargs = get_layer_types_and_kwargs(text)
+    return KVShape(
+        num_layers=text.num_hidden_layers,
+        num_kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+        head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
+        dtype_bytes=dtype.itemsize,
+        # the most tokens a layer keeps: None when it keeps them all (and for types we cannot bound)
+        layer_windows=tuple(0 if kind == "dummy" else kwargs.get("sliding_window")
+                            for kind, kwargs in zip(layer_types, layer_kwargs)),
+    )
 
 
 def next_capacity(capacity: int, needed: int) -> int:
