@@ -179,9 +179,6 @@ def plan_placement(
     compute of several layers. On the disk tier, streamed layers that fit `host_budget` keep their
     blocks in host RAM instead of files, except on a CPU device, where host RAM is the device.
     """
-    if tokens < 0 or batch <= 0 or block_tokens <= 0:
-        raise ValueError(f"plan_placement needs tokens >= 0, batch > 0, block_tokens > 0; "
-                         f"got tokens={tokens}, batch={batch}, block_tokens={block_tokens}")
     full = shape.full_attention_layers
     token_bytes = shape.layer_token_bytes(batch)
     windowed = sum(min(tokens, w) for w in shape.layer_windows if w is not None) * token_bytes

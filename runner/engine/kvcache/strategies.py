@@ -80,8 +80,6 @@ def build_cache(
         cache = BudgetedDynamicCache(model.config, device_budget_bytes, expected_tokens, device_meter)
         return CacheHandle(strategy, cache)
     if rung.tier is not None:
-        if rung.needs_offload_dir and offload_dir is None:
-            raise ValueError("cache strategy tiered-disk needs the task's offload dir (cache.offload_root)")
         if kv_pool is not None:  # an empty pool's device room is the tiered cache's
             kv_pool.give_way()
         return CacheHandle(strategy, TieredCache(
