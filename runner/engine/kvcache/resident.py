@@ -44,11 +44,6 @@ class GrowingLayer(DynamicLayer):
         """Tokens the buffers hold room for (0 before the first update)."""
         return self._pair[0].shape[-2] if self._pair is not None else 0
 
-    @property
-    def capacity_bytes(self) -> int:
-        """The real allocation (keys and values), as opposed to `.keys.nbytes + .values.nbytes`."""
-        return self.capacity * self._token_bytes
-
     def bytes_for(self, tokens: int) -> int:
         """Bytes both buffers take at a capacity of `tokens` (0 until the layer has seen its first tokens)."""
         return tokens * self._token_bytes
@@ -169,7 +164,7 @@ def allocated_bytes(layer: Any) -> int:
     """What a layer kept on the device allocates there: a GrowingLayer's whole capacity, another
     layer's tensors (0 before its first update)."""
     if getattr(layer, "grows", False):
-        return layer.capacity_bytes
+        return layer.bytes_for(layer.capacity)
     keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
     return keys.nbytes + values.nbytes if keys is not None else 0
 
