@@ -51,7 +51,7 @@ from jobs.kvplan import KVShape, Placement, kv_bytes, plan_placement
 from jobs.rungs import RUNGS
 from runner.engine.generation import Generation, generate_once
 from runner.engine.kvcache import TieredCache, build_cache, kv_shape
-from runner.engine.kvcache.resident import GrowingLayer
+from runner.engine.kvcache.resident import GrowingLayer, allocated_bytes
 from runner.engine.model_loader import LoadedModel, load_model
 from storage.kvblocks import BlockCodec, KVBlockError, KVBlockStore
 
@@ -425,7 +425,7 @@ def _run(loaded: LoadedModel, variant: str, prompt: list[int], settings: Summari
             kwargs = {**handle.generate_kwargs, "stopping_criteria": StoppingCriteriaList([clock])}
             out = generate_once(loaded, prompt, settings.max_new_tokens, settings, kwargs)
             layers = handle.generate_kwargs["past_key_values"].layers
-            allocated = sum(layer.capacity_bytes for layer in layers if isinstance(layer, GrowingLayer))
+            allocated = sum(allocated_bytes(layer) for layer in layers if isinstance(layer, GrowingLayer))
     return Timed(out, clock.median_step_s(clock.wall), clock.median_step_s(clock.cpu), allocated)
 
 

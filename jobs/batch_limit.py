@@ -17,9 +17,6 @@ class BatchLimit:
     """The current limit on sequences in one decode batch, between 1 and `configured`."""
 
     def __init__(self, configured: int, grow_back_steps: int = GROW_BACK_STEPS) -> None:
-        if configured <= 0 or grow_back_steps <= 0:
-            raise ValueError(f"BatchLimit needs configured > 0 and grow_back_steps > 0, "
-                             f"got {configured}, {grow_back_steps}")
         self.configured = configured
         self.current = configured
         self.grow_back_steps = grow_back_steps

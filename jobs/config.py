@@ -535,19 +535,16 @@ def _read_config_file(path: str | Path) -> bytes:
     without blocking and read with a bound, so a device, a FIFO or a swapped file is refused at once."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise ConfigError(f"config file {path} is not a regular file (a folder, FIFO or device): "
+                                  "give -c a YAML file")
+            with open(fd, "rb", closefd=False) as file:
+                data = file.read(MAX_CONFIG_BYTES + 1)  # buffered: until that many bytes or the end
+        finally:
+            os.close(fd)
     except OSError as e:
         raise ConfigError(f"cannot read config file {path}: {e.strerror or e}") from None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ConfigError(f"config file {path} is not a regular file (a folder, FIFO or device): "
-                              "give -c a YAML file")
-        data = b""
-        while len(data) <= MAX_CONFIG_BYTES and (chunk := os.read(fd, MAX_CONFIG_BYTES + 1 - len(data))):
-            data += chunk
-    except OSError as e:
-        raise ConfigError(f"cannot read config file {path}: {e.strerror or e}") from None
-    finally:
-        os.close(fd)
     if len(data) > MAX_CONFIG_BYTES:
         raise ConfigError(f"config file {path} is larger than {MAX_CONFIG_BYTES >> 20} MiB, more than any config "
                           "holds: give -c the YAML file of settings")

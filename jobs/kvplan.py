@@ -57,10 +57,10 @@ PROMPT_TOKENS = 64
 """Room for the instruction and chat template around the document."""
 
 
-def check_strategy(name: str, key: str = "cache.strategy") -> None:
+def check_strategy(name: str) -> None:
     """A clear error for a cache strategy this tool does not know (`auto` is not a rung)."""
     if name not in STRATEGIES:
-        raise ConfigError(f"{key}: unknown cache strategy {name!r}; choose from {sorted(STRATEGIES)}")
+        raise ConfigError(f"cache.strategy: unknown cache strategy {name!r}; choose from {sorted(STRATEGIES)}")
 
 
 def plan_rungs(
@@ -68,8 +68,6 @@ def plan_rungs(
 ) -> list[str]:
     """The rungs to try, in order: from the first that fits the budgets onwards. On a CPU device the host
     RAM is the device itself, so host-backed rungs are left out."""
-    for rung in ladder:
-        check_strategy(rung, "cache.ladder")
     usable = [r for r in ladder if not (device_is_cpu and RUNGS[r].home == "host")]
     for i, rung in enumerate(usable):
         if RUNGS[rung].fits(kv_bytes, device_budget, host_budget):
@@ -179,9 +177,6 @@ def plan_placement(
     compute of several layers. On the disk tier, streamed layers that fit `host_budget` keep their
     blocks in host RAM instead of files, except on a CPU device, where host RAM is the device.
     """
-    if tokens < 0 or batch <= 0 or block_tokens <= 0:
-        raise ValueError(f"plan_placement needs tokens >= 0, batch > 0, block_tokens > 0; "
-                         f"got tokens={tokens}, batch={batch}, block_tokens={block_tokens}")
     full = shape.full_attention_layers
     token_bytes = shape.layer_token_bytes(batch)
     windowed = sum(min(tokens, w) for w in shape.layer_windows if w is not None) * token_bytes

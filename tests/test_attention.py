@@ -26,8 +26,3 @@ def test_an_explicit_setting_is_taken_on_every_device(setting: str, device: str)
 @pytest.mark.parametrize("setting", ["auto", "pooled", "per-row"])
 def test_a_model_with_sliding_window_layers_attends_per_row(setting: str, device: str) -> None:
     assert attention_path(setting, device, windowed_layers=True) == "per-row"
-
-
-def test_an_unknown_setting_is_refused_by_name() -> None:
-    with pytest.raises(ValueError, match=r"batch\.attention: 'paged' is not one of auto, pooled, per-row"):
-        attention_path("paged", "cpu", windowed_layers=False)

@@ -15,7 +15,7 @@ from transformers.cache_utils import DynamicLayer
 
 from jobs.kvplan import kv_bytes
 from runner.engine.kvcache import BudgetedDynamicCache, KVBudgetExceeded, kv_shape
-from runner.engine.kvcache.resident import GRANULE_TOKENS, GROWTH, GrowingLayer
+from runner.engine.kvcache.resident import GRANULE_TOKENS, GROWTH, GrowingLayer, allocated_bytes
 from tests.helpers.models import (
     ARCHS,
     assert_next_logits_equal,
@@ -125,7 +125,7 @@ def test_layer_contract_step_by_step() -> None:
         return torch.randn(batch, 2, tokens, 8, generator=gen), torch.randn(batch, 2, tokens, 8, generator=gen)
 
     mine, theirs = GrowingLayer(), DynamicLayer()
-    assert mine.get_seq_length() == 0 and mine.capacity_bytes == 0 and mine.get_max_length() == -1
+    assert mine.get_seq_length() == 0 and allocated_bytes(mine) == 0 and mine.get_max_length() == -1
 
     def both(operation: str, *args: object) -> None:
         results = [getattr(layer, operation)(*args) for layer in (mine, theirs)]
@@ -142,12 +142,12 @@ def test_layer_contract_step_by_step() -> None:
     both("batch_repeat_interleave", 2)
     both("batch_select_indices", torch.tensor([3, 0, 2]))
     both("update", *kv(3, 1))
-    assert mine.capacity_bytes == mine.bytes_for(mine.capacity) > mine.keys.nbytes + mine.values.nbytes
+    assert allocated_bytes(mine) == mine.bytes_for(mine.capacity) > mine.keys.nbytes + mine.values.nbytes
     with pytest.raises(ValueError, match="positive value"):
         mine.crop(5)
     mine.reset()
     theirs.reset()
-    assert mine.keys is None and mine.get_seq_length() == 0 and mine.capacity_bytes == 0
+    assert mine.keys is None and mine.get_seq_length() == 0 and allocated_bytes(mine) == 0
     both("update", *kv(1, 9))
 
 
@@ -193,7 +193,7 @@ def test_meter_counts_the_allocation_and_kv_bytes_the_tokens() -> None:
     assert needed == kv_bytes(kv_shape(model.config, torch.float32), ids.shape[-1] + new_tokens - 1)
     cache = BudgetedDynamicCache(model.config)
     run_generate(model, cache, ids, max_new_tokens=new_tokens)
-    allocated = sum(layer.capacity_bytes for layer in cache.layers)
+    allocated = sum(allocated_bytes(layer) for layer in cache.layers)
     assert cache.stats()["kv_bytes"] == needed
     assert cache.stats()["kv_resident_peak_bytes"] == allocated > needed
 

@@ -3,10 +3,9 @@
 from runner.engine.kvcache.budget import KVBudgetExceeded, ResidentMeter
 from runner.engine.kvcache.dynamic import BudgetedDynamicCache
 from runner.engine.kvcache.handle import CacheHandle
-from runner.engine.kvcache.resident import GrowingLayer
+from runner.engine.kvcache.resident import GrowingLayer, kv_shape
 from runner.engine.kvcache.strategies import (
     build_cache,
-    kv_shape,
     ram_left_by_weights,
     resolve_budgets,
 )

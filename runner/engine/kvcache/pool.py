@@ -27,8 +27,9 @@ import torch
 from transformers import PretrainedConfig
 from transformers.cache_utils import Cache, DynamicLayer, get_layer_types_and_kwargs
 
+from jobs.kvplan import KVShape, kv_bytes
 from runner.engine.kvcache.budget import KVBudgetExceeded, ResidentMeter
-from runner.engine.kvcache.resident import GRANULE_TOKENS, NOTHING_OFFLOADED, granule, next_capacity
+from runner.engine.kvcache.resident import GRANULE_TOKENS, NOTHING_OFFLOADED, granule, kv_shape, next_capacity
 
 METER_SLOT = "kv-pool"
 
@@ -36,9 +37,9 @@ METER_SLOT = "kv-pool"
 class KVPool:
     """The worker's pooled KV: `claim` a slot for a sequence, `release` it when the sequence leaves."""
 
-    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
-                 meter: ResidentMeter, planned: tuple[int, int] | None = None) -> None:
-        self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
+    def __init__(self, shape: KVShape, dtype: torch.dtype, device: torch.device, meter: ResidentMeter,
+                 planned: tuple[int, int] | None = None) -> None:
+        self.num_layers, self.kv_heads, self.head_dim = shape.num_layers, shape.num_kv_heads, shape.head_dim
         self.dtype, self.device = dtype, device
         self.meter = meter
         self.planned = planned
@@ -47,7 +48,7 @@ class KVPool:
         self.values: torch.Tensor | None = None
         self.owners: list[PooledCache] = []
         """Slot i's sequence; the live slots are 0 .. len(owners) - 1."""
-        self.token_bytes = 2 * num_layers * kv_heads * head_dim * dtype.itemsize
+        self.token_bytes = kv_bytes(shape, 1)
         """Keys and values of one token of one slot, all layers."""
         self.generation = 0
         """Buffers made so far: a captured step replays only over the generation it was captured over."""
@@ -61,14 +62,10 @@ class KVPool:
     @classmethod
     def for_model(cls, config: PretrainedConfig, dtype: torch.dtype, device: torch.device,
                   meter: ResidentMeter, planned: tuple[int, int] | None = None) -> KVPool:
-        text = config.get_text_config(decoder=True)
-        layer_types, _ = get_layer_types_and_kwargs(text)
+        layer_types, _ = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
         if any(kind != "full_attention" for kind in layer_types):
             raise ValueError(f"the KV pool keeps full-attention layers only; this model has {sorted(set(layer_types))}")
-        heads = text.num_attention_heads
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-        kv_heads = getattr(text, "num_key_value_heads", None) or heads
-        return cls(text.num_hidden_layers, kv_heads, head_dim, dtype, device, meter, planned)
+        return cls(kv_shape(config, dtype), dtype, device, meter, planned)
 
     @property
     def slots(self) -> int:

@@ -12,7 +12,10 @@ import math
 from typing import Any
 
 import torch
-from transformers.cache_utils import DynamicLayer
+from transformers import PretrainedConfig
+from transformers.cache_utils import DynamicLayer, get_layer_types_and_kwargs
+
+from jobs.kvplan import KVShape
 
 GROWTH = 1.5
 """Capacity factor per reallocation: O(n) total copying, at most a third of the buffer left unused."""
@@ -40,11 +43,6 @@ class GrowingLayer(DynamicLayer):
     def capacity(self) -> int:
         """Tokens the buffers hold room for (0 before the first update)."""
         return self._pair[0].shape[-2] if self._pair is not None else 0
-
-    @property
-    def capacity_bytes(self) -> int:
-        """The real allocation (keys and values), as opposed to `.keys.nbytes + .values.nbytes`."""
-        return self.capacity * self._token_bytes
 
     def bytes_for(self, tokens: int) -> int:
         """Bytes both buffers take at a capacity of `tokens` (0 until the layer has seen its first tokens)."""
@@ -133,6 +131,25 @@ class GrowingLayer(DynamicLayer):
             self._adopt(*(_copied(buffer, self._length, self.capacity, indices) for buffer in self._buffers))
 
 
+def kv_shape(model_config: PretrainedConfig, dtype: torch.dtype | None = None) -> KVShape:
+    """The planner's view of a model; `dtype` defaults to the config's (float32 when it has none)."""
+    text = model_config.get_text_config(decoder=True)
+    heads = text.num_attention_heads
+    if dtype is None:
+        configured = getattr(text, "dtype", None) or getattr(model_config, "dtype", None)
+        dtype = getattr(torch, configured) if isinstance(configured, str) else configured or torch.float32
+    layer_types, layer_kwargs = get_layer_types_and_kwargs(text)
+    return KVShape(
+        num_layers=text.num_hidden_layers,
+        num_kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+        head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
+        dtype_bytes=dtype.itemsize,
+        # the most tokens a layer keeps: None when it keeps them all (and for types we cannot bound)
+        layer_windows=tuple(0 if kind == "dummy" else kwargs.get("sliding_window")
+                            for kind, kwargs in zip(layer_types, layer_kwargs)),
+    )
+
+
 def next_capacity(capacity: int, needed: int) -> int:
     """The geometric step from `capacity` for `needed` tokens: GROWTH × capacity or `needed`, in granules."""
     return granule(max(needed, math.ceil(capacity * GROWTH)))
@@ -147,7 +164,7 @@ def allocated_bytes(layer: Any) -> int:
     """What a layer kept on the device allocates there: a GrowingLayer's whole capacity, another
     layer's tensors (0 before its first update)."""
     if getattr(layer, "grows", False):
-        return layer.capacity_bytes
+        return layer.bytes_for(layer.capacity)
     keys, values = getattr(layer, "keys", None), getattr(layer, "values", None)
     return keys.nbytes + values.nbytes if keys is not None else 0
 

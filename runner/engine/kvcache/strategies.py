@@ -10,11 +10,10 @@ from pathlib import Path
 
 import psutil
 import torch
-from transformers import PretrainedConfig, PreTrainedModel
-from transformers.cache_utils import get_layer_types_and_kwargs
+from transformers import PreTrainedModel
 
 from jobs.config import CacheConfig, ConfigError
-from jobs.kvplan import KVShape, Placement, check_strategy
+from jobs.kvplan import Placement, check_strategy
 from jobs.rungs import RUNGS
 from runner.engine.kvcache.budget import ResidentMeter
 from runner.engine.kvcache.dynamic import BudgetedDynamicCache
@@ -27,25 +26,6 @@ CUDA_SAFETY_MARGIN = 0.10
 CUDA_MIN_MARGIN_BYTES = 1 << 30
 RAM_SHARE = 0.5
 """Share of the currently available RAM a task's KV may take when a budget is auto on the host."""
-
-
-def kv_shape(model_config: PretrainedConfig, dtype: torch.dtype | None = None) -> KVShape:
-    """The planner's view of a model; `dtype` defaults to the config's (float32 when it has none)."""
-    text = model_config.get_text_config(decoder=True)
-    heads = text.num_attention_heads
-    if dtype is None:
-        configured = getattr(text, "dtype", None) or getattr(model_config, "dtype", None)
-        dtype = getattr(torch, configured) if isinstance(configured, str) else configured or torch.float32
-    layer_types, layer_kwargs = get_layer_types_and_kwargs(text)
-    return KVShape(
-        num_layers=text.num_hidden_layers,
-        num_kv_heads=getattr(text, "num_key_value_heads", None) or heads,
-        head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
-        dtype_bytes=dtype.itemsize,
-        # the most tokens a layer keeps: None when it keeps them all (and for types we cannot bound)
-        layer_windows=tuple(0 if kind == "dummy" else kwargs.get("sliding_window")
-                            for kind, kwargs in zip(layer_types, layer_kwargs)),
-    )
 
 
 def ram_left_by_weights(available_before_load: int, weight_bytes: int, available_after_load: int) -> int:
@@ -100,8 +80,6 @@ def build_cache(
         cache = BudgetedDynamicCache(model.config, device_budget_bytes, expected_tokens, device_meter)
         return CacheHandle(strategy, cache)
     if rung.tier is not None:
-        if rung.needs_offload_dir and offload_dir is None:
-            raise ValueError("cache strategy tiered-disk needs the task's offload dir (cache.offload_root)")
         if kv_pool is not None:  # an empty pool's device room is the tiered cache's
             kv_pool.give_way()
         return CacheHandle(strategy, TieredCache(

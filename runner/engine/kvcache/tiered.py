@@ -205,14 +205,9 @@ class TieredLayer(DynamicLayer):
         return self.store.seq_len if self.store is not None else 0
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        if self.store is None:
-            return
-        self._settle()
-        if self._ready is not None:  # reorder the prefetched copy on the device instead of reading it again
-            rows = beam_idx.to(self._ready.keys.device)
-            self._ready.keys = self._ready.keys.index_select(0, rows)
-            self._ready.values = self._ready.values.index_select(0, rows)
-        self.store.select_rows(beam_idx)
+        """Beam search (generate() on the cache directly; the batch runner refuses beams): a row selection
+        like any other, the prefetched copy read again."""
+        self.batch_select_indices(beam_idx)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.store is not None:
