@@ -1,12 +1,10 @@
 """Reading one document from disk or shared storage and extracting its text (jobs.extract).
 
-Documents come from user manifests, so every path is hostile until proven otherwise: the size
-limit is checked before a byte is read, only regular files are opened (a FIFO would block
-forever, a device would never end), never a file of a pseudo file system (`/proc/self/environ` is
-"regular", 0 bytes by its size, and reads as the process's environment, credentials included), and
-`documents_root` is enforced on the path *after* symlinks and `..` are resolved. A storage URI
-(s3://, file://) is read through pyarrow's filesystems under the same rules. The size limit applies
-to the file as read (decompressed for `.gz`, expanded for a DOCX), not to the extracted text.
+Manifest paths are hostile until proven otherwise (docs/input.md, "What is rejected, and why"): the size
+limit is checked before a byte is read (on the file as read: decompressed `.gz`, expanded DOCX); only
+regular files are opened (a FIFO would block forever, a device never end); never a pseudo file system's
+(`/proc/self/environ` reads as the environment, credentials included); `documents_root` holds after
+symlinks and `..` are resolved. URIs (s3://, file://) go through pyarrow's filesystems under the same rules.
 """
 
 from __future__ import annotations

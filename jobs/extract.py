@@ -1,12 +1,9 @@
 """From a document file's bytes to the text a model reads: PDF, HTML, DOCX, or text in any common encoding.
 
-Pure and deterministic, so the text extracted at submit time and the text a worker extracts again
-later have the same fingerprint. Each format's library is imported only when a file of it is met.
-
-Binary is told from text by the share of control bytes. `file` and git refuse any (git: any NUL),
-stricter than real collections allow: GNU info manuals hold a few NULs and \\x1f node markers (up to
-3 % of the bytes), while binary and compressed data hold 10 % or more. So a file under
-MAX_CONTROL_SHARE is text whose stray control characters are removed; one over it is binary.
+Pure and deterministic, so the text extracted at submit time and again by a worker has the same fingerprint;
+each format's library is imported only when a file of it is met. Binary is told from text by the share of
+control bytes (MAX_CONTROL_SHARE), not by any NUL as `file` and git do: GNU info manuals hold up to 3 %
+(NULs, \\x1f node markers), binary data 10 % or more (docs/input.md, "Document formats").
 """
 
 from __future__ import annotations

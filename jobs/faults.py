@@ -1,19 +1,9 @@
 """Fault injection: make named documents fail on purpose to rehearse (and test) recovery.
 
-Set `KVBATCH_FAULTS` to a JSON list of rules, e.g.
-    [{"doc": "gpl-3", "fault": "oom", "attempts": [1, 2]},
-     {"doc": "mit", "fault": "crash"},
-     {"doc": "bsd", "fault": "oom", "rungs": ["dynamic"]},
-     {"doc": "apache", "fault": "io", "context_above": 2048},
-     {"doc": "*", "fault": "capture"}]
-A rule fires when every condition it names holds: the document id (`*`: any), the document's attempt
-(1-based: 1, and 1 more after each failed call of its), the cache rung in use, and the context size. It
-strikes the pass whose summary is the document's (its only pass, or its last merge) once that pass has
-run, before its row leaves the worker: the worker raises the real failure there (torch.OutOfMemoryError,
-a real process exit, a real OSError, a real hang), so recovery runs through exactly the code paths a
-real failure takes, and a crash loses that one pass. A `capture` rule is the
-workers', not a task's: every CUDA-graph capture of the decode step fails (runner/engine/static_step.py
-runs such steps eagerly).
+`KVBATCH_FAULTS` is a JSON list of rules such as `{"doc": "gpl-3", "fault": "oom", "attempts": [1, 2]}`
+(docs/cluster.md, "Rehearsing failures"). The worker raises the real failure (torch.OutOfMemoryError, a
+process exit, an OSError, a hang), so recovery runs through exactly the code a real failure takes. A rule's
+`attempts` are 1-based: 1, and 1 more after each failed call of the document.
 """
 
 from __future__ import annotations

@@ -168,14 +168,11 @@ def plan_placement(
     device_is_cpu: bool = False,
 ) -> Placement:
     """Split the full-attention layers of a `tokens`-long document (prompt + new tokens) between
-    the device and the tier.
+    the device and the tier (docs/kv-cache.md, "Placement").
 
-    The device holds the sliding-window layers, the streaming working set (the layer computing and
-    the one being prefetched) and as many resident layers as the rest of `device_budget` takes; when
-    not even the working set fits, the cache's budget guard raises the OOM that moves the task on.
-    Resident layers are spread evenly among the streamed ones, so each prefetch hides behind the
-    compute of several layers. On the disk tier, streamed layers that fit `host_budget` keep their
-    blocks in host RAM instead of files, except on a CPU device, where host RAM is the device.
+    When not even the streaming working set fits, the cache's budget guard raises the OOM that moves the
+    task on. Resident layers are spread among the streamed ones, so each prefetch hides behind the compute
+    of several layers.
     """
     full = shape.full_attention_layers
     token_bytes = shape.layer_token_bytes(batch)

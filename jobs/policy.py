@@ -1,12 +1,7 @@
 """What to do after a failure, as plain functions: the coordinator and workers apply them.
 
-Failure classes (docs/design.md "Failures"):
-- input: the document itself is bad; retrying cannot help, so the task fails at once.
-- setting: a setting the task cannot run with (a ConfigError, a TypeError or ValueError raised on a
-  value from the config); the same settings fail again and a shorter context changes none, so the
-  task fails at once with that error.
-- memory: the KV cache does not fit; the next cache rung is tried at once, then a shorter context.
-- transient: the worker died, an I/O error, a timeout; the same attempt is retried with backoff.
+The failure classes (input, setting, memory, transient) and what each leads to: docs/design.md, "Failures".
+A setting error fails at once: the same settings fail again, and a shorter context changes none.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """The job's checkpoint log: task events, results and finished passes as append-only Parquet parts.
 
-`add_result`/`add_passes` return once their rows are on disk, so whatever job.log, the progress bar or
-`status` announce after them survives a `kill -9`. Callers finishing at once share one fsynced write (a
-group commit: the writer's turn publishes every row added so far). Task events only describe the way
-there: buffered until the next result or pass, `flush_every` rows, `flush_interval_s` seconds, or close.
-Results go before the events and passes of the same write, and the passes of a document whose result
-goes out are dropped. Every `merge_every` parts the log wrote are merged into one, so a resume reads
-few files even after a crash; `compact` merges everything once the job ends.
+`add_result`/`add_passes` return once their rows are on disk (one fsynced group commit for the callers
+finishing together), so whatever is announced after them survives a `kill -9`; task events are buffered
+(docs/cluster.md, "Crashes, retries and fallbacks"). Results go before the events and passes of the same
+write, and every `merge_every` parts are merged into one, so a resume reads few files.
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """The job lock on object storage: a lease object written only under a condition, and kept renewed.
 
-Object stores have no flock. The lease `.lock` is created with `If-None-Match: *` (one of any number of
-racing coordinators wins) and every later write is `If-Match: <ETag>` of the version the writer last
-saw, so a renewal or a takeover never overwrites a version it did not see.
-
-No clocks are compared across machines. A taker that finds the lease held from another host (or by a
-holder it cannot judge) watches its ETag on its own clock: a change means the holder renews (refused); a
-full TTL without one means it stopped, and that exact version is taken over. The holder counts its
-lease valid for less than a TTL after it *sent* its last renewal (CLOCK_BOOTTIME runs through a
-suspend), so it stops writing before any taker can start: every publish first calls `check()` (the
-fence), which raises LeaseLostError once a renewal was refused or none came for too long. A holder on
-this host is refused while alive, taken over at once when gone. A storage error is never "no lease".
+Object stores have no flock, so the lease is created with `If-None-Match: *` and rewritten only with
+`If-Match` of the version its writer last saw; no clocks are compared across machines (docs/cluster.md,
+"The lease"). The holder times its lease on CLOCK_BOOTTIME (which runs through a suspend), and every
+publish first calls `check()`, the fence, which raises LeaseLostError before any taker can start.
+A storage error is never "no lease".
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """Files the user names with `-o`: written where the name points, whole or not at all.
 
-A symlink's target is written (the link stays a link). A FIFO or a character device (`/dev/null`) is
-written into, never replaced by a plain file. A name of one of this process's descriptors
-(`/dev/stdout`, `/dev/fd/N`, `/proc/self/fd/N`) is written into that descriptor as the shell opened it:
-a pipe stays a pipe, a file keeps its inode and position (`>> log` appends). A regular or new file is
-written to a temporary file beside it, fsynced and renamed over it, so a failed write (a full disk)
-never leaves a truncated file. The temporary name is random and created exclusively (never through a
-symlink planted in a shared folder), and removed if anything fails.
+A symlink, FIFO, device or one of this process's descriptors is written into as it is (docs/design.md,
+"Command line"). Any other file goes through a random, exclusively created temporary beside it (so never
+through a symlink planted in a shared folder), fsynced and renamed over it: a full disk leaves no truncated
+file.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """Finished passes of long documents (jobs/passes.py): `JOB_DIR/passes/<task_id>/part-*.parquet`.
 
-The coordinator, the job folder's only writer, publishes each pass a worker finished as a part (fenced
-by its lease, whole or absent after a crash: storage/parts.py). A resume runs only the passes whose key
-is not kept; a key covers everything that decides a pass's tokens, so reuse never changes a summary.
-The folder goes once the document's result is published (after a crash, at the next run's sweep).
-
-Only what kvbatch wrote is removed: in folders of tasks the manifest.parquet lists, files named as
-kvbatch names a part or its temporary file. Anything else under `passes/` stays (the second line of
-defence after submit's refusal of a non-empty folder that holds no job, storage/jobdir.py).
+Published by the coordinator as fenced parts (storage/parts.py) and removed once the document's result is
+out (docs/cluster.md, "The job folder"). Only what kvbatch wrote is removed (part files and their
+temporaries, in folders of tasks the manifest lists): the second line of defence after submit's refusal of a
+non-empty folder that holds no job (storage/jobdir.py).
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """Layer-major prefill: each layer's K/V for the whole prompt is computed first, then stored once.
 
-Chunked prefill runs every layer over chunk 1, then over chunk 2, ...: an offloaded cache brings each
-layer's earlier chunks back for every new chunk, about (n-1)/2 copies of the cache for n chunks. Here
-layer 0 runs over all chunks, then layer 1, and so on; a layer the cache keeps off the device grows
-in a one-layer staging `DynamicLayer` (what chunked prefill would attend to) and is handed over in
-one `update`. Queries still go a chunk at a time, cut as generate() cuts them, with the model's own
-norm and head for the last logits, so logits, K/V and tokens are bit for bit chunked prefill's
-(tests/test_layer_major.py). generate() then only decodes (`prefilled`).
+Chunked prefill brings an offloaded layer's earlier chunks back for every new chunk; going layer by layer
+writes the prompt's KV once, with logits, K/V and tokens bit for bit chunked prefill's (docs/kv-cache.md,
+"Layer-major prefill"; tests/test_layer_major.py). generate() then only decodes (`prefilled`).
 """
 
 from __future__ import annotations

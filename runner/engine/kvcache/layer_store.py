@@ -1,12 +1,8 @@
 """One layer's authoritative KV off the device: sealed full blocks in a tier, plus a RAM tail.
 
-New tokens are copied off the device once, into the tail; a full tail is sealed (handed to the tier
-on the IO thread) and never rewritten. Beam reorders and batch changes move no block data: each block
-keeps a row map applied when it is read. The tail is token-major, (tokens, 2, batch, heads,
-head_dim), so the keys and values a step writes are one contiguous run: on CUDA one copy into pinned
-memory, without a pageable temporary or a host sync. Sealing turns it head-major, as the tiers store
-blocks. On CUDA the compute stream and the IO thread's stream wait for each other through events;
-the host waits only where it touches the bytes (sealing, reshaping). docs/kv-cache.md has the rest.
+New tokens are copied off the device once; a full tail is sealed on the IO thread and never rewritten, and
+beam reorders move no block data (each block keeps a row map). Why the tail is token-major and how the
+streams wait for each other: docs/kv-cache.md, "Tiered-disk blocks".
 """
 
 from __future__ import annotations

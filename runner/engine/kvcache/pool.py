@@ -1,20 +1,10 @@
 """One KV pool per worker for the device-resident (`dynamic`) sequences of its batch.
 
-Every pooled sequence's KV is one slot of two buffers, keys and values, each [layers, slots, kv_heads,
-tokens, head_dim]: a decode step writes every pooled row's new K/V with one indexed write per layer and
-attends over them with few attention calls (runner/engine/pooled_attention.py). Slots, not paged
-blocks: a slot is a row of an ordinary tensor, which SDPA reads in place, where paged blocks would need
-a gather per layer per step or a paged kernel torch does not ship for the CPU. The price is padding
-(docs/kv-cache.md, "The pooled decode step").
-
-The live slots are packed at the front (a leaving sequence's slot takes the last one), so attention
-reads a view `[:live]`, and the pool's allocation is what it holds in the worker's device meter.
-Growing means a second pair of buffers beside the first, so with a plan (`planned`, the worker's on
-CUDA) the pool is made once at worker start, within the budget, and kept: captured decode steps keep
-replaying over the same buffers. Without one (the CPU, whose budget is RAM the batch shares) it grows
-as claims need and is freed when empty. An empty pool gives way to a tiered cache (`give_way`), which
-needs the device room. Every new pair of buffers is a new `generation`: captured steps are keyed by
-it, not by an address the allocator may hand out again with another shape.
+Each pooled sequence is one slot of two buffers, keys and values, each [layers, slots, kv_heads, tokens,
+head_dim], so a decode step writes and attends every pooled row with few calls
+(runner/engine/pooled_attention.py). Growing means a second pair of buffers beside the first, hence a pool
+made once at worker start on CUDA (`planned`). Slots rather than paged blocks, packed live slots, giving way
+to a tiered cache and the `generation` captured steps are keyed by: docs/kv-cache.md, "The pooled decode step".
 """
 
 from __future__ import annotations
