@@ -1,10 +1,8 @@
 """Which decode-step attention a worker runs (`batch.attention`, `batch.static_step`), as plain functions.
 
-`auto` follows the measured tables in docs/benchmarks.md ("Pooled or per-row attention on the CPU",
-"Step ops"): pooled on CUDA, whose kernel launches per step do not grow with the batch, and on the CPU,
-where it decoded 1.18-1.34x faster than per-row at every shape measured. A device not measured (not in
-`AUTO`) runs per row. The pool only holds full-attention layers, so a model with sliding-window layers
-runs per row whatever the setting.
+`auto` follows docs/benchmarks.md ("Pooled or per-row attention on the CPU", "Step ops"): pooled on CUDA
+and the CPU, per row on a device not in `AUTO`. The pool holds only full-attention layers, so a model with
+sliding-window layers runs per row whatever the setting.
 """
 
 from __future__ import annotations

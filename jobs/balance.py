@@ -1,10 +1,8 @@
 """Balancing the workers: tasks go out by the work they are expected to take, not by arrival order.
 
-A batch ends when its busiest worker does, so the longest expected task goes first, to the worker
-with the least expected work in flight (greedy longest-processing-time scheduling). Before a document
-is tokenised its work is estimated from its characters (jobs/kvplan.py's characters-per-token): the
-tokens its passes prefill plus the tokens they decode, weighted; once it is planned, its passes' real
-prompts count instead.
+A batch ends when its busiest worker does, so the longest expected task goes first, to the worker with
+the least expected work in flight (greedy LPT). Work is estimated from characters until a document is
+planned, then from its passes' real prompts (prefill plus weighted decode tokens).
 """
 
 from __future__ import annotations

@@ -97,9 +97,9 @@ def plan_chunks(
 ) -> list[Chunk]:
     """Cut a tokenised text into chunks of at most `budget_tokens` tokens that cover every token.
 
-    `token_spans` are the (start_char, end_char) offsets of each token of `text`. A chunk fills at least
-    half the budget before a cut is looked for. Consecutive chunks share `overlap` to 2 × `overlap` tokens
-    (`overlap_tokens` capped at a quarter of the budget, so each chunk brings mostly new text).
+    `token_spans` are each token's (start_char, end_char) in `text`. A chunk fills at least half the budget
+    before a cut is looked for; consecutive chunks share `overlap` to 2 × `overlap` tokens (`overlap_tokens`
+    capped at a quarter of the budget, so each chunk brings mostly new text).
     """
     if budget_tokens <= 0:
         raise ValueError(f"budget_tokens must be positive, got {budget_tokens}")

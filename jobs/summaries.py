@@ -1,10 +1,8 @@
 """A summary stopped by `max_new_tokens` ends where its last complete sentence ends.
 
-A reader is better served by the summary up to its last full stop than by one cut mid-sentence; the
-cut words are kept apart (the result's `summary_tail`). A sentence ends at `.`, `!` or `?` (with any closing quotes or brackets after it) that is followed by
-the end of the text, or by whitespace and then a capital letter, a digit or an opening quote or bracket:
-so "e.g. the" and "3.5" are no ends, while "Dr. Smith" is (the rule is kept simple on purpose). CJK
-`。`, `！`, `？` end a sentence wherever they stand (no space follows them in CJK text).
+A reader is better served by the summary up to its last full stop than by one cut mid-sentence; the cut
+words go to the result's `summary_tail`. What ends a sentence (kept simple on purpose: "Dr. Smith" is an
+end): docs/summaries.md.
 """
 
 from __future__ import annotations

@@ -79,12 +79,11 @@ for pid, started in family:
 
 
 def _start_reaper() -> None:
-    """The private Ray's processes die with this driver, whatever ends it.
+    """The private Ray's processes die with this driver, whatever ends it (docs/cluster.md).
 
-    Ray ties the GCS and raylet to the driver with PR_SET_PDEATHSIG, but after a `kill -9` of the driver
-    the raylet's agents wait out a 60 s call to the dead GCS (and more), orphaned. A small process of its
-    own kills what this Ray started (never another child of the caller's) once the pipe from the driver
-    closes; process start times guard against pids reused meanwhile.
+    After a `kill -9` of the driver the raylet's agents would wait out a 60 s call to the dead GCS,
+    orphaned. A small process kills what this Ray started (never another child of the caller's) once the
+    pipe from the driver closes; process start times guard against reused pids.
     """
     import psutil
     from ray._private import worker as ray_worker

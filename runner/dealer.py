@@ -1,11 +1,9 @@
 """The dealer: runs the work items of the documents in a batch, one call at a time, and keeps what comes back.
 
-A document (jobs/document_run.py) is planned by a worker, its passes dealt to any worker through the
-batch's `WorkQueue`, each pass's row kept (storage/passes.py) before anything that depends on it is
-dealt, and the next level planned by the worker that ran the level's last pass. Transient failures are
-retried under one tenacity policy; a call whose worker died or hung goes back to the queue, for any
-worker. When a context keeps failing the document starts over at a shorter one (the passes kept so
-far are found again); a failure no shorter context fixes ends it failed.
+A document (jobs/document_run.py) is planned by a worker and its passes dealt to any worker, each pass's
+row kept (storage/passes.py) before anything that depends on it is dealt (docs/design.md, "Documents and
+passes"). A call whose worker died or hung goes back to the queue, for any worker; the rest of the
+failures follow docs/design.md, "Failures", under one tenacity policy.
 """
 
 from __future__ import annotations

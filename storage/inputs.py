@@ -1,11 +1,8 @@
 """What `kvbatch submit` is given: a manifest, a folder of documents, or either on shared storage.
 
-A folder becomes a manifest of one row per file: id = its path relative to the folder (with `/`), path
-= where it is. Hidden names are left out; `--glob` keeps matching relative paths (`fnmatch`: `*` crosses
-`/`, so `*.pdf` finds PDFs at any depth). Job folders of earlier runs inside it, and symlinked subfolders
-of a local folder (a link can loop, or bring a tree in twice), are left out and named in
-`StagedManifest.notes`. A manifest on shared storage is copied to a local file; its relative document
-paths are read from beside it there.
+A folder becomes a manifest of one row per file (docs/input.md, "Folders and buckets"); what it leaves
+out (earlier job folders, symlinked subfolders) is named in `StagedManifest.notes`. A manifest on shared
+storage is copied to a local file; its relative document paths are read from beside it there.
 """
 
 from __future__ import annotations

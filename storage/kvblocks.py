@@ -1,10 +1,8 @@
 """KV block files: the codec (byte-plane shuffle + zstd) and one task's append-only block store.
 
-In 16/32-bit floats the high bytes (sign, exponent) barely vary while the low mantissa bytes look
-random, so zstd finds little to share in the interleaved bytes. A lossless byte-plane shuffle (all
-first bytes, then all second bytes, ...) puts the exponents side by side, where they compress well.
-Numpy and bytes only: no torch here. Each layer has one append-only file; a `BlockRef` says where a
-block lies. `compression: none` blocks are read back through mmap without a copy.
+The shuffle puts the floats' barely varying high bytes (sign, exponent) side by side, where zstd finds
+them alike (docs/kv-cache.md, "Tiered-disk blocks"). Numpy and bytes only: no torch here. Each layer has one
+append-only file; a `BlockRef` says where a block lies; `compression: none` blocks are read through mmap.
 """
 
 from __future__ import annotations
@@ -64,9 +62,8 @@ _PLANE_LENGTH = np.dtype("<u4")
 class BlockCodec:
     """How a block's bytes are stored: zstd at `level` after an optional shuffle, or raw.
 
-    Shuffled, each byte plane is its own zstd frame, so the exponent plane gets its own entropy tables
-    (SmolLM2's bf16 KV: 1.36x with one frame, 1.46x with a frame per plane). Payload: the frame
-    lengths (uint32, one per plane), then the frames.
+    Shuffled, each byte plane is its own zstd frame with its own entropy tables (SmolLM2's bf16 KV: 1.36x
+    with one frame, 1.46x a frame per plane). Payload: the frame lengths (uint32 per plane), then the frames.
     """
 
     compression: Compression = "zstd"

@@ -1,11 +1,9 @@
 """Who owns a lock or a scratch dir: host, pid and when the process started, in a clock-free form.
 
-Pids are reused, so a pid alone is no identity; host + pid + start is one process for its whole life,
-which lets a stale lock or an orphaned scratch dir be reclaimed without touching a live owner's.
-The start is compared as the kernel records it: clock ticks since boot (`/proc/<pid>/stat` field 22)
-within one boot (`/proc/sys/kernel/random/boot_id`). Neither moves when the wall clock is stepped (NTP,
-VM resume), whereas psutil's `create_time` does, and a 1 s step would make a live owner look like a
-reused pid. `start_time` (wall clock) is kept for people and for records written without /proc.
+Pids are reused, so host + pid + start names one process, and a stale lock or orphaned scratch dir can be
+reclaimed without touching a live owner's. The start is the kernel's ticks since boot within one boot_id,
+which a wall-clock step does not move, unlike psutil's `create_time` (docs/cluster.md, "Offload
+directories"). `start_time` (wall clock) is kept for people and for records written without /proc.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 """Append-only Parquet part files that are either wholly visible or not there at all.
 
-A part is written under a hidden temporary name in its directory, fsynced, renamed, and the directory
-fsynced: a crash leaves the whole part or only a temporary file, which readers never look at. Part
-names sort in write order (`part-<time_ns>-<seq>-<pid>-<random>.parquet`), the order rows are read in.
-A merged part names the parts it replaces in its metadata, so a crash between publishing it and
-deleting its inputs never yields duplicate rows.
+Temporary name, fsync, rename, directory fsync (docs/design.md, "Job folder"). Names sort in write order
+(`part-<time_ns>-<seq>-<pid>-<random>.parquet`), the order rows are read in. A merged part names the parts
+it replaces in its metadata, so a crash before its inputs are deleted never yields duplicate rows.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """Room on an offload root's filesystem, shared fairly by the task dirs that write there at once.
 
-A task's KV reaches the disk over its whole decode, so the free space when a task starts says nothing
-about what its running neighbours (batch-mates, other workers, other jobs on the root) will still
-write. Each task dir records the bytes it claimed; a new claim counts what live dirs claimed and have
-not written yet as taken. Claims are decided one at a time under a `flock` of the root's marker (the
-kernel drops it when a process dies). A claim that would fit once the live dirs are gone waits for
-them (bounded): otherwise which task of a batch ran at a shorter context would depend on who wrote first.
+Free space when a task starts says nothing of what its running neighbours will still write, so each task
+dir records its claim and a new claim counts the live dirs' unwritten claims as taken (docs/design.md,
+"Per-task scratch"). Claims are decided one at a time under a `flock` of the root's marker; one that fits
+once live dirs are gone waits for them, so which task runs shorter does not depend on who wrote first.
 """
 
 from __future__ import annotations

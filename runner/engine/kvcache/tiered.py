@@ -1,10 +1,8 @@
 """TieredCache: a transformers `Cache` whose full-attention layers live off the device, as far as needed.
 
-A `Placement` (jobs.kvplan) says which full-attention layers stay on the device and which are
-streamed: a streamed layer's authoritative copy is in host RAM or in block files in the task's
-offload dir, and it is on the device only for its turn in the forward pass, while the IO thread
-brings the next one. Without a placement every full-attention layer is streamed. Sliding-window
-layers are bounded by their window and stay resident (transformers' `DynamicSlidingWindowLayer`).
+A `Placement` (jobs.kvplan) says which full-attention layers stay on the device; the rest (all of them
+without one) are streamed from host RAM or block files, on the device only for their turn while the IO
+thread brings the next (docs/kv-cache.md, "Tiered-disk blocks"). Sliding-window layers stay resident.
 """
 
 from __future__ import annotations
