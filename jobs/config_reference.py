@@ -1,9 +1,7 @@
 """The config reference, written from jobs/config.py's fields so it cannot drift from the code.
 
-`configs/default.yaml` and the tables in `docs/config.md` are this module's output for the default
-config, and `kvbatch config` prints the same for any config. Adding a key is adding a `Field` with a
-`description` (what it means, its unit) and running `python -m jobs.config_reference`, which rewrites
-both files; tests/test_config_reference.py fails while they disagree with the code.
+Writes `configs/default.yaml` and docs/config.md's tables (`python -m jobs.config_reference`); `kvbatch
+config` prints the same for any config. How to add a key: docs/development.md, "Adding a config key".
 """
 
 from __future__ import annotations

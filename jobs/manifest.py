@@ -1,9 +1,7 @@
 """Turning a user's manifest (JSONL, CSV or Parquet) into validated tasks and per-row rejections.
 
-A bad row must never stop a batch, and must never crash the parser either: every row problem
-becomes a `Rejection` whose reason names the row, the document and what to do. Only a manifest
-that cannot be read at all (missing file, unknown extension, unreadable header or Parquet footer)
-raises `ManifestError`.
+A bad row must never stop a batch nor crash the parser: it becomes a `Rejection` naming the row, the
+document and what to do. Only a manifest that cannot be read at all raises `ManifestError`.
 """
 
 from __future__ import annotations

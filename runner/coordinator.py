@@ -1,9 +1,8 @@
 """The coordinator: runs a job's open documents on the worker pool, from the workers' start to the exit code.
 
 Each worker has `batch.max_sequences` feeding threads, which take work items from one `WorkQueue`
-(jobs/balance.py) and run them (runner/dealer.py). A coordinator killed at any instant loses only the
-passes in flight, and the result row in results/ is the only "done" record. The coordinator, holding
-the job's lock, is the only writer of the job folder; it stops the batch on a signal or a lost lease.
+(jobs/balance.py) and run them (runner/dealer.py). The coordinator holds the job's lock and is the job
+folder's only writer (docs/cluster.md); it stops the batch on a signal or a lost lease.
 """
 
 from __future__ import annotations

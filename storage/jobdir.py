@@ -156,9 +156,8 @@ def create_job(job: JobDir, info: JobInfo, manifest_table: pa.Table, rejected: p
                copies: dict[str, bytes] | None = None) -> None:
     """Create the job's files; call with the job lock held. Refuses a folder that holds (part of) a job.
 
-    `copies` (files kept by name: the manifest made from a folder) are written only once the folder is
-    known to hold no job, so a refused submit changes nothing. job.json, the promise that everything the
-    manifest said is in the folder, is published last, so a crash at any instant loses no row.
+    `copies` (the manifest made from a folder) are written only once the folder is known to hold no job, so a
+    refused submit changes nothing; job.json is published last, so a crash at any instant loses no row.
     """
     check_new_job_folder(job)
     leftovers = [f.name for f in (job.manifest,) if f.exists()] + [

@@ -1,8 +1,7 @@
-"""Alerts: the few things an operator of a long batch must act on, as warnings in job.log and on the console
-(the kinds and their thresholds: docs/status.md "Alerts").
+"""Alerts an operator of a long batch must act on, as warnings in job.log and on the console
+(docs/status.md "Alerts").
 
-`AlertRules` is the plain decision logic; `AlertMonitor` feeds it from the coordinator, runs a
-watchdog thread for the rules that need a clock, and writes what fires.
+`AlertRules` is the decision logic; `AlertMonitor` feeds it, runs a watchdog thread for the clocked rules.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
-"""Batch metrics for a Ray cluster's own Prometheus endpoint (names start with `kvbatch_`).
+"""Batch metrics for a Ray cluster's own Prometheus endpoint (docs/status.md, "Ray metrics").
 
-Recorded by the coordinator, which sees every task's final outcome once; Ray exports them with
-its own metrics (as `ray_kvbatch_*`) from each node's metrics agent, so a cluster's existing
-Prometheus/Grafana setup picks them up without another exporter.
+Recorded by the coordinator, which sees every task's final outcome once; Ray exports them from each
+node's metrics agent, so a cluster's existing Prometheus/Grafana setup needs no other exporter.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """Live progress: a rich bar on a terminal, plain periodic lines otherwise (CI logs stay readable);
 what each figure means: docs/status.md "Progress".
 
-Tokens are counted as the workers decode them (asked every second), not when a document ends, so a
-batch of long documents shows its pace long before its first result; the ETA's rate is measured from
-the first sample with tokens, so neither the workers' start nor the first prefill counts as slowness.
+Tokens are counted as the workers decode them (asked every second), so long documents show a pace before
+the first result; the ETA's rate starts at the first sample with tokens, so worker start-up is no slowness.
 """
 
 from __future__ import annotations

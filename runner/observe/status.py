@@ -1,8 +1,7 @@
 """`kvbatch status`: what a job is doing, from its folder alone (works while it runs, and after).
 
-Everything comes from files a running coordinator publishes atomically (results/, events/, job.log,
-.lock), so another shell or machine can watch a batch without talking to Ray. `status --json` prints
-`job_status`'s figures in `JobStatus`'s key order (docs/status.md).
+Everything comes from files a running coordinator publishes atomically, so another shell or machine can
+watch a batch without Ray. `status --json` prints `job_status`'s figures in `JobStatus`'s key order (docs/status.md).
 """
 
 from __future__ import annotations

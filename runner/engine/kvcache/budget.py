@@ -1,8 +1,7 @@
 """The device budget guard: KV that would not fit raises the same error as a real device OOM.
 
-The worker moves a task to the next cache rung on `torch.OutOfMemoryError`; raising it before the
-allocation (rather than waiting for CUDA to fail) makes the ladder behave the same on CPU, where
-nothing else would stop a cache from eating all the RAM.
+The worker moves a task to the next cache rung on `torch.OutOfMemoryError`; raising it before allocating
+makes the ladder behave the same on the CPU, where nothing else would stop a cache from eating all the RAM.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """`dynamic` with the budget guard: every layer on the device, refusing to outgrow a device budget.
 
-Full-attention layers are `GrowingLayer`s (written in place, not concatenated); sliding-window layers
-stay transformers' own. The meter counts the real allocation (capacity) before anything grows, so the
-planner's ladder is exercised on CPU exactly as a real CUDA OOM would on a GPU.
+Full-attention layers are `GrowingLayer`s; sliding-window layers stay transformers' own. The meter counts
+the real allocation before anything grows, so the ladder is exercised on the CPU as a CUDA OOM would be.
 """
 
 from __future__ import annotations

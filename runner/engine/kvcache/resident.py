@@ -1,9 +1,9 @@
 """Device-resident KV without whole-prefix copies: buffers that grow geometrically and are written in place.
 
-transformers' `DynamicLayer` concatenates at every update, copying the layer's whole prefix (O(n^2)
-bytes over a generation). `GrowingLayer` writes new tokens into a preallocated buffer grown by
-`GROWTH` (in `GRANULE_TOKENS`), so growth copies O(n), and hands attention views of the valid tokens:
-the same values in the same shape, so the same tokens. The in-place writes make it inference-only.
+transformers' `DynamicLayer` copies the layer's whole prefix at every update (O(n^2) bytes over a
+generation); `GrowingLayer` writes into a buffer grown by `GROWTH` (in `GRANULE_TOKENS`) and hands attention
+views of the valid tokens, so the same tokens (docs/kv-cache.md, "Resident buffers written in place").
+The in-place writes make it inference-only.
 """
 
 from __future__ import annotations
