@@ -1,8 +1,7 @@
 """How many sequences a worker lets decode together: lowered by a memory error, grown back when calm.
 
-Memory is often short only for a while (a long document's passes, another process on the GPU), so a
-lowered limit doubles back after `GROW_BACK_STEPS` calm decode steps, up to `batch.max_sequences`. Each
-memory error doubles that wait, so a worker whose memory really is too small settles at what fits.
+Memory is often short only for a while, so a lowered limit doubles back after `GROW_BACK_STEPS` calm
+steps (docs/batching.md); each memory error doubles that wait, so a worker really short settles at what fits.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """One document's way through a batch, as a state machine: no Ray, no torch, no threads.
 
-A document's chunks (level 0), then merges of each level's summaries, run as passes on any worker until
-one summary is left. A pass is dealt only once the passes it depends on are kept (storage/passes.py),
-so a kill loses only the passes in flight: a `DocumentRun` made again from the kept rows takes up where
-the last one stopped. `fall_back` starts it over at a shorter context, reusing every pass kept so far.
+A kill loses only the passes in flight: a `DocumentRun` made again from the kept rows (storage/passes.py)
+takes up where the last one stopped, and `fall_back` starts it over at a shorter context, reusing every
+pass kept so far.
 
     PLANNING --planned--> MAPPING (level 0) / MERGING (level > 0) --level kept--> PLANNING (next level)
                                                                    \\--one summary left--> DONE

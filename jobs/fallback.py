@@ -1,9 +1,8 @@
 """A fallback: one move down a task's ladder, a cache rung or a shorter context, and why.
 
-A result row's `fallbacks` column and job.log hold these as note strings (`str(fallback)`, e.g.
-"cache:dynamic->tiered-disk (OutOfMemoryError)" or "context:1024->512 (OSError)"), so old job folders
-read the same; `Fallback.parse` is the one place a note is read back. The move's ends hold no
-whitespace, parentheses or "->", so every note parses back to the value that wrote it.
+`fallbacks` and job.log hold these as `str(fallback)` notes ("cache:dynamic->tiered-disk (OutOfMemoryError)"),
+so old job folders read the same; `Fallback.parse` is the one reader. The ends hold no whitespace,
+parentheses or "->", so every note parses back to the value that wrote it.
 """
 
 from __future__ import annotations

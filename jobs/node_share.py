@@ -1,8 +1,7 @@
 """How many workers share one node's RAM and one GPU, so that `auto` KV budgets are split among them.
 
-A worker sizes an `auto` budget from what its machine has free when it starts, so workers sharing a
-node or a GPU would each claim all of it. The pool works out where Ray's SPREAD strategy puts them and
-gives each the most that land on one node: exact on one node, on the small side across uneven ones.
+Each worker sizes an `auto` budget from what is free when it starts, so sharers would each claim all of it.
+The count follows Ray's SPREAD: exact on one node, on the small side across uneven ones.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
-"""The pass: the unit of work that crosses Ray, and what a finished one is.
+"""The pass: the unit of work that crosses Ray, and what a finished one is (docs/design.md).
 
-A worker plans a level (`LevelPlan`: one `PassSpec` a pass), any worker runs a spec, and the finished
-pass comes back as a `PassRow`, kept in the job folder before anything that depends on it is dealt. A
-pass's key hashes everything that decides its tokens and nothing that only decides where its KV lives,
-so a kept pass is reused exactly when running it again would give the same tokens.
+A worker plans a level (`LevelPlan`: one `PassSpec` a pass), any worker runs a spec, and the finished pass
+comes back as a `PassRow`. A pass's key hashes everything that decides its tokens and nothing that only
+decides where its KV lives, so a kept pass is reused exactly when running it again gives the same tokens.
 """
 
 from __future__ import annotations

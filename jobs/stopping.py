@@ -1,9 +1,8 @@
 """Why a generated sequence ended, and the loop stop: a sequence whose tail repeats itself ends there.
 
-Greedy decoding of a small model often falls into a loop until `max_new_tokens`. Most loops are exact
-(`repeated_tail`: the same block `repeats` times back to back); some are near-copies with a word
-changed, which `LoopWatch` spots by the share of recent n-grams that already occurred. The sequence
-stops where it loops, so it stops paying decode steps for text a reader throws away.
+Greedy decoding of a small model often loops until `max_new_tokens` (docs/summaries.md). Exact loops are
+`repeated_tail`'s; near-copies with a word changed are `LoopWatch`'s, by the share of recent n-grams
+already seen. Stopping there saves the decode steps of text a reader throws away.
 """
 
 from __future__ import annotations

@@ -1,11 +1,9 @@
 """The Ray worker pool: starts the worker actors, calls them, waits for a lost one to come back, kills them.
 
-Everything the batch knows of Ray is here; the coordinator sees workers as opaque handles, their calls
-(jobs/passes.py) as methods returning outcomes, and losses as `WorkerLost`. Each actor runs
-`batch.max_sequences` calls at once, so one lost process ends several calls: the pool counts that loss
-once, and says for each call whether batch-mates shared the process (then it is not its document's
-fault, yet). A pass's `retry.task_timeout_s` runs from when it began to run in the worker, not while it
-waits there behind its batch-mates.
+Everything the batch knows of Ray is here; the coordinator sees workers as opaque handles and losses as
+`WorkerLost`. One lost process ends all of its `batch.max_sequences` calls: the pool counts the loss once
+and says for each call whether batch-mates shared the process (then it is not its document's fault, yet).
+A pass's `retry.task_timeout_s` runs from when it began to run in the worker, not while it waits there.
 """
 
 from __future__ import annotations

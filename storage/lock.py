@@ -1,9 +1,8 @@
-"""JOB_DIR/.lock: one coordinator per job folder.
+"""JOB_DIR/.lock: one coordinator per job folder (docs/cluster.md, "Crashes, retries and fallbacks").
 
-Exclusion is a flock on the lock file, which the kernel drops however the holder dies (SIGKILL too),
-so no dead process holds it. The file's record (host, pid, process start) names the holder in messages,
-and whose lock was taken over. Where flock is a no-op, a record whose owner is verifiably alive on this
-host is respected even when the flock was granted.
+Exclusion is a flock, which the kernel drops however the holder dies, so no dead process holds it; the
+record (host, pid, process start) names the holder in messages. Where flock is a no-op, a record whose
+owner is verifiably alive on this host is respected even when the flock was granted.
 """
 
 from __future__ import annotations

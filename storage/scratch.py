@@ -1,10 +1,9 @@
 """Per-task scratch dirs: `<offload_root>/<job_id>/<task_id>.<attempt>/`, one per task attempt.
 
-Each holds an owner file (host, pid, process start, job id) and the task's KV blocks, and is removed
-when the task's block ends; a dir whose owner died (SIGKILL, OOM killer, power loss) is swept later by
-`sweep_orphans`. Sweeping only deletes `<job_id>/t<digits>.<attempt>` dirs whose owner file names that
-job and whose owner on this host is verifiably gone, under a marked root only this user can write. It
-walks and deletes through O_NOFOLLOW directory fds, so a folder swapped for a symlink is never followed.
+Each holds an owner file and the task's KV blocks and is removed when the task's block ends; a dir whose
+owner died is swept later by `sweep_orphans` (docs/cluster.md, "Offload directories"). The sweep deletes
+only kvbatch's dirs whose owner is verifiably gone, under a marked root only this user can write, through
+O_NOFOLLOW directory fds, so a folder swapped for a symlink is never followed.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """What one sequence gets from its cache rung: the cache it decodes into, its stats, its cleanup.
 
-A rung either builds a cache object (budget-guarded dynamic, a KV pool slot, tiered), which a
-sequence decodes into beside its batch-mates, or is one of transformers' own `cache_implementation`
-values, whose cache `generate()` builds: such a sequence runs alone (`cache` is None).
+A sequence whose rung is one of transformers' own `cache_implementation` values runs alone (`cache` is
+None): `generate()` builds that cache, so it cannot decode beside batch-mates.
 """
 
 from __future__ import annotations

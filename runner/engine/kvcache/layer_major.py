@@ -63,11 +63,9 @@ def unsupported_reason(model: PreTrainedModel, cache: Cache) -> str | None:
 def choose_prefill(
     mode: PrefillMode, model: PreTrainedModel, cache: object, prompt_tokens: int, chunk_size: int
 ) -> Literal["chunked", "layer-major"]:
-    """What `cache.prefill` means for one generate() call. `auto`: layer-major when the cache keeps
-    layers off the device (a TieredCache's streamed layers: reading them back is what costs), the
-    model is covered and the prompt spans at least MIN_CHUNKS chunks. A model or cache it cannot
-    fill falls back to chunked, the reason logged. `chunk_size` 0 (one forward for the whole
-    prompt) has nothing to reorder: chunked."""
+    """What `cache.prefill` means for one generate() call (docs/kv-cache.md, "Layer-major prefill"):
+    `auto` goes layer-major only where reading streamed layers back is what costs; a model or cache it
+    cannot fill falls back to chunked, the reason logged."""
     if mode == "chunked" or chunk_size <= 0:
         return "chunked"
     if mode == "auto":

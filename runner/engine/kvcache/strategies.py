@@ -66,12 +66,10 @@ def build_cache(
     host_meter: ResidentMeter | None = None,
     kv_pool: KVPool | None = None,
 ) -> CacheHandle:
-    """A fresh cache for one generate() call; `offload_dir` is the task's scratch dir (disk tier);
-    `placement` says which layers a tiered rung keeps on the device (default: none);
-    `expected_tokens` (prompt + new tokens) lets `dynamic` allocate once instead of growing;
-    `device_meter` and `host_meter` are the worker's meters of the device and of host RAM, which every
-    cache of a batch counts against; `kv_pool` (when the worker's attention is pooled) is where a
-    `dynamic` cache takes its slot."""
+    """A fresh cache for one generate() call. `offload_dir`: the task's scratch dir (disk tier);
+    `placement`: the layers a tiered rung keeps on the device; `expected_tokens` lets `dynamic` allocate
+    once; `device_meter`/`host_meter`: the worker's meters every cache of a batch counts against;
+    `kv_pool`: where a pooled `dynamic` cache takes its slot."""
     check_strategy(strategy)
     rung = RUNGS[strategy]
     if strategy == "dynamic" and kv_pool is not None:
