@@ -94,11 +94,9 @@ class Item(Protocol):
 
 
 class WorkQueue:
-    """Work items shared by the workers' feeding threads. Documents wait in `later`, the longest first;
-    everything else goes in front: passes of planned documents (to the worker that holds the document's
-    other passes when it may take them, so they batch together), a document to plan again at a shorter
-    context, work a lost worker held. A worker takes the next item only while no other worker with a free
-    slot has less expected work in flight, so long documents spread over the workers."""
+    """Work items shared by the workers' feeding threads (docs/cluster.md, "Running on a Ray cluster").
+    Documents wait in `later`, the longest first; everything else goes in front, a planned document's passes
+    to the worker that holds its other passes when it may take them, so they batch together."""
 
     def __init__(self, later: list[Item], workers: list[Hashable], slots: int,
                  is_down: Callable[[Hashable], bool]) -> None:

@@ -1,8 +1,8 @@
 """Planning how a document too long for one pass is cut into chunks, and how their summaries merge.
 
-Chunks end at the most natural boundary available (paragraph, sentence, line, word, else between two
-tokens) so each reads as a coherent piece, and overlap so a thought cut at a boundary keeps its context.
-Planned on the token offsets of one tokenisation of the whole document, so the budgets are exact.
+Chunks end at the most natural boundary (paragraph, sentence, line, word, else between two tokens) and
+overlap, so a thought cut at a boundary keeps its context. Planned on the token offsets of one
+tokenisation of the whole document, so the budgets are exact.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """Which KV cache rung a task should start on, and where a tiered rung keeps each layer.
 
-`plan_rungs` gives the rungs to try in order: a later OOM moves the task to the next one, an empty
-list means the context has to shrink. On a tiered rung, `plan_placement` keeps on the device as many
-full-attention layers as the budget holds, so a decode step moves only the KV that does not fit.
+`plan_rungs`: the rungs to try in order (a later OOM moves on; none left means a shorter context).
+`plan_placement`: the full-attention layers a tiered rung keeps on the device (docs/kv-cache.md, "Placement").
 """
 
 from __future__ import annotations

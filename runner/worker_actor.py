@@ -1,8 +1,7 @@
 """The Ray actor class of a batch's workers: a thin front to `runner.engine.worker.SummaryWorker`.
 
-Ray pickles an actor class by reference, so the process that creates the actors imports its module.
-`SummaryWorker`'s module imports torch and transformers (seconds of start-up); this one does not, so
-`kvbatch submit` starts its workers without paying for them first: only the workers' processes do.
+Ray pickles an actor class by reference, so the process creating the actors imports its module; this
+one does not import torch and transformers (seconds), so `kvbatch submit` leaves that to the workers.
 """
 
 from __future__ import annotations

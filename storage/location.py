@@ -1,9 +1,8 @@
-"""Where a job folder's files live: a local folder, or a prefix on shared storage.
+"""Where a job folder's files live: a local folder, or a prefix on shared storage (gs:// is refused).
 
-`s3://` and `file://` URIs go through pyarrow's filesystems (gs:// is refused), so a coordinator on any
-machine (or a later one, after a crash) works on the same job. Locally a file is fsynced before its
-rename publishes it, and the folder after. On an object store a write goes to a temporary key and is
-then moved to its final key, so readers, who only list final names, never see half of it.
+A local file is fsynced before its rename publishes it, and the folder after; on an object store a write
+goes to a temporary key, then to its final one, which is all readers list (docs/cluster.md, "Job folders
+on S3").
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """`kvbatch doctor`: is this machine ready for a batch, and if not, what to change.
 
 Each check is measured, not guessed (a pinned host→device copy, a real write and uncached read in the
-offload root a job would use). A *problem* stops a batch from running (exit 1); a *warning* lets it run
-slower than it could (exit 0).
+offload root). A *problem* stops a batch (exit 1); a *warning* lets it run slower than it could (exit 0).
 """
 
 from __future__ import annotations

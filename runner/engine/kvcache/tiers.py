@@ -1,8 +1,7 @@
 """Where a layer's sealed (full) blocks live once they are off the device: host RAM or block files.
 
-A tier stores the keys and values of one block of one layer and gives them back as host tensors.
-Sealing and loading run on the IO thread; the disk tier bridges torch tensors to the numpy-only
-block store (bf16 travels as int16 bits: numpy has no bfloat16, and the codec only needs widths).
+Sealing and loading run on the IO thread. The disk tier sends bf16 to the numpy-only block store as int16
+bits: numpy has no bfloat16, and the codec only needs widths.
 """
 
 from __future__ import annotations
