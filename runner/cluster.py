@@ -249,10 +249,9 @@ def kill_and_wait(actors: list[Any], timeout_s: float = ACTOR_EXIT_TIMEOUT_S) ->
 
 
 # -- sweeping the nodes a batch runs on -----------------------------------------------------------
-# A node back from a crash still holds the task dirs of the workers it lost, and nothing else would
-# remove them. Every node is swept when the batch starts, each node that joins while it runs, and every
-# node again at its end (a worker lost near the end may not have been restarted to sweep its own dir),
-# by a zero-CPU Ray task pinned to the node, so it runs even where workers take every CPU.
+# A node back from a crash still holds the task dirs of the workers it lost, and nothing else removes them.
+# Every node is swept at the batch's start, on joining and at its end (a worker lost late may never sweep
+# its own dir), by a zero-CPU Ray task pinned to the node, so it runs even where workers take every CPU.
 
 POLL_S = 2.0
 """How often the node list is read for newcomers."""

@@ -1,7 +1,6 @@
 """Settings checked at submit (and resume) against transformers, the model's config and the Ray cluster's
 nodes: a setting that would fail every document, or that no worker could run with, is a config error
-before anything starts. Only the model's config is read, never its weights, and no worker is started.
-"""
+before anything starts. Only the model's config is read, never its weights, and no worker is started."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""The task recorder: every state a task passes through goes to the checkpoint, job.log, the alerts,
-the metrics and the progress bar, from one place. While the batch stops only finished summaries are
-recorded, so an interrupted task is left for `resume` rather than recorded as failed.
-"""
+"""The task recorder: every state a task passes through goes to the checkpoint, job.log, the alerts, the
+metrics and the progress bar, from one place. While the batch stops only finished summaries are recorded,
+so an interrupted task is left for `resume`, not recorded as failed."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""The job folder: where job.json, manifest.parquet, events/, results/ and job.log live.
+"""The job folder: where job.json, manifest.parquet, events/, results/ and job.log live (docs/design.md).
 
-job.json and manifest.parquet are written once, atomically, when a job is created; everything a
-resume needs comes from them, so the original manifest and config files may be gone by then.
+job.json and manifest.parquet are written once, atomically, at creation; a resume needs nothing else, so
+the original manifest and config files may be gone by then.
 """
 
 from __future__ import annotations

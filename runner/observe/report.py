@@ -1,7 +1,7 @@
 """`kvbatch report`: one self-contained HTML page about a job (plots embedded as data URIs).
 
-It reads the job folder only, like `status`, so it works on a finished job, a running one, or a
-copy of the folder on a laptop; the page has no external references and can be mailed as is.
+Like `status` it reads the job folder only, so it works on a finished or running job or a copied folder,
+and the page has no external references: it can be mailed as is.
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
 """The report's plots, each a matplotlib Figure drawn from a job's result rows and its job.log `progress` lines,
-or None when the job has nothing to draw for it (the report says so). Quantities start their axes at zero,
-so a bar or a point reads against nothing, not against the smallest value.
-"""
+or None when the job has nothing to draw for it. Quantities start their axes at zero, so a bar or a point
+reads against nothing, not against the smallest value."""
 
 from __future__ import annotations
 
