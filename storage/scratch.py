@@ -162,10 +162,9 @@ def _make_task_dir(job_dir: Path, task_dir: Path) -> None:
 @contextmanager
 def task_scratch(offload_root: Path, job_id: str, task_id: str, attempt: int, claim_bytes: int = 0,
                  wait_s: float = 0.0, pass_at: tuple[int, int] | None = None) -> Iterator[Path]:
-    """A fresh dir for one task attempt (or one pass of it, `pass_at` its level and index: several run at
-    once), removed when the block ends however it ends. `claim_bytes`, what the task will write there,
-    is claimed against the live task dirs' claims (storage.scratch_space), waiting up to `wait_s` for
-    room they hold; ScratchSpaceError when it cannot fit. A dir that claims nothing skips the look."""
+    """A fresh dir for one task attempt (or one pass of it, `pass_at`: several run at once), removed when the
+    block ends however it ends. `claim_bytes` is claimed against the live task dirs' claims, waiting up to
+    `wait_s` for room they hold (storage.scratch_space); ScratchSpaceError when it cannot fit."""
     if not _SAFE_NAME.fullmatch(job_id):
         raise ScratchError(
             f"job id {job_id!r} cannot name a scratch dir: use letters, digits, '_', '-' and '.' "

@@ -1,10 +1,9 @@
 """The background thread that reads KV ahead of the layer that needs it, and seals blocks.
 
-One worker thread runs jobs in order, so a read sees the blocks sealed before it; a batched step's
-read of every row is one job on its first row's thread, and a seal waits for nothing on another
-thread, so the threads never wait in a cycle. On CUDA its copies go on a side stream, overlapping the
-current layer's compute; a job is done once its copies are queued, and the compute stream waits for
-its event on the device (`adopt`), so neither thread waits on the host.
+Jobs run in order, so a read sees the blocks sealed before it; a batched step's read of every row is one
+job on its first row's thread, and a seal waits for nothing on another thread, so threads never wait in a
+cycle. On CUDA copies go on a side stream and the compute stream waits for their event on the device
+(`adopt`), so neither thread waits on the host.
 """
 
 from __future__ import annotations

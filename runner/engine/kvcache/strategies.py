@@ -37,10 +37,9 @@ def ram_left_by_weights(available_before_load: int, weight_bytes: int, available
 
 def resolve_budgets(cache_cfg: CacheConfig, device: torch.device, node_workers: int = 1,
                     device_workers: int = 1, ram_left: int | None = None) -> tuple[int, int]:
-    """(device, host) KV budgets in bytes; `auto` takes this worker's share of what this machine has
-    free: `ram_left` (the worker's `ram_left_by_weights`; default: the RAM available right now) split
-    among the node's `node_workers`, a GPU's free memory among the `device_workers` that share it
-    (jobs.node_share)."""
+    """(device, host) KV budgets in bytes; `auto` takes this worker's share of what this machine has free:
+    `ram_left` (default: the RAM available now) split among the node's `node_workers`, a GPU's free memory
+    among the `device_workers` that share it (jobs.node_share)."""
     ram = psutil.virtual_memory().available if ram_left is None else ram_left
     available_ram = int(ram * RAM_SHARE) // max(node_workers, 1)
     host = available_ram if cache_cfg.host_kv_budget_bytes == "auto" else cache_cfg.host_kv_budget_bytes
