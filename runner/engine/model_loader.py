@@ -23,13 +23,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from jobs.config import looks_like_path
-from runner.engine.model_errors import ModelLoadError
 from runner.engine.model_registry import (
     BUILTIN_PREFIX,
     SMOLLM2,
     TINY_RANDOM,
     TINY_RANDOM_MAX_POSITIONS,
     TINY_RANDOM_VOCAB,
+    ModelLoadError,
     check_builtin,
     smollm2_config,
     smollm2_model_dir,

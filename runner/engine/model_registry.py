@@ -20,7 +20,6 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from runner.engine.model_errors import ModelLoadError
 from storage.folder_once import build_folder_once
 
 if TYPE_CHECKING:
@@ -28,6 +27,11 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
+
+
+class ModelLoadError(RuntimeError):
+    """A model that cannot be loaded; the message names it and says what to do."""
+
 
 BUILTIN_PREFIX = "builtin:"
 SMOLLM2 = "smollm2-135m"
