@@ -151,7 +151,7 @@ def _load_builtin(
         )
     if builtin == TINY_RANDOM:
         tokenizer = smollm2_tokenizer(name)
-        return tiny_random_model(tokenizer, attn_implementation, dtype, name), tokenizer
+        return tiny_random_model(tokenizer, attn_implementation, dtype), tokenizer
     raise unknown_builtin(name)
 
 

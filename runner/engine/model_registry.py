@@ -118,7 +118,7 @@ def smollm2_tokenizer(name: str) -> PreTrainedTokenizerBase:
 
 
 def tiny_random_model(
-    tokenizer: PreTrainedTokenizerBase, attn_implementation: str, dtype: torch.dtype, name: str
+    tokenizer: PreTrainedTokenizerBase, attn_implementation: str, dtype: torch.dtype
 ) -> PreTrainedModel:
     """4 layers, hidden 64, 4 query / 2 KV heads: grouped-query attention like SmolLM2, in milliseconds.
 
@@ -153,7 +153,7 @@ def tiny_random_model(
                 config, attn_implementation=attn_implementation, dtype=torch.float32
             )
         except (ValueError, ImportError) as err:
-            raise ModelLoadError(f"cannot build model '{name}': {err}") from err
+            raise ModelLoadError(f"cannot build model '{BUILTIN_PREFIX}{TINY_RANDOM}': {err}") from err
     model.name_or_path = BUILTIN_PREFIX + TINY_RANDOM
     return model.to(dtype)
 
@@ -183,7 +183,7 @@ def _save_tiny_random(out: Path) -> None:
     import torch
 
     tokenizer = smollm2_tokenizer(BUILTIN_PREFIX + TINY_RANDOM)
-    tiny_random_model(tokenizer, "sdpa", torch.float32, BUILTIN_PREFIX + TINY_RANDOM).save_pretrained(out)
+    tiny_random_model(tokenizer, "sdpa", torch.float32).save_pretrained(out)
     tokenizer.save_pretrained(out)
 
 
