@@ -256,7 +256,7 @@ class BatchEngine:
         finally:
             seq.handle.close()
         self._leave(seq, Status.FINISHED)
-        request.memory.decode_done(memory_snapshot(self.loaded.device))
+        request.memory.observe(memory_snapshot(self.loaded.device))
         seq.future.set_result(PassResult(generation, stats))
 
     def _decode(self, rows: list[BatchSequence], riding: BatchSequence | None) -> None:
@@ -437,7 +437,7 @@ class BatchEngine:
         finally:
             seq.handle.close()
         now = time.perf_counter()
-        seq.request.memory.decode_done(memory_snapshot(self.loaded.device))
+        seq.request.memory.observe(memory_snapshot(self.loaded.device))
         generation = Generation(
             tokens=seq.kept_tokens(),
             input_tokens=len(seq.request.prompt_ids),
