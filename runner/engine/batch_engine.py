@@ -446,9 +446,7 @@ class BatchEngine:
             batch_size=seq.batch_size,
             stop_reason=seq.stop_reason() or StopReason.LENGTH,
         )
-        steps: DecodeSteps = {"static": seq.static_steps, "eager": {str(why): n for why, n in seq.eager_steps.items()},
-                              "ahead": seq.ahead_steps}
-        seq.future.set_result(PassResult(generation, stats, steps))
+        seq.future.set_result(PassResult(generation, stats, seq.decode_steps))
 
     def _fail_sequence(self, seq: BatchSequence, error: BaseException) -> None:
         self._leave(seq, Status.FAILED)
