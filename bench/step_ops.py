@@ -324,7 +324,10 @@ class _Batch:
         NoRepeatNGrams.apply(self.forms, logits).argmax(dim=-1).tolist()
 
     def in_step_choice_step(self) -> None:
-        bans = [[(ANY, form.banned(), form.glues(self.vocab))] for form in self.forms]  # TokenPicker.ban's
+        bans = []
+        for form in self.forms:  # TokenPicker.ban's
+            banned = [t for t in form.banned() if t < self.vocab]
+            bans.append([(ANY, banned, form.begins_word(banned))])
         _, tokens = self.static.run(self.tokens, self.caches, bans)
         tokens.tolist()
 

@@ -14,8 +14,8 @@ from jobs.config import ConfigError, JobConfig, SummarizeConfig, looks_like_path
 from jobs.manifest import PromptMeasure
 from jobs.node_share import workers_that_fit
 from jobs.rungs import RUNGS
-from runner.engine.model_errors import ModelLoadError
 from runner.engine.model_loader import check_model_name
+from runner.engine.model_registry import ModelLoadError
 from runner.pool import cluster_nodes, describe_cluster, gpus_per_worker
 
 #: GenerationConfig fields kvbatch sets itself, and where the user sets them instead.

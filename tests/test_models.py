@@ -12,9 +12,8 @@ import pytest
 import torch
 
 from jobs.config import ModelConfig
-from runner.engine.model_errors import ModelLoadError
 from runner.engine.model_loader import LoadedModel, load_model, resolve_device
-from runner.engine.model_registry import builtin_cache_dir, builtin_model_dir
+from runner.engine.model_registry import ModelLoadError, builtin_cache_dir, builtin_model_dir
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = ModelConfig(name="builtin:tiny-random")
@@ -143,7 +142,7 @@ def test_unknown_hub_id_offline_names_the_model(tmp_path: Path) -> None:
     # a fresh process, so HF_HUB_OFFLINE is read at import like in a real run; an empty HF cache
     code = (
         "from jobs.config import ModelConfig\n"
-        "from runner.engine.model_errors import ModelLoadError\n"
+        "from runner.engine.model_registry import ModelLoadError\n"
         "from runner.engine.model_loader import load_model\n"
         "try:\n"
         "    load_model(ModelConfig(name='kvbatch-test/definitely-not-cached'))\n"

@@ -256,7 +256,7 @@ class BatchEngine:
         finally:
             seq.handle.close()
         self._leave(seq, Status.FINISHED)
-        request.memory.decode_done(memory_snapshot(self.loaded.device))
+        request.memory.observe(memory_snapshot(self.loaded.device))
         seq.future.set_result(PassResult(generation, stats))
 
     def _decode(self, rows: list[BatchSequence], riding: BatchSequence | None) -> None:
@@ -437,7 +437,7 @@ class BatchEngine:
         finally:
             seq.handle.close()
         now = time.perf_counter()
-        seq.request.memory.decode_done(memory_snapshot(self.loaded.device))
+        seq.request.memory.observe(memory_snapshot(self.loaded.device))
         generation = Generation(
             tokens=seq.kept_tokens(),
             input_tokens=len(seq.request.prompt_ids),
@@ -446,9 +446,7 @@ class BatchEngine:
             batch_size=seq.batch_size,
             stop_reason=seq.stop_reason() or StopReason.LENGTH,
         )
-        steps: DecodeSteps = {"static": seq.static_steps, "eager": {str(why): n for why, n in seq.eager_steps.items()},
-                              "ahead": seq.ahead_steps}
-        seq.future.set_result(PassResult(generation, stats, steps))
+        seq.future.set_result(PassResult(generation, stats, seq.decode_steps))
 
     def _fail_sequence(self, seq: BatchSequence, error: BaseException) -> None:
         self._leave(seq, Status.FAILED)

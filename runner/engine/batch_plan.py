@@ -22,6 +22,7 @@ from typing import Any
 
 from jobs.batch_limit import GROW_BACK_STEPS, BatchLimit
 from jobs.config import LoopStopConfig
+from jobs.outcome import DecodeSteps, no_steps
 from jobs.stopping import LoopWatch, StopReason
 
 
@@ -50,9 +51,7 @@ class BatchSequence:
     started: float = 0.0
     first_token_at: float = 0.0
     steps: int = 0  # decode steps it took part in
-    static_steps: int = 0  # of them, through the static step (runner/engine/static_step.py)
-    ahead_steps: int = 0  # of those, launched before the step before was read (its input from the device)
-    eager_steps: Counter[str] = field(default_factory=Counter)  # the others, by why they ran eagerly
+    decode_steps: DecodeSteps = field(default_factory=no_steps)  # them by path: static (ahead of them), eager by why
     rows_seen: int = 0  # sum over its decode steps of the decode rows in the step
     watch: LoopWatch = field(init=False, repr=False)  # made by `begin`, before its first token
 
@@ -66,7 +65,7 @@ class BatchSequence:
         self.status = Status.PREFILLING
         self.handle, self.picker = None, None
         self.tokens, self.prefilled, self.chunk_tokens, self.steps, self.rows_seen = [], 0, 0, 0, 0
-        self.static_steps, self.eager_steps, self.ahead_steps = 0, Counter(), 0
+        self.decode_steps = no_steps()
         self.watch = LoopWatch(self.loop_stop)
         self.started = time.perf_counter()
 
@@ -181,13 +180,14 @@ class BatchPlan:
             seq.rows_seen += len(rows)
         for seq, why in zip(rows, eager_because, strict=False):
             if why is None:
-                seq.static_steps += 1
+                seq.decode_steps["static"] += 1
                 self.static_row_steps += 1
             else:
-                seq.eager_steps[why] += 1
+                eager = seq.decode_steps["eager"]
+                eager[str(why)] = eager.get(str(why), 0) + 1
                 self.eager_row_steps[why] += 1
         for seq, went_ahead in zip(rows, ahead, strict=False):
-            seq.ahead_steps += went_ahead
+            seq.decode_steps["ahead"] += went_ahead
 
     def leave(self, seq: BatchSequence, status: Status) -> None:
         """`seq` is FINISHED or FAILED: out of the batch."""

@@ -190,19 +190,17 @@ class NoRepeatNGrams(HostBans):
             return []
         return sorted(self.followers.get(tuple(self.tokens[len(self.tokens) - self.size + 1 :]), ()))
 
-    def glues(self, vocab: int) -> bool:
-        """Whether a token it bans now begins a word (within the scores' `vocab`): then the word before
-        it ends there, and a token carrying it on is banned too."""
-        return self.begins_word([t for t in self.banned() if t < vocab])
-
     def begins_word(self, banned: list[int]) -> bool:
-        """Whether one of these banned tokens begins a word (the glue rule: `glues`)."""
+        """Whether one of these banned tokens begins a word: then the word before it ends there, and a
+        token carrying it on is banned too (the glue rule)."""
         return self.pieces is not None and any(t in self.pieces.starts for t in banned)
 
     @classmethod
     def apply(cls, forms: Sequence[BatchedForm], scores: torch.Tensor) -> torch.Tensor:
         scores = super().apply(forms, scores)
-        glued = [row for row, form in enumerate(forms) if form.glues(scores.shape[-1])]  # type: ignore[attr-defined]
+        vocab = scores.shape[-1]
+        glued = [row for row, form in enumerate(forms)
+                 if form.begins_word([t for t in form.banned() if t < vocab])]  # type: ignore[attr-defined]
         if not glued:
             return scores
         rows = torch.zeros(scores.shape[0], 1, dtype=torch.bool, device=scores.device)

@@ -23,13 +23,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from jobs.config import looks_like_path
-from runner.engine.model_errors import ModelLoadError
 from runner.engine.model_registry import (
     BUILTIN_PREFIX,
     SMOLLM2,
     TINY_RANDOM,
     TINY_RANDOM_MAX_POSITIONS,
     TINY_RANDOM_VOCAB,
+    ModelLoadError,
     check_builtin,
     smollm2_config,
     smollm2_model_dir,
@@ -151,7 +151,7 @@ def _load_builtin(
         )
     if builtin == TINY_RANDOM:
         tokenizer = smollm2_tokenizer(name)
-        return tiny_random_model(tokenizer, attn_implementation, dtype, name), tokenizer
+        return tiny_random_model(tokenizer, attn_implementation, dtype), tokenizer
     raise unknown_builtin(name)
 
 

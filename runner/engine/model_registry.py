@@ -20,7 +20,6 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from runner.engine.model_errors import ModelLoadError
 from storage.folder_once import build_folder_once
 
 if TYPE_CHECKING:
@@ -28,6 +27,11 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
+
+
+class ModelLoadError(RuntimeError):
+    """A model that cannot be loaded; the message names it and says what to do."""
+
 
 BUILTIN_PREFIX = "builtin:"
 SMOLLM2 = "smollm2-135m"
@@ -114,7 +118,7 @@ def smollm2_tokenizer(name: str) -> PreTrainedTokenizerBase:
 
 
 def tiny_random_model(
-    tokenizer: PreTrainedTokenizerBase, attn_implementation: str, dtype: torch.dtype, name: str
+    tokenizer: PreTrainedTokenizerBase, attn_implementation: str, dtype: torch.dtype
 ) -> PreTrainedModel:
     """4 layers, hidden 64, 4 query / 2 KV heads: grouped-query attention like SmolLM2, in milliseconds.
 
@@ -149,7 +153,7 @@ def tiny_random_model(
                 config, attn_implementation=attn_implementation, dtype=torch.float32
             )
         except (ValueError, ImportError) as err:
-            raise ModelLoadError(f"cannot build model '{name}': {err}") from err
+            raise ModelLoadError(f"cannot build model '{BUILTIN_PREFIX}{TINY_RANDOM}': {err}") from err
     model.name_or_path = BUILTIN_PREFIX + TINY_RANDOM
     return model.to(dtype)
 
@@ -179,7 +183,7 @@ def _save_tiny_random(out: Path) -> None:
     import torch
 
     tokenizer = smollm2_tokenizer(BUILTIN_PREFIX + TINY_RANDOM)
-    tiny_random_model(tokenizer, "sdpa", torch.float32, BUILTIN_PREFIX + TINY_RANDOM).save_pretrained(out)
+    tiny_random_model(tokenizer, "sdpa", torch.float32).save_pretrained(out)
     tokenizer.save_pretrained(out)
 
 

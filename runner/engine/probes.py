@@ -54,21 +54,19 @@ class StageMemory:
     host_used_fraction: float | None = None  # highest reading while the task ran
     device_used_fraction: float | None = None
 
-    def _observe(self, snap: MemorySnapshot) -> None:
+    def observe(self, snap: MemorySnapshot) -> None:
+        """How full the machine and device are now (a pass's end): the highest reading is kept."""
         self.host_used_fraction = _max(self.host_used_fraction, snap.host_used_fraction)
         self.device_used_fraction = _max(self.device_used_fraction, snap.device_used_fraction)
 
     def prefill_done(self, snap: MemorySnapshot) -> None:
-        self._observe(snap)
+        self.observe(snap)
         self.prefill_host_rss_bytes = _max(self.prefill_host_rss_bytes, snap.host_rss_bytes)
         self.prefill_device_bytes = _max(self.prefill_device_bytes, snap.device_bytes)
 
     def decode_step(self, host_rss_bytes: int, device_bytes: int | None) -> None:
         self.decode_peak_host_rss_bytes = _max(self.decode_peak_host_rss_bytes, host_rss_bytes)
         self.decode_peak_device_bytes = _max(self.decode_peak_device_bytes, device_bytes)
-
-    def decode_done(self, snap: MemorySnapshot) -> None:
-        self._observe(snap)
 
     @property
     def device_peak_bytes(self) -> int | None:

@@ -112,15 +112,13 @@ class SequenceBatch:
             per_row = self.tiered.caches + self.caches
         out_keys, out_values = [], []
         rows = [(cache, 1) for cache in per_row] + ([(self.chunk.cache, len(self.chunk.tokens))] if self.chunk else [])
-        start = first
-        for row, (cache, length) in enumerate(rows, start=first):
+        for row, (cache, length) in enumerate(rows, start=first):  # one token a row but the chunk, last: row = start
             try:
-                k, v = cache.update(keys[:, :, start : start + length], values[:, :, start : start + length], layer_idx)
+                k, v = cache.update(keys[:, :, row : row + length], values[:, :, row : row + length], layer_idx)
             except Exception as e:  # the engine fails this row, not its batch-mates
                 raise RowFailed(row) from e
             out_keys.append(k)
             out_values.append(v)
-            start += length
         return (RowGroups(pooled_keys, out_keys, self.pooled, staged_keys, tiered, self.chunk),
                 RowGroups(pooled_values, out_values, self.pooled, staged_values, tiered, self.chunk))
 
@@ -188,19 +186,17 @@ def ragged_attention(
         staged = key.tiered.attend(inner, module, _rows(query, first, end), key.staged, value.staged, **kwargs)
         outputs.append(staged.transpose(0, 1))
         first = end
-    chunk_row = len(key.rows) - 1 if key.chunk is not None else None
-    start = first
-    for row, (k, v) in enumerate(zip(key.rows, value.rows)):
+    chunk_row = first + len(key.rows) - 1 if key.chunk is not None else None
+    for row, (k, v) in enumerate(zip(key.rows, value.rows), start=first):  # one token a row but the chunk, last
         if row == chunk_row:
-            q = query[:, :, start:]
+            q = query[:, :, row:]
             outputs.append(inner(module, q, k, v, key.chunk.causal_mask(q, implementation), **kwargs)[0])
         else:
             if implementation in MASKED_ATTENTION:  # masks it takes: the pooled rows' computation (batch-invariant)
                 k, v, mask = _aligned_row(k, v)
             else:
                 mask = None
-            outputs.append(inner(module, query[:, :, start : start + 1], k, v, mask, **kwargs)[0])
-            start += 1
+            outputs.append(inner(module, query[:, :, row : row + 1], k, v, mask, **kwargs)[0])
     return (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=1)), None
 
 

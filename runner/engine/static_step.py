@@ -305,9 +305,7 @@ class StaticStep:
         for size in reversed(sizes):
             buffers = self._buffers_of(size)
             for span in reversed(spans):
-                runs = ((0, size, span),)
-                if (size, runs) not in self._captured and (size, runs) not in self._eager:
-                    self._capture_or_fall_back(buffers, runs)
+                self._graph(buffers, ((0, size, span),))
 
     def _buffers_of(self, size: int) -> _Buffers:
         buffers = self._buffers.get(size)
@@ -326,24 +324,24 @@ class StaticStep:
         """The captured step of this bucket and runs (captured now if it is new), or the eager step
         where its capture failed."""
         self._keep_generation()
-        key = (buffers.rows, runs)
-        graph = self._captured.get(key)
-        if graph is None and key not in self._eager:
-            graph = self._capture_or_fall_back(buffers, runs)
+        graph = self._graph(buffers, runs)
         if graph is None:
             self._forward(buffers, runs)
         else:
-            self._captured.move_to_end(key)
+            self._captured.move_to_end((buffers.rows, runs))
             graph.replay()
             self.replays += 1
 
-    def _capture_or_fall_back(self, buffers: _Buffers, runs: Runs) -> torch.cuda.CUDAGraph | None:
-        """The graph of (bucket, runs); None, its key marked eager, when its capture fails (the first
-        failure logged with its reason: the step is the same without the graph)."""
+    def _graph(self, buffers: _Buffers, runs: Runs) -> torch.cuda.CUDAGraph | None:
+        """The graph of (bucket, runs), captured now if it is new; None, its key marked eager, when its
+        capture fails (the first failure logged with its reason: the step is the same without the graph)."""
+        key = (buffers.rows, runs)
+        if key in self._captured or key in self._eager:
+            return self._captured.get(key)
         try:
             return self._capture(buffers, runs)
         except Exception as e:  # noqa: BLE001 - whatever it was, the eager step gives the same tokens
-            self._eager.add((buffers.rows, runs))
+            self._eager.add(key)
             self.failed_captures += 1
             if self.capture_failure is None:
                 self.capture_failure = f"{type(e).__name__}: {e}"

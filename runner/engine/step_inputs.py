@@ -27,43 +27,36 @@ class StepInputs:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.pinned = device.type == "cuda"
-        self._buffers: dict[str, list[torch.Tensor | None]] = {}
-        self._copied: dict[str, list[torch.cuda.Event]] = {}
-        self._turn: dict[str, int] = {}
+        self._kinds: dict[str, list[tuple[torch.Tensor | None, torch.cuda.Event]]] = {}
+        """Each kind's two buffers, each with the event its last copy recorded: the one to use next first."""
 
     def put(self, kind: str, values: Sequence[int]) -> torch.Tensor:
         """`values` as a 1-D int64 tensor on the device; `kind` names the host buffer it goes through
         (inputs of one step that are alive at once should be of different kinds)."""
         if not self.pinned:
             return torch.tensor(values, dtype=torch.long, device=self.device)
-        host, turn = self._host(kind, len(values))
+        host, copied = self._host(kind, len(values))
         host.numpy()[:] = values
         out = host.to(self.device, non_blocking=True)
-        self._copied[kind][turn].record(torch.cuda.current_stream(self.device))
+        copied.record(torch.cuda.current_stream(self.device))
         return out
 
     def host_buffer(self, kind: str) -> torch.Tensor | None:
         """The pinned buffer `kind`'s last `put` went through (None before any, or off CUDA): what a
         test looks at to see that it is pinned and kept."""
-        if kind not in self._turn:
-            return None
-        return self._buffers[kind][1 - self._turn[kind]]
+        return self._kinds[kind][-1][0] if kind in self._kinds else None
 
-    def _host(self, kind: str, count: int) -> tuple[torch.Tensor, int]:
-        """The next of `kind`'s two pinned buffers, its first `count` values, once free; and its number."""
-        if kind not in self._buffers:
-            self._buffers[kind], self._turn[kind] = [None, None], 0
-            self._copied[kind] = [torch.cuda.Event(), torch.cuda.Event()]
-        turn = self._turn[kind]
-        self._turn[kind] = 1 - turn
-        self._copied[kind][turn].synchronize()  # the copy out of it before (returns at once if none)
-        buffer = self._buffers[kind][turn]
+    def _host(self, kind: str, count: int) -> tuple[torch.Tensor, torch.cuda.Event]:
+        """The next of `kind`'s two pinned buffers, its first `count` values, once free; and its event."""
+        if kind not in self._kinds:
+            self._kinds[kind] = [(None, torch.cuda.Event()), (None, torch.cuda.Event())]
+        buffer, copied = self._kinds[kind].pop(0)
+        copied.synchronize()  # the copy out of it before (returns at once if none)
         if buffer is None or buffer.numel() < count:
             buffer = torch.empty(max(count, 2 * (buffer.numel() if buffer is not None else 32)),
                                  dtype=torch.long, pin_memory=True)
-            self._buffers[kind][turn] = buffer
-        return buffer[:count], turn
-
+        self._kinds[kind].append((buffer, copied))  # used last: the other one goes next
+        return buffer[:count], copied
 
 def step_inputs(device: torch.device) -> StepInputs:
     """This thread's `StepInputs` for `device`: kept across steps so its pinned buffers are reused;
