@@ -10,7 +10,7 @@ from rich.markup import escape
 
 from storage.jobdir import DEFAULT_JOBS_DIR, JobDir, JobDirError, read_job
 from storage.location import Where
-from storage.scratch import OFFLOAD_ROOT_ENV, default_offload_root, shared_storage_offload_root, sweep_orphans
+from storage.scratch import OFFLOAD_ROOT_ENV, offload_root_of, shared_storage_offload_root, sweep_orphans
 
 
 def clean_scratch(job_dir: Where | None, offload_root: Path | None, console: Console) -> int:
@@ -20,7 +20,7 @@ def clean_scratch(job_dir: Where | None, offload_root: Path | None, console: Con
     if job_dir is not None:
         info = read_job(JobDir(job_dir))
         job_id = info.job_id
-        offload_root = offload_root or _root_of(job_dir, info.config)
+        offload_root = offload_root or offload_root_of(job_dir, info.config.get("cache", {}).get("offload_root"))
     offload_root = offload_root or (Path(os.environ[OFFLOAD_ROOT_ENV]) if os.environ.get(OFFLOAD_ROOT_ENV) else None)
     roots = [offload_root] if offload_root is not None else _default_roots(console)
     if not roots:
@@ -35,18 +35,14 @@ def clean_scratch(job_dir: Where | None, offload_root: Path | None, console: Con
     return 0
 
 
-def _root_of(job_dir: Where, config: dict) -> Path:
-    configured = config.get("cache", {}).get("offload_root")
-    return Path(configured) if configured else default_offload_root(job_dir)
-
-
 def _default_roots(console: Console) -> list[Path]:
     """The offload roots of the job folders in runs/ (submit's default -j) and the shared-storage jobs' folder,
     those that exist: sweeping one removes only dirs whose owner process is gone, whatever job they belong to."""
     roots = [shared_storage_offload_root()]
     for job_json in sorted(DEFAULT_JOBS_DIR.glob("*/job.json")) if DEFAULT_JOBS_DIR.is_dir() else []:
         try:
-            roots.append(_root_of(job_json.parent, read_job(JobDir(job_json.parent)).config))
+            config = read_job(JobDir(job_json.parent)).config
+            roots.append(offload_root_of(job_json.parent, config.get("cache", {}).get("offload_root")))
         except JobDirError as e:
             console.print(f"[yellow]skipped {escape(str(job_json.parent))}: {escape(str(e))}")
     unique = dict.fromkeys(root.resolve() for root in roots if root.is_dir())

@@ -63,7 +63,7 @@ from storage.lease import LeaseLostError, job_lock
 from storage.location import Where
 from storage.lock import HeldLock
 from storage.parts import CORRUPT_PART_ADVICE
-from storage.scratch import check_offload_root, default_offload_root
+from storage.scratch import check_offload_root, offload_root_of
 
 EXIT_USAGE = 2
 #: a disk the job writes to (its folder, the offload root) filled up: what was published stays, `resume`
@@ -199,7 +199,7 @@ def _submit(job: JobDir, job_id: str, source: str | list[Any], pattern: str | No
             address: str | None, strict: bool, console: Console) -> int:
     check_new_job_folder(job)
     check_settings(config)
-    check_offload_root(offload_root_for(config, job.path))
+    check_offload_root(offload_root_of(job.path, config.cache.offload_root))
     given = _staged(source, pattern, config, job) if isinstance(source, str) else _given_rows(source, config)
     tasks, rejections = given.tasks, given.rejections
     if strict and rejections:
@@ -243,7 +243,7 @@ def _resume(job: JobDir, retry_since: float | None, settings: Mapping[str, Any],
         config = config_from_dict(apply_settings(without_retired_keys(info.config), settings, how),
                                   f"{job.job_json} with {how}")
         check_settings(config)
-        check_offload_root(offload_root_for(config, job.path))
+        check_offload_root(offload_root_of(job.path, config.cache.offload_root))
         if settings:
             update_job_config(job, config.model_dump(mode="json"))
         console.print(f"job {info.job_id} <- {escape(str(job.path))}", highlight=False)
@@ -268,17 +268,12 @@ def _checked_cluster(config: JobConfig, address: str | None, needed: bool) -> It
         raise KeyboardInterrupt from None
 
 
-def offload_root_for(config: JobConfig, job_dir: Where) -> Path:
-    """`cache.offload_root`, else the default root for this job folder."""
-    return Path(config.cache.offload_root) if config.cache.offload_root else default_offload_root(job_dir)
-
-
 def _execute(job: JobDir, info: JobInfo, config: JobConfig, address: str | None, retry_since: float | None,
              console: Console, lock: HeldLock) -> int:
     """Run the job's open tasks under the job lock the caller holds (every write is fenced with it);
     `retry_since`: failed documents run again too (resume --retry-failed, asked at that time)."""
     faults = parse_faults(os.environ.get(FAULTS_ENV))
-    offload_root = offload_root_for(config, job.path)
+    offload_root = offload_root_of(job.path, config.cache.offload_root)
     tasks = tasks_from_table(read_manifest_table(job))
     state = load_state(job.path)
     for part in state.corrupt:

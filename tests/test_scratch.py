@@ -22,8 +22,8 @@ from storage.scratch import (
     ScratchError,
     ScratchSpaceError,
     UnsafeOffloadRootError,
-    default_offload_root,
     ensure_offload_root,
+    offload_root_of,
     sweep_orphans,
     task_scratch,
 )
@@ -222,11 +222,12 @@ def test_foreign_folders_are_refused_and_empty_ones_adopted(tmp_path: Path) -> N
     assert sweep_orphans(tmp_path / "never-created") == []
 
 
-def test_default_offload_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_offload_root_of(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(OFFLOAD_ROOT_ENV, raising=False)
-    assert default_offload_root(tmp_path / "runs" / "j1") == tmp_path / "runs" / "j1" / "scratch" / "kvbatch"
+    assert offload_root_of(tmp_path / "runs" / "j1") == tmp_path / "runs" / "j1" / "scratch" / "kvbatch"
     monkeypatch.setenv(OFFLOAD_ROOT_ENV, str(tmp_path / "nvme"))
-    assert default_offload_root(tmp_path / "runs" / "j1") == tmp_path / "nvme"
+    assert offload_root_of(tmp_path / "runs" / "j1") == tmp_path / "nvme"
+    assert offload_root_of(tmp_path / "runs" / "j1", str(tmp_path / "ssd")) == tmp_path / "ssd"  # cache.offload_root
 
 
 @pytest.fixture
@@ -422,9 +423,9 @@ def test_the_default_root_of_a_job_on_object_storage_is_private_to_the_user(tmp_
     monkeypatch.delenv(OFFLOAD_ROOT_ENV, raising=False)
     monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    root = default_offload_root("s3://bucket/jobs/j1?region=us-east-1")
+    root = offload_root_of("s3://bucket/jobs/j1?region=us-east-1")
     assert root == tmp_path / "home" / ".cache" / "kvbatch" / "offload"
     ensure_offload_root(root)
     assert root.stat().st_mode & 0o777 == 0o700
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert default_offload_root("s3://bucket/jobs/j1?region=us-east-1") == tmp_path / "xdg" / "kvbatch" / "offload"
+    assert offload_root_of("s3://bucket/jobs/j1?region=us-east-1") == tmp_path / "xdg" / "kvbatch" / "offload"
