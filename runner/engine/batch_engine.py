@@ -1,24 +1,11 @@
 """Continuous batching inside one worker: the sequences of every task in flight share each decode step.
 
-One thread owns the model and runs turns of schedule -> run -> postprocess: the worker's `BatchPlan`
-(runner/engine/batch_plan.py, no model in it) says which sequence prefills and which rows decode; this
-module runs them and hands the outcome back. Each sequence is prefilled into its own cache, then joins
-the decoding batch; every decode step runs all joined sequences in one forward pass (runner/engine/ragged.py:
-shared weight matmuls, attention per sequence, no padding), and a finished sequence leaves at once. A
-sequence that joins while others decode rides their steps instead of stalling them
-(`batch.prefill_chunk_tokens`): each step carries its next prompt chunk beside the decode rows (a prompt
-prefilled whole goes in chunks of the same size, so its tokens are the same either way); caches that
-cannot take a chunk as a row (tiered rungs, transformers' own cache_implementation, layer-major prefill,
-sliding-window models) are prefilled whole, alone. With the static step on (`batch.static_step`,
-runner/engine/static_step.py) a step's pool rows run through it and its other rows eagerly beside it.
-
-Admission keeps the batch within `batch.max_sequences` and the worker's device and host KV budgets, each
-sequence counted at its full length. A memory error in a step with several sequences splits the batch
-(each starts again, at most half as many at a time) before any task is told, so only a sequence that
-runs out of memory alone moves its task down the cache ladder; after enough calm steps the limit grows
-back (jobs.batch_limit). Any other error in one sequence fails that sequence only; an error the loop
-cannot pin on one sequence fails every sequence waiting or running with it, and the loop goes on. No
-future is left unresolved.
+One thread owns the model and runs turns of schedule -> run -> postprocess: `BatchPlan` (no model in it)
+decides, this module runs the prefills and steps and hands the outcome back. Prefill chunks riding the
+decode rows, the static step beside the eager rows, admission, the OOM split and growing back:
+docs/kv-cache.md, "Batched decode steps". A memory error with several sequences splits the batch before
+any task is told; an error the loop cannot pin on one sequence fails every sequence with it, and the
+loop goes on. No future is left unresolved.
 """
 
 from __future__ import annotations
