@@ -1,10 +1,9 @@
 """Generation stages: prefill one prompt into its cache, choose each next token, and (for benches and
 tests) one whole `model.generate` call, timed.
 
-The prompt is prefilled in chunks of `summarize.prefill_chunk_size`, token-major or, for tiered caches,
-layer-major (runner/engine/kvcache/layer_major.py): same tokens. A sequence's next token is chosen by its
-own `TokenPicker` exactly as generate() chooses it, so batching never changes a sequence's tokens; a
-step's rows are chosen together (`choose_tokens`), with one transfer to the host.
+Prefill goes in chunks of `summarize.prefill_chunk_size`, token-major or layer-major (tiered caches):
+same tokens. Each sequence's `TokenPicker` chooses exactly as generate() does, so batching never
+changes its tokens; `choose_tokens` does a step's rows with one transfer to the host.
 """
 
 from __future__ import annotations
