@@ -250,12 +250,9 @@ class BatchEngine:
         """One decode step over `rows` (every decoding sequence) with the next chunk of `riding`'s prompt
         beside them; then each row's token, and `riding`'s first once its prompt is in.
 
-        A step whose tokens the static step chose, all of them, is not read at once (`_ahead`): the
-        next one is launched first, its rows' inputs taken from the device, their bans the host's for
-        each token they could be, and that step is read after, while the device runs this one (the
-        loop stop and the end-of-sequence tokens are seen a step late; a row that ended then drops
-        the step it took beyond). Where the next step cannot be launched so (a row on the eager step,
-        bans past the step's room) the step ahead is read first, as every step was before."""
+        A step the static step chose every token of is read only after the next is launched (`_ahead`),
+        so the host never waits on the step it just launched (docs/kv-cache.md, "The pooled decode
+        step", "A step ahead of the read"); a row that ended there drops the step it took beyond."""
         ahead, self._ahead = self._ahead, None
         plan = None
         if ahead is not None:
@@ -342,14 +339,11 @@ class BatchEngine:
     def _step(self, rows: list[BatchSequence], caches: list[Cache], eager_because: list[Eager | None],
               chunk: PrefillChunk | None, ahead: tuple[torch.Tensor, dict[BatchSequence, tuple[int | None, Ban]]] | None = None
               ) -> tuple[torch.Tensor, Chosen | None, torch.Tensor | None]:
-        """The forward passes of one step: the static step over the rows it takes (`eager_because`
-        None), and one eager `mixed_step` over the others with `chunk` beside them, so neither a
-        riding prompt nor a tiered row takes the pool rows off the static step. Each row's logits
-        ([rows, vocab]), the tokens the static step chose on the device (for its rows whose choice is
-        greedy over bans: plain greedy, and the default config's n-gram ban), and the chunk's last
-        position's logits when it wants them ([1, vocab]). `ahead`: the step ahead's tokens (on the
-        device) and every row's input and bans (`_ahead_plan`: all of them on the static step). A `RowFailed`
-        numbers the rows as `rows`, the chunk's last."""
+        """The forward passes of one step: the static step over the rows it takes (`eager_because` None),
+        one eager `mixed_step` over the others with `chunk` beside them. Returns each row's logits
+        ([rows, vocab]), the tokens the static step chose on the device, and the chunk's last logits
+        when it wants them ([1, vocab]). `ahead`: the step ahead's device tokens and every row's input
+        and bans (`_ahead_plan`). A `RowFailed` numbers the rows as `rows`, the chunk's last."""
         static = [row for row, why in enumerate(eager_because) if why is None]
         eager = [row for row, why in enumerate(eager_because) if why is not None]
         parts, chosen, first_logits = [], None, None
