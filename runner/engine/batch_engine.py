@@ -200,10 +200,8 @@ class BatchEngine:
         self._first_token(seq, logits)
 
     def _rides(self, cache: Cache) -> bool:
-        """Whether a prompt goes in chunks beside the decode rows: there are some, and its cache takes
-        a chunk as one more row (transformers' dynamic layers, a KV pool slot; a tiered cache's
-        prefill is layer-major or streams its layers, so it stays whole, as `cache.prefill:
-        layer-major` asks)."""
+        """Whether a prompt goes in chunks beside the decode rows: there are some, and its cache takes a
+        chunk as one more row (which caches do: docs/kv-cache.md, "Batched decode steps")."""
         return (self.prefill_chunk_tokens > 0 and bool(self.plan.decoding) and self.prefill_mode != "layer-major"
                 and getattr(cache, "takes_chunks", False))
 
