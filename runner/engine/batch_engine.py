@@ -1,24 +1,11 @@
 """Continuous batching inside one worker: the sequences of every task in flight share each decode step.
 
-One thread owns the model and runs turns of schedule -> run -> postprocess: the worker's `BatchPlan`
-(runner/engine/batch_plan.py, no model in it) says which sequence prefills and which rows decode; this
-module runs them and hands the outcome back. Each sequence is prefilled into its own cache, then joins
-the decoding batch; every decode step runs all joined sequences in one forward pass (runner/engine/ragged.py:
-shared weight matmuls, attention per sequence, no padding), and a finished sequence leaves at once. A
-sequence that joins while others decode rides their steps instead of stalling them
-(`batch.prefill_chunk_tokens`): each step carries its next prompt chunk beside the decode rows (a prompt
-prefilled whole goes in chunks of the same size, so its tokens are the same either way); caches that
-cannot take a chunk as a row (tiered rungs, transformers' own cache_implementation, layer-major prefill,
-sliding-window models) are prefilled whole, alone. With the static step on (`batch.static_step`,
-runner/engine/static_step.py) a step's pool rows run through it and its other rows eagerly beside it.
-
-Admission keeps the batch within `batch.max_sequences` and the worker's device and host KV budgets, each
-sequence counted at its full length. A memory error in a step with several sequences splits the batch
-(each starts again, at most half as many at a time) before any task is told, so only a sequence that
-runs out of memory alone moves its task down the cache ladder; after enough calm steps the limit grows
-back (jobs.batch_limit). Any other error in one sequence fails that sequence only; an error the loop
-cannot pin on one sequence fails every sequence waiting or running with it, and the loop goes on. No
-future is left unresolved.
+One thread owns the model and runs turns of schedule -> run -> postprocess: `BatchPlan` (no model in it)
+decides, this module runs the prefills and steps and hands the outcome back. Prefill chunks riding the
+decode rows, the static step beside the eager rows, admission, the OOM split and growing back:
+docs/kv-cache.md, "Batched decode steps". A memory error with several sequences splits the batch before
+any task is told; an error the loop cannot pin on one sequence fails every sequence with it, and the
+loop goes on. No future is left unresolved.
 """
 
 from __future__ import annotations
@@ -213,10 +200,8 @@ class BatchEngine:
         self._first_token(seq, logits)
 
     def _rides(self, cache: Cache) -> bool:
-        """Whether a prompt goes in chunks beside the decode rows: there are some, and its cache takes
-        a chunk as one more row (transformers' dynamic layers, a KV pool slot; a tiered cache's
-        prefill is layer-major or streams its layers, so it stays whole, as `cache.prefill:
-        layer-major` asks)."""
+        """Whether a prompt goes in chunks beside the decode rows: there are some, and its cache takes a
+        chunk as one more row (which caches do: docs/kv-cache.md, "Batched decode steps")."""
         return (self.prefill_chunk_tokens > 0 and bool(self.plan.decoding) and self.prefill_mode != "layer-major"
                 and getattr(cache, "takes_chunks", False))
 
@@ -263,12 +248,9 @@ class BatchEngine:
         """One decode step over `rows` (every decoding sequence) with the next chunk of `riding`'s prompt
         beside them; then each row's token, and `riding`'s first once its prompt is in.
 
-        A step whose tokens the static step chose, all of them, is not read at once (`_ahead`): the
-        next one is launched first, its rows' inputs taken from the device, their bans the host's for
-        each token they could be, and that step is read after, while the device runs this one (the
-        loop stop and the end-of-sequence tokens are seen a step late; a row that ended then drops
-        the step it took beyond). Where the next step cannot be launched so (a row on the eager step,
-        bans past the step's room) the step ahead is read first, as every step was before."""
+        A step the static step chose every token of is read only after the next is launched (`_ahead`),
+        so the host never waits on the step it just launched (docs/kv-cache.md, "The pooled decode
+        step", "A step ahead of the read"); a row that ended there drops the step it took beyond."""
         ahead, self._ahead = self._ahead, None
         plan = None
         if ahead is not None:
@@ -355,14 +337,11 @@ class BatchEngine:
     def _step(self, rows: list[BatchSequence], caches: list[Cache], eager_because: list[Eager | None],
               chunk: PrefillChunk | None, ahead: tuple[torch.Tensor, dict[BatchSequence, tuple[int | None, Ban]]] | None = None
               ) -> tuple[torch.Tensor, Chosen | None, torch.Tensor | None]:
-        """The forward passes of one step: the static step over the rows it takes (`eager_because`
-        None), and one eager `mixed_step` over the others with `chunk` beside them, so neither a
-        riding prompt nor a tiered row takes the pool rows off the static step. Each row's logits
-        ([rows, vocab]), the tokens the static step chose on the device (for its rows whose choice is
-        greedy over bans: plain greedy, and the default config's n-gram ban), and the chunk's last
-        position's logits when it wants them ([1, vocab]). `ahead`: the step ahead's tokens (on the
-        device) and every row's input and bans (`_ahead_plan`: all of them on the static step). A `RowFailed`
-        numbers the rows as `rows`, the chunk's last."""
+        """The forward passes of one step: the static step over the rows it takes (`eager_because` None),
+        one eager `mixed_step` over the others with `chunk` beside them. Returns each row's logits
+        ([rows, vocab]), the tokens the static step chose on the device, and the chunk's last logits
+        when it wants them ([1, vocab]). `ahead`: the step ahead's device tokens and every row's input
+        and bans (`_ahead_plan`). A `RowFailed` numbers the rows as `rows`, the chunk's last."""
         static = [row for row, why in enumerate(eager_because) if why is None]
         eager = [row for row, why in enumerate(eager_because) if why is not None]
         parts, chosen, first_logits = [], None, None

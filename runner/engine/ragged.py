@@ -1,18 +1,11 @@
 """One forward pass over several sequences of different lengths, each with its own KV cache.
 
-A decode step's weight matmuls cost the same for one row as for many, so the sequences of a worker share
-them; attention is each sequence's own, so nothing is padded and any cache works, tiered ones included.
 A `SequenceBatch` is passed to the model as its `past_key_values`; its `update` hands each row's new K/V
 to that row's cache and returns them as `RowGroups`, which the attention function registered here
-("kvbatch-ragged") attends row by row with the model's own attention function (transformers builds no
-mask for it, and a decode row needs none).
-
-Rows whose cache is a slot of the worker's KV pool go first, in slot order, as one group: one write and
-a few attention calls per layer for all of them (runner/engine/pooled_attention.py). Tiered rows with
-batched attention go next, as a second group (runner/engine/tiered_attention.py); the others stay per
-row. A step may also carry one prefill chunk of a joining sequence (`PrefillChunk`, vLLM's chunked
-prefill), last, attended against its cache with the causal mask generate()'s chunked prefill builds.
-The step's tokens are packed into one row of the model's input ([1, tokens]).
+("kvbatch-ragged") attends (transformers builds no mask for it, and a decode row needs none). Row order
+in a step: pool rows in slot order, tiered rows, per-row rows, then one riding `PrefillChunk` with
+generate()'s chunked-prefill causal mask; all packed into one input row ([1, tokens]).
+Why and what it costs: docs/kv-cache.md, "Batched decode steps".
 """
 
 from __future__ import annotations

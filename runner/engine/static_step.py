@@ -1,28 +1,12 @@
 """The pooled decode step with its inputs in static buffers: the form a CUDA graph captures and replays.
 
-A decode step costs the host about 40 eager ops per layer; on a GPU the host, not the device, then sets
-the pace (issue 36: 10 % of the memory-bandwidth bound). As the peers do (nano-vllm, transformers'
-continuous batching, vLLM, gpt-fast), each step is padded to a batch-size bucket (`BUCKETS`), its inputs
-live in static device buffers, and one CUDA graph per bucket is captured and replayed:
-
-- it takes the step's pool rows only: a riding prompt chunk and the rows whose KV is no pool slot run
-  as their own eager forward beside it (runner/engine/batch_engine.py);
-- it runs the pool's slots from the first to its last row's, in slot order: a live slot that is no row
-  of the step (a prompt prefilling) is a passenger, written at its own length and its output dropped;
-  a free slot is a padding row, written at position 0 and read by nobody;
-- the mask is made from the lengths inside the step; the slots are read in runs (pooled_attention.py
-  `attention_runs`, up to `STEP_RUNS` calls a layer), so a row's KV is read about in proportion to its
-  own length; the runs are part of what a graph is captured for;
-- it ends with each row's logits and greedy token on the device, and reads nothing back to the host
-  (tests/test_static_step.py runs it on the meta device). The rows' bans (`Ban`: the summary's n-gram
-  ban and other `HostBans`) come in as buffers and become a mask in the step, so its argmax is the
-  host's choice; a row's input may be the step before's token, still on the device (`ahead`): its bans
-  are then listed for each token it could be, so the host launches a step before reading the last;
-- with `graphs` (CUDA), each (bucket, runs) is captured once: every bucket's one-run step over every
-  span at worker start (`capture_all`), multi-run ones when first met, at most `MOST_GRAPHS` kept. Spans
-  come from `GRAPH_SPANS` (×1.5 apart), which bounds the shapes. A graph belongs to the pool's
-  `generation`; a capture that fails is logged once and that (bucket, runs) runs eagerly, with the same
-  tokens. On the CPU the same step runs eagerly.
+Eager, a decode step's ~40 host ops per layer set a GPU's pace (issue 36), so each step is padded to a
+batch-size bucket (`BUCKETS`) and one graph per (bucket, runs) is captured and replayed. How the pool
+rows, passengers, padding rows, runs, bans and the step ahead work: docs/kv-cache.md, "The pooled decode
+step" ("The static step", "A step ahead of the read"). Nothing in the step reads the device back, so the
+host can launch the next step before reading this one (tests/test_static_step.py runs it on the meta
+device). A graph belongs to the pool's `generation` (an address can come back with another shape); a
+capture that fails is logged once and that (bucket, runs) runs eagerly, with the same tokens.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
-"""The small integer tensors a decode step builds on the host (token ids, positions, slots, lengths,
-banned tokens) and hands to the device, without stalling the step.
+"""The small integer tensors a decode step builds on the host and hands to the device without stalling.
 
-`torch.tensor(values, device=cuda)` copies from pageable memory, and the host waits for it, several
-times a step. On CUDA the values go through a pinned host buffer kept per kind of input instead, copied
-with `non_blocking=True`; on any other device the tensor is made with `torch.tensor`.
+`torch.tensor(values, device=cuda)` copies from pageable memory and the host waits, several times a step;
+on CUDA the values go through a reused pinned buffer per kind of input with `non_blocking=True`
+(docs/kv-cache.md, "The pooled decode step", "Step inputs"); elsewhere through `torch.tensor`.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """Plan a document's passes: its chunks when it is longer than one pass, then merges of their summaries.
 
-A document longer than the context is split (jobs.chunking) into token-budgeted chunks on
-paragraph/sentence boundaries, tokenised once here; each chunk is summarised, then neighbouring
-summaries are joined in groups that fit one pass and summarised again, level by level, until one
-summary remains (jobs/document_run.py drives the levels). The passes of one level are dealt out
-together, so the workers' engines decode them side by side.
+Chunks are cut by jobs.chunking and tokenised once here; jobs/document_run.py drives the merge levels.
+The passes of one level are dealt out together, so the workers' engines decode them side by side.
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """A ban on repeated n-grams within the summary only (`summarize.no_repeat_summary_ngram`).
 
-transformers' `no_repeat_ngram_size` reads the whole sequence, so on a decoder-only model it bans the
-prompt's n-grams too: a summary could not quote four tokens of its document ("GNU Lesser General
-General Public License"). This processor applies transformers' own rule to the new tokens alone, in
-generate() and in the engine's `TokenPicker` alike (its batched form: batched_logits.py `NoRepeatNGrams`).
-
-A banned repeat is banned in both spellings (runner/engine/word_pieces.py): where the summary's last
-n-1 tokens were followed before by a new word, they end a word, so a token that would carry that word
-on is banned too. Otherwise a small model takes the banned word without its space and glues it on
-("the conditions underwhich").
+transformers' `no_repeat_ngram_size` reads the whole sequence, so on a decoder-only model it would ban
+the prompt's n-grams too; this applies its rule to the new tokens alone, in generate() and in the
+engine's `TokenPicker` (batched form: batched_logits.py `NoRepeatNGrams`). A banned repeat is banned in
+both spellings (word_pieces.py). Why, with examples: docs/summaries.md.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """Which of a tokenizer's tokens begin a new word and which carry on the word before them.
 
-The summary's n-gram ban (runner/engine/summary_ngrams.py) refuses the token that would repeat a
-phrase; a small model then often takes the same word without its leading space (" under" "which"
-after " under" " which" was banned), gluing two words into one. Knowing which tokens begin a word and
-which glue on lets the ban refuse the repeat in both spellings. Read from the tokenizer itself (each
-token decoded after a one-letter anchor), so it holds for byte-level BPE, SentencePiece and word-level
-vocabularies alike.
+Lets the summary's n-gram ban refuse a repeat in both spellings (why: docs/summaries.md). Read from the
+tokenizer itself (each token decoded after a one-letter anchor), so it holds for byte-level BPE,
+SentencePiece and word-level vocabularies alike.
 """
 
 from __future__ import annotations

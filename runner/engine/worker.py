@@ -1,11 +1,10 @@
 """The worker: holds one model, plans documents' passes and runs passes, several at once (a Ray actor).
 
-Three calls cross Ray (jobs/passes.py): `plan` tokenises a document once and cuts it into its first
-level of passes, `plan_merge` groups a level's summaries into the next, and `run_pass` runs one pass in
-the worker's one `BatchEngine`, beside every pass in flight. The worker owns the cache ladder: a device
-OOM (real, from the budget guard, or a full offload disk) moves a pass to the next rung at once. Other
-failures are the coordinator's business: the worker reports their class instead of retrying. It never
-writes the job folder: a finished pass is the call's result.
+Its three calls across Ray (`plan`, `plan_merge`, `run_pass`): docs/design.md, "Documents and passes
+(the only calls across Ray)"; every pass runs in the worker's one `BatchEngine`. The worker owns the
+cache ladder: a device OOM (real, from the budget guard, or a full offload disk) moves a pass to the
+next rung at once; other failures are reported by class for the coordinator to retry. It never writes
+the job folder: a finished pass is the call's result.
 """
 
 from __future__ import annotations
