@@ -65,9 +65,10 @@ class SweptDir:
 
 
 def offload_root_of(job_dir: Where, configured: str | None = None) -> Path:
-    """`configured` (the job's `cache.offload_root`) when given, else $KVBATCH_OFFLOAD_ROOT when set, else JOB_DIR/scratch/kvbatch (gone with the job folder; point the variable
-    or `cache.offload_root` at a node-local NVMe folder for KV offload); for a job folder on shared storage,
-    $XDG_CACHE_HOME/kvbatch/offload, private to the user (0700), never a predictable name in a shared /tmp."""
+    """`configured` (the job's `cache.offload_root`) when given, else $KVBATCH_OFFLOAD_ROOT when set, else
+    JOB_DIR/scratch/kvbatch (gone with the job folder; point either at a node-local NVMe folder for KV offload);
+    for a job folder on shared storage, $XDG_CACHE_HOME/kvbatch/offload, private to the user (0700), never a
+    predictable name in a shared /tmp."""
     if configured := configured or os.environ.get(OFFLOAD_ROOT_ENV, "").strip():
         return Path(configured)
     job = Location.of(job_dir)
