@@ -23,6 +23,7 @@ from jobs.config import ConfigError
 from runner.observe.joblog import JobLog
 from storage.scratch import sweep_orphans
 
+
 def _keep_loopback() -> None:
     """Make Ray keep 127.0.0.1 as this node's address: else it turns it into the host's routable IP and its
     gRPC servers listen on every interface. The constant is read when a node starts (this process); the

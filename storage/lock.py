@@ -20,6 +20,7 @@ from storage.owner import OwnerLiveness, ProcessOwner
 
 logger = logging.getLogger(__name__)
 
+
 class JobLockedError(RuntimeError):
     """Another live coordinator holds the job folder."""
 

@@ -260,7 +260,6 @@ def _convert_smollm2_model(out: Path) -> None:
     smollm2_tokenizer(BUILTIN_PREFIX + SMOLLM2).save_pretrained(out)
 
 
-
 def _announce(message: str) -> None:
     """Log it and show it on stderr: a Ray worker's logging is often unconfigured, stderr is not."""
     from rich.console import Console

@@ -57,6 +57,7 @@ class StepInputs:
         self._kinds[kind].append((buffer, copied))  # used last: the other one goes next
         return buffer[:count], copied
 
+
 def step_inputs(device: torch.device) -> StepInputs:
     """This thread's `StepInputs` for `device`: kept across steps so its pinned buffers are reused;
     one per thread, since a buffer is written by the host thread that queues its copy."""
