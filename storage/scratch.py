@@ -8,6 +8,7 @@ O_NOFOLLOW directory fds, so a folder swapped for a symlink is never followed.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -20,21 +21,24 @@ from contextlib import contextmanager, nullcontext, suppress
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 from storage.location import Location, Where
-from storage.owner import OwnerLiveness, ProcessOwner
+from storage.owner import OwnerLiveness, ProcessOwner, boot_id
 from storage.scratch_space import Claim, Room, room_claimed
 
 OFFLOAD_ROOT_ENV = "KVBATCH_OFFLOAD_ROOT"
 ROOT_MARKER = ".kvbatch-offload-root"
 OWNER_FILE = ".owner.json"
-#: A dir with no owner file is being created now, or a crash left it after mkdir; only the latter is this old.
+#: A task dir with no owner file (made by a kvbatch that did not stage them, or its file deleted) is swept this old.
 OWNERLESS_GRACE_S = 300.0
 
 _SAFE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}")
 #: Task ids are `t` and the manifest row (`jobs.manifest.task_id_for_row`); a folder such as `v1.2` is not a task dir.
 _TASK_ID = re.compile(r"t\d{1,20}")
 _TASK_DIR_NAME = re.compile(r"t\d{1,20}\.\d{1,20}(l\d{1,20}p\d{1,20})?")
+#: A task dir being made: `.<task dir name>.<owner pid>.<owner start ticks>` (`_make_task_dir`).
+_STAGING_NAME = re.compile(r"\.(t\d{1,20}\.\d{1,20}(?:l\d{1,20}p\d{1,20})?)\.(\d{1,10})\.(\d{1,20})")
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
@@ -144,20 +148,34 @@ def check_offload_root(offload_root: Path) -> None:
         raise _not_a_kvbatch_root(offload_root)
 
 
-def _make_task_dir(job_dir: Path, task_dir: Path) -> None:
+def _make_task_dir(job_dir: Path, task_dir: Path, record: dict[str, Any]) -> None:
+    """`task_dir` with its owner file `record` in it. It is made under a staging name that says whose it is
+    (`_STAGING_NAME`), filled, then renamed: a process killed at any point leaves nothing a sweep cannot judge."""
+    staging = job_dir / f".{task_dir.name}.{record['pid']}.{record['start_ticks'] or 0}"
     for _ in range(10):  # a concurrent task end may remove the empty job dir between our two mkdirs
         job_dir.mkdir(exist_ok=True)
         try:
-            task_dir.mkdir()
-            return
+            staging.mkdir()
+            break
         except FileNotFoundError:
             continue
         except FileExistsError:
-            raise ScratchError(
-                f"scratch dir {task_dir} already exists: another process runs this task attempt, or a "
-                f"crashed one left it (run `kvbatch clean` to remove dirs whose owner is gone)"
-            ) from None
-    raise ScratchError(f"could not create scratch dir {task_dir}: its job folder kept disappearing")
+            raise _exists(task_dir) from None
+    else:
+        raise ScratchError(f"could not create scratch dir {task_dir}: its job folder kept disappearing")
+    try:
+        (staging / OWNER_FILE).write_text(json.dumps(record))
+        os.rename(staging, task_dir)
+    except OSError as e:
+        shutil.rmtree(staging, ignore_errors=True)
+        if e.errno in (errno.EEXIST, errno.ENOTEMPTY):
+            raise _exists(task_dir) from None
+        raise
+
+
+def _exists(task_dir: Path) -> ScratchError:
+    return ScratchError(f"scratch dir {task_dir} already exists: another process runs this task attempt, or a "
+                        f"crashed one left it (run `kvbatch clean` to remove dirs whose owner is gone)")
 
 
 @contextmanager
@@ -181,16 +199,8 @@ def task_scratch(offload_root: Path, job_id: str, task_id: str, attempt: int, cl
     claimed = (room_claimed(root, root / ROOT_MARKER, claim_bytes, wait_s, lambda: live_claims(root),
                             partial(_no_room, offload_root)) if claim_bytes else nullcontext())
     with claimed:
-        _make_task_dir(job_dir, task_dir)
-        try:
-            record = {**ProcessOwner.current().to_dict(), "job_id": job_id, "created": time.time(),
-                      "claimed_bytes": claim_bytes}
-            temp = task_dir / f"{OWNER_FILE}.tmp"
-            temp.write_text(json.dumps(record))
-            os.rename(temp, task_dir / OWNER_FILE)  # a sweeper sees the whole record or none
-        except BaseException:
-            _remove_task_dir(job_dir, task_dir)
-            raise
+        _make_task_dir(job_dir, task_dir, {**ProcessOwner.current().to_dict(), "job_id": job_id,
+                                           "created": time.time(), "claimed_bytes": claim_bytes})
     try:
         yield task_dir
     finally:
@@ -246,11 +256,18 @@ def _read_owner(task_fd: int) -> dict | None:
     return record if isinstance(record, dict) else {}
 
 
-def _orphan_reason(task_fd: int, job_id: str) -> tuple[str, str] | None:
+def _orphan_reason(task_fd: int, name: str, job_id: str) -> tuple[str, str] | None:
     """(owner, reason) when the dir's owner is gone; None when it may be alive or the dir is not surely ours."""
+    if staged := _STAGING_NAME.fullmatch(name):  # judged by its name: its owner file may be half written
+        ticks, boot = int(staged[3]), boot_id()
+        if not ticks or boot is None:
+            return None
+        owner = ProcessOwner(socket.gethostname(), int(staged[2]), 0.0, ticks, boot)
+        liveness = owner.liveness()
+        return None if liveness is OwnerLiveness.ALIVE else (owner.describe(), f"owner process {liveness.value}")
     record = _read_owner(task_fd)
     if record is None:
-        # the remains of a crash between mkdir and publishing the owner file hold nothing else
+        # a dir made before task dirs were staged, by a crash between its mkdir and its owner file
         if set(os.listdir(task_fd)) - {f"{OWNER_FILE}.tmp"}:
             return None
         age = time.time() - os.fstat(task_fd).st_mtime
@@ -271,7 +288,7 @@ def _orphan_reason(task_fd: int, job_id: str) -> tuple[str, str] | None:
 
 def _sweep_task_dir(job_fd: int, name: str, task_fd: int, path: Path, job_id: str) -> SweptDir | None:
     """Remove the orphaned task dir `name` (`task_fd`) of the job dir `job_fd`; None when it is not one."""
-    orphan = _orphan_reason(task_fd, job_id)
+    orphan = _orphan_reason(task_fd, name, job_id)
     if orphan is None:
         return None
     size = _tree_bytes(task_fd)
@@ -294,7 +311,8 @@ def _task_dirs(root_fd: int, job_id: str | None = None, prune: bool = False) -> 
             continue
         try:
             for task_name in _subdir_names(job_fd):
-                task_fd = _open_dir(task_name, job_fd) if _TASK_DIR_NAME.fullmatch(task_name) else None
+                ours = _TASK_DIR_NAME.fullmatch(task_name) or _STAGING_NAME.fullmatch(task_name)
+                task_fd = _open_dir(task_name, job_fd) if ours else None
                 if task_fd is not None:
                     try:
                         yield job_fd, job_name, task_name, task_fd

@@ -429,3 +429,31 @@ def test_the_default_root_of_a_job_on_object_storage_is_private_to_the_user(tmp_
     assert root.stat().st_mode & 0o777 == 0o700
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     assert offload_root_of("s3://bucket/jobs/j1?region=us-east-1") == tmp_path / "xdg" / "kvbatch" / "offload"
+
+
+KILLED_MAKING_ITS_DIR = """
+import os, sys, time
+from pathlib import Path
+from storage.scratch import task_scratch
+
+def stop_before_publishing(*args, **kwargs):  # the last step of making a task dir is a rename
+    print("made, not yet published", flush=True)
+    time.sleep(600)
+
+os.rename = stop_before_publishing
+with task_scratch(Path(sys.argv[1]), "job1", "t000001", 1, pass_at=(0, 8)):
+    pass
+"""
+
+
+def test_a_worker_killed_while_making_its_task_dir_leaves_nothing_a_sweep_keeps(tmp_path: Path) -> None:
+    """A worker killed between creating a task dir and publishing its owner (seen in CI: a worker SIGKILLed as
+    its batch's passes began) must leave nothing that the restarted worker's sweep keeps for minutes."""
+    root = tmp_path / "kv"
+    child = Child(KILLED_MAKING_ITS_DIR, str(root))
+    assert child.read_line() == "made, not yet published"
+    child.kill()
+    assert [p.name for p in (root / "job1").iterdir()], "the killed process left what it was making"
+    swept = sweep_orphans(root)
+    assert [d.owner for d in swept] == [f"pid {child.pid} on host {socket.gethostname()}"]
+    assert sorted(p.name for p in root.iterdir()) == [ROOT_MARKER]
