@@ -82,6 +82,8 @@ class RootWatcher:
             if len(rel) < 2:
                 self.stray.update(str(Path(*rel, f)) for f in files if f != ROOT_MARKER)
                 continue
+            if rel[1].startswith("."):  # a task dir being made under its staging name: seen once it has its own
+                continue
             sighting = self.dirs.setdefault((rel[0], rel[1]), Sighting())
             jobs_now.add(rel[0])
             if len(rel) == 2 and OWNER_FILE in files and not sighting.owner:
