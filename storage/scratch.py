@@ -166,9 +166,9 @@ def _make_task_dir(job_dir: Path, task_dir: Path, record: dict[str, Any]) -> Non
     try:
         (staging / OWNER_FILE).write_text(json.dumps(record))
         os.rename(staging, task_dir)
-    except OSError as e:
+    except BaseException as e:  # an interrupt too: a live process's staging dir is never swept
         shutil.rmtree(staging, ignore_errors=True)
-        if e.errno in (errno.EEXIST, errno.ENOTEMPTY):
+        if getattr(e, "errno", None) in (errno.EEXIST, errno.ENOTEMPTY):
             raise _exists(task_dir) from None
         raise
 
